@@ -1,0 +1,379 @@
+"""
+The geometry of queries and keys: participation ratios, spectra, interaction (QK^T) spectra,
+token-level PR and attention entropy. Pure functions, no I/O; the one place the math lives.
+
+Notation: W_Q, W_K are nn.Linear weights, shape (C, C) = (out, in). Head h owns rows
+h*d:(h+1)*d, d = C / n_head, giving W^h of shape (d, C).
+
+    PR(lam)    = (sum lam)^2 / sum lam^2            participation ratio of eigenvalues lam >= 0
+    PR(M)      = (sum s^2)^2 / sum s^4              s = singular values of M (lam = s^2)
+               = tr(G)^2 / ||G||_F^2                G = M M^T or M^T M: no SVD needed
+    W_QK^h     = (W_Q^h)^T W_K^h                    (C, C), rank <= d: the bilinear form behind q.k
+    PR_tok(X)  = PR(eigenvalues of cov(X))          cov of the centred rows of X (tokens, dims)
+    tok_pr_qk  = PR(Q_h K_h^T / sqrt(d))            T x T logits before the mask
+    H_i        = -sum_{j<=i} a_ij log a_ij          nats, 0 log 0 = 0, rows i >= 1 (row 0 is left out)
+    H_i norm   = H_i / log(i+1)                     1 = uniform over the allowed keys, 0 = one-hot
+    erank(s)   = exp(-sum p log p), p = s / sum s   effective rank (Roy and Vetterli)
+    srank(M)   = ||M||_F^2 / ||M||_2^2              stable rank
+
+Conventions. Inputs are torch tensors (any device, any dtype) or numpy arrays. Everything is
+computed in float64 on the CPU, so a metric logged during a GPU run and the same metric recomputed
+later from a saved float32 snapshot agree to float64 round-off. Scalars come back as Python floats,
+per-head lists as Python lists, batched results as float64 CPU tensors. An all-zero spectrum (a
+zero matrix, constant activations) has PR, effective rank and stable rank 0.0, never NaN. NaN or
+Inf in any input, or a shape that does not fit, is a ValueError that says what was expected.
+
+`python geometry.py` times layer_geometry and token_geometry at several widths.
+"""
+import numpy as np
+import torch
+
+# A softmax in bf16 rounds each probability to 8 significant bits, so its rows can miss 1 by up to
+# 2^-8 (~4e-3; 3e-3 seen at T=256). 1e-2 accepts that and still rejects logits, dropout-scaled
+# rows and unnormalised masks.
+ROW_SUM_ATOL = 1e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# plumbing: conversion, checks, safe division
+
+def _first(mask):
+    """Index tuple of the first True entry of mask."""
+    return tuple(mask.nonzero()[0].tolist())
+
+
+def _as_f64(x, name, ndim=None, min_ndim=0, shape_hint=""):
+    """x as a float64 CPU tensor; ValueError on the wrong number of dims or on NaN/Inf."""
+    if not isinstance(x, torch.Tensor):
+        x = torch.from_numpy(np.array(x))  # a copy: from_numpy rejects negative strides
+    x = x.detach().to(device="cpu", dtype=torch.float64)
+    if (ndim is not None and x.ndim != ndim) or x.ndim < min_ndim:
+        want = f"{ndim}-D" if ndim is not None else f"at least {min_ndim}-D"
+        raise ValueError(f"{name} must be {want}{shape_hint}, got shape {tuple(x.shape)}")
+    bad = ~torch.isfinite(x)
+    if bad.any():
+        idx = _first(bad)
+        raise ValueError(f"{name} has {int(bad.sum())} NaN or Inf value(s); "
+                         f"the first is {x[idx].item()} at index {idx}")
+    return x
+
+
+def _nonneg(x, name):
+    """x with round-off negatives (down to -1e-12 * max|x| along the last dim) clamped to 0."""
+    bad = x < -1e-12 * x.abs().amax(-1, keepdim=True)
+    if bad.any():
+        idx = _first(bad)
+        raise ValueError(f"{name} must be nonnegative: got {x[idx].item():.6g} at index {idx}, "
+                         f"beyond round-off (1e-12 * max|{name}|); clamp low-precision round-off first")
+    return x.clamp(min=0)
+
+
+def _div(a, b):
+    """a / b, and 0.0 where b == 0 (an all-zero spectrum), never NaN."""
+    return torch.where(b > 0, a / torch.where(b > 0, b, 1.0), 0.0)
+
+
+def _unit_scale(x, dims):
+    """x divided by its largest |entry| over dims: every ratio here is scale-free, and this keeps
+    s^4 inside float64 range however small or large the weights are."""
+    m = x.abs().amax(dim=dims, keepdim=True)
+    return x / torch.where(m > 0, m, 1.0)
+
+
+def _ret(t):
+    """A 0-D result as a Python float, a batched one as a tensor."""
+    return t.item() if t.ndim == 0 else t
+
+
+def _head_dim(C, n_head):
+    """d = C / n_head, with a clear error when it is not a whole number."""
+    if isinstance(n_head, bool) or int(n_head) != n_head or n_head < 1:
+        raise ValueError(f"n_head must be a positive integer, got {n_head!r}")
+    if C % int(n_head):
+        raise ValueError(f"C={C} is not divisible by n_head={n_head}: each head owns d = C / n_head rows")
+    return C // int(n_head)
+
+
+# ----------------------------------------------------------------------------------------------
+# the math on validated float64 tensors (private; the public functions below wrap them)
+
+def _gram(M):
+    """The smaller Gram matrix, M M^T or M^T M: its eigenvalues are the squared singular values."""
+    return M @ M.mT if M.shape[-2] <= M.shape[-1] else M.mT @ M
+
+
+def _pr(lam):
+    lam = _unit_scale(lam, -1)
+    return _div(lam.sum(-1) ** 2, (lam ** 2).sum(-1))
+
+
+def _matrix_pr(M):
+    G = _gram(_unit_scale(M, (-2, -1)))
+    return _div(G.diagonal(dim1=-2, dim2=-1).sum(-1) ** 2, (G ** 2).sum((-2, -1)))
+
+
+def _activation_pr(X):
+    # PR is scale-free, so the 1/(n-1) of the covariance drops out: PR(cov) = PR(Xc).
+    return _matrix_pr(X - X.mean(-2, keepdim=True))
+
+
+def _singular_values(M):
+    return torch.linalg.eigvalsh(_gram(M)).clamp(min=0).sqrt().flip(-1)
+
+
+def _erank(s):
+    total = s.sum(-1, keepdim=True)
+    p = _div(s, total)
+    return torch.where(total.squeeze(-1) > 0, torch.exp(-torch.special.xlogy(p, p).sum(-1)), 0.0)
+
+
+def _srank(s):
+    return _div((s ** 2).sum(-1), s[..., 0] ** 2)
+
+
+def _interaction_sv(Wq_h, Wk_h):
+    # (W_Q^h)^T W_K^h = Q_q R_q R_k^T Q_k^T with Q_q, Q_k orthonormal (C, d): the same singular
+    # values as the d x d core R_q R_k^T, even for rank-deficient heads (Householder Q stays orthonormal).
+    R_q = torch.linalg.qr(Wq_h.mT, mode="r").R
+    R_k = torch.linalg.qr(Wk_h.mT, mode="r").R
+    return torch.linalg.svdvals(R_q @ R_k.mT)
+
+
+def _check_probs(att):
+    """ValueError unless att (..., T, T) holds causal attention probabilities."""
+    if (att < 0).any():
+        idx = _first(att < 0)
+        raise ValueError(f"att has a negative probability {att[idx].item():.6g} at index {idx}; "
+                         "pass softmax outputs, not logits")
+    sums = att.sum(-1)
+    if ((sums - 1).abs() > ROW_SUM_ATOL).any():
+        idx = _first((sums - 1).abs() > ROW_SUM_ATOL)
+        raise ValueError(f"att row {idx} sums to {sums[idx].item():.6g}, not 1 (tolerance {ROW_SUM_ATOL}); "
+                         "pass softmax probabilities after the causal mask and before dropout")
+    above = torch.triu(att, diagonal=1).sum(-1)
+    if (above > ROW_SUM_ATOL).any():
+        idx = _first(above > ROW_SUM_ATOL)
+        raise ValueError(f"att row {idx} puts mass {above[idx].item():.6g} on keys j > i: "
+                         "attention must be causal (row i nonzero only for j <= i)")
+
+
+def _entropy(att, normalized):
+    T = att.shape[-1]
+    if att.shape[-2] != T:
+        raise ValueError(f"att must be square in its last two dims (..., T, T), got shape {tuple(att.shape)}")
+    if T < 2:
+        raise ValueError(f"att needs T >= 2 (row 0 has a single key and is left out), "
+                         f"got shape {tuple(att.shape)}")
+    _check_probs(att)
+    H = -torch.special.xlogy(att, att).sum(-1)[..., 1:]
+    return H / torch.log(torch.arange(2, T + 1, dtype=torch.float64)) if normalized else H
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+
+def participation_ratio(lam):
+    """PR = (sum lam)^2 / sum lam^2 of nonnegative eigenvalues over the last dim.
+
+    lam: (n,) -> float, or (..., n) -> tensor (...). Between 1 and the number of nonzero values;
+    all zeros -> 0.0. Negatives beyond round-off (-1e-12 * max|lam|) are a ValueError.
+    """
+    return _ret(_pr(_nonneg(_as_f64(lam, "lam", min_ndim=1), "lam")))
+
+
+def singular_values(M):
+    """Singular values of M (..., m, n), float64, descending, min(m, n) of them.
+
+    Computed as sqrt(eigvalsh(G)) of the smaller Gram matrix G (eigenvalues clamped at 0), much
+    faster than an SVD; values below ~1e-8 * s_max are round-off. Zero matrix -> zeros.
+    """
+    return _singular_values(_as_f64(M, "M", min_ndim=2))
+
+
+def matrix_pr(M):
+    """PR(M) = (sum s^2)^2 / sum s^4 over the singular values s of M (..., m, n).
+
+    No SVD: with G the smaller Gram matrix, sum s^2 = tr(G) and sum s^4 = ||G||_F^2.
+    2-D -> float, batched -> tensor. Scale-invariant. Zero matrix -> 0.0.
+    """
+    return _ret(_matrix_pr(_as_f64(M, "M", min_ndim=2)))
+
+
+def split_heads(W, n_head):
+    """(C_out, C_in) projection weight (out, in) -> (n_head, d, C_in), head h = rows h*d:(h+1)*d."""
+    W = _as_f64(W, "W", ndim=2, shape_hint=" (out, in)")
+    return W.reshape(-1, _head_dim(W.shape[0], n_head), W.shape[1])
+
+
+def _qk_heads(W_Q, W_K, n_head):
+    W_Q = _as_f64(W_Q, "W_Q", ndim=2, shape_hint=" (C, C) = (out, in)")
+    W_K = _as_f64(W_K, "W_K", ndim=2, shape_hint=" (C, C) = (out, in)")
+    if W_Q.shape != W_K.shape:
+        raise ValueError(f"W_Q and W_K must have the same shape, "
+                         f"got {tuple(W_Q.shape)} and {tuple(W_K.shape)}")
+    d = _head_dim(W_Q.shape[0], n_head)
+    return W_Q, W_K, W_Q.reshape(-1, d, W_Q.shape[1]), W_K.reshape(-1, d, W_K.shape[1])
+
+
+def interaction_singular_values(W_Q, W_K, n_head):
+    """Per head, the singular values of W_QK^h = (W_Q^h)^T W_K^h (C x C, rank <= d).
+
+    Returns (n_head, d), descending. From the d x d core R_q R_k^T, where (W^h)^T = Q R is a QR
+    factorisation, instead of a C x C SVD. Zero weights -> zeros.
+    """
+    return _interaction_sv(*_qk_heads(W_Q, W_K, n_head)[2:])
+
+
+def activation_pr(X):
+    """Token-level PR of X (..., tokens, dims): PR of the eigenvalues of S = Xc^T Xc / (n-1),
+    Xc the centred rows, as tr(S)^2 / ||S||_F^2 (no eigendecomposition).
+
+    Invariant to adding one vector to every row and to scaling. 2-D -> float, batched -> tensor.
+    Constant rows (zero covariance) -> 0.0. Needs at least 2 tokens.
+    """
+    X = _as_f64(X, "X", min_ndim=2, shape_hint=" (..., tokens, dims)")
+    if X.shape[-2] < 2:
+        raise ValueError(f"X needs at least 2 tokens (rows) for a covariance, got shape {tuple(X.shape)}")
+    return _ret(_activation_pr(X))
+
+
+def attention_entropy(att, normalized=False):
+    """Per-row entropies H_i = -sum_j a_ij log a_ij (nats, 0 log 0 = 0) of causal attention
+    att (..., T, T); returns (..., T-1) for rows i = 1..T-1 (row 0 has one key and is left out).
+
+    normalized=True divides by log(i+1): 1 = uniform over keys j <= i, 0 = one-hot.
+    ValueError unless rows are nonnegative, causal and sum to 1 within ROW_SUM_ATOL (1e-2, for bf16).
+    """
+    return _entropy(_as_f64(att, "att", min_ndim=2, shape_hint=" (..., T, T)"), normalized)
+
+
+def mean_attention_entropy(att, normalized=False):
+    """Mean of attention_entropy(att, normalized) over rows i >= 1 and all leading dims (float)."""
+    return attention_entropy(att, normalized).mean().item()
+
+
+def effective_rank(s):
+    """Roy and Vetterli effective rank exp(-sum p log p), p = s / sum s, over the last dim.
+
+    s: singular values, (n,) -> float or (..., n) -> tensor. Between 1 and the number of nonzero
+    values; all zeros -> 0.0.
+    """
+    return _ret(_erank(_nonneg(_as_f64(s, "s", min_ndim=1), "s")))
+
+
+def stable_rank(M):
+    """Stable rank ||M||_F^2 / ||M||_2^2 = sum s^2 / max s^2 of M (..., m, n); singular values as
+    in singular_values. 2-D -> float, batched -> tensor. Zero matrix -> 0.0."""
+    return _ret(_srank(_singular_values(_as_f64(M, "M", min_ndim=2))))
+
+
+def layer_geometry(W_Q, W_K, n_head):
+    """Weight geometry of one attention layer from W_Q, W_K (C, C) = (out, in).
+
+    Returns floats (lists of length n_head for *_heads):
+      pr_q, pr_k                    PR of the full C x C matrices
+      pr_q_head, pr_k_head          mean over heads of PR(W^h), W^h (d, C); per head: pr_q_heads, pr_k_heads
+      pr_qk                         mean over heads of PR of the singular values of W_QK^h; pr_qk_heads
+      qk_spec_norm, qk_fro_norm     mean over heads of ||W_QK^h||_2, ||W_QK^h||_F; *_heads per head
+      erank_q, erank_k              effective rank of W_Q, W_K
+      srank_q, srank_k              stable rank of W_Q, W_K
+      erank_qk                      mean over heads of the effective rank of W_QK^h
+    """
+    W_Q, W_K, Wq_h, Wk_h = _qk_heads(W_Q, W_K, n_head)
+    hq, hk = _matrix_pr(Wq_h), _matrix_pr(Wk_h)
+    sq, sk = _singular_values(W_Q), _singular_values(W_K)
+    s_qk = _interaction_sv(Wq_h, Wk_h)
+    pr_qk = _pr(s_qk ** 2)
+    spec, fro = s_qk[:, 0], s_qk.norm(dim=-1)   # rank <= d: the d values hold all of ||.||_F
+    return {
+        "pr_q": _matrix_pr(W_Q).item(), "pr_k": _matrix_pr(W_K).item(),
+        "pr_q_head": hq.mean().item(), "pr_k_head": hk.mean().item(),
+        "pr_q_heads": hq.tolist(), "pr_k_heads": hk.tolist(),
+        "pr_qk": pr_qk.mean().item(), "pr_qk_heads": pr_qk.tolist(),
+        "qk_spec_norm": spec.mean().item(), "qk_fro_norm": fro.mean().item(),
+        "qk_spec_norm_heads": spec.tolist(), "qk_fro_norm_heads": fro.tolist(),
+        "erank_q": _erank(sq).item(), "erank_k": _erank(sk).item(),
+        "srank_q": _srank(sq).item(), "srank_k": _srank(sk).item(),
+        "erank_qk": _erank(s_qk).mean().item(),
+    }
+
+
+def token_geometry(q, k, att, n_head):
+    """Token-level geometry of one attention layer on a batch.
+
+    q, k: (B, T, C) query and key vectors, all heads concatenated (head h = channels h*d:(h+1)*d);
+    att: (B, n_head, T, T) causal attention probabilities. Returns floats (lists over heads for *_heads):
+      tok_pr_q, tok_pr_k            activation_pr over all B*T tokens pooled, all C dims
+      tok_pr_q_head, tok_pr_k_head  mean over heads of activation_pr of the head's d dims; *_heads per head
+      tok_pr_qk                     PR of the singular values of Q_h K_h^T / sqrt(d) (T x T, before the
+                                    mask), mean over heads and sequences; tok_pr_qk_heads: mean over sequences
+      entropy, entropy_norm         mean_attention_entropy (plain, normalized); *_heads per head
+    tok_pr_qk uses d x d Grams, Gq = Q_h^T Q_h, Gk = K_h^T K_h, P = Gq Gk: sum s^2 = tr(P),
+    sum s^4 = tr(P P) (the 1/sqrt(d) cancels), so there is no T x T SVD.
+    """
+    q = _as_f64(q, "q", ndim=3, shape_hint=" (B, T, C)")
+    k = _as_f64(k, "k", ndim=3, shape_hint=" (B, T, C)")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape (B, T, C), "
+                         f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, C = q.shape
+    d = _head_dim(C, n_head)
+    nh = C // d
+    att = _as_f64(att, "att", ndim=4, shape_hint=" (B, n_head, T, T)")
+    if att.shape != (B, nh, T, T):
+        raise ValueError(f"att must have shape (B, n_head, T, T) = {(B, nh, T, T)} to match q, k of shape "
+                         f"{(B, T, C)} and n_head={nh}, got {tuple(att.shape)}")
+    if B * T < 2:
+        raise ValueError(f"q, k need at least 2 tokens for a covariance, got shape {tuple(q.shape)}")
+    Qh, Kh = q.view(B, T, nh, d).transpose(1, 2), k.view(B, T, nh, d).transpose(1, 2)  # (B, nh, T, d)
+    hq = _activation_pr(Qh.transpose(0, 1).reshape(nh, B * T, d))
+    hk = _activation_pr(Kh.transpose(0, 1).reshape(nh, B * T, d))
+    Qs, Ks = _unit_scale(Qh, (-2, -1)), _unit_scale(Kh, (-2, -1))
+    P = (Qs.mT @ Qs) @ (Ks.mT @ Ks)   # (B, nh, d, d)
+    pr_qk = _div(P.diagonal(dim1=-2, dim2=-1).sum(-1) ** 2, (P * P.mT).sum((-2, -1)))   # (B, nh)
+    H = _entropy(att, normalized=False)   # (B, nh, T-1)
+    Hn = H / torch.log(torch.arange(2, T + 1, dtype=torch.float64))
+    return {
+        "tok_pr_q": _activation_pr(q.reshape(B * T, C)).item(),
+        "tok_pr_k": _activation_pr(k.reshape(B * T, C)).item(),
+        "tok_pr_q_head": hq.mean().item(), "tok_pr_k_head": hk.mean().item(),
+        "tok_pr_q_heads": hq.tolist(), "tok_pr_k_heads": hk.tolist(),
+        "tok_pr_qk": pr_qk.mean().item(), "tok_pr_qk_heads": pr_qk.mean(0).tolist(),
+        "entropy": H.mean().item(), "entropy_norm": Hn.mean().item(),
+        "entropy_heads": H.mean((0, 2)).tolist(), "entropy_norm_heads": Hn.mean((0, 2)).tolist(),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmark: python geometry.py
+
+if __name__ == "__main__":
+    import statistics
+    import time
+
+    def median_time(fn, *args, repeats=5):
+        fn(*args)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    torch.manual_seed(0)
+    B, T = 16, 256
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads; "
+          f"eval batch B={B}, T={T}, n_head=C/64; median of 5 runs, ms")
+    print(f"{'C':>5} {'n_head':>6} {'layer_geometry':>15} {'token_geometry':>15}")
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    per_layer = {}
+    for C in (128, 256, 384, 512, 768, 1024):
+        n_head = C // 64
+        W_Q, W_K = 0.02 * torch.randn(C, C), 0.02 * torch.randn(C, C)
+        q, k = torch.randn(B, T, C), torch.randn(B, T, C)
+        att = torch.randn(B, n_head, T, T).masked_fill(~causal, float("-inf")).softmax(-1)
+        t_layer = median_time(layer_geometry, W_Q, W_K, n_head)
+        t_token = median_time(token_geometry, q, k, att, n_head)
+        per_layer[C] = t_layer + t_token
+        print(f"{C:>5} {n_head:>6} {1e3 * t_layer:>15.1f} {1e3 * t_token:>15.1f}")
+    print(f"8-layer C=384 model, one evaluation: 8 x (layer + token) = {8e3 * per_layer[384]:.0f} ms")

@@ -1,0 +1,397 @@
+"""Tests of geometry.py against closed forms and independent numpy computations (python -m pytest -q)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import geometry as g
+
+RTOL = 1e-9  # float64 throughout; eigvalsh/QR/SVD paths differ from numpy's SVD only by round-off
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+# ---- independent numpy references -----------------------------------------------------------
+
+def np_pr(lam):
+    lam = np.asarray(lam, dtype=np.float64)
+    return lam.sum() ** 2 / (lam ** 2).sum()
+
+
+def np_svals(M):
+    return np.linalg.svd(M, compute_uv=False)
+
+
+def np_erank(s):
+    p = s / s.sum()
+    p = p[p > 0]
+    return math.exp(-(p * np.log(p)).sum())
+
+
+def np_cov_pr(X):
+    return np_pr(np.linalg.eigvalsh(np.cov(X, rowvar=False)))
+
+
+def random_orthogonal(n):
+    Q, R = np.linalg.qr(np.random.randn(n, n))
+    return Q * np.sign(np.diag(R))
+
+
+def causal_softmax(B, H, T, scale=2.0):
+    logits = scale * np.random.randn(B, H, T, T)
+    logits[..., np.triu(np.ones((T, T), dtype=bool), k=1)] = -np.inf
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def uniform_causal(T):
+    return np.tril(np.ones((T, T))) / np.arange(1, T + 1)[:, None]
+
+
+# ---- participation ratio: closed forms --------------------------------------------------------
+
+@pytest.mark.parametrize("d", [1, 5, 64])
+def test_pr_identity_is_d(d):
+    assert g.matrix_pr(np.eye(d)) == pytest.approx(d, rel=1e-12)
+    assert g.participation_ratio(np.ones(d)) == pytest.approx(d, rel=1e-12)
+
+
+def test_pr_rank_one_is_one():
+    M = np.outer(np.random.randn(40), np.random.randn(30))
+    assert g.matrix_pr(M) == pytest.approx(1.0, rel=1e-12)
+    assert g.participation_ratio([3.0, 0.0, 0.0]) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_pr_diagonal_by_hand():
+    # diag(1, 2, 3): s = 1, 2, 3, so PR = (1 + 4 + 9)^2 / (1 + 16 + 81) = 196 / 98 = 2
+    assert g.matrix_pr(np.diag([1.0, 2.0, 3.0])) == pytest.approx(196 / 98, rel=1e-12)
+    # eigenvalues 1, 2, 3 directly: (1 + 2 + 3)^2 / (1 + 4 + 9) = 36 / 14
+    assert g.participation_ratio([1.0, 2.0, 3.0]) == pytest.approx(36 / 14, rel=1e-12)
+
+
+@pytest.mark.parametrize("scale", [1e-150, 1e-3, 3.7, 1e120])
+def test_pr_scale_invariant(scale):
+    M = np.random.randn(20, 30)
+    assert g.matrix_pr(scale * M) == pytest.approx(g.matrix_pr(M), rel=1e-12)
+
+
+def test_pr_orthogonal_invariance():
+    M = np.random.randn(32, 32) * np.linspace(0.1, 3, 32)  # an uneven spectrum
+    U, V = random_orthogonal(32), random_orthogonal(32)
+    assert g.matrix_pr(U @ M @ V) == pytest.approx(g.matrix_pr(M), rel=1e-10)
+
+
+def test_pr_square_gaussian_near_half_C():
+    # Marchenko-Pastur, aspect ratio 1: the moments of s^2/C are the Catalan numbers 1, 2, so
+    # PR = C * 1^2 / 2 = C / 2 (exactly C^2 / (2C + 1) in expectation). At C = 512 the finite-size
+    # offset is 0.05% and sample fluctuations are ~0.1%, so 5% is a wide, seed-proof margin.
+    C = 512
+    assert g.matrix_pr(np.random.randn(C, C)) == pytest.approx(C / 2, rel=0.05)
+
+
+def test_pr_batched_equals_loop():
+    lam = np.random.rand(3, 4, 10)
+    batched = g.participation_ratio(lam)
+    assert isinstance(batched, torch.Tensor) and batched.shape == (3, 4) and batched.dtype == torch.float64
+    for i in range(3):
+        for j in range(4):
+            assert batched[i, j].item() == pytest.approx(np_pr(lam[i, j]), rel=1e-12)
+    M = np.random.randn(5, 6, 9)
+    assert np.allclose(g.matrix_pr(M).numpy(), [np_pr(np_svals(m) ** 2) for m in M], rtol=RTOL)
+
+
+def test_zero_input_gives_zero_not_nan():
+    for value in (g.participation_ratio(np.zeros(4)), g.matrix_pr(np.zeros((4, 6))),
+                  g.activation_pr(np.ones((10, 3))), g.effective_rank(np.zeros(4)),
+                  g.stable_rank(np.zeros((4, 4)))):
+        assert isinstance(value, float) and value == 0.0
+    assert torch.equal(g.participation_ratio(np.zeros((2, 3))), torch.zeros(2, dtype=torch.float64))
+    assert torch.equal(g.singular_values(np.zeros((3, 5))), torch.zeros(3, dtype=torch.float64))
+    assert torch.equal(g.interaction_singular_values(np.zeros((8, 8)), np.zeros((8, 8)), 2),
+                       torch.zeros(2, 4, dtype=torch.float64))
+
+
+def test_pr_round_off_negatives_are_clamped_but_real_negatives_raise():
+    assert g.participation_ratio([1.0, 1.0, -1e-15]) == pytest.approx(2.0, rel=1e-12)
+    with pytest.raises(ValueError, match="nonnegative"):
+        g.participation_ratio([1.0, 1.0, -0.1])
+
+
+# ---- spectra against numpy's SVD --------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(16, 16), (10, 30), (30, 10), (4, 7, 12)])
+def test_matrix_pr_and_singular_values_match_numpy_svd(shape):
+    M = np.random.randn(*shape)
+    s_ref = np_svals(M)
+    s = g.singular_values(M)
+    assert s.dtype == torch.float64 and s.shape == s_ref.shape
+    assert np.allclose(s.numpy(), s_ref, rtol=1e-9, atol=1e-9 * s_ref.max())
+    assert np.all(np.diff(s.numpy(), axis=-1) <= 0)  # descending
+    pr = g.matrix_pr(M)
+    pr_ref = np_pr(s_ref ** 2) if M.ndim == 2 else [np_pr(x ** 2) for x in s_ref]
+    assert np.allclose(pr if M.ndim == 2 else pr.numpy(), pr_ref, rtol=RTOL)
+
+
+def test_split_heads():
+    W = np.arange(6 * 6, dtype=np.float64).reshape(6, 6)
+    Wh = g.split_heads(W, 3)
+    assert Wh.shape == (3, 2, 6)
+    for h in range(3):
+        assert np.array_equal(Wh[h].numpy(), W[2 * h:2 * h + 2])
+
+
+@pytest.mark.parametrize("C,n_head,rank", [(32, 1, None), (64, 4, None), (96, 3, None), (128, 8, None),
+                                           (64, 4, 3), (96, 2, 10)])
+def test_interaction_singular_values_match_explicit_svd(C, n_head, rank):
+    d = C // n_head
+    W_Q, W_K = np.random.randn(C, C), np.random.randn(C, C)
+    if rank is not None:  # rank-deficient: every head has rank <= rank < d, and one head is all zero
+        W_Q = np.random.randn(C, rank) @ np.random.randn(rank, C)
+        W_K[:d] = 0.0
+    s = g.interaction_singular_values(W_Q, W_K, n_head)
+    assert s.shape == (n_head, d)
+    for h in range(n_head):
+        A = W_Q[h * d:(h + 1) * d].T @ W_K[h * d:(h + 1) * d]  # C x C
+        ref = np_svals(A)
+        scale = max(ref.max(), 1.0)
+        assert np.allclose(s[h].numpy(), ref[:d], rtol=1e-9, atol=1e-9 * scale)
+        assert np.all(ref[d:] <= 1e-9 * scale)  # rank <= d: nothing is lost by keeping d values
+
+
+def test_interaction_with_tied_weights_is_symmetric_psd():
+    C, n_head = 64, 4
+    d = C // n_head
+    W = np.random.randn(C, C)
+    s = g.interaction_singular_values(W, W, n_head)
+    for h in range(n_head):
+        A = W[h * d:(h + 1) * d].T @ W[h * d:(h + 1) * d]
+        assert np.allclose(A, A.T, rtol=0, atol=1e-12)
+        eig = np.linalg.eigvalsh(A)[::-1]
+        assert eig.min() >= -1e-10 * eig.max()
+        assert np.allclose(s[h].numpy(), eig[:d], rtol=1e-9)
+
+
+# ---- token-level PR ---------------------------------------------------------------------------
+
+def test_activation_pr_matches_numpy_cov():
+    X = np.random.randn(200, 12) * np.linspace(0.2, 2.0, 12) + 5.0
+    assert g.activation_pr(X) == pytest.approx(np_cov_pr(X), rel=RTOL)
+    wide = np.random.randn(8, 40)  # fewer tokens than dims
+    assert g.activation_pr(wide) == pytest.approx(np_cov_pr(wide), rel=1e-8)
+
+
+def test_activation_pr_invariant_to_shift_and_batched():
+    X = np.random.randn(3, 50, 10)
+    shifted = X + 100.0 * np.random.randn(10)
+    pr = g.activation_pr(X)
+    assert pr.shape == (3,)
+    assert np.allclose(g.activation_pr(shifted).numpy(), pr.numpy(), rtol=1e-9)
+    assert np.allclose(pr.numpy(), [np_cov_pr(x) for x in X], rtol=RTOL)
+
+
+# ---- attention entropy ------------------------------------------------------------------------
+
+def test_entropy_uniform_causal():
+    T = 16
+    att = np.broadcast_to(uniform_causal(T), (2, 3, T, T))
+    expected = np.mean([math.log(i + 1) for i in range(1, T)])
+    assert g.mean_attention_entropy(att) == pytest.approx(expected, rel=1e-12)
+    assert g.mean_attention_entropy(att, normalized=True) == pytest.approx(1.0, rel=1e-12)
+    assert g.attention_entropy(att).shape == (2, 3, T - 1)
+
+
+def test_entropy_one_hot_is_zero():
+    T = 10
+    first_key = np.zeros((T, T))
+    first_key[:, 0] = 1.0
+    for att in (np.eye(T), first_key):
+        assert g.mean_attention_entropy(att) == 0.0
+        assert g.mean_attention_entropy(att, normalized=True) == 0.0
+
+
+def test_entropy_matches_python_loop():
+    B, H, T = 2, 3, 9
+    att = causal_softmax(B, H, T)
+    plain, norm = g.attention_entropy(att), g.attention_entropy(att, normalized=True)
+    for b in range(B):
+        for h in range(H):
+            for i in range(1, T):
+                H_i = -sum(a * math.log(a) for a in att[b, h, i, :i + 1] if a > 0)
+                assert plain[b, h, i - 1].item() == pytest.approx(H_i, rel=1e-12)
+                assert norm[b, h, i - 1].item() == pytest.approx(H_i / math.log(i + 1), rel=1e-12)
+    assert g.mean_attention_entropy(att) == pytest.approx(plain.mean().item(), rel=1e-12)
+
+
+def test_entropy_accepts_bf16_softmax():
+    T = 64
+    logits = torch.randn(2, 2, T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    att16 = logits.bfloat16().softmax(-1)
+    ref = g.mean_attention_entropy(logits.softmax(-1))
+    assert g.mean_attention_entropy(att16) == pytest.approx(ref, rel=2e-2)
+
+
+# ---- layer and token geometry against numpy ---------------------------------------------------
+
+LAYER_KEYS = {"pr_q", "pr_k", "pr_q_head", "pr_k_head", "pr_q_heads", "pr_k_heads", "pr_qk", "pr_qk_heads",
+              "qk_spec_norm", "qk_fro_norm", "qk_spec_norm_heads", "qk_fro_norm_heads",
+              "erank_q", "erank_k", "srank_q", "srank_k", "erank_qk"}
+TOKEN_KEYS = {"tok_pr_q", "tok_pr_k", "tok_pr_q_head", "tok_pr_k_head", "tok_pr_q_heads", "tok_pr_k_heads",
+              "tok_pr_qk", "tok_pr_qk_heads",
+              "entropy", "entropy_norm", "entropy_heads", "entropy_norm_heads"}
+
+
+def np_layer_geometry(W_Q, W_K, n_head):
+    d = W_Q.shape[0] // n_head
+    ref = {}
+    for name, W in (("q", W_Q), ("k", W_K)):
+        s = np_svals(W)
+        heads = [np_pr(np_svals(W[h * d:(h + 1) * d]) ** 2) for h in range(n_head)]
+        ref |= {f"pr_{name}": np_pr(s ** 2), f"pr_{name}_heads": heads, f"pr_{name}_head": np.mean(heads),
+                f"erank_{name}": np_erank(s), f"srank_{name}": (W ** 2).sum() / s[0] ** 2}
+    inter = [W_Q[h * d:(h + 1) * d].T @ W_K[h * d:(h + 1) * d] for h in range(n_head)]
+    s_qk = [np_svals(A)[:d] for A in inter]
+    ref["pr_qk_heads"] = [np_pr(s ** 2) for s in s_qk]
+    ref["qk_spec_norm_heads"] = [np.linalg.norm(A, 2) for A in inter]
+    ref["qk_fro_norm_heads"] = [np.linalg.norm(A, "fro") for A in inter]
+    for key in ("pr_qk", "qk_spec_norm", "qk_fro_norm"):
+        ref[key] = np.mean(ref[f"{key}_heads"])
+    ref["erank_qk"] = np.mean([np_erank(s) for s in s_qk])
+    return ref
+
+
+def np_token_geometry(q, k, att, n_head):
+    B, T, C = q.shape
+    d = C // n_head
+    ref = {}
+    for name, X in (("q", q.reshape(B * T, C)), ("k", k.reshape(B * T, C))):
+        heads = [np_cov_pr(X[:, h * d:(h + 1) * d]) for h in range(n_head)]
+        ref |= {f"tok_pr_{name}": np_cov_pr(X), f"tok_pr_{name}_heads": heads,
+                f"tok_pr_{name}_head": np.mean(heads)}
+    pr_qk = np.zeros((B, n_head))
+    for b in range(B):
+        for h in range(n_head):
+            logits = q[b, :, h * d:(h + 1) * d] @ k[b, :, h * d:(h + 1) * d].T / math.sqrt(d)  # T x T
+            pr_qk[b, h] = np_pr(np_svals(logits) ** 2)
+    ref |= {"tok_pr_qk": pr_qk.mean(), "tok_pr_qk_heads": list(pr_qk.mean(0))}
+    H = np.zeros((B, n_head, T - 1))
+    for b in range(B):
+        for h in range(n_head):
+            for i in range(1, T):
+                H[b, h, i - 1] = -sum(a * math.log(a) for a in att[b, h, i, :i + 1] if a > 0)
+    Hn = H / np.log(np.arange(2, T + 1))
+    ref |= {"entropy": H.mean(), "entropy_norm": Hn.mean(),
+            "entropy_heads": list(H.mean((0, 2))), "entropy_norm_heads": list(Hn.mean((0, 2)))}
+    return ref
+
+
+def assert_matches(out, ref, keys, n_head):
+    assert set(out) == keys
+    for key in keys:
+        if key.endswith("_heads"):
+            assert isinstance(out[key], list) and len(out[key]) == n_head, key
+            assert np.allclose(out[key], ref[key], rtol=RTOL), key
+        else:
+            assert isinstance(out[key], float), key
+            assert out[key] == pytest.approx(ref[key], rel=RTOL), key
+
+
+def test_layer_geometry_matches_numpy():
+    C, n_head = 48, 3
+    W_Q = 0.02 * np.random.randn(C, C)
+    W_K = 0.02 * np.random.randn(C, C) * np.linspace(0.1, 1.0, C)  # a less even key spectrum
+    ref = np_layer_geometry(W_Q, W_K, n_head)
+    assert_matches(g.layer_geometry(W_Q, W_K, n_head), ref, LAYER_KEYS, n_head)
+
+
+def test_token_geometry_matches_numpy():
+    B, T, C, n_head = 2, 12, 16, 2
+    q, k = np.random.randn(B, T, C) + 1.0, np.random.randn(B, T, C)
+    att = causal_softmax(B, n_head, T)
+    ref = np_token_geometry(q, k, att, n_head)
+    assert_matches(g.token_geometry(q, k, att, n_head), ref, TOKEN_KEYS, n_head)
+
+
+def test_tok_pr_qk_with_fewer_tokens_than_head_dims():
+    B, T, C, n_head = 2, 5, 16, 1  # T < d: the logits have rank T, not d
+    q, k = np.random.randn(B, T, C), np.random.randn(B, T, C)
+    att = causal_softmax(B, n_head, T)
+    out = g.token_geometry(q, k, att, n_head)
+    assert out["tok_pr_qk"] == pytest.approx(np_token_geometry(q, k, att, n_head)["tok_pr_qk"], rel=1e-8)
+
+
+# ---- effective and stable rank ----------------------------------------------------------------
+
+def test_effective_and_stable_rank():
+    d = 12
+    assert g.effective_rank(g.singular_values(np.eye(d))) == pytest.approx(d, rel=1e-12)
+    assert g.effective_rank(np.r_[2.0, np.zeros(d - 1)]) == pytest.approx(1.0, rel=1e-12)
+    # through singular_values a rank-1 matrix has round-off values ~1e-8 * s_max (sqrt of eigvalsh)
+    rank1 = np.outer(np.random.randn(d), np.random.randn(d))
+    assert g.effective_rank(g.singular_values(rank1)) == pytest.approx(1.0, abs=1e-4)
+    assert g.stable_rank(np.eye(d)) == pytest.approx(d, rel=1e-12)
+    M = np.random.randn(3, 10, 14)
+    ref = [(m ** 2).sum() / np_svals(m)[0] ** 2 for m in M]
+    assert np.allclose(g.stable_rank(M).numpy(), ref, rtol=RTOL)
+    s = np.abs(np.random.randn(4, 9))
+    assert np.allclose(g.effective_rank(s).numpy(), [np_erank(x) for x in s], rtol=RTOL)
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+W8 = np.random.RandomState(1).randn(8, 8)
+ATT = uniform_causal(4)[None, None].repeat(2, axis=1)  # (1, 2, 4, 4)
+QK = np.random.RandomState(2).randn(1, 4, 8)
+
+
+def with_value(x, index, value):
+    x = x.copy()
+    x[index] = value
+    return x
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: g.layer_geometry(W8, W8, 3), "not divisible by n_head"),
+    (lambda: g.split_heads(W8, 0), "n_head must be a positive integer"),
+    (lambda: g.layer_geometry(W8[0], W8[0], 2), "must be 2-D"),
+    (lambda: g.layer_geometry(W8, W8[:, :4], 2), "same shape"),
+    (lambda: g.layer_geometry(with_value(W8, (2, 3), np.nan), W8, 2), "NaN or Inf.*index \\(2, 3\\)"),
+    (lambda: g.layer_geometry(W8, with_value(W8, (0, 1), np.inf), 2), "W_K has 1 NaN or Inf"),
+    (lambda: g.matrix_pr(np.ones(5)), "at least 2-D"),
+    (lambda: g.participation_ratio(np.float64(3.0)), "at least 1-D"),
+    (lambda: g.effective_rank([1.0, -0.5]), "nonnegative"),
+    (lambda: g.activation_pr(np.ones((1, 5))), "at least 2 tokens"),
+    (lambda: g.attention_entropy(with_value(ATT, (0, 1, 2, 0), 0.9)), "sums to .* not 1"),
+    (lambda: g.attention_entropy(np.random.RandomState(3).randn(4, 4)), "negative probability"),
+    (lambda: g.attention_entropy(np.full((4, 4), 0.25)), "causal"),
+    (lambda: g.attention_entropy(np.ones((3, 4)) / 4), "square"),
+    (lambda: g.attention_entropy(np.ones((1, 1))), "T >= 2"),
+    (lambda: g.attention_entropy(with_value(ATT, (0, 0, 3, 0), np.nan)), "att has 1 NaN or Inf"),
+    (lambda: g.token_geometry(QK, QK[:, :3], ATT, 2), "q and k must have the same shape"),
+    (lambda: g.token_geometry(QK, QK, ATT[:, :1], 2), "att must have shape"),
+    (lambda: g.token_geometry(QK[0], QK[0], ATT, 2), "q must be 3-D"),
+    (lambda: g.token_geometry(QK, QK, ATT, 3), "not divisible by n_head"),
+    (lambda: g.token_geometry(with_value(QK, (0, 1, 2), np.inf), QK, ATT, 2), "q has 1 NaN or Inf"),
+])
+def test_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ---- input types ------------------------------------------------------------------------------
+
+def test_numpy_and_torch_inputs_agree_exactly():
+    C, n_head, B, T = 32, 2, 2, 8
+    W_Q, W_K = np.random.randn(C, C).astype(np.float32), np.random.randn(C, C).astype(np.float32)
+    q, k = np.random.randn(B, T, C).astype(np.float32), np.random.randn(B, T, C).astype(np.float32)
+    att = causal_softmax(B, n_head, T).astype(np.float32)
+    t = torch.from_numpy
+    assert g.layer_geometry(W_Q, W_K, n_head) == g.layer_geometry(t(W_Q), t(W_K).requires_grad_(), n_head)
+    assert g.token_geometry(q, k, att, n_head) == g.token_geometry(t(q), t(k), t(att), n_head)
+    assert g.matrix_pr(W_Q) == g.matrix_pr(t(W_Q))
+    assert torch.equal(g.singular_values(W_Q[None]), g.singular_values(t(W_Q)[None]))
+    assert g.participation_ratio([1.0, 2.0]) == g.participation_ratio(torch.tensor([1.0, 2.0]))
