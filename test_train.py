@@ -1,0 +1,224 @@
+"""Tests of train.py on small synthetic text: config, data, model inits, run folder, determinism."""
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import geometry
+import train
+
+WORDS = 'the of and to in a is was for on as with by he it at from his an were are which this'.split()
+
+
+def synthetic_text(n_chars, seed=0):
+    """Word salad from a small vocabulary: structured enough for a tiny model to learn quickly."""
+    rng = random.Random(seed)
+    out, n = [], 0
+    while n < n_chars:
+        sentence = ' '.join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + '. '
+        out.append(sentence)
+        n += len(sentence)
+    return ''.join(out)[:n_chars]
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    (tmp_path / 'src').mkdir()
+    path = tmp_path / 'src' / 'corpus.txt'
+    path.write_text(synthetic_text(40_000), encoding='utf-8')
+    return str(path)
+
+
+def tiny_config(tmp_path, text_file, *extra):
+    args = [f'--data_file={text_file}', f'--out_dir={tmp_path / "out"}', f'--cache_dir={tmp_path / "cache"}',
+            '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=8', '--max_iters=16',
+            '--eval_interval=8', '--geom_interval=8', '--eval_iters=2', '--eval_windows=4', '--ckpt_interval=8',
+            '--model_ckpts=4', '--warmup_iters=2', '--min_char_count=1', '--threads=1', *extra]
+    return train.get_config(args)
+
+
+def records(run_dir):
+    return train.read_metrics(os.path.join(run_dir, 'metrics.jsonl'))
+
+
+def without_wall_clock(rows):
+    return [{k: v for k, v in r.items() if k != 'time'} for r in rows]
+
+
+# ----------------------------------------------------------------------------- config
+
+def test_overrides_take_the_type_of_the_default(tmp_path, text_file):
+    cfg = tiny_config(tmp_path, text_file, '--lr=3e-4', '--decay_qk=False', '--qk_init=tied', '--max_iters=7')
+    assert cfg['lr'] == 3e-4 and cfg['decay_qk'] is False and cfg['qk_init'] == 'tied' and cfg['max_iters'] == 7
+    assert cfg['run_name'] == 'L2_tied_s1'
+    assert train.get_config(['--weight_decay=0'])['weight_decay'] == 0.0  # an int is fine for a float
+    assert train.get_config(['--control=shrink', '--seed=3'])['run_name'] == 'L4_normal_shrink-k_s3'
+
+
+def test_unknown_key_names_the_closest_known_key():
+    with pytest.raises(SystemExit, match="unknown config key 'n_layr'.*did you mean n_layer"):
+        train.get_config(['--n_layr=4'])
+
+
+@pytest.mark.parametrize('arg, words', [('--n_layer=four', 'expected int'), ('--n_layer=2.5', 'expected int'),
+                                        ('--lr=fast', 'expected float'), ('--compile=maybe', 'expected bool'),
+                                        ('--n_layer', 'needs a value')])
+def test_wrong_types_are_refused(arg, words):
+    with pytest.raises(SystemExit, match=words):
+        train.get_config([arg])
+
+
+@pytest.mark.parametrize('arg, words', [('--n_embd=100', 'not divisible by n_head'),
+                                        ('--qk_init=random', 'not one of'), ('--control=grow', 'not one of'),
+                                        ('--dtype=float16', 'not one of'), ('--batch_size=0', 'at least 1')])
+def test_impossible_settings_stop_before_training(arg, words):
+    with pytest.raises(SystemExit, match=words):
+        train.get_config([arg])
+
+
+def test_config_file_then_command_line(tmp_path):
+    path = tmp_path / 'small.py'
+    path.write_text("n_layer = 2\nn_embd = 96\nqk_init = 'orthogonal'\n")
+    cfg = train.get_config([str(path), '--n_layer=3'])
+    assert (cfg['n_layer'], cfg['n_embd'], cfg['qk_init']) == (3, 96, "orthogonal")
+    (tmp_path / 'bad.json').write_text('{"n_heads": 4}')
+    with pytest.raises(SystemExit, match="unknown config key 'n_heads'.*n_head"):
+        train.get_config([str(tmp_path / 'bad.json')])
+
+
+# ----------------------------------------------------------------------------- data
+
+def test_encode_decode_round_trip_and_cache_reuse(tmp_path, text_file):
+    cfg = tiny_config(tmp_path, text_file)
+    tr, va, meta = train.prepare_data(cfg)
+    text = open(text_file, encoding='utf-8').read()
+    cut = int(0.9 * len(text))
+    assert train.decode(tr, meta) == text[:cut] and train.decode(va, meta) == text[cut:]
+    folder = os.path.dirname(tr.filename)
+    stamp = os.path.getmtime(os.path.join(folder, 'train.bin'))
+    assert train.prepare_data(cfg)[2] == meta and os.path.getmtime(os.path.join(folder, 'train.bin')) == stamp
+    assert os.listdir(os.path.dirname(text_file)) == ['corpus.txt']  # nothing written beside the source
+
+
+def test_rare_characters_map_to_unknown(tmp_path):
+    path = tmp_path / 'rare.txt'
+    path.write_text('ab' * 500 + 'é' + 'ab' * 100 + 'é' + 'ab' * 10, encoding='utf-8')
+    cfg = train.get_config([f'--data_file={path}', f'--cache_dir={tmp_path / "c"}', '--min_char_count=2',
+                            '--block_size=8'])
+    tr, va, meta = train.prepare_data(cfg)
+    assert meta['chars'] == 'ab' and meta['vocab_size'] == 3  # 'é' occurs once in train: unknown (id 0)
+    assert (np.asarray(tr) == 0).sum() == 1 and meta['n_unknown_train'] == 1
+
+
+def test_missing_dataset_offline_says_what_to_do(tmp_path):
+    # port 9 on localhost refuses at once: the same path as having no network
+    cfg = train.get_config([f'--data_dir={tmp_path / "wt"}', '--data_url=http://127.0.0.1:9/wt.zip',
+                            f'--cache_dir={tmp_path / "c"}'])
+    with pytest.raises(SystemExit, match='(?s)downloading http://127.0.0.1:9/wt.zip failed.*--data_file'):
+        train.prepare_data(cfg)
+    assert not os.path.exists(tmp_path / 'wt' / 'wiki.train.raw')
+
+
+def test_corrupt_cache_is_named(tmp_path, text_file):
+    cfg = tiny_config(tmp_path, text_file)
+    tr, _, _ = train.prepare_data(cfg)
+    folder = os.path.dirname(tr.filename)
+    with open(os.path.join(folder, 'val.bin'), 'ab') as f:
+        f.write(b'xx')
+    with pytest.raises(SystemExit, match='corrupt or was built from a different file; delete'):
+        train.prepare_data(cfg)
+
+
+def test_text_shorter_than_a_block_is_refused(tmp_path):
+    path = tmp_path / 'short.txt'
+    path.write_text('hello world ' * 10)
+    with pytest.raises(SystemExit, match='too short for block_size'):
+        train.prepare_data(train.get_config([f'--data_file={path}', '--block_size=64',
+                                             f'--cache_dir={tmp_path / "c"}']))
+
+
+# ----------------------------------------------------------------------------- model
+
+@pytest.mark.parametrize('name', sorted(train.QK_INITS))
+def test_qk_inits(name):
+    torch.manual_seed(0)
+    C, n_head = 64, 4
+    model = train.GPT(train.GPTConfig(vocab_size=10, block_size=8, n_layer=2, n_head=n_head, n_embd=C), name)
+    for wq, wk in model.qk_weights():
+        g = geometry.layer_geometry(wq, wk, n_head)
+        if name == 'tied':
+            assert torch.equal(wq, wk) and g['pr_q'] == g['pr_k']
+        elif name == 'orthogonal':
+            assert g['pr_q'] == pytest.approx(C, rel=1e-9) and g['pr_k'] == pytest.approx(C, rel=1e-9)
+            # same expected Frobenius norm as the normal init: only the spectrum's shape differs
+            assert wq.norm().item() == pytest.approx(0.02 * C, rel=1e-5)
+        else:
+            assert not torch.equal(wq, wk) and g['pr_q'] < 0.6 * C
+
+
+def test_probe_attention_matches_the_fused_kernel():
+    torch.manual_seed(0)
+    model = train.GPT(train.GPTConfig(vocab_size=20, block_size=16, n_layer=2, n_head=2, n_embd=16)).eval()
+    x = torch.randint(20, (3, 16))
+    probe = []
+    assert torch.allclose(model(x)[0], model(x, probe=probe)[0], atol=1e-5)
+    q, k, att = probe[0]
+    assert q.shape == (3, 16, 16) and att.shape == (3, 2, 16, 16)
+    assert torch.allclose(att.sum(-1), torch.ones(3, 2, 16)) and (att.triu(1) == 0).all()
+
+
+def test_log_schedule_is_log_spaced_early():
+    cfg = train.get_config(['--max_iters=1000', '--eval_interval=250', '--geom_interval=100', '--model_ckpts=5'])
+    its = sorted(train.log_iters(cfg))
+    assert {0, 1, 2, 4, 8, 16, 32, 64, 100, 250, 900} <= set(its) and its[-1] == 1000 and 128 not in its
+    assert train.model_ckpt_iters(cfg) == {0, 1, 10, 100, 1000} and train.model_ckpt_iters(cfg) <= set(its)
+
+
+# ----------------------------------------------------------------------------- runs
+
+def test_tiny_run_writes_every_file_and_snapshots_reproduce_the_log(tmp_path, text_file):
+    run_dir = train.train(tiny_config(tmp_path, text_file))
+    for name in ('config.json', 'metrics.jsonl', 'ckpt.pt', 'done.json'):
+        assert os.path.isfile(os.path.join(run_dir, name)), name
+    rows = records(run_dir)
+    assert [r['iter'] for r in rows] == [0, 1, 2, 4, 8, 16]
+    assert sorted(os.listdir(os.path.join(run_dir, 'models'))) == [
+        'model_0000000.pt', 'model_0000001.pt', 'model_0000004.pt', 'model_0000016.pt']
+    assert len(os.listdir(os.path.join(run_dir, 'snapshots'))) == len(rows)
+    cfg = json.load(open(os.path.join(run_dir, 'config.json')))
+    assert cfg['n_layer'] == 2 and cfg['torch'] == torch.__version__ and cfg['device'] == 'cpu'
+    done = json.load(open(os.path.join(run_dir, 'done.json')))
+    assert done['iter'] == 16 and done['val_loss'] == rows[-1]['val_loss']
+    for row in rows:
+        snap = np.load(os.path.join(run_dir, 'snapshots', f"qk_{row['iter']:07d}.npz"))
+        assert snap['q'].dtype == np.float32 and snap['q'].shape == (2, 32, 32)
+        for layer, logged in enumerate(row['layers']):
+            again = geometry.layer_geometry(snap['q'][layer], snap['k'][layer], int(snap['n_head']))
+            for key, value in again.items():
+                assert np.allclose(logged[key], value, rtol=1e-6, atol=0), (row['iter'], layer, key)
+            for key in ('tok_pr_q', 'tok_pr_k', 'tok_pr_qk', 'entropy', 'entropy_norm'):
+                assert np.isfinite(logged[key])
+    # a finished run is not overwritten by accident
+    with pytest.raises(SystemExit, match='finished run; pass --overwrite=True'):
+        train.train(tiny_config(tmp_path, text_file))
+
+
+def test_same_config_and_seed_give_identical_metrics(tmp_path, text_file):
+    a = train.train(tiny_config(tmp_path, text_file, '--run_name=a'))
+    b = train.train(tiny_config(tmp_path, text_file, '--run_name=b'))
+    c = train.train(tiny_config(tmp_path, text_file, '--run_name=c', '--seed=2'))
+    assert without_wall_clock(records(a)) == without_wall_clock(records(b))
+    assert without_wall_clock(records(a)) != without_wall_clock(records(c))
+    # the evaluation windows do not depend on the seed: step-0 geometry differs only through the weights
+    assert records(a)[0]['iter'] == records(c)[0]['iter'] == 0
+
+
+def test_loss_falls_on_learnable_text(tmp_path, text_file):
+    run_dir = train.train(tiny_config(tmp_path, text_file, '--max_iters=120', '--lr=3e-3', '--geom_interval=0',
+                                      '--eval_interval=60', '--eval_iters=4'))
+    rows = records(run_dir)
+    assert 'layers' not in rows[0]  # geom_interval=0 switches geometry logging off
+    assert rows[-1]['val_loss'] < 0.75 * rows[0]['val_loss'], [r['val_loss'] for r in rows]
