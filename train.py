@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import control as spectrum_control  # "control" is also a config key
 import geometry
 
 # -----------------------------------------------------------------------------
@@ -199,6 +200,13 @@ def check_config(cfg):
             raise ConfigError(f'{key}={cfg[key]} must be at least 1')
     if cfg['max_iters'] < 0 or cfg['geom_interval'] < 0:
         raise ConfigError('max_iters and geom_interval must be >= 0')
+    try:
+        spectrum_control.parse_layers(cfg['control_layers'], cfg['n_layer'])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg['control'] == 'shrink' and (cfg['shrink_to'] <= 0 or cfg['shrink_iters'] < 0):
+        raise ConfigError(f"shrink needs shrink_to > 0 and shrink_iters >= 0, got {cfg['shrink_to']} "
+                          f"and {cfg['shrink_iters']}")
 
 
 # ----------------------------------------------------------------------------- data
@@ -715,9 +723,10 @@ def train(cfg):
                                    {'params': no_decay, 'weight_decay': 0.0}],
                                   lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
                                   fused=dev_type == 'cuda')
+    ctl = spectrum_control.record(cfg, model.qk_weights())  # the step-0 spectra that control steers from
     start, elapsed = 0, 0.0
     if resuming:
-        start, elapsed = load_checkpoint(ckpt_path, cfg, meta, model, optimizer, data_gen)
+        start, elapsed, ctl = load_checkpoint(ckpt_path, cfg, meta, model, optimizer, data_gen)
         if master:
             trim_run(run_dir, start)
             print(f'resuming {run_dir} from iteration {start}')
@@ -749,7 +758,7 @@ def train(cfg):
         if master:
             atomic_save({'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'iter': it,
                          'elapsed': elapsed + time.time() - t_start, 'config': cfg, 'rng': rng_state(data_gen),
-                         'data_sha256': meta['sha256']},
+                         'data_sha256': meta['sha256'], 'control': ctl},
                         ckpt_path)
 
     # ---- the loop
@@ -757,7 +766,7 @@ def train(cfg):
     micro = cfg['grad_accum'] // world
     tokens_per_iter = cfg['batch_size'] * cfg['grad_accum'] * cfg['block_size']
     metrics = open(os.path.join(run_dir, 'metrics.jsonl'), 'a') if master else None
-    t_start, t_geom = time.time(), 0.0
+    t_start, t_geom, t_ctl = time.time(), 0.0, 0.0
     t_mark, it_mark = t_start, start  # training time and iteration at the last record, for ms/iter
     last = {}
     for it in range(start, cfg['max_iters'] + 1):
@@ -774,6 +783,8 @@ def train(cfg):
             t1 = time.time()
             if cfg['geom_interval']:
                 row['layers'] = measure_geometry(model, eval_x, cfg['n_head'])
+                for layer, ctl_row in zip(row['layers'], spectrum_control.report(ctl)):
+                    layer.update(ctl_row)
                 save_qk(model, run_dir, it, cfg)
             if it in ckpts:
                 os.makedirs(os.path.join(run_dir, 'models'), exist_ok=True)
@@ -824,6 +835,10 @@ def train(cfg):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        # -- key-spectrum control: reshape the controlled spectra after the step (the causal experiment)
+        t0 = time.time()
+        spectrum_control.apply(ctl, cfg, model.qk_weights(), it + 1)
+        t_ctl += time.time() - t0
 
     # ---- finish: final state, then done.json last so a sweep knows the run is complete
     if master:
@@ -835,10 +850,11 @@ def train(cfg):
         if last.get('layers'):
             for key in ('pr_q', 'pr_k', 'pr_qk', 'entropy', 'entropy_norm'):
                 done[key] = float(np.mean([layer[key] for layer in last['layers']]))
-        done.update(wall_time=elapsed, geometry_share=t_geom / max(elapsed, 1e-9))
+        share = lambda t: t / max(time.time() - t_start, 1e-9)  # of this process's wall time
+        done.update(wall_time=elapsed, geometry_share=share(t_geom), control_share=share(t_ctl))
         write_json(done, os.path.join(run_dir, 'done.json'))
-        print(f"done in {fmt_time(elapsed)}: val loss {done['val_loss']:.4f}; "
-              f"geometry logging took {100 * t_geom / max(elapsed, 1e-9):.1f}% of wall time")
+        print(f"done in {fmt_time(elapsed)}: val loss {done['val_loss']:.4f}; geometry logging took "
+              f"{100 * share(t_geom):.1f}% and control {100 * share(t_ctl):.1f}% of wall time")
     leave()
     return run_dir
 
@@ -882,7 +898,7 @@ def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
     model.load_state_dict(ckpt['model'])
     optimizer.load_state_dict(ckpt['optimizer'])
     set_rng_state(ckpt['rng'], data_gen)
-    return ckpt['iter'], ckpt['elapsed']
+    return ckpt['iter'], ckpt['elapsed'], ckpt['control']
 
 
 def print_record(row, ms, tokens_per_iter, cfg, start, t_start):

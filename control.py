@@ -1,0 +1,282 @@
+"""
+Key-spectrum control: after each optimizer step, reshape the singular-value spectrum of W_K (or W_Q,
+the mirror experiment) towards a target participation ratio, keeping its singular vectors and its scale.
+
+    W = U diag(s) V^T   ->   W' = U diag(s') V^T,   s' = c * s^alpha
+    alpha  by bisection, so that PR(s') = (sum s'^2)^2 / sum s'^4 hits the target
+    c      so that sum s'^2 = sum s^2: the Frobenius norm is kept, only the dispersion changes
+
+PR(s^alpha) falls as alpha grows: alpha = 0 makes every nonzero value equal (PR = rank, the most
+reachable), alpha = 1 is the spectrum as it is, alpha -> inf keeps only the top value (PR -> how many
+values tie for the top, usually 1). U and V are untouched, and so is the optimizer state.
+
+Schedules (pr0 = the step-0 PR of each controlled head, or layer with control_scope=layer):
+    shrink  target = pr0 * (1 - (1 - shrink_to) * min(step / shrink_iters, 1)), then constant;
+            an upper bound: a spectrum already at or below it is left alone
+    freeze  target = pr0 at every step, enforced both ways
+    none    the baseline: the same calls, the weights untouched
+
+Edge cases: singular values below max(m, n) * eps(weight dtype) * s_max count as zero and stay as they
+are, so the most reachable PR is the rank; a target outside the reachable range is clamped to it, with
+one warning per run; a flat spectrum (every nonzero value equal) is left as it is, since no alpha
+changes its PR; an all-zero block is left as it is.
+
+train.py calls it in two places (the state is a plain dict, saved in checkpoints):
+    state = control.record(cfg, model.qk_weights())        # at step 0
+    control.apply(state, cfg, model.qk_weights(), step)    # after each optimizer step (step = 1, 2, ...)
+and merges control.report(state)[layer] into each layer's record in metrics.jsonl.
+
+`python control.py` times apply at several widths.
+"""
+import warnings
+
+import torch
+
+import geometry
+
+# alpha in [e^-30, e^30] ~ [1e-13, 1e13]: at the ends PR(s^alpha) equals its limits (rank; the top
+# value's multiplicity) to float64 precision, and 64 halvings narrow that bracket to float64 resolution
+LOG_ALPHA_MIN, LOG_ALPHA_MAX = -30.0, 30.0
+BISECT_ITERS = 64
+# a target outside the reachable range by more than this (relative) is worth a warning, round-off is not
+REACH_RTOL = 1e-9
+
+
+# ----------------------------------------------------------------------------- the transform
+
+def _reach(s, rtol):
+    """What the bisection needs of spectra s (..., n): the kept (nonzero) values, log(s / s_max) on
+    them, and the reachable PR range (PR at the largest alpha, rank)."""
+    s_max = s.amax(-1, keepdim=True)
+    keep = s > rtol * s_max   # smaller values are round-off of zero ones: they stay as they are
+    # x = s / s_max is in (0, 1], so x^alpha = exp(alpha * log x) neither overflows nor loses the top value
+    logx = torch.where(keep, torch.log(s / torch.where(s_max > 0, s_max, 1.0)), 0.0)
+    pr_min = _pr_of_power(logx, keep, torch.full(s.shape[:-1], LOG_ALPHA_MAX, dtype=s.dtype))
+    return keep, logx, pr_min, keep.sum(-1).to(s.dtype)
+
+
+def _pr_of_power(logx, keep, log_alpha):
+    """PR of the kept x^alpha, batched: the same formula as geometry.participation_ratio on x^(2 alpha),
+    written out because it runs 64 times per step inside the bisection."""
+    lam = torch.where(keep, torch.exp(2 * log_alpha.exp()[..., None] * logx), 0.0)
+    return lam.sum(-1) ** 2 / (lam ** 2).sum(-1).clamp(min=torch.finfo(lam.dtype).tiny)
+
+
+def _control(s, target, rtol):
+    """control_spectrum on float64 s (..., n), target (...); also returns the reachable PR range."""
+    keep, logx, pr_min, pr_max = _reach(s, rtol)
+    goal = torch.minimum(torch.maximum(target, pr_min), pr_max)   # out of reach: the nearest reachable PR
+    # bisection on log alpha, every spectrum at once, a fixed number of steps (no data-dependent loop)
+    lo = torch.full_like(goal, LOG_ALPHA_MIN)
+    hi = torch.full_like(goal, LOG_ALPHA_MAX)
+    for _ in range(BISECT_ITERS):
+        mid = (lo + hi) / 2
+        above = _pr_of_power(logx, keep, mid) > goal   # PR still too high: alpha must grow
+        lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
+    alpha = ((lo + hi) / 2).exp()
+    # flat (every kept value is the top one) or all zero: every alpha gives the same PR, nothing to do
+    leave = (logx == 0).all(-1)
+    alpha = torch.where(leave, 1.0, alpha)
+    xa = torch.where(keep, torch.exp(alpha[..., None] * logx), 0.0)
+    kept_sq = (torch.where(keep, s, 0.0) ** 2).sum(-1, keepdim=True)
+    c = (kept_sq / (xa ** 2).sum(-1, keepdim=True).clamp(min=torch.finfo(s.dtype).tiny)).sqrt()
+    s_new = torch.where(keep & ~leave[..., None], c * xa, s)
+    return s_new, alpha, pr_min, pr_max
+
+
+def _spectra(s, rtol):
+    s = torch.as_tensor(s).detach().to(torch.float64)
+    if s.ndim < 1 or not torch.isfinite(s).all() or (s < 0).any():
+        raise ValueError(f'expected finite nonnegative singular values (..., n), got shape {tuple(s.shape)}')
+    return s, s.shape[-1] * torch.finfo(torch.float64).eps if rtol is None else rtol
+
+
+def control_spectrum(s, target_pr, rtol=None):
+    """s' = c * s^alpha with PR(s') = target_pr and sum s'^2 = sum s^2, for spectra s (..., n) >= 0.
+
+    target_pr: a number or a tensor (...). Values <= rtol * max(s) (default n * float64 eps) count as
+    zero and are returned as they are. A target outside reachable_pr(s) is clamped to it (silently:
+    apply warns); a flat spectrum comes back unchanged with alpha = 1. Returns (s_new float64 (..., n),
+    alpha: a float for 1-D s, else a tensor (...)).
+    """
+    s, rtol = _spectra(s, rtol)
+    target = torch.as_tensor(target_pr, dtype=torch.float64).expand(s.shape[:-1])
+    s_new, alpha = _control(s, target, rtol)[:2]
+    return s_new, alpha.item() if alpha.ndim == 0 else alpha
+
+
+def reachable_pr(s, rtol=None):
+    """(pr_min, pr_max): the PR range that s^alpha covers, from (nearly) the top value's multiplicity
+    at alpha = 1e13 up to the number of nonzero values at alpha -> 0. Floats for 1-D s, else tensors."""
+    s, rtol = _spectra(s, rtol)
+    pr_min, pr_max = _reach(s, rtol)[2:]
+    return (pr_min.item(), pr_max.item()) if s.ndim == 1 else (pr_min, pr_max)
+
+
+# ----------------------------------------------------------------------------- the schedules
+
+def target_pr(initial, cfg, step):
+    """The target PR after `step` optimizer steps, from the step-0 PR.
+
+    initial: a state from record (-> a list per controlled layer of lists per head), or a float, a
+    list or a tensor of step-0 PRs (-> the same structure). freeze: the step-0 PR; shrink: falls linearly
+    to shrink_to x the step-0 PR over shrink_iters steps, then stays there.
+    """
+    if cfg['control'] == 'freeze':
+        frac = 1.0
+    elif cfg['control'] == 'shrink':
+        done = min(step / cfg['shrink_iters'], 1.0) if cfg['shrink_iters'] > 0 else 1.0
+        frac = 1.0 - (1.0 - cfg['shrink_to']) * done
+    else:
+        raise ValueError(f"control={cfg['control']!r} has no target PR (only shrink and freeze do)")
+    pr0 = initial['pr0'] if isinstance(initial, dict) else initial
+    return _scaled(pr0, frac)
+
+
+def _scaled(x, frac):
+    return [_scaled(v, frac) for v in x] if isinstance(x, (list, tuple)) else x * frac
+
+
+# ----------------------------------------------------------------------------- the hooks train.py calls
+
+def parse_layers(text, n_layer):
+    """control_layers ('' = all, else comma-separated indices such as '0,2') -> sorted list of layers."""
+    if not str(text).strip():
+        return list(range(n_layer))
+    try:
+        layers = sorted({int(t) for t in str(text).split(',') if t.strip()})
+    except ValueError:
+        raise ValueError(f"control_layers={text!r}: expected comma-separated layer indices such as '0,2', "
+                         f"or '' for all layers") from None
+    bad = [i for i in layers if not 0 <= i < n_layer]
+    if bad:
+        raise ValueError(f'control_layers={text!r}: layer {bad[0]} does not exist (n_layer={n_layer}: '
+                         f'indices 0..{n_layer - 1})')
+    return layers
+
+
+def _blocks(W, scope, n_head):
+    """The controlled blocks of one weight, float64 on the CPU: (n_head, d, C) heads or (1, C, C)."""
+    return geometry.split_heads(W, n_head) if scope == 'head' else W.detach().to('cpu', torch.float64)[None]
+
+
+def record(cfg, qk_weights):
+    """The control state at step 0: which layers, and the step-0 PR per controlled head (or layer).
+
+    qk_weights: a list per layer of (W_Q, W_K) pairs. The state is a plain dict of Python values,
+    so it goes into a checkpoint and comes back with torch.load(weights_only=True).
+    """
+    if cfg['control'] not in ('none', 'shrink', 'freeze'):
+        raise ValueError(f"control={cfg['control']!r} is not one of none, shrink, freeze")
+    if cfg['control_target'] not in ('k', 'q') or cfg['control_scope'] not in ('head', 'layer'):
+        raise ValueError('control_target must be k or q, and control_scope head or layer')
+    if cfg['control'] == 'shrink' and (cfg['shrink_to'] <= 0 or cfg['shrink_iters'] < 0):
+        raise ValueError(f"shrink needs shrink_to > 0 and shrink_iters >= 0, got {cfg['shrink_to']} "
+                         f"and {cfg['shrink_iters']}")
+    layers = parse_layers(cfg['control_layers'], len(qk_weights))
+    if cfg['control'] == 'none':
+        layers = []   # the baseline controls nothing and reports nothing
+    side = 1 if cfg['control_target'] == 'k' else 0
+    pr0 = [geometry.matrix_pr(_blocks(qk_weights[i][side], cfg['control_scope'], cfg['n_head'])).tolist()
+           for i in layers]
+    return {'control': cfg['control'], 'target': cfg['control_target'], 'scope': cfg['control_scope'],
+            'n_head': cfg['n_head'], 'n_layer': len(qk_weights), 'layers': layers, 'pr0': pr0,
+            'target_pr': target_pr(pr0, cfg, 0) if layers else [], 'pr': [list(p) for p in pr0],
+            'step': 0, 'warned': False}
+
+
+def apply(state, cfg, qk_weights, step):
+    """After optimizer step number `step` (1, 2, ...): move each controlled spectrum to its target PR,
+    in place under no_grad, when control is not none and step % control_interval == 0. Records the
+    target and the reached PR (of the weight as written, in its own dtype) in the state."""
+    if not state['layers'] or step % cfg['control_interval']:
+        return
+    for key, name in (('control', 'control'), ('target', 'control_target'), ('scope', 'control_scope')):
+        if state[key] != cfg[name]:
+            raise ValueError(f"the control state was recorded with {name}={state[key]!r}, not {cfg[name]!r}")
+    side = 1 if state['target'] == 'k' else 0
+    params = [qk_weights[i][side] for i in state['layers']]
+    blocks = torch.stack([_blocks(p, state['scope'], state['n_head']) for p in params])  # (L, B, m, n)
+    L, B, m, n = blocks.shape
+    flat = blocks.view(L * B, m, n)
+    pr = geometry.matrix_pr(flat)
+    target = torch.tensor(target_pr(state, cfg, step), dtype=torch.float64).view(L * B)
+    # which blocks to change: shrink only lowers a PR, freeze moves it either way; a zero block has no spectrum
+    act = (pr > 0) & ((pr > target) if state['control'] == 'shrink' else (pr != target))
+    if act.any():
+        U, s, Vh = torch.linalg.svd(flat[act], full_matrices=False)
+        rtol = max(m, n) * torch.finfo(params[0].dtype).eps   # zero up to the round-off of the stored weight
+        s_new, _, pr_min, pr_max = _control(s, target[act], rtol)
+        out = (target[act] > pr_max * (1 + REACH_RTOL)) | (target[act] < pr_min * (1 - REACH_RTOL))
+        if out.any() and not state['warned']:
+            i = int(out.nonzero()[0, 0])      # the first out-of-reach block among those acted on
+            j = int(act.nonzero()[i, 0])      # ... and its index among all controlled blocks
+            where = f"layer {state['layers'][j // B]}" + (f' head {j % B}' if state['scope'] == 'head' else '')
+            warnings.warn(f"control: target PR {target[j].item():.6g} of {where} (step {step}) is out of reach "
+                          f"[{pr_min[i].item():.6g}, {pr_max[i].item():.6g}]; clamped to the nearest end. "
+                          f"This warning is given once per run.", RuntimeWarning, stacklevel=2)
+            state['warned'] = True
+        # back in the parameter's dtype, as it will be stored; the PR logged is the one of that weight
+        flat[act] = ((U * s_new[:, None, :]) @ Vh).to(params[0].dtype).to(torch.float64)
+        pr[act] = geometry.matrix_pr(flat[act])
+        with torch.no_grad():
+            for p, block, changed in zip(params, blocks, act.view(L, B).any(1).tolist()):
+                if changed:   # unchanged heads of a changed layer go back bit for bit (float64 holds them exactly)
+                    p.copy_(block.reshape(p.shape))
+    state['target_pr'] = target.view(L, B).tolist()
+    state['pr'] = pr.view(L, B).tolist()
+    state['step'] = step
+
+
+def report(state):
+    """One dict per layer for metrics.jsonl: ctl_target_pr, ctl_pr (mean over heads in head scope) and,
+    in head scope, ctl_target_pr_heads, ctl_pr_heads; {} for a layer that is not controlled."""
+    rows = [{} for _ in range(state['n_layer'])]
+    for layer, target, pr in zip(state['layers'], state['target_pr'], state['pr']):
+        rows[layer] = {'ctl_target_pr': sum(target) / len(target), 'ctl_pr': sum(pr) / len(pr)}
+        if state['scope'] == 'head':
+            rows[layer].update(ctl_target_pr_heads=list(target), ctl_pr_heads=list(pr))
+    return rows
+
+
+# ----------------------------------------------------------------------------- benchmark: python control.py
+
+if __name__ == '__main__':
+    import statistics
+    import sys
+    import time
+
+    if len(sys.argv) > 1:
+        torch.set_num_threads(int(sys.argv[1]))
+
+    def median_ms(fn, repeats=7):
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
+
+    torch.manual_seed(0)
+    n_layer = 4
+    print(f'torch {torch.__version__}, {torch.get_num_threads()} CPU threads; apply() on {n_layer} layers, '
+          f'control=freeze (every block changes), median of 7 runs, ms')
+    print(f"{'C':>5} {'head, n_head=4':>15} {'head, d=32':>11} {'layer':>7}")
+    for C in (128, 256, 384, 512, 768):
+        cols = []
+        for scope, n_head in (('head', 4), ('head', C // 32), ('layer', 4)):
+            qk = [(torch.nn.Parameter(0.02 * torch.randn(C, C)), torch.nn.Parameter(0.02 * torch.randn(C, C)))
+                  for _ in range(n_layer)]
+            cfg = dict(control='freeze', control_target='k', control_scope=scope, control_layers='',
+                       shrink_to=0.5, shrink_iters=100, control_interval=1, n_head=n_head)
+            state = record(cfg, qk)
+            noise = [0.001 * torch.randn(C, C) for _ in range(n_layer)]
+
+            def step():
+                with torch.no_grad():  # a stand-in optimizer step, so that freeze has something to undo
+                    for (_, wk), e in zip(qk, noise):
+                        wk.add_(e)
+                apply(state, cfg, qk, 1)
+            cols.append(median_ms(step))
+        print(f'{C:>5} {cols[0]:>15.1f} {cols[1]:>11.1f} {cols[2]:>7.1f}')

@@ -1,0 +1,462 @@
+"""Tests of control.py: the spectrum transform, the shrink and freeze schedules, apply on small weights,
+and the state in a checkpoint. Small random inputs only; no training run (train.py's tests cover that)."""
+import os
+import warnings
+
+import pytest
+import torch
+
+import control
+import geometry
+
+
+def ctl_cfg(**overrides):
+    cfg = dict(control='shrink', control_target='k', control_scope='head', control_layers='', shrink_to=0.5,
+               shrink_iters=10, control_interval=1, n_head=4)
+    cfg.update(overrides)
+    return cfg
+
+
+def make_qk(n_layer=3, C=32, seed=0, dtype=torch.float32):
+    """W_Q, W_K pairs of nn.Linear weights, as model.qk_weights() returns them."""
+    torch.manual_seed(seed)
+    return [(torch.nn.Linear(C, C, bias=False).to(dtype).weight, torch.nn.Linear(C, C, bias=False).to(dtype).weight)
+            for _ in range(n_layer)]
+
+
+def snapshot(qk):
+    return [(wq.detach().clone(), wk.detach().clone()) for wq, wk in qk]
+
+
+def pr(s):
+    return geometry.participation_ratio(torch.as_tensor(s, dtype=torch.float64) ** 2)
+
+
+def random_spectrum(seed):
+    """A descending spectrum of one of several shapes: spread, power law, near-flat, with exact ties,
+    or rank-deficient (exact zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 48, (1,), generator=g))
+    kind = seed % 5
+    if kind == 0:
+        s = torch.rand(n, generator=g, dtype=torch.float64)
+    elif kind == 1:
+        s = torch.arange(1, n + 1, dtype=torch.float64) ** -(3 * torch.rand(1, generator=g, dtype=torch.float64))
+    elif kind == 2:
+        s = 1 + 1e-3 * torch.rand(n, generator=g, dtype=torch.float64)
+    elif kind == 3:
+        s = torch.rand(n, generator=g, dtype=torch.float64)
+        s[: 1 + n // 4] = s.max()   # the top value repeated: the lowest reachable PR is its multiplicity
+    else:
+        s = torch.exp(3 * torch.randn(n, generator=g, dtype=torch.float64))
+        s[torch.randperm(n, generator=g)[: n // 2]] = 0.0
+    scale = 10 ** (8 * torch.rand(1, generator=g, dtype=torch.float64) - 4)   # 1e-4 .. 1e4: scale-free
+    return (scale * s).sort(descending=True).values
+
+
+# ----------------------------------------------------------------------------- the transform
+
+@pytest.mark.parametrize('seed', range(200))
+def test_transform_hits_target_keeps_norm_and_is_a_power(seed):
+    s = random_spectrum(seed)
+    g = torch.Generator().manual_seed(10_000 + seed)
+    pr_min, pr_max = control.reachable_pr(s)
+    # shrinking and growing targets, inside the reachable range (the ends are tested on their own)
+    target = pr_min + (pr_max - pr_min) * (0.02 + 0.96 * torch.rand(1, generator=g, dtype=torch.float64).item())
+    s_new, alpha = control.control_spectrum(s, target)
+    assert abs(pr(s_new) - target) <= 1e-6 * target
+    assert abs((s_new ** 2).sum() - (s ** 2).sum()) <= 1e-9 * (s ** 2).sum()
+    assert torch.equal(s_new[s == 0], s[s == 0])   # zeros stay zero
+    nz = s > 0
+    assert alpha > 0 and torch.all(s_new[nz] > 0)
+    # s' = c s^alpha, checked as ratios to the top value (s^alpha alone can overflow: alpha reaches 1e3 here)
+    assert torch.allclose(s_new[nz] / s_new[0], (s[nz] / s[0]) ** alpha, rtol=1e-9, atol=1e-300)
+
+
+def test_transform_batched_matches_one_at_a_time():
+    S = torch.rand(6, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    targets = torch.linspace(1.5, 9.0, 6, dtype=torch.float64)
+    batch, alphas = control.control_spectrum(S, targets)
+    for s, t, row, a in zip(S, targets, batch, alphas):
+        one, alpha = control.control_spectrum(s, t.item())
+        assert torch.allclose(one, row, rtol=1e-12) and abs(alpha - a.item()) <= 1e-12 * alpha
+
+
+def test_target_equal_to_current_pr_changes_nothing():
+    s = torch.rand(20, dtype=torch.float64).sort(descending=True).values
+    s_new, alpha = control.control_spectrum(s, pr(s))
+    assert abs(alpha - 1) < 1e-9 and torch.allclose(s_new, s, rtol=1e-9)
+
+
+def test_out_of_reach_targets_clamp_to_rank_and_top_multiplicity():
+    s = torch.tensor([3.0, 2.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    assert control.reachable_pr(s)[1] == 3.0   # rank-deficient: the reachable maximum is the rank
+    high, _ = control.control_spectrum(s, 10.0)
+    assert abs(pr(high) - 3.0) < 1e-9 and torch.allclose(high[:3], high[0].expand(3)) and torch.all(high[3:] == 0)
+    low, _ = control.control_spectrum(s, 0.5)     # below 1: no spectrum has it
+    assert abs(pr(low) - 1.0) < 1e-9 and abs((low ** 2).sum() - 14.0) < 1e-9
+    tied = torch.tensor([2.0, 2.0, 1.0, 0.5], dtype=torch.float64)
+    low, _ = control.control_spectrum(tied, 1.2)  # the top value twice: PR >= 2
+    assert abs(pr(low) - 2.0) < 1e-9
+
+
+@pytest.mark.parametrize('s', [torch.ones(8), torch.tensor([2.0, 2.0, 2.0, 0.0]), torch.zeros(5)])
+@pytest.mark.parametrize('target', [0.5, 2.5, 100.0])
+def test_flat_spectrum_is_left_as_it_is(s, target):
+    s_new, alpha = control.control_spectrum(s, target)
+    assert torch.equal(s_new, s.double()) and alpha == 1.0
+
+
+def test_transform_rejects_negative_or_nan_spectra():
+    for bad in ([1.0, -0.5], [1.0, float('nan')]):
+        with pytest.raises(ValueError, match='nonnegative'):
+            control.control_spectrum(torch.tensor(bad), 1.5)
+
+
+# ----------------------------------------------------------------------------- the schedules
+
+def test_shrink_schedule_falls_linearly_then_stays():
+    cfg = ctl_cfg(shrink_to=0.25, shrink_iters=100)
+    assert control.target_pr(8.0, cfg, 0) == 8.0
+    assert control.target_pr(8.0, cfg, 50) == pytest.approx(5.0)
+    assert control.target_pr(8.0, cfg, 100) == pytest.approx(2.0)
+    assert control.target_pr(8.0, cfg, 10_000) == pytest.approx(2.0)
+    assert control.target_pr([[8.0, 4.0]], cfg, 100)[0] == pytest.approx([2.0, 1.0])
+    assert torch.allclose(control.target_pr(torch.tensor([8.0, 4.0]), cfg, 100), torch.tensor([2.0, 1.0]))
+    assert control.target_pr(8.0, ctl_cfg(shrink_to=0.25, shrink_iters=0), 0) == pytest.approx(2.0)
+
+
+def test_freeze_schedule_is_constant_and_none_has_no_target():
+    for step in (0, 1, 10 ** 6):
+        assert control.target_pr(8.0, ctl_cfg(control='freeze'), step) == 8.0
+    with pytest.raises(ValueError, match='no target'):
+        control.target_pr(8.0, ctl_cfg(control='none'), 1)
+
+
+def test_target_pr_of_a_state_is_per_layer_per_head():
+    qk = make_qk()
+    cfg = ctl_cfg(shrink_iters=4)
+    state = control.record(cfg, qk)
+    halfway = control.target_pr(state, cfg, 2)
+    assert len(halfway) == 3 and all(len(h) == 4 for h in halfway)
+    assert halfway[1][2] == pytest.approx(0.75 * state['pr0'][1][2])
+
+
+def test_shrink_never_raises_a_pr_already_below_its_target():
+    qk = make_qk(n_layer=1, C=32, seed=1)
+    cfg = ctl_cfg(shrink_iters=1000)
+    state = control.record(cfg, qk)
+    with torch.no_grad():   # heads 0 and 1 sharpened far below the target, heads 2 and 3 as they were
+        wk = qk[0][1]
+        wk[:16] = wk[:16] + 2 * wk[:1].abs().max() * torch.randn(16, 1) @ torch.randn(1, 32)
+    before = qk[0][1].detach().clone()
+    heads_before = geometry.matrix_pr(geometry.split_heads(before, 4))
+    target = torch.tensor(control.target_pr(state, cfg, 1)[0], dtype=torch.float64)
+    assert torch.all(heads_before[:2] < target[:2])
+    control.apply(state, cfg, qk, 1)
+    assert torch.equal(qk[0][1][:16], before[:16])   # below the target: bit for bit
+    heads_after = geometry.matrix_pr(geometry.split_heads(qk[0][1], 4))
+    for h in range(4):
+        assert heads_after[h] <= target[h] * (1 + 1e-5)
+
+
+@pytest.mark.parametrize('direction', ['sharpen', 'spread'])
+def test_freeze_restores_the_step0_pr_both_ways(direction):
+    qk = make_qk(n_layer=2, C=32, seed=2)
+    with torch.no_grad():   # start from a mid-range spectrum, so that both directions are open
+        for _, wk in qk:
+            wk.mul_(torch.logspace(0, -1, 32)[None, :])
+    for scope in ('head', 'layer'):
+        cfg = ctl_cfg(control='freeze', control_scope=scope)
+        state = control.record(cfg, qk)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for _, wk in qk:
+                if direction == 'sharpen':   # a strong rank-1 push lowers every PR
+                    wk.add_(0.5 * torch.randn(32, 1, generator=g) @ torch.randn(1, 32, generator=g))
+                else:                        # isotropic noise raises it
+                    wk.add_(0.5 * torch.randn(32, 32, generator=g))
+        moved = [geometry.matrix_pr(control._blocks(wk, scope, 4)) for _, wk in qk]
+        pr0 = torch.tensor(state['pr0'], dtype=torch.float64)
+        assert all(((m < p) if direction == 'sharpen' else (m > p)).all() for m, p in zip(moved, pr0))
+        control.apply(state, cfg, qk, 1)
+        for (_, wk), p in zip(qk, pr0):
+            assert torch.allclose(geometry.matrix_pr(control._blocks(wk, scope, 4)), p, rtol=1e-5, atol=0)
+        assert torch.allclose(torch.tensor(state['pr'], dtype=torch.float64), pr0, rtol=1e-5, atol=0)
+
+
+# ----------------------------------------------------------------------------- apply on weights
+
+def test_apply_keeps_singular_vectors_and_norm_float64():
+    """W' = U diag(s') V^T with the original U and V, reaching the target, for random and rank-deficient W."""
+    for seed in range(10):
+        g = torch.Generator().manual_seed(seed)
+        C, d = 24, 6
+        U = torch.linalg.qr(torch.randn(C, C, generator=g, dtype=torch.float64)).Q
+        V = torch.linalg.qr(torch.randn(C, C, generator=g, dtype=torch.float64)).Q
+        s = torch.rand(C, generator=g, dtype=torch.float64).sort(descending=True).values
+        if seed % 2:
+            s[C // 2:] = 0.0   # rank-deficient
+        W = U @ torch.diag(s) @ V.T
+        qk = [(torch.nn.Parameter(W.clone()), torch.nn.Parameter(W.clone()))]
+        for factor, control_name in ((0.4, 'shrink'), (1.0, 'freeze')):
+            cfg = ctl_cfg(control=control_name, control_scope='layer', shrink_to=factor, shrink_iters=0, n_head=C // d)
+            state = control.record(cfg, qk)
+            if control_name == 'freeze':   # spread the spectrum (same U, V) so that freeze must lower it back
+                with torch.no_grad():
+                    qk[0][1].copy_(U @ torch.diag(s.sqrt() * s[0].sqrt()) @ V.T)
+            norm = qk[0][1].detach().norm()
+            control.apply(state, cfg, qk, 1)
+            W_new = qk[0][1].detach()
+            core = U.T @ W_new @ V
+            off = core - torch.diag(core.diagonal())
+            assert off.abs().max() <= 1e-12 * core.abs().max()
+            assert torch.all(core.diagonal()[s == 0].abs() <= 1e-12 * core.abs().max())
+            assert abs(W_new.norm() - norm) <= 1e-9 * norm
+            assert abs(geometry.matrix_pr(W_new) - factor * state['pr0'][0][0]) <= 1e-6 * state['pr0'][0][0]
+
+
+def test_apply_target_k_leaves_w_q_bit_identical_and_q_mirrors():
+    qk = make_qk()
+    before = snapshot(qk)
+    cfg = ctl_cfg(shrink_iters=1)
+    control.apply(control.record(cfg, qk), cfg, qk, 1)
+    assert all(torch.equal(wq, bq) and not torch.equal(wk, bk) for (wq, wk), (bq, bk) in zip(qk, before))
+    qk = make_qk()
+    cfg = ctl_cfg(shrink_iters=1, control_target='q')
+    control.apply(control.record(cfg, qk), cfg, qk, 1)
+    assert all(torch.equal(wk, bk) and not torch.equal(wq, bq) for (wq, wk), (bq, bk) in zip(qk, before))
+
+
+def test_control_none_changes_nothing_and_reports_nothing():
+    qk = make_qk()
+    before = snapshot(qk)
+    cfg = ctl_cfg(control='none')
+    state = control.record(cfg, qk)
+    for step in range(1, 4):
+        control.apply(state, cfg, qk, step)
+    assert all(torch.equal(a, b) for pair, bpair in zip(qk, before) for a, b in zip(pair, bpair))
+    assert control.report(state) == [{}, {}, {}]
+
+
+def test_head_scope_reaches_each_heads_target():
+    qk = make_qk(seed=4)
+    cfg = ctl_cfg(shrink_to=0.4, shrink_iters=4)
+    state = control.record(cfg, qk)
+    control.apply(state, cfg, qk, 2)
+    target = torch.tensor(control.target_pr(state, cfg, 2), dtype=torch.float64)   # 0.7 x pr0
+    for (_, wk), t in zip(qk, target):
+        assert torch.allclose(geometry.matrix_pr(geometry.split_heads(wk, 4)), t, rtol=1e-5, atol=0)
+    rows = control.report(state)
+    for row, t in zip(rows, target):
+        assert row['ctl_target_pr_heads'] == pytest.approx(t.tolist(), rel=1e-12)
+        assert row['ctl_pr_heads'] == pytest.approx(t.tolist(), rel=1e-5)
+        assert row['ctl_pr'] == pytest.approx(sum(row['ctl_pr_heads']) / 4, rel=1e-12)
+        assert row['ctl_target_pr'] == pytest.approx(t.mean().item(), rel=1e-12)
+
+
+def test_layer_scope_reaches_the_layer_target():
+    qk = make_qk(seed=5)
+    cfg = ctl_cfg(control_scope='layer', shrink_iters=1)
+    state = control.record(cfg, qk)
+    control.apply(state, cfg, qk, 1)
+    for (_, wk), p0, row in zip(qk, state['pr0'], control.report(state)):
+        assert geometry.matrix_pr(wk) == pytest.approx(0.5 * p0[0], rel=1e-5)
+        assert set(row) == {'ctl_target_pr', 'ctl_pr'} and row['ctl_pr'] == pytest.approx(0.5 * p0[0], rel=1e-5)
+
+
+def test_control_layers_touches_only_those_layers():
+    qk = make_qk()
+    before = snapshot(qk)
+    cfg = ctl_cfg(control_layers='1', shrink_iters=1)
+    state = control.record(cfg, qk)
+    control.apply(state, cfg, qk, 1)
+    assert [torch.equal(wk, bk) for (_, wk), (_, bk) in zip(qk, before)] == [True, False, True]
+    rows = control.report(state)
+    assert rows[0] == {} and rows[2] == {} and rows[1]['ctl_pr'] < 0.6 * sum(state['pr0'][0]) / 4
+
+
+def test_control_interval_skips_the_steps_between():
+    qk = make_qk()
+    before = snapshot(qk)
+    cfg = ctl_cfg(control_interval=3, shrink_iters=1)
+    state = control.record(cfg, qk)
+    for step in (1, 2):
+        control.apply(state, cfg, qk, step)
+    assert all(torch.equal(wk, bk) for (_, wk), (_, bk) in zip(qk, before)) and state['step'] == 0
+    control.apply(state, cfg, qk, 3)
+    assert not any(torch.equal(wk, bk) for (_, wk), (_, bk) in zip(qk, before)) and state['step'] == 3
+
+
+def test_out_of_reach_target_clamps_and_warns_once_per_run():
+    qk = make_qk(n_layer=2, seed=6)
+    cfg = ctl_cfg(shrink_to=0.01, shrink_iters=1)   # every head's target falls below 1: out of reach
+    state = control.record(cfg, qk)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for step in range(1, 4):
+            control.apply(state, cfg, qk, step)
+    assert len(caught) == 1 and 'out of reach' in str(caught[0].message) and state['warned']
+    assert all(abs(p - 1) < 1e-3 for layer in state['pr'] for p in layer)   # clamped to (about) rank 1
+
+
+def test_reachable_target_does_not_warn():
+    qk = make_qk(seed=7)
+    cfg = ctl_cfg(control='freeze')
+    state = control.record(cfg, qk)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        with torch.no_grad():
+            for _, wk in qk:
+                wk.add_(0.01 * torch.randn_like(wk))
+        control.apply(state, cfg, qk, 1)
+
+
+def test_zero_weight_is_left_alone():
+    qk = make_qk(n_layer=1)
+    with torch.no_grad():
+        qk[0][1][:8] = 0.0   # head 0 all zero
+    cfg = ctl_cfg(control='freeze')
+    state = control.record(cfg, qk)
+    with torch.no_grad():
+        qk[0][1][8:].add_(0.05 * torch.randn(24, 32))
+    control.apply(state, cfg, qk, 1)
+    assert torch.all(qk[0][1][:8] == 0) and state['pr'][0][0] == 0.0
+    assert state['pr'][0][1:] == pytest.approx(state['pr0'][0][1:], rel=1e-5)
+
+
+def test_state_round_trips_through_a_checkpoint(tmp_path):
+    qk = make_qk(seed=8)
+    cfg = ctl_cfg(shrink_iters=6)
+    state = control.record(cfg, qk)
+    control.apply(state, cfg, qk, 1)
+    torch.save({'control': state}, tmp_path / 'ckpt.pt')
+    loaded = torch.load(tmp_path / 'ckpt.pt', weights_only=True)['control']
+    assert loaded == state
+    twin = snapshot(qk)
+    twin = [(torch.nn.Parameter(q), torch.nn.Parameter(k)) for q, k in twin]
+    control.apply(state, cfg, qk, 2)
+    control.apply(loaded, cfg, twin, 2)   # a resumed run continues the same way
+    assert loaded == state and all(torch.equal(a, b) for (_, a), (_, b) in zip(qk, twin))
+
+
+def test_bad_settings_are_clear_errors():
+    qk = make_qk()
+    with pytest.raises(ValueError, match='layer 3 does not exist'):
+        control.record(ctl_cfg(control_layers='0,3'), qk)
+    with pytest.raises(ValueError, match='comma-separated'):
+        control.record(ctl_cfg(control_layers='a'), qk)
+    with pytest.raises(ValueError, match='shrink_to'):
+        control.record(ctl_cfg(shrink_to=0.0), qk)
+    assert control.parse_layers('2, 0,2', 3) == [0, 2] and control.parse_layers('', 2) == [0, 1]
+    state = control.record(ctl_cfg(), qk)
+    with pytest.raises(ValueError, match='control_scope'):
+        control.apply(state, ctl_cfg(control_scope='layer'), qk, 1)
+
+
+def test_rank_deficient_float32_weight_keeps_its_zeros_over_many_steps():
+    """A stored float32 weight of rank 8 has round-off singular values ~1e-7 s_max, not zeros: they must
+    count as zero (not be raised to the rank by a small alpha), however many times control runs."""
+    qk = make_qk(n_layer=1, C=32, seed=9)
+    cfg = ctl_cfg(control='freeze', control_scope='layer')
+    state = control.record(cfg, qk)   # pr0 of the full-rank weight, above 8: out of reach below
+    with torch.no_grad():
+        U, s, Vh = torch.linalg.svd(qk[0][1].double())
+        qk[0][1].copy_(U[:, :8] @ torch.diag(s[:8]) @ Vh[:8])
+    assert state['pr0'][0][0] > 8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for step in range(1, 6):
+            control.apply(state, cfg, qk, step)
+    s_after = torch.linalg.svdvals(qk[0][1].double())
+    assert len(caught) == 1 and torch.all(s_after[8:] < 1e-5 * s_after[0])
+    assert state['pr'][0][0] == pytest.approx(8.0, rel=1e-5)   # clamped to the rank
+
+
+# ----------------------------------------------------------------------------- control inside train.py
+
+def _train_run(tmp_path, *extra):
+    import test_train
+    import train
+    text = tmp_path / 'src' / 'corpus.txt'
+    if not text.exists():
+        text.parent.mkdir()
+        text.write_text(test_train.synthetic_text(40_000), encoding='utf-8')
+    run_dir = train.train(test_train.tiny_config(tmp_path, str(text), '--max_iters=24', *extra))
+    return run_dir, train.read_metrics(os.path.join(run_dir, 'metrics.jsonl'))
+
+
+def _snapshot_heads(run_dir, it, side):
+    import numpy as np
+    snap = np.load(os.path.join(run_dir, 'snapshots', f'qk_{it:07d}.npz'))
+    return [geometry.matrix_pr(geometry.split_heads(w, int(snap['n_head']))).tolist() for w in snap[side]]
+
+
+def test_freeze_in_training_holds_the_step0_pr_at_every_logged_iteration(tmp_path):
+    run_dir, rows = _train_run(tmp_path, '--control=freeze', '--lr=1e-2')
+    pr0 = _snapshot_heads(run_dir, 0, 'k')
+    for row in rows:
+        for layer, (want, got) in enumerate(zip(pr0, _snapshot_heads(run_dir, row['iter'], 'k'))):
+            assert got == pytest.approx(want, rel=1e-5), (row['iter'], layer)
+            assert row['layers'][layer]['ctl_pr_heads'] == pytest.approx(got, rel=1e-9)
+    # W_Q is free: its PR moves
+    q0, q24 = _snapshot_heads(run_dir, 0, 'q'), _snapshot_heads(run_dir, 24, 'q')
+    assert max(abs(a - b) / a for a, b in zip(sum(q0, []), sum(q24, []))) > 0.05
+
+
+def test_shrink_in_training_never_exceeds_the_schedule(tmp_path):
+    cfg = {'control': 'shrink', 'shrink_to': 0.5, 'shrink_iters': 16}
+    run_dir, rows = _train_run(tmp_path, '--control=shrink', '--shrink_to=0.5', '--shrink_iters=16',
+                               '--control_scope=layer')
+    import numpy as np
+    pr0 = [geometry.matrix_pr(w) for w in np.load(os.path.join(run_dir, 'snapshots', 'qk_0000000.npz'))['k']]
+    for row in rows:
+        snap = np.load(os.path.join(run_dir, 'snapshots', f"qk_{row['iter']:07d}.npz"))
+        for layer, w in enumerate(snap['k']):
+            bound = control.target_pr(pr0[layer], cfg, row['iter'])
+            assert geometry.matrix_pr(w) <= bound * (1 + 1e-5), (row['iter'], layer)
+            assert row['layers'][layer]['ctl_target_pr'] == pytest.approx(bound, rel=1e-9)
+    last = rows[-1]['layers']
+    # the schedule ends at half the step-0 PR; training alone had not gone that low in every layer
+    assert max(layer['pr_k'] / (0.5 * p) for layer, p in zip(last, pr0)) == pytest.approx(1, rel=1e-5)
+
+
+def test_control_in_training_never_touches_the_other_projection(tmp_path, monkeypatch):
+    import train
+    apply = train.spectrum_control.apply
+    touched = []
+
+    def watched(state, cfg, qk_weights, step):
+        before = [wq.detach().clone() for wq, _ in qk_weights]
+        k_before = [wk.detach().clone() for _, wk in qk_weights]
+        apply(state, cfg, qk_weights, step)
+        assert all(torch.equal(b, wq) for b, (wq, _) in zip(before, qk_weights))
+        touched.append(any(not torch.equal(b, wk) for b, (_, wk) in zip(k_before, qk_weights)))
+
+    monkeypatch.setattr(train.spectrum_control, 'apply', watched)
+    _train_run(tmp_path, '--control=freeze')
+    assert len(touched) == 24 and all(touched)  # W_K was reset at every step, W_Q never
+
+
+def test_control_none_is_bit_identical_to_no_control_code(tmp_path, monkeypatch):
+    import test_train
+    import train
+    _, with_code = _train_run(tmp_path, '--run_name=none')
+    monkeypatch.setattr(train.spectrum_control, 'apply', lambda *a: None)
+    monkeypatch.setattr(train.spectrum_control, 'report', lambda state: [{}] * state['n_layer'])
+    _, without = _train_run(tmp_path, '--run_name=bare')
+    assert test_train.without_wall_clock(with_code) == test_train.without_wall_clock(without)
+
+
+def test_controlled_run_killed_and_resumed_matches_uninterrupted(tmp_path):
+    import test_faults
+    import test_train
+    import train
+    _train_run(tmp_path)  # writes the text
+    text = str(tmp_path / 'src' / 'corpus.txt')
+    ref_dir, ref = _train_run(tmp_path, '--control=shrink', '--shrink_iters=16', '--run_name=ref')
+    args = test_faults.args_for(tmp_path, text, 'killed', '--control=shrink', '--shrink_iters=16')
+    assert test_faults.run_train(args, 'record', 16).returncode == -9
+    assert test_faults.run_train(args).returncode == 0
+    rows = train.read_metrics(str(tmp_path / 'out' / 'killed' / 'metrics.jsonl'))
+    assert test_train.without_wall_clock(rows) == test_train.without_wall_clock(ref)
