@@ -1,0 +1,319 @@
+"""Tests of analyze.py: the statistics against known values, and the whole analysis on synthetic run
+folders (written directly, in train.py's format) with planted, opposite and no effects."""
+import json
+import math
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+import analyze
+
+LOG_ITERS = (0, 1, 2, 4, 8, 16, 32, 50, 64, 100)
+
+
+# ----------------------------------------------------------------------------- synthetic run folders
+
+def layer_record(pr_q, pr_k, pr_qk, entropy, n_head):
+    """One layer of a metrics.jsonl record with every key train.py logs (per-head lists included)."""
+    heads = lambda v: [float(v)] * n_head
+    rec = {'pr_q': pr_q, 'pr_k': pr_k, 'pr_q_head': pr_q / 2, 'pr_k_head': pr_k / 2,
+           'pr_q_heads': heads(pr_q / 2), 'pr_k_heads': heads(pr_k / 2), 'pr_qk': pr_qk, 'pr_qk_heads': heads(pr_qk),
+           'qk_spec_norm': 0.03, 'qk_fro_norm': 0.05, 'qk_spec_norm_heads': heads(0.03),
+           'qk_fro_norm_heads': heads(0.05), 'erank_q': pr_q * 1.5, 'erank_k': pr_k * 1.5, 'srank_q': 3.0,
+           'srank_k': 3.0, 'erank_qk': pr_qk * 1.5, 'tok_pr_q': pr_q - 1, 'tok_pr_k': pr_k - 1,
+           'tok_pr_q_head': pr_q / 3, 'tok_pr_k_head': pr_k / 3, 'tok_pr_q_heads': heads(pr_q / 3),
+           'tok_pr_k_heads': heads(pr_k / 3), 'tok_pr_qk': pr_qk / 2, 'tok_pr_qk_heads': heads(pr_qk / 2),
+           'entropy': entropy, 'entropy_norm': entropy / 3, 'entropy_heads': heads(entropy),
+           'entropy_norm_heads': heads(entropy / 3)}
+    return {k: float(v) if isinstance(v, (float, np.floating)) else v for k, v in rec.items()}
+
+
+def write_run(root, name, *, n_layer=2, qk_init='normal', seed=1, control='none', control_target='k', effect=1,
+              iters=LOG_ITERS, n_embd=8, n_head=2, snapshots=True, done=True, **cfg):
+    """A finished run folder. effect=+1 plants the study's claims (PR_Q up, PR_K down, PR_QK and entropy
+    following PR_K, shrink lowering and freeze raising entropy), -1 the opposite, 0 none (noise)."""
+    path = os.path.join(root, name)
+    os.makedirs(path)
+    config = dict(out_dir=root, run_name=name, n_layer=n_layer, n_head=n_head, n_embd=n_embd, qk_init=qk_init,
+                  seed=seed, control=control, control_target=control_target, control_scope='head', shrink_to=0.5,
+                  max_iters=iters[-1], lr=1e-3, warmup_iters=10, weight_decay=0.1, decay_qk=True, block_size=32,
+                  batch_size=8, eval_windows=4, data_file='corpus.txt', torch='test', device='cpu', git_commit=None,
+                  vocab_size=50, n_params=1000)
+    config.update(cfg)
+    with open(os.path.join(path, 'config.json'), 'w') as f:
+        json.dump(config, f)
+    seed_rng = np.random.default_rng(seed)             # shared by none/shrink/freeze of a seed: the pairing
+    pair_offset = seed_rng.normal(0, 0.05)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))   # str hash() is salted per process
+    f = np.log1p(np.array(iters, dtype=float)) / math.log1p(iters[-1])    # progress 0 -> 1
+    walk = lambda: np.cumsum(rng.normal(0, 0.3, len(iters))) * (f > 0)
+    sign = {'none': 0, 'shrink': -1, 'freeze': +1}[control]
+    ctl_shift = effect * sign * 0.3 * f if effect else rng.normal(0, 0.05) * f
+    layers = []
+    for layer in range(n_layer):
+        if effect:
+            pr_q = 4 + effect * 2 * f + rng.normal(0, 0.02, len(f)) + 0.1 * layer
+            pr_k = 4 - effect * 2 * f + rng.normal(0, 0.02, len(f))
+            pr_qk = 2 + effect * 0.5 * (pr_k - 4) + rng.normal(0, 0.02, len(f))
+            ent = 1.5 + effect * 0.2 * (pr_k - 4) + rng.normal(0, 0.01, len(f))
+        else:
+            pr_q, pr_k = 4 + walk(), 4 + walk()
+            pr_qk, ent = 2 + rng.normal(0, 0.1, len(f)), 1.5 + rng.normal(0, 0.02, len(f))  # iid: no trend
+        if control == 'shrink':
+            pr_k = pr_k - 0.5 * f
+        layers.append((pr_q, pr_k, pr_qk, ent + pair_offset + ctl_shift))
+    with open(os.path.join(path, 'metrics.jsonl'), 'w') as fh:
+        for i, it in enumerate(iters):
+            row = {'iter': it, 'tokens': it * 256, 'lr': 1e-3, 'train_loss': 4 - f[i], 'val_loss': 4.1 - f[i],
+                   'layers': [layer_record(*(a[i] for a in L), n_head) for L in layers], 'time': 0.01 * it}
+            fh.write(json.dumps(row) + '\n')
+    if snapshots:
+        os.makedirs(os.path.join(path, 'snapshots'))
+        for it in (iters[0], iters[-1]):
+            q = rng.normal(0, 0.02, (n_layer, n_embd, n_embd)).astype(np.float32)
+            np.savez(os.path.join(path, 'snapshots', f'qk_{it:07d}.npz'), q=q, k=q * 0.9, n_head=n_head)
+    if done:
+        with open(os.path.join(path, 'done.json'), 'w') as fh:
+            json.dump({'iter': iters[-1], 'train_loss': 3.0, 'val_loss': 3.1, 'wall_time': 12.5,
+                       'geometry_share': 0.2}, fh)
+    return path
+
+
+def synthetic_study(root, effect=1, depths=(2,), inits=('normal', 'tied'), seeds=(1, 2, 3),
+                    control_seeds=(1, 2, 3, 4, 5), control_depth=3, **kw):
+    """Uncontrolled runs over depths x inits x seeds, and the control experiment (none, shrink, freeze
+    x control_seeds) at depth control_depth, init normal."""
+    for depth in depths:
+        for init in inits:
+            for seed in seeds:
+                write_run(root, f'L{depth}_{init}_s{seed}', n_layer=depth, qk_init=init, seed=seed, effect=effect, **kw)
+    for seed in control_seeds:
+        for kind in analyze.CONTROL_KINDS:
+            name = f'L{control_depth}_normal' + ('' if kind == 'none' else f'_{kind}-k') + f'_s{seed}'
+            write_run(os.path.join(root, 'control'), name, n_layer=control_depth, seed=seed, control=kind,
+                      effect=effect, **kw)
+    return root
+
+
+def verdicts(result):
+    return {c['claim'][1]: c['verdict'] for c in result['claims']}
+
+
+def run_analysis(root, **kw):
+    kw.setdefault('figures', False)
+    return analyze.analyze([str(root)], log=lambda msg: None, **kw)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+def test_sign_test_exact_binomial():
+    assert analyze.sign_test_p(5, 5) == 1 / 32
+    assert analyze.sign_test_p(4, 5) == 6 / 32
+    assert analyze.sign_test_p(0, 5) == 1.0
+    assert analyze.sign_test_p(9, 10) == pytest.approx(11 / 1024)
+    assert math.isnan(analyze.sign_test_p(0, 0))
+
+
+def test_rankdata_averages_ties():
+    assert analyze.rankdata([10, 20, 20, 30]).tolist() == [1, 2.5, 2.5, 4]
+    assert analyze.rankdata([3, 1, 2]).tolist() == [3, 1, 2]
+    assert analyze.rankdata([5, 5, 5]).tolist() == [2, 2, 2]
+
+
+def test_spearman_known_values():
+    x = np.arange(10.0)
+    assert analyze.spearman(x, np.exp(x)) == pytest.approx(1.0)       # monotone, not linear
+    assert analyze.spearman(x, -x ** 3) == pytest.approx(-1.0)        # reversed
+    # by hand: ranks x = [1, 2.5, 2.5, 4, 5], y = [2, 1, 3.5, 3.5, 5] -> 7.25 / 9.5 = 29/38
+    assert analyze.spearman([1, 2, 2, 3, 4], [2, 1, 3, 3, 5]) == pytest.approx(29 / 38)
+    assert math.isnan(analyze.spearman([1, 2, 3], [4, 4, 4]))          # constant: undefined
+    assert math.isnan(analyze.spearman([1, 2], [1, 2]))                # too few points
+    assert analyze.spearman([1, 2, np.nan, 3, 4], [1, 2, 9, 3, 4]) == pytest.approx(1.0)  # NaN pairs dropped
+
+
+def test_bootstrap_constant_and_seeded():
+    lo, hi = analyze.bootstrap_ci([0.3] * 5)
+    assert lo == pytest.approx(0.3, rel=1e-12) and hi == pytest.approx(0.3, rel=1e-12)
+    x = np.random.default_rng(1).normal(size=12)
+    assert analyze.bootstrap_ci(x) == analyze.bootstrap_ci(x)           # same seed, same interval
+    assert analyze.bootstrap_ci(x, seed=1) != analyze.bootstrap_ci(x, seed=2)
+    lo, hi = analyze.bootstrap_ci(np.arange(10.0))
+    assert lo < 4.5 < hi and 2 < lo and hi < 7
+    assert all(math.isnan(v) for v in analyze.bootstrap_ci([1.0]))     # one value: no interval
+
+
+def test_paired_effect_and_verdicts():
+    e = analyze.paired_effect([-0.2, -0.1, -0.3, -0.15, -0.25], sign=-1)
+    assert e['n_predicted'] == 5 and e['sign_p'] == 1 / 32 and e['confidence'] == 1.0
+    assert e['ci_hi'] < 0 and e['mean'] == pytest.approx(-0.2)
+    assert analyze.interval_verdict(e['mean'], e['ci_lo'], e['ci_hi'], -1, e['sign_p']) == analyze.HOLDS
+    assert analyze.interval_verdict(e['mean'], e['ci_lo'], e['ci_hi'], +1, e['sign_p']) == analyze.FAILS
+    # interval below 0 but only 4 of 5 negative (p = 6/32): mixed, not holds
+    e = analyze.paired_effect([-0.2, -0.1, -0.3, 0.01, -0.25], sign=-1)
+    assert e['n_predicted'] == 4 and e['ci_hi'] < 0
+    assert analyze.interval_verdict(e['mean'], e['ci_lo'], e['ci_hi'], -1, e['sign_p']) == analyze.MIXED
+    assert analyze.interval_verdict(float('nan'), 0, 0, 1) == analyze.NOT_MEASURED
+    assert analyze.share_verdict(9, 10) == analyze.HOLDS
+    assert analyze.share_verdict(8, 10) == analyze.MIXED
+    assert analyze.share_verdict(5, 10) == analyze.FAILS
+    assert analyze.share_verdict(0, 0) == analyze.NOT_MEASURED
+    assert analyze.combine_verdicts([analyze.HOLDS, analyze.MIXED]) == analyze.MIXED
+
+
+# ----------------------------------------------------------------------------- the analysis
+
+def test_planted_effect_holds(tmp_path):
+    res = run_analysis(synthetic_study(str(tmp_path)))
+    assert verdicts(res) == {'a': 'holds', 'b': 'holds', 'c': 'holds', 'd': 'holds', 'e': 'holds',
+                             'f': 'not measured'}
+    # the control none runs (depth 3) are uncontrolled runs too: 2 layers x 2 inits + 3 layers x 1 init
+    assert res['summary']['trajectories'] == 2 * 2 + 3
+    report = open(os.path.join(res['out'], 'REPORT.md')).read()
+    assert analyze.SHARE_RULE in report and analyze.EFFECT_RULE in report and analyze.LINK_RULE in report
+    assert 'weight decay 0.1' in report and 'C/2' in report
+    shrink = next(e for e in res['effects'] if e['contrast'] == 'shrink - none' and e['metric'] == 'entropy')
+    assert shrink['n'] == 5 and shrink['n_predicted'] == 5 and shrink['sign_p'] == 1 / 32
+
+
+def test_opposite_effect_does_not_hold(tmp_path):
+    res = run_analysis(synthetic_study(str(tmp_path), effect=-1))
+    assert verdicts(res) == {'a': 'does not hold', 'b': 'does not hold', 'c': 'does not hold',
+                             'd': 'does not hold', 'e': 'does not hold', 'f': 'not measured'}
+
+
+def test_no_effect_is_neither(tmp_path):
+    res = run_analysis(synthetic_study(str(tmp_path), effect=0))
+    v = verdicts(res)
+    # the statistical claims are inconclusive on noise; the share claims do not hold (random walks rarely
+    # keep PR_Q - PR_K > 0 everywhere), and certainly never hold
+    assert v['c'] == v['d'] == v['e'] == 'mixed'
+    assert v['a'] != 'holds' and v['b'] != 'holds'
+
+
+def test_trajectory_table_values(tmp_path):
+    for seed in (1, 2):
+        write_run(str(tmp_path), f'L2_normal_s{seed}', seed=seed)
+    res = run_analysis(tmp_path)
+    rows = analyze.trajectory_rows(res['cells'], 'pr_q', 'pr_k', print)
+    assert [(r['n_layer'], r['layer']) for r in rows] == [(2, 0), (2, 1)]
+    runs = res['cells'][(2, 'normal')]
+    want = np.mean([r.metric('pr_q')[-1, 1] - r.metric('pr_k')[-1, 1] for r in runs])
+    assert rows[1]['gap_end'] == pytest.approx(want)
+    assert rows[1]['n_seeds'] == 2 and rows[1]['gap_positive_share'] == 1.0
+
+
+def test_partial_sweep_lists_missing(tmp_path):
+    for seed in (1, 2, 3):
+        write_run(str(tmp_path), f'L4_normal_s{seed}', n_layer=4, seed=seed)
+    write_run(str(tmp_path), 'L4_normal_shrink-k_s1', n_layer=4, seed=1, control='shrink')
+    res = run_analysis(tmp_path)
+    missing = res['missing']
+    assert 'L4 normal: seed 4' in missing
+    assert 'L8 tied: seed 1, 2, 3, 4' in missing
+    assert 'control L4 normal (setting A) none: seed 4, 5' in missing
+    assert 'control L4 normal (setting A) freeze-k: seed 1, 2, 3, 4, 5' in missing
+    assert verdicts(res)['e'] == 'not measured'
+    assert 'L4 normal: seed 4' in open(os.path.join(res['out'], 'REPORT.md')).read()
+
+
+def test_corrupt_and_unfinished_runs_are_skipped_with_a_warning(tmp_path):
+    root = str(tmp_path)
+    for seed in (1, 2):
+        write_run(root, f'L2_normal_s{seed}', seed=seed)
+    bad_cfg = write_run(root, 'bad_config', seed=3)
+    with open(os.path.join(bad_cfg, 'config.json'), 'w') as f:
+        f.write('{"n_layer": 2, "qk_')
+    unfinished = write_run(root, 'unfinished', seed=4, done=False)
+    truncated = write_run(root, 'truncated', seed=5)
+    with open(os.path.join(truncated, 'metrics.jsonl'), 'a') as f:
+        f.write('{"iter": 200, "tokens": 51')            # a kill mid-write
+    broken = write_run(root, 'broken_middle', seed=6)
+    lines = open(os.path.join(broken, 'metrics.jsonl')).read().split('\n')
+    lines[3] = lines[3][:40]
+    open(os.path.join(broken, 'metrics.jsonl'), 'w').write('\n'.join(lines))
+    write_run(os.path.join(root, 'copy'), 'L2_normal_s1', seed=1)   # the same run twice
+    messages = []
+    res = analyze.analyze([root], figures=False, log=messages.append)
+    skipped = dict(res['skipped'])
+    assert 'config.json' in skipped[bad_cfg]
+    assert 'no done.json' in skipped[unfinished]
+    assert 'line 4' in skipped[broken]
+    assert 'duplicate' in skipped[os.path.join(root, 'copy', 'L2_normal_s1')]
+    assert truncated not in skipped                   # a truncated last line is tolerated ...
+    run = next(r for r in res['runs'] if r.path == truncated)
+    assert run.iters[-1] == LOG_ITERS[-1]             # ... and dropped
+    for path in (bad_cfg, unfinished, broken, truncated):
+        assert any(path in m for m in messages), path  # every warning names its folder
+    report = open(os.path.join(res['out'], 'REPORT.md')).read()
+    assert bad_cfg in report and unfinished in report and 'truncated last line' in report
+    runs_csv = open(os.path.join(res['out'], 'runs.csv')).read()
+    assert 'skipped: unfinished' in runs_csv
+    assert len(res['runs']) == 3
+
+
+def test_other_settings_are_kept_apart(tmp_path):
+    root = str(tmp_path)
+    for seed in (1, 2, 3):
+        write_run(root, f'L2_normal_s{seed}', seed=seed)
+    write_run(os.path.join(root, 'long'), 'L2_normal_s1', seed=1, lr=3e-4)   # same cell, another setup
+    res = run_analysis(tmp_path)
+    assert not res['skipped']
+    assert len(res['cells'][(2, 'normal')]) == 3
+    assert any('lr=0.0003' in n for n in res['setting_notes'])
+
+
+def test_every_figure_is_written(tmp_path):
+    root = synthetic_study(str(tmp_path / 'runs'), seeds=(1, 2), control_seeds=(1, 2))
+    write_run(os.path.join(root, 'mirror'), 'L3_normal_shrink-q_s1', n_layer=3, seed=1, control='shrink',
+              control_target='q')
+    res = run_analysis(root, out=str(tmp_path / 'out'), figures=True, pdf=True)
+    names = set(os.listdir(tmp_path / 'out'))
+    for stem in ('fig1_pr_over_training', 'fig2_pr_gap', 'fig3_entropy_and_pr', 'fig4_spectra', 'fig5_control_k',
+                 'fig5_control_q'):
+        assert {stem + '.png', stem + '.pdf'} <= names, stem
+        assert os.path.getsize(tmp_path / 'out' / (stem + '.png')) > 1000
+    for stem in ('runs', 'trajectories', 'trajectories_head', 'trajectories_tok', 'trajectory_summary',
+                 'attention_link', 'attention_link_runs', 'control', 'control_effects'):
+        assert {stem + '.csv', stem + '.md'} <= names, stem
+    assert 'REPORT.md' in names and not res['figure_notes']
+    assert any(e['target'] == 'q' for e in res['effects'])
+
+
+def test_absent_data_skips_a_figure_with_a_note(tmp_path):
+    write_run(str(tmp_path), 'L2_normal_s1', snapshots=False)
+    res = run_analysis(tmp_path, figures=True)
+    notes = ' '.join(res['figure_notes'])
+    assert 'fig5_control_k' in notes and 'fig4_spectra' in notes
+    assert os.path.exists(os.path.join(res['out'], 'fig1_pr_over_training.png'))
+    assert 'figure skipped: fig5_control_k' in open(os.path.join(res['out'], 'REPORT.md')).read()
+
+
+# ----------------------------------------------------------------------------- command line
+
+def test_cli_errors_on_an_empty_folder(tmp_path, capsys):
+    (tmp_path / 'empty').mkdir()
+    assert analyze.main([str(tmp_path / 'empty')]) == 2
+    err = capsys.readouterr().err
+    assert 'no run folder' in err and str(tmp_path / 'empty') in err
+    assert analyze.main([str(tmp_path / 'nowhere')]) == 2
+    assert 'no such folder' in capsys.readouterr().err
+    write_run(str(tmp_path / 'running'), 'L2_normal_s1', done=False)     # found, but nothing usable
+    assert analyze.main([str(tmp_path / 'running'), '--no_figures']) == 1
+    captured = capsys.readouterr()
+    assert 'none of the 1 run folders is usable' in captured.err and 'no done.json' in captured.out
+
+
+def test_cli_summary_and_subcommand(tmp_path, capsys):
+    write_run(str(tmp_path / 'a'), 'L2_normal_s1')
+    write_run(str(tmp_path / 'b'), 'L2_normal_s2', seed=2)
+    write_run(str(tmp_path / 'b'), 'L2_normal_s3', seed=3, done=False)
+    out = tmp_path / 'res'
+    assert analyze.main([str(tmp_path / 'a'), str(tmp_path / 'b'), f'--out={out}', '--no_figures']) == 0
+    text = capsys.readouterr().out
+    assert '3 run folders found: 2 used, 1 skipped' in text and 'no done.json' in text
+    assert 'L4 normal: seed 1, 2, 3, 4' in text and f'to {out}' in text
+    assert (out / 'REPORT.md').exists()
+    assert analyze.main(['runs', str(tmp_path / 'a'), '--no_figures']) == 0     # the explicit subcommand
+    assert (tmp_path / 'a' / 'analysis' / 'REPORT.md').exists()
