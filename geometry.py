@@ -42,11 +42,11 @@ def _first(mask):
     return tuple(mask.nonzero()[0].tolist())
 
 
-def _as_f64(x, name, ndim=None, min_ndim=0, shape_hint=""):
+def _as_f64(x, name, ndim=None, min_ndim=0, shape_hint="", dtype=torch.float64):
     """x as a float64 CPU tensor; ValueError on the wrong number of dims or on NaN/Inf."""
     if not isinstance(x, torch.Tensor):
         x = torch.from_numpy(np.array(x))  # a copy: from_numpy rejects negative strides
-    x = x.detach().to(device="cpu", dtype=torch.float64)
+    x = x.detach().to(device="cpu", dtype=dtype or torch.promote_types(x.dtype, torch.float32))
     if (ndim is not None and x.ndim != ndim) or x.ndim < min_ndim:
         want = f"{ndim}-D" if ndim is not None else f"at least {min_ndim}-D"
         raise ValueError(f"{name} must be {want}{shape_hint}, got shape {tuple(x.shape)}")
@@ -56,6 +56,13 @@ def _as_f64(x, name, ndim=None, min_ndim=0, shape_hint=""):
         raise ValueError(f"{name} has {int(bad.sum())} NaN or Inf value(s); "
                          f"the first is {x[idx].item()} at index {idx}")
     return x
+
+
+def _as_probs(att, **shape):
+    """Attention probabilities stay in their float precision (float32 at least): rows of a softmax sum
+    to 1 to ~1e-7 in float32, and a float64 copy of a (B, n_head, T, T) tensor would cost more than
+    every other metric together. Only the per-row entropies are taken on in float64."""
+    return _as_f64(att, "att", dtype=None, **shape)
 
 
 def _nonneg(x, name):
@@ -165,7 +172,7 @@ def _entropy(att, normalized):
         raise ValueError(f"att needs T >= 2 (row 0 has a single key and is left out), "
                          f"got shape {tuple(att.shape)}")
     _check_probs(att)
-    H = -torch.special.xlogy(att, att).sum(-1)[..., 1:]
+    H = -torch.special.xlogy(att, att).sum(-1)[..., 1:].double()
     return H / torch.log(torch.arange(2, T + 1, dtype=torch.float64)) if normalized else H
 
 
@@ -244,7 +251,7 @@ def attention_entropy(att, normalized=False):
     normalized=True divides by log(i+1): 1 = uniform over keys j <= i, 0 = one-hot.
     ValueError unless rows are nonnegative, causal and sum to 1 within ROW_SUM_ATOL (1e-2, for bf16).
     """
-    return _entropy(_as_f64(att, "att", min_ndim=2, shape_hint=" (..., T, T)"), normalized)
+    return _entropy(_as_probs(att, min_ndim=2, shape_hint=" (..., T, T)"), normalized)
 
 
 def mean_attention_entropy(att, normalized=False):
@@ -319,7 +326,7 @@ def token_geometry(q, k, att, n_head):
     B, T, C = q.shape
     d = _head_dim(C, n_head)
     nh = C // d
-    att = _as_f64(att, "att", ndim=4, shape_hint=" (B, n_head, T, T)")
+    att = _as_probs(att, ndim=4, shape_hint=" (B, n_head, T, T)")
     if att.shape != (B, nh, T, T):
         raise ValueError(f"att must have shape (B, n_head, T, T) = {(B, nh, T, T)} to match q, k of shape "
                          f"{(B, T, C)} and n_head={nh}, got {tuple(att.shape)}")
