@@ -222,3 +222,16 @@ def test_loss_falls_on_learnable_text(tmp_path, text_file):
     rows = records(run_dir)
     assert 'layers' not in rows[0]  # geom_interval=0 switches geometry logging off
     assert rows[-1]['val_loss'] < 0.75 * rows[0]['val_loss'], [r['val_loss'] for r in rows]
+
+
+def test_decay_qk_moves_wq_and_wk_out_of_the_weight_decay_group(tmp_path, text_file):
+    groups = {}
+    for flag in ('True', 'False'):
+        run_dir = train.train(tiny_config(tmp_path, text_file, f'--decay_qk={flag}', f'--run_name={flag}',
+                                          '--max_iters=1', '--geom_interval=0', '--model_ckpts=0'))
+        ckpt = torch.load(os.path.join(run_dir, 'ckpt.pt'), weights_only=True)
+        groups[flag] = [len(g['params']) for g in ckpt['optimizer']['param_groups']]
+        assert [g['weight_decay'] for g in ckpt['optimizer']['param_groups']] == [0.1, 0.0]
+    n_layer = 2
+    assert groups['False'][0] == groups['True'][0] - 2 * n_layer
+    assert groups['False'][1] == groups['True'][1] + 2 * n_layer

@@ -290,7 +290,7 @@ def download_wikitext(cfg):
             shutil.copyfileobj(r, f, 1 << 20)
         with zipfile.ZipFile(zip_path) as z:
             z.extractall(tmp)
-        found = [os.path.join(root) for root, _, files in os.walk(tmp) if 'wiki.train.raw' in files]
+        found = [root for root, _, files in os.walk(tmp) if 'wiki.train.raw' in files]
         if not found:
             raise OSError('the archive holds no wiki.train.raw')
         os.makedirs(data_dir, exist_ok=True)
@@ -717,8 +717,9 @@ def train(cfg):
                      cfg['bias'], cfg['dropout'])
     model = GPT(gcfg, cfg['qk_init']).to(dev)
     qk_ids = {id(w) for pair in model.qk_weights() for w in pair}
-    decay = [p for p in model.parameters() if p.dim() >= 2 and (cfg['decay_qk'] or id(p) not in qk_ids)]
-    no_decay = [p for p in model.parameters() if not any(p is q for q in decay)]
+    decays = lambda p: p.dim() >= 2 and (cfg['decay_qk'] or id(p) not in qk_ids)  # matrices, not gains
+    decay = [p for p in model.parameters() if decays(p)]
+    no_decay = [p for p in model.parameters() if not decays(p)]
     optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': cfg['weight_decay']},
                                    {'params': no_decay, 'weight_decay': 0.0}],
                                   lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
