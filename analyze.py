@@ -1616,18 +1616,29 @@ def analyze(paths, out=None, pdf=False, figures=True, log=print):
     return result
 
 
-def runs_command(argv):
-    """python analyze.py [runs] DIR [DIR ...] [--out OUT] [--pdf] [--no_figures]"""
-    p = argparse.ArgumentParser(prog='analyze.py', description='Tables, figures and the claims report (REPORT.md) '
-                                'from run folders written by train.py.')
+def folders_parser(prog, description):
+    """The arguments every folder-reading subcommand shares."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument('dirs', nargs='+', help='folders searched recursively for run folders (folders with config.json)')
     p.add_argument('--out', default=None, help='where to write; default <first dir>/analysis/')
     p.add_argument('--pdf', action='store_true', help='write every figure as PDF too')
-    p.add_argument('--no_figures', action='store_true', help='tables and REPORT.md only (faster)')
-    args = p.parse_args(argv)
-    absent = [d for d in args.dirs if not os.path.isdir(d)]
+    p.add_argument('--no_figures', action='store_true', help='tables (and REPORT.md) only: faster')
+    return p
+
+
+def folders_exist(dirs):
+    absent = [d for d in dirs if not os.path.isdir(d)]
     if absent:
         print(f'error: {", ".join(absent)}: no such folder', file=sys.stderr)
+    return not absent
+
+
+def runs_command(argv):
+    """python analyze.py [runs] DIR [DIR ...] [--out OUT] [--pdf] [--no_figures]"""
+    p = folders_parser('analyze.py', 'Tables, figures and the claims report (REPORT.md) from run folders '
+                       'written by train.py.')
+    args = p.parse_args(argv)
+    if not folders_exist(args.dirs):
         return 2
     t0 = time.time()
     try:
@@ -1780,21 +1791,15 @@ def print_token_result(res):
 
 def tokens_command(argv):
     """python analyze.py tokens DIR [DIR ...] [--out OUT] [--data_file F] [--data_dir D] [--cache_dir C] ..."""
-    p = argparse.ArgumentParser(prog='analyze.py tokens', description='Token-level query/key geometry and attention '
-                                'entropy of every saved model checkpoint (models/*.pt) of the runs, on the fixed '
-                                'evaluation batch of each run, rebuilt from its config.json.')
-    p.add_argument('dirs', nargs='+', help='folders searched recursively for run folders (folders with config.json)')
-    p.add_argument('--out', default=None, help='where to write; default <first dir>/analysis/')
+    p = folders_parser('analyze.py tokens', 'Token-level query/key geometry and attention entropy of every saved '
+                       'model checkpoint (models/*.pt) of the runs, on the fixed evaluation batch of each run, '
+                       'rebuilt from its config.json.')
     p.add_argument('--data_file', default='', help="the runs' training text, where config.json's data_file moved")
     p.add_argument('--data_dir', default='', help="the folder holding wiki.{train,valid}.raw (dataset runs), if moved")
     p.add_argument('--cache_dir', default='', help="where encoded data is cached; default: each run's config")
     p.add_argument('--device', default=default_device(), help='cuda if available, else cpu')
-    p.add_argument('--pdf', action='store_true', help='write the figure as PDF too')
-    p.add_argument('--no_figures', action='store_true', help='tables only')
     args = p.parse_args(argv)
-    absent = [d for d in args.dirs if not os.path.isdir(d)]
-    if absent:
-        print(f'error: {", ".join(absent)}: no such folder', file=sys.stderr)
+    if not folders_exist(args.dirs):
         return 2
     t0 = time.time()
     try:
