@@ -201,3 +201,10 @@ def test_two_process_ddp_matches_one_process(setup):
     # the same global batch, split over two processes: only the order of float additions differs
     np.testing.assert_allclose([r['val_loss'] for r in b], [r['val_loss'] for r in a], rtol=1e-4)
     np.testing.assert_allclose([r['layers'][1]['pr_k'] for r in b], [r['layers'][1]['pr_k'] for r in a], rtol=1e-4)
+
+
+def test_refusals_from_the_command_line_print_their_reason():
+    proc = run_train(['--n_embd=16', '--n_head=3'])
+    assert proc.returncode == 2 and 'not divisible by n_head=3' in proc.stderr and 'Traceback' not in proc.stderr
+    proc = run_train(['--n_layr=4'])
+    assert proc.returncode == 2 and 'did you mean n_layer' in proc.stderr

@@ -104,11 +104,10 @@ EVAL_SEED = 1234  # the evaluation windows are the same for every run, whatever 
 
 
 class ConfigError(SystemExit):
-    """A user-facing problem with the settings or the inputs: printed, exit status 2."""
+    """A user-facing problem with the settings or the inputs: its message is printed, exit status 2."""
 
     def __init__(self, msg):
         super().__init__(f'error: {msg}')
-        self.code = 2
 
 
 # ----------------------------------------------------------------------------- config
@@ -916,4 +915,8 @@ def print_record(row, ms, tokens_per_iter, cfg, start, t_start):
 
 
 if __name__ == '__main__':
-    train(get_config(sys.argv[1:]))
+    try:
+        train(get_config(sys.argv[1:]))
+    except ConfigError as e:
+        print(e.code, file=sys.stderr, flush=True)
+        sys.exit(2)
