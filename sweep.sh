@@ -1,0 +1,348 @@
+#!/usr/bin/env bash
+# The whole study and the control experiment, then the analysis. Stop it at any time (Ctrl-C, SIGTERM,
+# a lost session): running runs checkpoint, and the same command again trains only what is left.
+#
+#   bash sweep.sh                          # PRESET=paper: the study at train.py's GPU sizes, one run per GPU
+#   PRESET=cpu JOBS=2 bash sweep.sh        # CPU sizes on wiki.test.raw: under 1.5 h on 2 cores (README)
+#   PRESET=smoke bash sweep.sh             # every run for a few iterations: checks the plumbing in minutes
+#   bash sweep.sh --max_iters=2000         # extra --key=value arguments go to every run
+#   BACKEND=slurm bash sweep.sh            # a Slurm job array, then the analysis as a dependent job
+#
+# Environment (default in brackets; a grid variable set to "" leaves that part out):
+#   PRESET      paper | cpu | smoke [paper]
+#   OUT         where the run folders go [out/$PRESET]; per-run console output in $OUT/logs/NAME.log
+#   DATA_FILE   text to train on ['' = WikiText-103 for paper; ../shared/data/wikitext-103/wiki.test.raw,
+#               next to this repository, for cpu and smoke]
+#   JOBS        runs at once [local: the number of visible GPUs, else of CPU cores; slurm: 8]
+#   DEPTHS [4 6 8]  INITS [normal orthogonal tied]  SEEDS [1 2 3 4]            the study
+#   CONTROL_DEPTH [4]  CONTROL_SEEDS [1 2 3 4 5]  MIRROR [0; 1 adds control_target=q]   the control experiment
+#   RUN_LIST    a file of runs to do instead of the grid, one per line: NAME --key=value ... (as $OUT/runs.txt)
+#   ANALYZE     1: run analyze.py on $OUT at the end; 0: do not [1]
+#   BACKEND     local | slurm [local];  DRY_RUN=1 prints what would run or be submitted, and stops there
+#   SBATCH_ARGS extra sbatch options for both jobs, e.g. "--partition=gpu --account=me" ['']
+#   PYTHON      the interpreter [python, else python3]
+PRESET=${PRESET:-paper}
+
+# ----------------------------------------------------------------------------- presets
+# --key=value overrides given to every run; SLURM: #SBATCH options of one array task
+case $PRESET in
+paper)  # train.py's defaults, sized for one GPU; nanoGPT quotes ~3 min on an A100 for its shakespeare_char
+        # model of the same shape (6 layers, 384 wide, 5000 iterations); not measured here (no GPU)
+    PRESET_ARGS=(--n_embd=384 --n_head=6 --block_size=256 --batch_size=64 --max_iters=5000
+                 --eval_interval=250 --geom_interval=250 --eval_iters=20 --shrink_iters=2000)
+    SLURM=(--gres=gpu:1 --cpus-per-task=4 --mem=16G --time=4:00:00)
+    default_data='' ;;
+cpu)    # 47 runs (36 study + 11 control): ~85 min with JOBS=2 on a busy 2-core CPU, from timings (README)
+    PRESET_ARGS=(--n_embd=64 --n_head=4 --block_size=64 --batch_size=16 --max_iters=2000
+                 --eval_interval=200 --geom_interval=200 --eval_iters=10 --shrink_to=0.2 --shrink_iters=400)
+    SLURM=(--cpus-per-task=1 --mem=2G --time=1:00:00)
+    default_data=../shared/data/wikitext-103/wiki.test.raw ;;
+smoke)  # a few iterations of a tiny model per run: the whole grid in minutes, for the tests
+    PRESET_ARGS=(--n_embd=16 --n_head=2 --block_size=16 --batch_size=4 --max_iters=6 --warmup_iters=2
+                 --eval_interval=3 --geom_interval=3 --eval_iters=1 --eval_windows=2 --ckpt_interval=3
+                 --model_ckpts=3 --shrink_iters=4)
+    SLURM=(--cpus-per-task=1 --mem=1G --time=0:10:00)
+    default_data=../shared/data/wikitext-103/wiki.test.raw ;;
+*)  echo "sweep.sh: unknown PRESET=$PRESET; use paper, cpu or smoke" >&2; exit 2 ;;
+esac
+
+# ----------------------------------------------------------------------------- settings
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+[ "$PWD" -ef "$REPO" ] || default_data=${default_data:+$REPO/$default_data}  # the default is next to the repo
+DATA_FILE=${DATA_FILE-$default_data}
+OUT=${OUT:-out/$PRESET}
+BACKEND=${BACKEND:-local}
+DRY_RUN=${DRY_RUN:-0}
+ANALYZE=${ANALYZE:-1}
+DEPTHS=${DEPTHS-4 6 8}
+INITS=${INITS-normal orthogonal tied}
+SEEDS=${SEEDS-1 2 3 4}
+CONTROL_DEPTH=${CONTROL_DEPTH:-4}
+CONTROL_SEEDS=${CONTROL_SEEDS-1 2 3 4 5}
+MIRROR=${MIRROR:-0}
+PYTHON=${PYTHON:-$(command -v python >/dev/null 2>&1 && echo python || echo python3)}
+EXTRA=("$@")
+DATA_ARGS=()
+[ -n "$DATA_FILE" ] && DATA_ARGS=(--data_file="$DATA_FILE")
+
+die() { echo "sweep.sh: $*" >&2; exit 2; }
+fmt_time() {  # seconds -> 42s, 3.5m, 1.8h
+    local s=$1
+    if [ "$s" -ge 5400 ]; then awk -v s="$s" 'BEGIN { printf "%.1fh", s / 3600 }'
+    elif [ "$s" -ge 90 ]; then awk -v s="$s" 'BEGIN { printf "%.1fm", s / 60 }'
+    else echo "${s}s"; fi
+}
+case $BACKEND in local|slurm) ;; *) die "unknown BACKEND=$BACKEND; use local or slurm" ;; esac
+if [ -n "$DATA_FILE" ] && [ ! -f "$DATA_FILE" ]; then
+    die "DATA_FILE=$DATA_FILE does not exist; set DATA_FILE to a UTF-8 text file, or DATA_FILE= (empty) for WikiText-103"
+fi
+
+# ----------------------------------------------------------------------------- the grid
+NAMES=()     # run folder names, in the order they are run
+RUN_ARGS=()  # the per-run --key=value settings of each (no spaces inside a value)
+add_run() {  # add_run NAME ARGS...: a run, unless one of that name is already listed (then it is shared)
+    local name=$1 n
+    shift
+    for n in "${NAMES[@]}"; do [ "$n" = "$name" ] && { shared=$((shared + 1)); return; }; done
+    NAMES+=("$name")
+    RUN_ARGS+=("$*")
+}
+shared=0
+if [ -n "${RUN_LIST:-}" ]; then
+    [ -f "$RUN_LIST" ] || die "RUN_LIST=$RUN_LIST does not exist"
+    while read -r name args; do
+        case $name in ''|'#'*) continue ;; esac
+        add_run "$name" $args
+    done < "$RUN_LIST"
+    what="from $RUN_LIST"
+else
+    # the study: depth x qk_init x seed; seed outermost, so a sweep stopped early has every setting
+    for seed in $SEEDS; do for depth in $DEPTHS; do for init in $INITS; do
+        add_run "L${depth}_${init}_s$seed" --n_layer=$depth --qk_init=$init --seed=$seed
+    done; done; done
+    n_study=${#NAMES[@]}
+    # the control experiment at one depth, qk_init normal. Its `none` runs have exactly the settings of
+    # the study's L4_normal_s* runs (same folder name): those are shared, not trained twice
+    targets=k
+    [ "$MIRROR" = 1 ] && targets='k q'
+    for seed in $CONTROL_SEEDS; do
+        add_run "L${CONTROL_DEPTH}_normal_s$seed" --n_layer="$CONTROL_DEPTH" --qk_init=normal --seed="$seed"
+        for target in $targets; do for control in shrink freeze; do
+            add_run "L${CONTROL_DEPTH}_normal_$control-${target}_s$seed" --n_layer="$CONTROL_DEPTH" --qk_init=normal \
+                --control="$control" --control_target="$target" --seed="$seed"
+        done; done
+    done
+    what="$n_study study + $((${#NAMES[@]} - n_study + shared)) control, $shared in both"
+fi
+N=${#NAMES[@]}
+[ "$N" -gt 0 ] || die "the grid is empty (DEPTHS, INITS, SEEDS and CONTROL_SEEDS are all empty?)"
+
+# ----------------------------------------------------------------------------- what is left to do
+mkdir -p "$OUT/logs" || die "cannot create $OUT/logs"
+[ -n "${RUN_LIST:-}" ] || for i in "${!NAMES[@]}"; do echo "${NAMES[$i]} ${RUN_ARGS[$i]}"; done > "$OUT/runs.txt"
+TODO=()      # indices into NAMES of the runs without done.json
+for i in "${!NAMES[@]}"; do [ -f "$OUT/${NAMES[$i]}/done.json" ] || TODO+=("$i"); done
+n_skip=$((N - ${#TODO[@]}))
+
+# the command line of run i: preset, data, its own settings, the sweep's, then the extra arguments
+train_cmd() {
+    CMD=("$PYTHON" "$REPO/train.py" "${PRESET_ARGS[@]}" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} ${RUN_ARGS[$1]}
+         --out_dir="$OUT" --run_name="${NAMES[$1]}" "$2" ${EXTRA[@]+"${EXTRA[@]}"})
+}
+# encode the data once, before any run (workers would each do it), and check the shared settings
+prepare_data() {
+    "$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); import train
+train.prepare_data(train.get_config(sys.argv[2:]))' "$REPO" "${PRESET_ARGS[@]}" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} \
+        --out_dir="$OUT" ${EXTRA[@]+"${EXTRA[@]}"} && return
+    [ -n "${stopping:-}" ] && { echo "stopped by SIG$stopping before any run started"; exit 130; }
+    die "the data or the settings above are not usable (nothing was run)"
+}
+
+# ----------------------------------------------------------------------------- back end: Slurm
+if [ "$BACKEND" = slurm ]; then
+    JOBS=${JOBS:-8}
+    dir=$OUT/slurm/$(date +%Y%m%d-%H%M%S)
+    mkdir -p "$dir" && dir=$(cd "$dir" && pwd) || die "cannot create $dir"
+    for i in ${TODO[@]+"${TODO[@]}"}; do echo "${NAMES[$i]} ${RUN_ARGS[$i]}"; done > "$dir/runs.txt"
+    # the interpreter itself (not a shim or an alias), so the jobs run in this environment
+    PY=$("$PYTHON" -c 'import sys; print(sys.executable)') || die "cannot run PYTHON=$PYTHON"
+    # the array task: line SLURM_ARRAY_TASK_ID of runs.txt, its output to the same log as a local run
+    {
+        echo '#!/usr/bin/env bash'
+        echo "# qkgeom sweep, PRESET=$PRESET: one run of $dir/runs.txt per array task (written by sweep.sh)."
+        echo '# Submit again with `BACKEND=slurm bash sweep.sh`: finished runs are skipped, stopped ones resume.'
+        echo "#SBATCH --job-name=qkgeom-$PRESET"
+        echo "#SBATCH --array=0-$((${#TODO[@]} - 1))%$JOBS"
+        echo "#SBATCH --output=$dir/%A_%a.out"
+        for opt in "${SLURM[@]}"; do echo "#SBATCH $opt"; done
+        echo "cd $(printf %q "$PWD")"
+        printf 'read -r name args < <(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" %q)\n' "$dir/runs.txt"
+        printf 'log=%q/logs/$name.log\n' "$OUT"
+        printf '[ -f %q/"$name"/done.json ] && { echo "$name is already done"; exit 0; }\n' "$OUT"
+        echo 'echo "# $(date) slurm task ${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID on $(hostname)" >> "$log"'
+        echo '# exec: at the time limit (or on scancel) Slurm sends SIGTERM to train.py, which checkpoints'
+        printf 'exec %q %q' "$PY" "$REPO/train.py"
+        printf ' %q' "${PRESET_ARGS[@]}" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"}
+        printf ' $args --out_dir=%q --run_name="$name" --threads=${SLURM_CPUS_PER_TASK:-1}' "$OUT"
+        [ "${#EXTRA[@]}" -gt 0 ] && printf ' %q' "${EXTRA[@]}"
+        echo ' >> "$log" 2>&1'
+    } > "$dir/array.sbatch"
+    {
+        echo '#!/usr/bin/env bash'
+        echo "#SBATCH --job-name=qkgeom-$PRESET-analyze"
+        echo "#SBATCH --output=$dir/analyze_%j.out"
+        printf '#SBATCH %s\n' --cpus-per-task=2 --mem=8G --time=1:00:00 --kill-on-invalid-dep=yes
+        echo 'set -o pipefail'
+        echo "cd $(printf %q "$PWD")"
+        printf '%q ' "$PY" "$REPO/analyze.py" "$OUT"
+        printf '2>&1 | tee -a %q/logs/analyze.log\n' "$OUT"
+    } > "$dir/analyze.sbatch"
+    echo "sweep: PRESET=$PRESET, $N runs ($what): ${#TODO[@]} to submit, $n_skip already done; OUT=$OUT"
+    array_cmd=() analyze_cmd=()
+    [ "${#TODO[@]}" -gt 0 ] && array_cmd=(sbatch --parsable $SBATCH_ARGS "$dir/array.sbatch")
+    if [ "$ANALYZE" = 1 ] && [ -f "$REPO/analyze.py" ]; then
+        analyze_cmd=(sbatch --parsable $SBATCH_ARGS "$dir/analyze.sbatch")
+        [ "${#TODO[@]}" -gt 0 ] && analyze_cmd=(sbatch --parsable $SBATCH_ARGS --dependency=afterok:JOBID "$dir/analyze.sbatch")
+    fi
+    if [ "$DRY_RUN" = 1 ]; then
+        echo "DRY_RUN=1: written to $dir, not submitted"
+        echo "---- $dir/array.sbatch"; cat "$dir/array.sbatch"
+        echo "---- $dir/analyze.sbatch"; cat "$dir/analyze.sbatch"
+        echo "---- would run (JOBID: the job id the first sbatch prints)"
+        [ "${#array_cmd[@]}" -gt 0 ] && echo "${array_cmd[*]}"
+        [ "${#analyze_cmd[@]}" -gt 0 ] && echo "${analyze_cmd[*]}"
+        exit 0
+    fi
+    command -v sbatch >/dev/null 2>&1 || die "sbatch is not on PATH (BACKEND=slurm needs a Slurm login node)"
+    # on the submitting host: compute nodes often have no network for the WikiText-103 download
+    [ "${#TODO[@]}" -gt 0 ] && prepare_data
+    jobid=
+    if [ "${#array_cmd[@]}" -gt 0 ]; then
+        jobid=$("${array_cmd[@]}") || die "sbatch failed: ${array_cmd[*]}"
+        jobid=${jobid%%;*}
+        echo "submitted job array $jobid: ${#TODO[@]} runs, at most $JOBS at once; logs in $OUT/logs/"
+    fi
+    if [ "${#analyze_cmd[@]}" -gt 0 ]; then
+        analyze_cmd=("${analyze_cmd[@]/JOBID/$jobid}")
+        ajob=$("${analyze_cmd[@]}") || die "sbatch failed: ${analyze_cmd[*]}"
+        echo "submitted analysis job ${ajob%%;*}${jobid:+ (starts when every task of $jobid succeeded)}: $OUT/analysis/"
+    fi
+    exit 0
+fi
+
+# ----------------------------------------------------------------------------- back end: local workers
+GPUS=()
+if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+    IFS=', ' read -ra GPUS <<< "$CUDA_VISIBLE_DEVICES"
+elif command -v nvidia-smi >/dev/null 2>&1; then
+    GPUS=($(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null))
+fi
+NCPU=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+JOBS=${JOBS:-${#GPUS[@]}}
+[ "$JOBS" -gt 0 ] 2>/dev/null || JOBS=$NCPU
+THREADS=$((NCPU / JOBS))
+[ "$THREADS" -ge 1 ] || THREADS=1
+where="CPU, --threads=$THREADS each"
+[ "${#GPUS[@]}" -gt 0 ] && where="GPUs ${GPUS[*]} (round-robin), --threads=$THREADS each"
+
+echo "sweep: PRESET=$PRESET, $N runs ($what): ${#TODO[@]} to train, $n_skip already done; OUT=$OUT"
+echo "       JOBS=$JOBS on $where; data: ${DATA_FILE:-WikiText-103}; logs in $OUT/logs/"
+if [ "$DRY_RUN" = 1 ]; then
+    for i in "${!NAMES[@]}"; do
+        train_cmd "$i" --threads="$THREADS"
+        [ -f "$OUT/${NAMES[$i]}/done.json" ] && echo "skip (done) ${NAMES[$i]}" || echo "${CMD[*]}"
+    done
+    exit 0
+fi
+
+LOCK=$OUT/.sweep.pid   # one sweep per OUT: two would train the same runs
+if [ -f "$LOCK" ] && kill -0 "$(cat "$LOCK")" 2>/dev/null; then
+    die "another sweep (pid $(cat "$LOCK")) is running in $OUT; stop it first"
+fi
+echo $$ > "$LOCK"
+rm -rf "$OUT"/.sweep.??????  # state left by a sweep that was killed outright (SIGKILL, power cut)
+STATE=$(mktemp -d "$OUT/.sweep.XXXXXX") || die "cannot create a state folder in $OUT"
+trap 'rm -rf "$STATE"; rm -f "$LOCK"' EXIT
+stopping=
+trap 'stopping=INT; [ -n "${WORKERS:-}" ] && kill -TERM $WORKERS 2>/dev/null' INT
+trap 'stopping=TERM; [ -n "${WORKERS:-}" ] && kill -TERM $WORKERS 2>/dev/null' TERM
+trap 'stopping=HUP; [ -n "${WORKERS:-}" ] && kill -TERM $WORKERS 2>/dev/null' HUP  # the terminal went away
+trap '' PIPE  # output piped to a reader that quit (| head): carry on, the logs have everything
+
+k=0
+for i in "${!NAMES[@]}"; do
+    [ -f "$OUT/${NAMES[$i]}/done.json" ] && { k=$((k + 1)); echo "[$k/$N] ${NAMES[$i]}, skipped (done.json exists)"; }
+done
+if [ "${#TODO[@]}" -gt 0 ]; then
+    prepare_data
+fi
+[ -n "$stopping" ] && { echo "stopped by SIG$stopping before any run started"; exit 130; }
+T0=$(date +%s)
+
+# one line per finished run, numbered in the order they finish; a mkdir is the lock (portable, atomic)
+report() {  # report ok|failed|stopped NAME SECONDS [EXIT]
+    local now n_done eta line tries=0
+    until mkdir "$STATE/lock" 2>/dev/null; do  # after 10 s its holder must have died: go on
+        tries=$((tries + 1)); [ "$tries" -lt 100 ] || break; sleep 0.1
+    done
+    echo "$1 $2 $3 ${4:-}" >> "$STATE/finished"
+    if [ "$1" = stopped ]; then
+        line="       $2, stopped after $(fmt_time "$3"): next time it starts over (no checkpoint yet)"
+        [ -f "$OUT/$2/ckpt.pt" ] && line="       $2, stopped after $(fmt_time "$3"): next time it resumes from its checkpoint"
+    else
+        n_done=$(grep -cv '^stopped' "$STATE/finished")
+        now=$(date +%s)
+        eta=$(( (now - T0) * (${#TODO[@]} - n_done) / n_done ))
+        line="[$((n_skip + n_done))/$N] $2, $(fmt_time "$3"), ETA $(fmt_time "$eta")"
+        [ "$1" = failed ] && line="[$((n_skip + n_done))/$N] $2, FAILED (exit $4) after $(fmt_time "$3"), see $OUT/logs/$2.log, ETA $(fmt_time "$eta")"
+    fi
+    echo "$line"
+    rmdir "$STATE/lock"
+}
+
+# worker w: takes the next unclaimed run (mkdir is the claim) until none is left or the sweep stops
+worker() {
+    local w=$1 j i name log t0 rc py= stop=
+    trap 'stop=1; [ -n "$py" ] && kill -TERM "$py" 2>/dev/null' TERM INT HUP
+    local env=()
+    [ "${#GPUS[@]}" -gt 0 ] && env=(env CUDA_VISIBLE_DEVICES="${GPUS[$((w % ${#GPUS[@]}))]}")
+    for j in "${!TODO[@]}"; do
+        [ -n "$stop" ] && break
+        mkdir "$STATE/claim.$j" 2>/dev/null || continue
+        i=${TODO[$j]} name=${NAMES[$i]} log=$OUT/logs/${NAMES[$i]}.log
+        train_cmd "$i" --threads="$THREADS"
+        echo "# $(date) worker $w${env[1]:+ ${env[1]}}: ${CMD[*]}" >> "$log"
+        t0=$(date +%s)
+        ${env[@]+"${env[@]}"} "${CMD[@]}" >> "$log" 2>&1 < /dev/null &
+        py=$!
+        wait "$py"; rc=$?
+        while kill -0 "$py" 2>/dev/null; do wait "$py"; rc=$?; done  # a signal cut the wait short
+        py=
+        # exit 129/130/143: stopped by SIGHUP/SIGINT/SIGTERM, also when sent to train.py alone
+        case $rc in 129|130|143) stop=1 ;; esac
+        if [ -f "$OUT/$name/done.json" ]; then report ok "$name" $(($(date +%s) - t0))
+        elif [ -n "$stop" ]; then report stopped "$name" $(($(date +%s) - t0)) "$rc"
+        else report failed "$name" $(($(date +%s) - t0)) "$rc"; fi
+    done
+}
+
+WORKERS=
+for ((w = 0; w < JOBS && w < ${#TODO[@]}; w++)); do
+    worker "$w" &
+    WORKERS="$WORKERS $!"
+done
+[ -n "$stopping" ] && kill -TERM $WORKERS 2>/dev/null  # a signal that came while they were starting
+for pid in $WORKERS; do
+    while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
+done
+
+# ----------------------------------------------------------------------------- summary and analysis
+n_ok=$(grep -c '^ok' "$STATE/finished" 2>/dev/null)
+FAILED=$(grep '^failed' "$STATE/finished" 2>/dev/null | cut -d' ' -f2)
+if [ -z "$stopping" ] && grep -q '^stopped' "$STATE/finished" 2>/dev/null; then
+    stopping=TERM  # runs stopped by a signal that did not reach this shell (sent to them, or ignored here)
+    grep -q '^stopped .* 130$' "$STATE/finished" && stopping=INT
+fi
+if [ -n "$stopping" ]; then
+    echo "stopped by SIG$stopping: $((n_skip + ${n_ok:-0})) of $N runs done; run the same command again to finish the rest"
+    case $stopping in HUP) exit 129 ;; INT) exit 130 ;; *) exit 143 ;; esac
+fi
+status=0
+if [ "$ANALYZE" = 1 ] && [ -f "$REPO/analyze.py" ]; then
+    echo "analysis: $PYTHON $REPO/analyze.py $OUT (log: $OUT/logs/analyze.log)"
+    "$PYTHON" "$REPO/analyze.py" "$OUT" 2>&1 | tee "$OUT/logs/analyze.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || { echo "the analysis FAILED, see $OUT/logs/analyze.log"; status=1; }
+elif [ "$ANALYZE" = 1 ]; then
+    echo "analysis skipped: $REPO/analyze.py does not exist"
+fi
+echo "sweep finished in $(fmt_time $(($(date +%s) - T0))): $N runs, $n_skip skipped (done before), ${n_ok:-0} trained" \
+     "now, $(echo $FAILED | wc -w) failed"
+if [ -n "$FAILED" ]; then
+    for name in $FAILED; do
+        echo "  FAILED $name: see $OUT/logs/$name.log, which ends:"
+        tail -n 3 "$OUT/logs/$name.log" | sed 's/^/      /'
+    done
+    echo "fix the cause and run the same command again: finished runs are skipped, the rest resume or restart"
+    exit 1
+fi
+exit $status

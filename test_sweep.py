@@ -1,0 +1,280 @@
+"""Tests of sweep.sh, run as a researcher runs it (`bash sweep.sh` with environment variables) on a small
+synthetic text: the smoke preset end to end, a rerun that skips everything, a sweep stopped by SIGTERM
+and restarted, a failing run, the grid and the Slurm back end (a dry run, and a stand-in sbatch that
+runs the array tasks here)."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_train import synthetic_text
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GRID_VARS = ('DEPTHS', 'INITS', 'SEEDS', 'CONTROL_DEPTH', 'CONTROL_SEEDS', 'MIRROR', 'RUN_LIST', 'BACKEND',
+             'DRY_RUN', 'SBATCH_ARGS', 'ANALYZE', 'JOBS', 'PRESET', 'OUT', 'DATA_FILE')
+PROGRESS = re.compile(r'^\[(\d+)/(\d+)\] (\S+), (.*)$', re.M)
+
+
+@pytest.fixture
+def sweep_env(tmp_path):
+    """Environment for a small smoke sweep of its own: synthetic text, OUT and data cache in tmp_path."""
+    text = tmp_path / 'corpus.txt'
+    text.write_text(synthetic_text(50_000), encoding='utf-8')
+    return make_env(tmp_path, text)
+
+
+def make_env(tmp_path, text, **grid):
+    env = {k: v for k, v in os.environ.items() if k not in GRID_VARS}
+    env.update(PRESET='smoke', DATA_FILE=str(text), OUT=str(tmp_path / 'out'), QKGEOM_CACHE=str(tmp_path / 'cache'),
+               JOBS='2', PYTHON=sys.executable, CUDA_VISIBLE_DEVICES='')  # tests never need a GPU
+    env.update(grid)
+    return env
+
+
+def sweep(env, *args, timeout=300, **overrides):
+    return subprocess.run(['bash', os.path.join(HERE, 'sweep.sh'), *args], env={**env, **overrides}, cwd=HERE,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_list(out):
+    with open(os.path.join(out, 'runs.txt')) as f:
+        return [line.split()[0] for line in f if line.strip()]
+
+
+def done_mtimes(out):
+    return {name: os.stat(os.path.join(out, name, 'done.json')).st_mtime_ns
+            for name in os.listdir(out) if os.path.exists(os.path.join(out, name, 'done.json'))}
+
+
+def metric_iters(run_dir):
+    with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+        return [json.loads(line)['iter'] for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------- end to end
+
+SMALL_GRID = dict(DEPTHS='4 6', INITS='normal tied', SEEDS='1', CONTROL_SEEDS='1')
+SMALL_RUNS = {'L4_normal_s1', 'L4_tied_s1', 'L6_normal_s1', 'L6_tied_s1',  # the study
+              'L4_normal_shrink-k_s1', 'L4_normal_freeze-k_s1'}           # control; its none run is L4_normal_s1
+
+
+@pytest.fixture(scope='module')
+def finished_sweep(tmp_path_factory):
+    """One smoke sweep over a small grid, run to the end (with the analysis): (env, result)."""
+    tmp = tmp_path_factory.mktemp('sweep')
+    text = tmp / 'corpus.txt'
+    text.write_text(synthetic_text(50_000), encoding='utf-8')
+    env = make_env(tmp, text, **SMALL_GRID)
+    return env, sweep(env)
+
+
+def test_smoke_sweep_trains_every_run_then_analyses(finished_sweep):
+    env, res = finished_sweep
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = env['OUT']
+    assert set(run_list(out)) == SMALL_RUNS and len(run_list(out)) == len(SMALL_RUNS)  # the shared run once
+    assert set(done_mtimes(out)) == SMALL_RUNS
+    for name in SMALL_RUNS:
+        cfg = json.load(open(os.path.join(out, name, 'config.json')))
+        assert cfg['run_name'] == name and cfg['max_iters'] == 6 and cfg['n_embd'] == 16  # the smoke preset
+        assert cfg['control'] == ('shrink' if 'shrink' in name else 'freeze' if 'freeze' in name else 'none')
+        assert metric_iters(os.path.join(out, name))[-1] == 6
+        assert os.path.getsize(os.path.join(out, 'logs', f'{name}.log')) > 0
+    # one progress line per run, numbered 1..N in the order they finish, with a time and an ETA
+    lines = PROGRESS.findall(res.stdout)
+    assert [int(k) for k, *_ in lines] == list(range(1, 7)) and {n for _, _, n, _ in lines} == SMALL_RUNS
+    assert all(total == '6' and 'ETA' in rest for _, total, _, rest in lines)
+    assert '6 trained now, 0 failed' in res.stdout
+
+
+def test_smoke_sweep_writes_the_analysis(finished_sweep):
+    env, res = finished_sweep
+    if not os.path.exists(os.path.join(HERE, 'analyze.py')):
+        pytest.skip('analyze.py is not in the repository yet: sweep.sh skips the analysis step')
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert os.path.isfile(os.path.join(env['OUT'], 'analysis', 'REPORT.md')), res.stdout
+    assert os.path.getsize(os.path.join(env['OUT'], 'logs', 'analyze.log')) > 0
+
+
+def test_second_invocation_skips_every_run(finished_sweep):
+    env, first = finished_sweep
+    assert first.returncode == 0, first.stdout + first.stderr
+    out = env['OUT']
+    before = done_mtimes(out)
+    logs = {n: os.path.getsize(os.path.join(out, 'logs', f'{n}.log')) for n in SMALL_RUNS}
+    res = sweep(env, ANALYZE='0')
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert done_mtimes(out) == before  # no run retrained
+    assert logs == {n: os.path.getsize(os.path.join(out, 'logs', f'{n}.log')) for n in SMALL_RUNS}  # none started
+    lines = PROGRESS.findall(res.stdout)
+    assert {n for *_, n, _ in lines} == SMALL_RUNS and all(rest.startswith('skipped') for *_, rest in lines)
+    assert '6 skipped (done before), 0 trained now' in res.stdout
+
+
+# ----------------------------------------------------------------------------- stop and restart
+
+def test_stopped_sweep_finishes_on_restart_without_repeating_work(sweep_env):
+    env = {**sweep_env, 'DEPTHS': '4', 'INITS': 'normal tied', 'SEEDS': '1 2', 'CONTROL_SEEDS': '', 'ANALYZE': '0'}
+    # long enough runs that the signal finds one training; its only checkpoint is the one the signal makes
+    args = ['--max_iters=1500', '--eval_interval=500', '--geom_interval=500', '--ckpt_interval=100000']
+    out = env['OUT']
+    proc = subprocess.Popen(['bash', os.path.join(HERE, 'sweep.sh'), *args], env=env, cwd=HERE, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 150
+    while time.time() < deadline and proc.poll() is None:
+        names = [n for n in os.listdir(out) if n.startswith('L')] if os.path.isdir(out) else []
+        done = [n for n in names if os.path.exists(os.path.join(out, n, 'done.json'))]
+        training = [n for n in names if n not in done and os.path.exists(os.path.join(out, n, 'metrics.jsonl'))]
+        if len(done) >= 2 and training:  # the first two ran side by side: a third or fourth is now training
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, 'the sweep ended before it could be stopped midway:\n' + proc.stdout.read()
+    os.killpg(proc.pid, signal.SIGTERM)  # what Ctrl-C or a scheduler does: the whole process group
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stdout
+    assert 'stopped by SIGTERM' in stdout and 'run the same command again' in stdout
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # no worker or train.py outlives the sweep
+    before = done_mtimes(out)
+    partial = [n for n in os.listdir(out) if n.startswith('L') and n not in before
+               and os.path.exists(os.path.join(out, n, 'ckpt.pt'))]
+    assert before and partial, stdout  # finished runs and at least one stopped midway with a checkpoint
+    assert len(before) < 4
+
+    res = sweep(env, *args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert set(done_mtimes(out)) == {'L4_normal_s1', 'L4_tied_s1', 'L4_normal_s2', 'L4_tied_s2'}
+    assert {n: t for n, t in done_mtimes(out).items() if n in before} == before  # not trained again
+    skipped = {n for *_, n, rest in PROGRESS.findall(res.stdout) if rest.startswith('skipped')}
+    assert skipped == set(before)
+    for name in partial:  # resumed from the checkpoint the signal made, not started over
+        assert 'resuming' in open(os.path.join(out, 'logs', f'{name}.log')).read()
+    for name in done_mtimes(out):
+        iters = metric_iters(os.path.join(out, name))
+        assert iters == sorted(set(iters)) and iters[-1] == 1500  # no iteration logged twice
+
+
+def test_a_second_sweep_on_the_same_out_is_refused(sweep_env):
+    os.makedirs(sweep_env['OUT'])
+    with open(os.path.join(sweep_env['OUT'], '.sweep.pid'), 'w') as f:
+        f.write(str(os.getpid()))  # a live process holds it
+    res = sweep(sweep_env, DEPTHS='4', INITS='normal', SEEDS='1', CONTROL_SEEDS='')
+    assert res.returncode == 2 and 'another sweep' in res.stderr
+    assert not os.path.exists(os.path.join(sweep_env['OUT'], 'L4_normal_s1'))
+
+
+# ----------------------------------------------------------------------------- failures
+
+def test_a_failing_run_is_reported_and_the_others_finish(sweep_env, tmp_path):
+    runs = tmp_path / 'runs.txt'
+    runs.write_text('# name, then its own settings\n'
+                    'first --n_layer=2 --seed=1\n'
+                    'broken --n_layer=2 --n_head=3\n'  # n_embd=16 is not divisible by 3: train.py refuses
+                    '\n'
+                    'last --n_layer=2 --seed=2\n')
+    res = sweep(sweep_env, RUN_LIST=str(runs), ANALYZE='0')
+    assert res.returncode == 1, res.stdout + res.stderr
+    out = sweep_env['OUT']
+    assert set(done_mtimes(out)) == {'first', 'last'}
+    log = os.path.join(out, 'logs', 'broken.log')
+    assert re.search(rf'\[\d/3\] broken, FAILED \(exit 2\) after .*see {re.escape(log)}', res.stdout)
+    assert f'FAILED broken: see {log}' in res.stdout and '2 trained now, 1 failed' in res.stdout
+
+
+def test_bad_settings_stop_the_sweep_before_any_run(sweep_env):
+    res = sweep(sweep_env, '--n_layr=2', DEPTHS='4', INITS='normal', SEEDS='1', CONTROL_SEEDS='')
+    assert res.returncode == 2 and 'nothing was run' in res.stderr
+    res = sweep(sweep_env, DATA_FILE='/no/such/file.txt')
+    assert res.returncode == 2 and 'DATA_FILE=/no/such/file.txt does not exist' in res.stderr
+    res = sweep(sweep_env, PRESET='huge')
+    assert res.returncode == 2 and 'unknown PRESET=huge' in res.stderr
+
+
+# ----------------------------------------------------------------------------- the grid (dry runs)
+
+def dry_commands(env, *args, **overrides):
+    res = sweep(env, *args, DRY_RUN='1', **overrides)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return [line for line in res.stdout.splitlines() if 'train.py' in line], res.stdout
+
+
+def test_the_full_grid_shares_the_control_baseline_with_the_study(sweep_env):
+    cmds, _ = dry_commands(sweep_env, '--lr=2e-3')
+    names = [re.search(r'--run_name=(\S+)', c).group(1) for c in cmds]
+    study = {f'L{d}_{i}_s{s}' for d in (4, 6, 8) for i in ('normal', 'orthogonal', 'tied') for s in (1, 2, 3, 4)}
+    control = {f'L4_normal{c}_s{s}' for c in ('', '_shrink-k', '_freeze-k') for s in range(1, 6)}
+    assert len(names) == len(set(names)) == 47 and set(names) == study | control  # L4_normal_s1..4 in both
+    assert all(c.endswith('--lr=2e-3') for c in cmds)  # extra arguments last, so they win
+    assert all('--control=shrink --control_target=k' in c for c in cmds if '_shrink-k_' in c)
+    mirror, _ = dry_commands(sweep_env, MIRROR='1')
+    assert len(mirror) == 57 and sum('--control_target=q' in c for c in mirror) == 10
+    deeper, _ = dry_commands(sweep_env, CONTROL_DEPTH='6')
+    assert len(deeper) == 47 and sum(bool(re.search(r'--run_name=L6_normal_s\d', c)) for c in deeper) == 5
+    assert len(dry_commands(sweep_env, CONTROL_SEEDS='')[0]) == 36
+
+
+def test_workers_split_the_cpu_threads_and_the_gpus(sweep_env):
+    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+    cmds, out = dry_commands(sweep_env, JOBS='1')
+    assert all(f'--threads={ncpu}' in c for c in cmds) and 'on CPU' in out
+    cmds, out = dry_commands(sweep_env, JOBS=str(2 * ncpu))
+    assert all('--threads=1' in c for c in cmds)
+    _, out = dry_commands(sweep_env, CUDA_VISIBLE_DEVICES='0,1', JOBS='4')
+    assert 'JOBS=4 on GPUs 0 1 (round-robin)' in out
+
+
+# ----------------------------------------------------------------------------- Slurm
+
+def test_slurm_dry_run_writes_an_array_of_the_runs_left(sweep_env):
+    out = sweep_env['OUT']
+    res = sweep(sweep_env, BACKEND='slurm', DRY_RUN='1', JOBS='3')
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert '#SBATCH --array=0-46%3' in res.stdout and 'not submitted' in res.stdout
+    assert re.search(r'^sbatch --parsable --dependency=afterok:JOBID \S+/analyze.sbatch$', res.stdout, re.M)
+    (folder,) = os.listdir(os.path.join(out, 'slurm'))
+    folder = os.path.join(out, 'slurm', folder)
+    assert subprocess.run(['bash', '-n', os.path.join(folder, 'array.sbatch')]).returncode == 0
+    assert len(open(os.path.join(folder, 'runs.txt')).read().splitlines()) == 47
+    for name in ('L4_normal_s1', 'L8_tied_s4'):  # finished runs are left out of the next array
+        os.makedirs(os.path.join(out, name))
+        open(os.path.join(out, name, 'done.json'), 'w').write('{}')
+    res = sweep(sweep_env, BACKEND='slurm', DRY_RUN='1', MIRROR='1', JOBS='')  # at most 8 at once by default
+    assert '#SBATCH --array=0-54%8' in res.stdout
+
+
+FAKE_SBATCH = r'''#!/usr/bin/env python3
+"""Stand-in for sbatch: logs its arguments, runs each task of an array job here, one after another."""
+import os, re, subprocess, sys
+script = sys.argv[-1]
+with open(os.environ['SBATCH_LOG'], 'a') as f:
+    f.write(' '.join(sys.argv[1:]) + '\n')
+m = re.search(r'^#SBATCH --array=(\d+)-(\d+)', open(script).read(), re.M)
+if m and '--dependency' not in ' '.join(sys.argv):
+    for task in range(int(m.group(1)), int(m.group(2)) + 1):
+        env = dict(os.environ, SLURM_ARRAY_TASK_ID=str(task), SLURM_ARRAY_JOB_ID='4242', SLURM_CPUS_PER_TASK='1')
+        subprocess.run(['bash', script], env=env, check=True)
+print('4242' if m else '4243')
+'''
+
+
+def test_slurm_array_tasks_train_the_runs_and_the_analysis_waits_for_them(sweep_env, tmp_path):
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    (bin_dir / 'sbatch').write_text(FAKE_SBATCH)
+    (bin_dir / 'sbatch').chmod(0o755)
+    env = {**sweep_env, 'PATH': f"{bin_dir}{os.pathsep}{os.environ['PATH']}", 'SBATCH_LOG': str(tmp_path / 'calls'),
+           'DEPTHS': '4', 'INITS': 'normal tied', 'SEEDS': '1', 'CONTROL_SEEDS': ''}
+    res = sweep(env, BACKEND='slurm', SBATCH_ARGS='--partition=test')
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert 'submitted job array 4242' in res.stdout
+    assert set(done_mtimes(env['OUT'])) == {'L4_normal_s1', 'L4_tied_s1'}
+    assert 'slurm task 4242_1' in open(os.path.join(env['OUT'], 'logs', 'L4_tied_s1.log')).read()
+    calls = open(env['SBATCH_LOG']).read().splitlines()
+    assert calls[0].startswith('--parsable --partition=test') and calls[0].endswith('array.sbatch')
+    if os.path.exists(os.path.join(HERE, 'analyze.py')):
+        assert '--dependency=afterok:4242' in calls[1] and calls[1].endswith('analyze.sbatch')
