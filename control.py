@@ -35,9 +35,10 @@ import torch
 import geometry
 
 # alpha in [e^-30, e^30] ~ [1e-13, 1e13]: at the ends PR(s^alpha) equals its limits (rank; the top
-# value's multiplicity) to float64 precision, and 64 halvings narrow that bracket to float64 resolution
+# value's multiplicity) to float64 precision. 44 halvings narrow log(alpha) to 60 / 2^44 ~ 3e-12, far
+# inside the 1e-6 the PR must reach; each halving costs as much as the SVD at small widths
 LOG_ALPHA_MIN, LOG_ALPHA_MAX = -30.0, 30.0
-BISECT_ITERS = 64
+BISECT_ITERS = 44
 # a target outside the reachable range by more than this (relative) is worth a warning, round-off is not
 REACH_RTOL = 1e-9
 
