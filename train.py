@@ -513,13 +513,22 @@ def model_ckpt_iters(cfg):
     return {0, m} | {int(round(m ** (i / max(1, n - 2)))) for i in range(n - 1)} if n > 2 else {0, m}
 
 
+def loss_iters(cfg):
+    """Iterations whose record has train_loss and val_loss (estimated on eval_iters batches): every
+    eval_interval, the first and the last (and the model-checkpoint iterations when geometry is off)."""
+    m = cfg['max_iters']
+    its = {0, m} | set(range(0, m + 1, cfg['eval_interval']))
+    return its if cfg['geom_interval'] else its | model_ckpt_iters(cfg)
+
+
 def log_iters(cfg):
-    """Iterations that get a metrics record: 0,1,2,4,... early (the fast change), then every
-    eval_interval and geom_interval, the model-checkpoint iterations, and the last."""
+    """Iterations that get a metrics record: the loss iterations and, with geometry on, 0,1,2,4,... early
+    (the fast change), every geom_interval and the model-checkpoint iterations."""
     m, g = cfg['max_iters'], cfg['geom_interval']
-    its = {0, m} | set(range(0, m + 1, cfg['eval_interval'])) | model_ckpt_iters(cfg)
+    its = loss_iters(cfg)
     if g:
         its |= set(range(0, m + 1, g)) | {2 ** i for i in range(int(math.log2(g)) + 1) if 2 ** i <= m}
+        its |= model_ckpt_iters(cfg)
     return its
 
 
@@ -544,18 +553,19 @@ def estimate_loss(model, data, cfg, dev, ctx):
 
 
 @torch.no_grad()
-def measure_geometry(model, eval_x, n_head):
-    """Per layer: every weight metric of W_Q, W_K, W_QK and every token metric on the eval batch."""
+def measure_geometry(model, eval_x, eval_y, n_head):
+    """Per layer: every weight metric of W_Q, W_K, W_QK and every token metric on the evaluation batch;
+    and the loss on that batch, which the same forward pass gives for free."""
     model.eval()
     probe = []
-    model(eval_x, probe=probe)  # float32, explicit attention
+    loss = model(eval_x, eval_y, probe=probe)[1].item()  # float32, explicit attention
     model.train()
     layers = []
     for (wq, wk), (q, k, att) in zip(model.qk_weights(), probe):
         row = geometry.layer_geometry(wq, wk, n_head)
         row.update(geometry.token_geometry(q, k, att, n_head))
         layers.append(row)
-    return layers
+    return loss, layers
 
 
 # ----------------------------------------------------------------------------- run folder plumbing
@@ -707,9 +717,9 @@ def train(cfg):
                           f"({len(train_data)} train, {len(val_data)} val characters); lower --block_size")
     data_gen = torch.Generator().manual_seed(cfg['seed'])
     eval_gen = torch.Generator().manual_seed(EVAL_SEED)
-    eval_x, _ = get_batch(val_data, random_offsets(val_data, (cfg['eval_windows'],), cfg['block_size'], eval_gen),
-                          cfg['block_size'])
-    eval_x = eval_x.to(dev)
+    eval_x, eval_y = get_batch(val_data, random_offsets(val_data, (cfg['eval_windows'],), cfg['block_size'],
+                                                        eval_gen), cfg['block_size'])
+    eval_x, eval_y = eval_x.to(dev), eval_y.to(dev)
 
     # ---- model and optimizer
     gcfg = GPTConfig(meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'], cfg['n_embd'],
@@ -748,10 +758,12 @@ def train(cfg):
     stop, stopping = [], False
     old_handlers = {sig: signal.signal(sig, lambda s, f: stop.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    def leave():
+    def leave(together=False):
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
         if ddp:
+            if together:  # every rank got here: let rank 0 finish writing before the group goes
+                dist.barrier()
             dist.destroy_process_group()
 
     def checkpoint(it):
@@ -762,7 +774,7 @@ def train(cfg):
                         ckpt_path)
 
     # ---- the loop
-    logs, ckpts = log_iters(cfg), model_ckpt_iters(cfg)
+    logs, evals, ckpts = log_iters(cfg), loss_iters(cfg), model_ckpt_iters(cfg)
     micro = cfg['grad_accum'] // world
     tokens_per_iter = cfg['batch_size'] * cfg['grad_accum'] * cfg['block_size']
     metrics = open(os.path.join(run_dir, 'metrics.jsonl'), 'a') if master else None
@@ -774,18 +786,20 @@ def train(cfg):
         if master and it in logs:
             t0 = time.time()
             ms = 1000 * (t0 - t_mark) / (it - it_mark) if it > it_mark else float('nan')
-            losses = estimate_loss(model, {'train': train_data, 'val': val_data}, cfg, dev, ctx)
-            row = {'iter': it, 'tokens': it * tokens_per_iter, 'lr': get_lr(it, cfg),
-                   'train_loss': losses['train'], 'val_loss': losses['val']}
-            if not math.isfinite(losses['train'] + losses['val']):
-                leave()
-                nan_stop(losses['train'] + losses['val'], it, cfg)
+            row = {'iter': it, 'tokens': it * tokens_per_iter, 'lr': get_lr(it, cfg)}
+            if it in evals:
+                losses = estimate_loss(model, {'train': train_data, 'val': val_data}, cfg, dev, ctx)
+                row.update(train_loss=losses['train'], val_loss=losses['val'])
             t1 = time.time()
             if cfg['geom_interval']:
-                row['layers'] = measure_geometry(model, eval_x, cfg['n_head'])
+                row['eval_loss'], row['layers'] = measure_geometry(model, eval_x, eval_y, cfg['n_head'])
                 for layer, ctl_row in zip(row['layers'], spectrum_control.report(ctl)):
                     layer.update(ctl_row)
                 save_qk(model, run_dir, it, cfg)
+            bad = [v for key, v in row.items() if key.endswith('_loss') and not math.isfinite(v)]
+            if bad:
+                leave()
+                nan_stop(bad[0], it, cfg)
             if it in ckpts:
                 os.makedirs(os.path.join(run_dir, 'models'), exist_ok=True)
                 atomic_save({'model': model.state_dict(), 'model_config': gcfg.__dict__, 'iter': it},
@@ -802,7 +816,7 @@ def train(cfg):
         if stopping or (it > start and it % cfg['ckpt_interval'] == 0):
             checkpoint(it)
         if stopping:
-            leave()
+            leave(together=True)
             sig = stop[0] if stop else signal.SIGTERM
             print(f"stopped by signal {signal.Signals(sig).name} at iteration {it}; checkpoint saved in "
                   f"{ckpt_path}. Run the same command again to resume.", flush=True)
@@ -855,7 +869,7 @@ def train(cfg):
         write_json(done, os.path.join(run_dir, 'done.json'))
         print(f"done in {fmt_time(elapsed)}: val loss {done['val_loss']:.4f}; geometry logging took "
               f"{100 * share(t_geom):.1f}% and control {100 * share(t_ctl):.1f}% of wall time")
-    leave()
+    leave(together=True)
     return run_dir
 
 
@@ -905,9 +919,13 @@ def print_record(row, ms, tokens_per_iter, cfg, start, t_start):
     it = row['iter']
     done_frac = (it - start) / max(1, cfg['max_iters'] - start)
     eta = (time.time() - t_start) * (1 - done_frac) / done_frac if done_frac > 0 else float('nan')
-    msg = (f"iter {it}: train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, lr {row['lr']:.2e}, "
-           f"{ms:.1f} ms/iter, {1000 * tokens_per_iter / ms:.0f} tok/s, "
-           f"ETA {fmt_time(eta) if eta == eta else '-'}")
+    msg = f"iter {it}: "
+    if 'val_loss' in row:
+        msg += f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, "
+    if 'eval_loss' in row:
+        msg += f"eval batch {row['eval_loss']:.4f}, "
+    msg += (f"lr {row['lr']:.2e}, {ms:.1f} ms/iter, {1000 * tokens_per_iter / ms:.0f} tok/s, "
+            f"ETA {fmt_time(eta) if eta == eta else '-'}")
     if row.get('layers'):
         mean = lambda key: np.mean([layer[key] for layer in row['layers']])
         msg += f" | pr_q {mean('pr_q'):.1f} pr_k {mean('pr_k'):.1f} entropy {mean('entropy'):.3f}"
