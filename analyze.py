@@ -317,9 +317,7 @@ def evaluation_batch(cfg, data_file='', data_dir='', cache_dir=''):
         raise Skip(f"the text found ({', '.join(meta['source'])}) is not the one the run was trained on (its "
                    f"SHA-256 differs from data_sha256 in config.json): the evaluation windows would differ; pass "
                    f"--data_file or --data_dir pointing to the same text")
-    gen = torch.Generator().manual_seed(train.EVAL_SEED)
-    offsets = train.random_offsets(val, (cfg['eval_windows'],), cfg['block_size'], gen)
-    return train.get_batch(val, offsets, cfg['block_size'])[0]
+    return train.eval_batch(val, cfg)[0]
 
 
 def load_model(path):

@@ -374,6 +374,14 @@ def random_offsets(data, shape, block_size, generator):
     return torch.randint(len(data) - block_size - 1, shape, generator=generator)
 
 
+def eval_batch(val_data, cfg):
+    """The fixed evaluation batch for entropy and token-level PR: eval_windows validation windows drawn from
+    EVAL_SEED, the same tokens for every run whatever its seed (analyze.py rebuilds it from config.json)."""
+    gen = torch.Generator().manual_seed(EVAL_SEED)
+    return get_batch(val_data, random_offsets(val_data, (cfg['eval_windows'],), cfg['block_size'], gen),
+                     cfg['block_size'])
+
+
 # ----------------------------------------------------------------------------- model
 
 @dataclass
@@ -716,10 +724,7 @@ def train(cfg):
         raise ConfigError(f"block_size={cfg['block_size']} is larger than the data "
                           f"({len(train_data)} train, {len(val_data)} val characters); lower --block_size")
     data_gen = torch.Generator().manual_seed(cfg['seed'])
-    eval_gen = torch.Generator().manual_seed(EVAL_SEED)
-    eval_x, eval_y = get_batch(val_data, random_offsets(val_data, (cfg['eval_windows'],), cfg['block_size'],
-                                                        eval_gen), cfg['block_size'])
-    eval_x, eval_y = eval_x.to(dev), eval_y.to(dev)
+    eval_x, eval_y = (t.to(dev) for t in eval_batch(val_data, cfg))
 
     # ---- model and optimizer
     gcfg = GPTConfig(meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'], cfg['n_embd'],
