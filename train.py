@@ -18,6 +18,7 @@ import ast
 import builtins
 import contextlib
 import difflib
+import functools
 import hashlib
 import json
 import math
@@ -313,14 +314,14 @@ def prepare_data(cfg):
         if not os.path.isfile(path):
             raise ConfigError(f'data_file {path} does not exist; pass the path of a UTF-8 text file')
         sources = [path]
-        text = open(path, encoding='utf-8').read()
-        cut = int(0.9 * len(text))
-        if cut < 2 * cfg['block_size'] + 2 or len(text) - cut < cfg['block_size'] + 2:
-            raise ConfigError(f"{path} has {len(text)} characters: too short for block_size="
-                              f"{cfg['block_size']} (the 10% validation part needs more than block_size); "
-                              f"use a longer text or a smaller --block_size")
-        train_chunks = lambda: [text[:cut]]
-        val_chunks = lambda: [text[cut:]]
+
+        @functools.lru_cache(maxsize=1)
+        def split():  # read only when the cache has to be built, and then once
+            text = open(path, encoding='utf-8').read()
+            cut = int(0.9 * len(text))
+            return text[:cut], text[cut:]
+        train_chunks = lambda: [split()[0]]
+        val_chunks = lambda: [split()[1]]
         name = os.path.basename(path)
     else:
         if cfg['dataset'] != 'wikitext103':
@@ -345,7 +346,12 @@ def prepare_data(cfg):
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)  # another process finished it first
         print(f"encoded {meta['n_train'] + meta['n_val']:,} characters in {time.time() - t0:.1f}s into {folder}")
-    return load_cache(folder, digest)
+    train, val, meta = load_cache(folder, digest)
+    if len(train) < 2 * cfg['block_size'] + 2 or len(val) < cfg['block_size'] + 2:
+        raise ConfigError(f"{', '.join(sources)}: {len(train)} training and {len(val)} validation characters, "
+                          f"too short for block_size={cfg['block_size']} (the 10% validation part needs more than "
+                          f"block_size); use a longer text or a smaller --block_size")
+    return train, val, meta
 
 
 def load_cache(folder, digest):
@@ -720,9 +726,6 @@ def train(cfg):
 
     # ---- data
     train_data, val_data, meta = prepare_data(cfg)
-    if len(val_data) <= cfg['block_size'] + 1 or len(train_data) <= cfg['block_size'] + 1:
-        raise ConfigError(f"block_size={cfg['block_size']} is larger than the data "
-                          f"({len(train_data)} train, {len(val_data)} val characters); lower --block_size")
     data_gen = torch.Generator().manual_seed(cfg['seed'])
     eval_x, eval_y = (t.to(dev) for t in eval_batch(val_data, cfg))
 
