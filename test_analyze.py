@@ -7,6 +7,7 @@ import zlib
 
 import numpy as np
 import pytest
+from PIL import Image
 
 import analyze
 
@@ -274,11 +275,18 @@ def test_every_figure_is_written(tmp_path):
                  'fig5_control_q'):
         assert {stem + '.png', stem + '.pdf'} <= names, stem
         assert os.path.getsize(tmp_path / 'out' / (stem + '.png')) > 1000
+        with Image.open(tmp_path / 'out' / (stem + '.png')) as im:  # palette PNG, small enough to commit
+            assert im.mode == 'P' and im.size[0] > 300 and len(im.getcolors(256)) > 5
     for stem in ('runs', 'trajectories', 'trajectories_head', 'trajectories_tok', 'trajectory_summary',
                  'attention_link', 'attention_link_runs', 'control', 'control_effects'):
         assert {stem + '.csv', stem + '.md'} <= names, stem
     assert 'REPORT.md' in names and not res['figure_notes']
     assert any(e['target'] == 'q' for e in res['effects'])
+
+
+def test_clip_marks_where_the_console_cut():
+    assert analyze.clip('short', 10) == 'short'
+    assert analyze.clip('x' * 20, 10) == 'x' * 7 + '...'
 
 
 def test_absent_data_skips_a_figure_with_a_note(tmp_path):
