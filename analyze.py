@@ -1233,8 +1233,11 @@ def plot_control(runs, rows, target):
     bootstrap interval."""
     if not rows:
         raise Skip(f'no controlled runs (control_target={target})')
-    ctl_pr = 'pr_k' if target == 'k' else 'pr_q'
     cells = {(r['setting'], r['n_layer'], r['qk_init']) for r in rows}
+    # show the PR the control acts on: per head (mean over heads) in head scope, else the whole matrix
+    scopes = {r.cfg.get('control_scope', 'head') for r in runs if (r.setting, r.n_layer, r.qk_init) in cells
+              and r.control != 'none' and r.target == target}
+    ctl_pr = ('pr_k' if target == 'k' else 'pr_q') + ('_head' if scopes == {'head'} else '')
     fig = Figure(layout='constrained', figsize=(15, 4.3))
     ax_pr, ax_h, ax_d = fig.subplots(1, 3)
     colors = {'none': 'k', 'shrink': 'tab:blue', 'freeze': 'tab:red'}
@@ -1248,7 +1251,7 @@ def plot_control(runs, rows, target):
             v = np.nanmean(v, axis=2)   # layer mean, (S, T)
             ax.plot(iters, v.mean(0), color=colors[kind], label=f'{kind} ({len(group)} seeds)')
             ax.fill_between(iters, v.min(0), v.max(0), color=colors[kind], alpha=0.2, lw=0)
-    for ax, name in ((ax_pr, 'PR_K' if target == 'k' else 'PR_Q'), (ax_h, 'attention entropy (nats)')):
+    for ax, name in ((ax_pr, ctl_pr.upper().replace('_HEAD', ' per head')), (ax_h, 'attention entropy (nats)')):
         iteration_axis(ax)
         ax.set_ylabel(name)
         ax.legend(fontsize=7)

@@ -932,8 +932,8 @@ def print_record(row, ms, tokens_per_iter, cfg, start, t_start):
         msg += f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, "
     if 'eval_loss' in row:
         msg += f"eval batch {row['eval_loss']:.4f}, "
-    msg += (f"lr {row['lr']:.2e}, {ms:.1f} ms/iter, {1000 * tokens_per_iter / ms:.0f} tok/s, "
-            f"ETA {fmt_time(eta) if eta == eta else '-'}")
+    speed = f"{ms:.1f} ms/iter, {1000 * tokens_per_iter / ms:.0f} tok/s" if ms == ms else "- ms/iter"  # none yet at the start
+    msg += f"lr {row['lr']:.2e}, {speed}, ETA {fmt_time(eta) if eta == eta else '-'}"
     if row.get('layers'):
         mean = lambda key: np.mean([layer[key] for layer in row['layers']])
         msg += f" | pr_q {mean('pr_q'):.1f} pr_k {mean('pr_k'):.1f} entropy {mean('entropy'):.3f}"
