@@ -3,7 +3,7 @@
 # a lost session): running runs checkpoint, and the same command again trains only what is left.
 #
 #   bash sweep.sh                          # PRESET=paper: the study at train.py's GPU sizes, one run per GPU
-#   PRESET=cpu JOBS=2 bash sweep.sh        # CPU sizes on wiki.test.raw: under 1.5 h on 2 cores (README)
+#   PRESET=cpu JOBS=2 bash sweep.sh        # CPU sizes on wiki.test.raw: 30 min on 2 cores (README, Results)
 #   PRESET=smoke bash sweep.sh             # every run for a few iterations: checks the plumbing in minutes
 #   bash sweep.sh --max_iters=2000         # extra --key=value arguments go to every run
 #   BACKEND=slurm bash sweep.sh            # a Slurm job array, then the analysis as a dependent job
@@ -32,7 +32,7 @@ paper)  # train.py's defaults, sized for one GPU; nanoGPT quotes ~3 min on an A1
                  --eval_interval=250 --geom_interval=250 --eval_iters=20 --shrink_iters=2000)
     SLURM=(--gres=gpu:1 --cpus-per-task=4 --mem=16G --time=4:00:00)
     default_data='' ;;
-cpu)    # 47 runs (36 study + 11 control): ~85 min with JOBS=2 on a busy 2-core CPU, from timings (README)
+cpu)    # 47 runs (36 study + 15 control, 4 shared): 29.8 min with JOBS=2 on 2 idle CPU cores, measured (README)
     PRESET_ARGS=(--n_embd=64 --n_head=4 --block_size=64 --batch_size=16 --max_iters=2000
                  --eval_interval=200 --geom_interval=200 --eval_iters=10 --shrink_to=0.2 --shrink_iters=400)
     SLURM=(--cpus-per-task=1 --mem=2G --time=1:00:00)
