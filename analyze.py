@@ -17,6 +17,7 @@ depth (n_layer), qk_init, control, control_target and seed; what is missing from
     trajectory_summary             per variant: how many trajectories keep PR_Q - PR_K > 0, have PR_Q up and PR_K down
     attention_link[_runs]          within-run Spearman of PR_K, PR_QK and entropy over training
     control, control_effects       the control experiment: per seed, and paired differences against none
+    timeline                       PRs and entropy over training, mean over the runs of each group (which moves when)
     fig1..fig5 *.png (--pdf: also .pdf)
 
 (tables are .csv and .md). The first argument may name a subcommand (SUBCOMMANDS at the bottom);
@@ -912,6 +913,35 @@ def control_effect_rows(rows, target):
     return out
 
 
+TIMELINE_KEYS = ('pr_q', 'pr_k', 'pr_q_head', 'pr_k_head', 'pr_qk', 'entropy', 'entropy_norm')
+
+
+def timeline_rows(runs):
+    """Which quantity moves when: means over runs (of layer means) at every iteration that all runs of a
+    group logged. Groups are (setting, depth, init, control, target), plus every uncontrolled run of a
+    setting pooled (n_layer and qk_init 'all'); the numbers behind fig3 (left) and fig5."""
+    groups = defaultdict(list)
+    for r in runs:
+        if r.has_geometry:
+            groups[(r.setting, r.n_layer, r.qk_init, r.control, r.target)].append(r)
+            if r.control == 'none':
+                groups[(r.setting, 'all', 'all', 'none', '')].append(r)
+    order = lambda g: (g[0], g[1] != 'all', str(g[1]), init_order(g[2]), CONTROL_KINDS.index(g[3]), g[4])
+    rows = []
+    for (setting, depth, init, control, target) in sorted(groups, key=order):
+        group = groups[(setting, depth, init, control, target)]
+        common = reduce(np.intersect1d, [r.geom_iters for r in group])
+        keys = [k for k in TIMELINE_KEYS if all(k in r.layers for r in group)]
+        # (runs, iterations) per key: each run's mean over its layers, so every run weighs the same
+        vals = {k: np.stack([r.metric(k)[np.searchsorted(r.geom_iters, common)].mean(axis=1) for r in group])
+                for k in keys}
+        for i, it in enumerate(common):
+            rows.append({'setting': setting, 'n_layer': depth, 'qk_init': init, 'control': control,
+                         'control_target': target, 'n_runs': len(group), 'iter': int(it),
+                         **{k: float(v[:, i].mean()) for k, v in vals.items()}})
+    return rows
+
+
 def missing_runs(runs):
     """Lines naming what the full study lacks: the grid of uncontrolled runs (setting A) and the control
     experiment (none, shrink, freeze x CONTROL_SEEDS where controlled runs were found)."""
@@ -1596,6 +1626,10 @@ def analyze(paths, out=None, pdf=False, figures=True, log=print):
         tables += write_table(ctl_rows['k'] + ctl_rows['q'], out, 'control')
     if effects:
         tables += write_table(effects, out, 'control_effects')
+
+    timeline = timeline_rows(runs)
+    if timeline:
+        tables += write_table(timeline, out, 'timeline')
 
     # figures
     written, figure_notes = [], []

@@ -284,6 +284,26 @@ def test_every_figure_is_written(tmp_path):
     assert any(e['target'] == 'q' for e in res['effects'])
 
 
+def test_timeline_is_the_mean_over_runs_of_layer_means(tmp_path):
+    root = str(tmp_path)
+    write_run(root, 'L2_normal_s1', n_layer=2, seed=1)
+    write_run(root, 'L3_normal_s1', n_layer=3, seed=1, iters=LOG_ITERS[:-1], max_iters=100)  # one record fewer
+    write_run(root, 'L2_normal_shrink-k_s1', n_layer=2, seed=1, control='shrink')
+    res = run_analysis(root)
+    rows = analyze.read_table(os.path.join(res['out'], 'timeline.csv'))
+    pooled = [r for r in rows if r['n_layer'] == 'all']
+    assert [r['iter'] for r in pooled] == list(LOG_ITERS[:-1]) and {r['n_runs'] for r in pooled} == {2}
+    def layer_mean(name, it):
+        for line in open(os.path.join(root, name, 'metrics.jsonl')):
+            rec = json.loads(line)
+            if rec['iter'] == it:
+                return np.mean([layer['pr_k'] for layer in rec['layers']])
+    expected = (layer_mean('L2_normal_s1', 50) + layer_mean('L3_normal_s1', 50)) / 2
+    assert next(r for r in pooled if r['iter'] == 50)['pr_k'] == pytest.approx(expected, rel=1e-9)
+    shrink = [r for r in rows if r['control'] == 'shrink']
+    assert len(shrink) == len(LOG_ITERS) and shrink[-1]['pr_k'] == pytest.approx(layer_mean('L2_normal_shrink-k_s1', 100))
+
+
 def test_clip_marks_where_the_console_cut():
     assert analyze.clip('short', 10) == 'short'
     assert analyze.clip('x' * 20, 10) == 'x' * 7 + '...'
