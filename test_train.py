@@ -192,6 +192,7 @@ def test_tiny_run_writes_every_file_and_snapshots_reproduce_the_log(tmp_path, te
     assert cfg['n_layer'] == 2 and cfg['torch'] == torch.__version__ and cfg['device'] == 'cpu'
     done = json.load(open(os.path.join(run_dir, 'done.json')))
     assert done['iter'] == 16 and done['val_loss'] == rows[-1]['val_loss']
+    assert done['control_share'] == 0 and 0 < done['geometry_share'] < 1   # no control ran
     for row in rows:
         snap = np.load(os.path.join(run_dir, 'snapshots', f"qk_{row['iter']:07d}.npz"))
         assert snap['q'].dtype == np.float32 and snap['q'].shape == (2, 32, 32)

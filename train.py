@@ -858,9 +858,10 @@ def train(cfg):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         # -- key-spectrum control: reshape the controlled spectra after the step (the causal experiment)
-        t0 = time.time()
-        spectrum_control.apply(ctl, cfg, model.qk_weights(), it + 1)
-        t_ctl += time.time() - t0
+        if cfg['control'] != 'none':  # a none run reports a control share of exactly 0
+            t0 = time.time()
+            spectrum_control.apply(ctl, cfg, model.qk_weights(), it + 1)
+            t_ctl += time.time() - t0
 
     # ---- finish: final state, then done.json last so a sweep knows the run is complete
     if master:
@@ -875,8 +876,9 @@ def train(cfg):
         share = lambda t: t / max(time.time() - t_start, 1e-9)  # of this process's wall time
         done.update(wall_time=elapsed, geometry_share=share(t_geom), control_share=share(t_ctl))
         write_json(done, os.path.join(run_dir, 'done.json'))
+        ctl_msg = f" and control {100 * share(t_ctl):.1f}%" if cfg['control'] != 'none' else ''
         print(f"done in {fmt_time(elapsed)}: val loss {done['val_loss']:.4f}; geometry logging took "
-              f"{100 * share(t_geom):.1f}% and control {100 * share(t_ctl):.1f}% of wall time")
+              f"{100 * share(t_geom):.1f}%{ctl_msg} of wall time")
     leave(together=True)
     return run_dir
 
