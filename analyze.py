@@ -1147,6 +1147,8 @@ def plot_pr_over_training(cells):
         ax.set_title(f'L{depth} {init} ({len(runs)} seeds)', fontsize=9)
         ax.set_ylabel('PR')
         iteration_axis(ax)
+        if depth != depths[-1]:
+            ax.set_xlabel('')  # the axes are shared: name them once, on the bottom row
     axes[-1][0].legend(fontsize=6, title='solid PR_Q, dashed PR_K', title_fontsize=6, ncol=2)  # deepest: every layer
     fig.suptitle('PR_Q and PR_K over training (seed mean, min-max band)')
     return fig
