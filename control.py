@@ -21,7 +21,8 @@ are, so the most reachable PR is the rank; a target outside the reachable range 
 one warning per run; a flat spectrum (every nonzero value equal) is left as it is, since no alpha
 changes its PR; an all-zero block is left as it is.
 
-train.py calls it in two places (the state is a plain dict, saved in checkpoints):
+train.py checks the settings with control.check_settings(cfg, n_layer) before training, then calls it in
+two places (the state is a plain dict, saved in checkpoints):
     state = control.record(cfg, model.qk_weights())        # at step 0
     control.apply(state, cfg, model.qk_weights(), step)    # after each optimizer step (step = 1, 2, ...)
 and merges control.report(state)[layer] into each layer's record in metrics.jsonl.
@@ -156,6 +157,19 @@ def parse_layers(text, n_layer):
     return layers
 
 
+def check_settings(cfg, n_layer):
+    """The controlled layers of an n_layer model, or a ValueError naming the control setting that cannot
+    work (train.py checks with this before training and shows it as a config error)."""
+    if cfg['control'] not in ('none', 'shrink', 'freeze'):
+        raise ValueError(f"control={cfg['control']!r} is not one of none, shrink, freeze")
+    if cfg['control_target'] not in ('k', 'q') or cfg['control_scope'] not in ('head', 'layer'):
+        raise ValueError('control_target must be k or q, and control_scope head or layer')
+    if cfg['control'] == 'shrink' and (cfg['shrink_to'] <= 0 or cfg['shrink_iters'] < 0):
+        raise ValueError(f"shrink needs shrink_to > 0 and shrink_iters >= 0, got {cfg['shrink_to']} "
+                         f"and {cfg['shrink_iters']}")
+    return parse_layers(cfg['control_layers'], n_layer)
+
+
 def _blocks(W, scope, n_head):
     """The controlled blocks of one weight, float64 on the CPU: (n_head, d, C) heads or (1, C, C)."""
     return geometry.split_heads(W, n_head) if scope == 'head' else W.detach().to('cpu', torch.float64)[None]
@@ -167,14 +181,7 @@ def record(cfg, qk_weights):
     qk_weights: a list per layer of (W_Q, W_K) pairs. The state is a plain dict of Python values,
     so it goes into a checkpoint and comes back with torch.load(weights_only=True).
     """
-    if cfg['control'] not in ('none', 'shrink', 'freeze'):
-        raise ValueError(f"control={cfg['control']!r} is not one of none, shrink, freeze")
-    if cfg['control_target'] not in ('k', 'q') or cfg['control_scope'] not in ('head', 'layer'):
-        raise ValueError('control_target must be k or q, and control_scope head or layer')
-    if cfg['control'] == 'shrink' and (cfg['shrink_to'] <= 0 or cfg['shrink_iters'] < 0):
-        raise ValueError(f"shrink needs shrink_to > 0 and shrink_iters >= 0, got {cfg['shrink_to']} "
-                         f"and {cfg['shrink_iters']}")
-    layers = parse_layers(cfg['control_layers'], len(qk_weights))
+    layers = check_settings(cfg, len(qk_weights))
     if cfg['control'] == 'none':
         layers = []   # the baseline controls nothing and reports nothing
     side = 1 if cfg['control_target'] == 'k' else 0

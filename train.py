@@ -188,10 +188,6 @@ def check_config(cfg):
                           f"pick n_head among {[h for h in range(1, 17) if cfg['n_embd'] % h == 0]}")
     if cfg['qk_init'] not in QK_INITS:
         raise ConfigError(f"qk_init={cfg['qk_init']!r} is not one of {sorted(QK_INITS)}")
-    if cfg['control'] not in ('none', 'shrink', 'freeze'):
-        raise ConfigError(f"control={cfg['control']!r} is not one of none, shrink, freeze")
-    if cfg['control_target'] not in ('k', 'q') or cfg['control_scope'] not in ('head', 'layer'):
-        raise ConfigError('control_target must be k or q, and control_scope head or layer')
     if cfg['dtype'] not in ('auto', 'float32', 'bfloat16'):
         raise ConfigError(f"dtype={cfg['dtype']!r} is not one of auto, float32, bfloat16")
     for key in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'grad_accum', 'eval_iters',
@@ -200,13 +196,10 @@ def check_config(cfg):
             raise ConfigError(f'{key}={cfg[key]} must be at least 1')
     if cfg['max_iters'] < 0 or cfg['geom_interval'] < 0:
         raise ConfigError('max_iters and geom_interval must be >= 0')
-    try:
-        spectrum_control.parse_layers(cfg['control_layers'], cfg['n_layer'])
+    try:  # control, control_target, control_scope, control_layers, shrink_to, shrink_iters
+        spectrum_control.check_settings(cfg, cfg['n_layer'])
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg['control'] == 'shrink' and (cfg['shrink_to'] <= 0 or cfg['shrink_iters'] < 0):
-        raise ConfigError(f"shrink needs shrink_to > 0 and shrink_iters >= 0, got {cfg['shrink_to']} "
-                          f"and {cfg['shrink_iters']}")
 
 
 # ----------------------------------------------------------------------------- data
