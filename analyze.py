@@ -274,12 +274,14 @@ def init_order(name):
     return STUDY_INITS.index(name) if name in STUDY_INITS else len(STUDY_INITS)
 
 
-def seed_stack(runs, key):
-    """The iterations logged by every run and a metric over them: (iters (T,), values (S, T, n_layer))."""
+def seed_stack(runs, key, layer_mean=False):
+    """The iterations logged by every run and a metric over them: (iters (T,), values (S, T, n_layer)), or
+    with layer_mean each run's mean over its layers, (S, T), which also stacks runs of different depths."""
     common = reduce(np.intersect1d, [r.geom_iters for r in runs])
     if len(common) == 0:
         raise Skip(f'runs {", ".join(r.path for r in runs)} share no logged iteration')
-    return common, np.stack([r.metric(key)[np.searchsorted(r.geom_iters, common)] for r in runs])
+    values = [r.metric(key)[np.searchsorted(r.geom_iters, common)] for r in runs]
+    return common, np.stack([v.mean(axis=1) for v in values] if layer_mean else values)
 
 
 # ---- token level, our runs: every saved model checkpoint on the run's own fixed evaluation batch
@@ -930,15 +932,15 @@ def timeline_rows(runs):
     rows = []
     for (setting, depth, init, control, target) in sorted(groups, key=order):
         group = groups[(setting, depth, init, control, target)]
-        common = reduce(np.intersect1d, [r.geom_iters for r in group])
         keys = [k for k in TIMELINE_KEYS if all(k in r.layers for r in group)]
-        # (runs, iterations) per key: each run's mean over its layers, so every run weighs the same
-        vals = {k: np.stack([r.metric(k)[np.searchsorted(r.geom_iters, common)].mean(axis=1) for r in group])
-                for k in keys}
-        for i, it in enumerate(common):
+        try:  # (runs, iterations) per key: each run's mean over its layers, so every run weighs the same
+            stacks = {k: seed_stack(group, k, layer_mean=True) for k in keys}
+        except Skip:
+            continue  # no iteration logged by every run of the group: nothing to average
+        for i, it in enumerate(stacks[keys[0]][0] if keys else []):
             rows.append({'setting': setting, 'n_layer': depth, 'qk_init': init, 'control': control,
                          'control_target': target, 'n_runs': len(group), 'iter': int(it),
-                         **{k: float(v[:, i].mean()) for k, v in vals.items()}})
+                         **{k: float(v[:, i].mean()) for k, (_, v) in stacks.items()}})
     return rows
 
 
@@ -1266,16 +1268,16 @@ def plot_control(runs, rows, target):
     if not rows:
         raise Skip(f'no controlled runs (control_target={target})')
     cells = {(r['setting'], r['n_layer'], r['qk_init']) for r in rows}
+    groups = {kind: [r for r in runs if (r.setting, r.n_layer, r.qk_init) in cells and r.control == kind
+                     and r.target == ('' if kind == 'none' else target) and r.has_geometry]
+              for kind in CONTROL_KINDS}
     # show the PR the control acts on: per head (mean over heads) in head scope, else the whole matrix
-    scopes = {r.cfg.get('control_scope', 'head') for r in runs if (r.setting, r.n_layer, r.qk_init) in cells
-              and r.control != 'none' and r.target == target}
+    scopes = {r.cfg.get('control_scope', 'head') for kind in ('shrink', 'freeze') for r in groups[kind]}
     ctl_pr = ('pr_k' if target == 'k' else 'pr_q') + ('_head' if scopes == {'head'} else '')
     fig = Figure(layout='constrained', figsize=(15, 4.3))
     ax_pr, ax_h, ax_d = fig.subplots(1, 3)
     colors = {'none': 'k', 'shrink': 'tab:blue', 'freeze': 'tab:red'}
-    for kind in CONTROL_KINDS:
-        group = [r for r in runs if (r.setting, r.n_layer, r.qk_init) in cells and r.control == kind
-                 and r.target == ('' if kind == 'none' else target) and r.has_geometry]
+    for kind, group in groups.items():
         if not group:
             continue
         for ax, key in ((ax_pr, ctl_pr), (ax_h, 'entropy')):
@@ -1629,6 +1631,7 @@ def analyze(paths, out=None, pdf=False, figures=True, log=print):
     if effects:
         tables += write_table(effects, out, 'control_effects')
 
+    # 4. which quantity moves when
     timeline = timeline_rows(runs)
     if timeline:
         tables += write_table(timeline, out, 'timeline')

@@ -43,7 +43,8 @@ def _first(mask):
 
 
 def _as_f64(x, name, ndim=None, min_ndim=0, shape_hint="", dtype=torch.float64):
-    """x as a float64 CPU tensor; ValueError on the wrong number of dims or on NaN/Inf."""
+    """x as a float64 CPU tensor (dtype=None: its own float precision, float32 at least); ValueError on the
+    wrong number of dims or on NaN/Inf."""
     if not isinstance(x, torch.Tensor):
         x = torch.from_numpy(np.array(x))  # a copy: from_numpy rejects negative strides
     x = x.detach().to(device="cpu", dtype=dtype or torch.promote_types(x.dtype, torch.float32))
