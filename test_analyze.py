@@ -3,7 +3,6 @@ folders (written directly, in train.py's format) with planted, opposite and no e
 import json
 import math
 import os
-import zlib
 
 import numpy as np
 import pytest
@@ -11,81 +10,15 @@ from PIL import Image
 
 import analyze
 
-LOG_ITERS = (0, 1, 2, 4, 8, 16, 32, 50, 64, 100)
+@pytest.fixture
+def synthetic_study(write_run):
+    """synthetic_study(root, effect, ...): uncontrolled runs over depths x inits x seeds, and the control
+    experiment (none, shrink, freeze x control_seeds) at depth control_depth, init normal."""
+    return lambda root, **kw: make_study(write_run, root, **kw)
 
 
-# ----------------------------------------------------------------------------- synthetic run folders
-
-def layer_record(pr_q, pr_k, pr_qk, entropy, n_head):
-    """One layer of a metrics.jsonl record with every key train.py logs (per-head lists included)."""
-    heads = lambda v: [float(v)] * n_head
-    rec = {'pr_q': pr_q, 'pr_k': pr_k, 'pr_q_head': pr_q / 2, 'pr_k_head': pr_k / 2,
-           'pr_q_heads': heads(pr_q / 2), 'pr_k_heads': heads(pr_k / 2), 'pr_qk': pr_qk, 'pr_qk_heads': heads(pr_qk),
-           'qk_spec_norm': 0.03, 'qk_fro_norm': 0.05, 'qk_spec_norm_heads': heads(0.03),
-           'qk_fro_norm_heads': heads(0.05), 'erank_q': pr_q * 1.5, 'erank_k': pr_k * 1.5, 'srank_q': 3.0,
-           'srank_k': 3.0, 'erank_qk': pr_qk * 1.5, 'tok_pr_q': pr_q - 1, 'tok_pr_k': pr_k - 1,
-           'tok_pr_q_head': pr_q / 3, 'tok_pr_k_head': pr_k / 3, 'tok_pr_q_heads': heads(pr_q / 3),
-           'tok_pr_k_heads': heads(pr_k / 3), 'tok_pr_qk': pr_qk / 2, 'tok_pr_qk_heads': heads(pr_qk / 2),
-           'entropy': entropy, 'entropy_norm': entropy / 3, 'entropy_heads': heads(entropy),
-           'entropy_norm_heads': heads(entropy / 3)}
-    return {k: float(v) if isinstance(v, (float, np.floating)) else v for k, v in rec.items()}
-
-
-def write_run(root, name, *, n_layer=2, qk_init='normal', seed=1, control='none', control_target='k', effect=1,
-              iters=LOG_ITERS, n_embd=8, n_head=2, snapshots=True, done=True, **cfg):
-    """A finished run folder. effect=+1 plants the study's claims (PR_Q up, PR_K down, PR_QK and entropy
-    following PR_K, shrink lowering and freeze raising entropy), -1 the opposite, 0 none (noise)."""
-    path = os.path.join(root, name)
-    os.makedirs(path)
-    config = dict(out_dir=root, run_name=name, n_layer=n_layer, n_head=n_head, n_embd=n_embd, qk_init=qk_init,
-                  seed=seed, control=control, control_target=control_target, control_scope='head', shrink_to=0.5,
-                  max_iters=iters[-1], lr=1e-3, warmup_iters=10, weight_decay=0.1, decay_qk=True, block_size=32,
-                  batch_size=8, eval_windows=4, data_file='corpus.txt', torch='test', device='cpu', git_commit=None,
-                  vocab_size=50, n_params=1000)
-    config.update(cfg)
-    with open(os.path.join(path, 'config.json'), 'w') as f:
-        json.dump(config, f)
-    seed_rng = np.random.default_rng(seed)             # shared by none/shrink/freeze of a seed: the pairing
-    pair_offset = seed_rng.normal(0, 0.05)
-    rng = np.random.default_rng(zlib.crc32(name.encode()))   # str hash() is salted per process
-    f = np.log1p(np.array(iters, dtype=float)) / math.log1p(iters[-1])    # progress 0 -> 1
-    walk = lambda: np.cumsum(rng.normal(0, 0.3, len(iters))) * (f > 0)
-    sign = {'none': 0, 'shrink': -1, 'freeze': +1}[control]
-    ctl_shift = effect * sign * 0.3 * f if effect else rng.normal(0, 0.05) * f
-    layers = []
-    for layer in range(n_layer):
-        if effect:
-            pr_q = 4 + effect * 2 * f + rng.normal(0, 0.02, len(f)) + 0.1 * layer
-            pr_k = 4 - effect * 2 * f + rng.normal(0, 0.02, len(f))
-            pr_qk = 2 + effect * 0.5 * (pr_k - 4) + rng.normal(0, 0.02, len(f))
-            ent = 1.5 + effect * 0.2 * (pr_k - 4) + rng.normal(0, 0.01, len(f))
-        else:
-            pr_q, pr_k = 4 + walk(), 4 + walk()
-            pr_qk, ent = 2 + rng.normal(0, 0.1, len(f)), 1.5 + rng.normal(0, 0.02, len(f))  # iid: no trend
-        if control == 'shrink':
-            pr_k = pr_k - 0.5 * f
-        layers.append((pr_q, pr_k, pr_qk, ent + pair_offset + ctl_shift))
-    with open(os.path.join(path, 'metrics.jsonl'), 'w') as fh:
-        for i, it in enumerate(iters):
-            row = {'iter': it, 'tokens': it * 256, 'lr': 1e-3, 'train_loss': 4 - f[i], 'val_loss': 4.1 - f[i],
-                   'layers': [layer_record(*(a[i] for a in L), n_head) for L in layers], 'time': 0.01 * it}
-            fh.write(json.dumps(row) + '\n')
-    if snapshots:
-        os.makedirs(os.path.join(path, 'snapshots'))
-        for it in (iters[0], iters[-1]):
-            q = rng.normal(0, 0.02, (n_layer, n_embd, n_embd)).astype(np.float32)
-            np.savez(os.path.join(path, 'snapshots', f'qk_{it:07d}.npz'), q=q, k=q * 0.9, n_head=n_head)
-    if done:
-        with open(os.path.join(path, 'done.json'), 'w') as fh:
-            json.dump({'iter': iters[-1], 'train_loss': 3.0, 'val_loss': 3.1, 'wall_time': 12.5,
-                       'geometry_share': 0.2}, fh)
-    return path
-
-
-def synthetic_study(root, effect=1, depths=(2,), inits=('normal', 'tied'), seeds=(1, 2, 3),
-                    control_seeds=(1, 2, 3, 4, 5), control_depth=3, **kw):
-    """Uncontrolled runs over depths x inits x seeds, and the control experiment (none, shrink, freeze
-    x control_seeds) at depth control_depth, init normal."""
+def make_study(write_run, root, effect=1, depths=(2,), inits=('normal', 'tied'), seeds=(1, 2, 3),
+               control_seeds=(1, 2, 3, 4, 5), control_depth=3, **kw):
     for depth in depths:
         for init in inits:
             for seed in seeds:
@@ -165,7 +98,7 @@ def test_paired_effect_and_verdicts():
 
 # ----------------------------------------------------------------------------- the analysis
 
-def test_planted_effect_holds(tmp_path):
+def test_planted_effect_holds(tmp_path, synthetic_study):
     res = run_analysis(synthetic_study(str(tmp_path)))
     assert verdicts(res) == {'a': 'holds', 'b': 'holds', 'c': 'holds', 'd': 'holds', 'e': 'holds',
                              'f': 'not measured'}
@@ -178,13 +111,13 @@ def test_planted_effect_holds(tmp_path):
     assert shrink['n'] == 5 and shrink['n_predicted'] == 5 and shrink['sign_p'] == 1 / 32
 
 
-def test_opposite_effect_does_not_hold(tmp_path):
+def test_opposite_effect_does_not_hold(tmp_path, synthetic_study):
     res = run_analysis(synthetic_study(str(tmp_path), effect=-1))
     assert verdicts(res) == {'a': 'does not hold', 'b': 'does not hold', 'c': 'does not hold',
                              'd': 'does not hold', 'e': 'does not hold', 'f': 'not measured'}
 
 
-def test_no_effect_is_neither(tmp_path):
+def test_no_effect_is_neither(tmp_path, synthetic_study):
     res = run_analysis(synthetic_study(str(tmp_path), effect=0))
     v = verdicts(res)
     # the statistical claims are inconclusive on noise; the share claims do not hold (random walks rarely
@@ -193,7 +126,7 @@ def test_no_effect_is_neither(tmp_path):
     assert v['a'] != 'holds' and v['b'] != 'holds'
 
 
-def test_trajectory_table_values(tmp_path):
+def test_trajectory_table_values(tmp_path, write_run):
     for seed in (1, 2):
         write_run(str(tmp_path), f'L2_normal_s{seed}', seed=seed)
     res = run_analysis(tmp_path)
@@ -205,7 +138,7 @@ def test_trajectory_table_values(tmp_path):
     assert rows[1]['n_seeds'] == 2 and rows[1]['gap_positive_share'] == 1.0
 
 
-def test_partial_sweep_lists_missing(tmp_path):
+def test_partial_sweep_lists_missing(tmp_path, write_run):
     for seed in (1, 2, 3):
         write_run(str(tmp_path), f'L4_normal_s{seed}', n_layer=4, seed=seed)
     write_run(str(tmp_path), 'L4_normal_shrink-k_s1', n_layer=4, seed=1, control='shrink')
@@ -219,7 +152,7 @@ def test_partial_sweep_lists_missing(tmp_path):
     assert 'L4 normal: seed 4' in open(os.path.join(res['out'], 'REPORT.md')).read()
 
 
-def test_corrupt_and_unfinished_runs_are_skipped_with_a_warning(tmp_path):
+def test_corrupt_and_unfinished_runs_are_skipped_with_a_warning(tmp_path, write_run, log_iters):
     root = str(tmp_path)
     for seed in (1, 2):
         write_run(root, f'L2_normal_s{seed}', seed=seed)
@@ -244,7 +177,7 @@ def test_corrupt_and_unfinished_runs_are_skipped_with_a_warning(tmp_path):
     assert 'duplicate' in skipped[os.path.join(root, 'copy', 'L2_normal_s1')]
     assert truncated not in skipped                   # a truncated last line is tolerated ...
     run = next(r for r in res['runs'] if r.path == truncated)
-    assert run.iters[-1] == LOG_ITERS[-1]             # ... and dropped
+    assert run.iters[-1] == log_iters[-1]             # ... and dropped
     for path in (bad_cfg, unfinished, broken, truncated):
         assert any(path in m for m in messages), path  # every warning names its folder
     report = open(os.path.join(res['out'], 'REPORT.md')).read()
@@ -254,7 +187,7 @@ def test_corrupt_and_unfinished_runs_are_skipped_with_a_warning(tmp_path):
     assert len(res['runs']) == 3
 
 
-def test_other_settings_are_kept_apart(tmp_path):
+def test_other_settings_are_kept_apart(tmp_path, write_run):
     root = str(tmp_path)
     for seed in (1, 2, 3):
         write_run(root, f'L2_normal_s{seed}', seed=seed)
@@ -265,7 +198,7 @@ def test_other_settings_are_kept_apart(tmp_path):
     assert any('lr=0.0003' in n for n in res['setting_notes'])
 
 
-def test_every_figure_is_written(tmp_path):
+def test_every_figure_is_written(tmp_path, write_run, synthetic_study):
     root = synthetic_study(str(tmp_path / 'runs'), seeds=(1, 2), control_seeds=(1, 2))
     write_run(os.path.join(root, 'mirror'), 'L3_normal_shrink-q_s1', n_layer=3, seed=1, control='shrink',
               control_target='q')
@@ -284,15 +217,15 @@ def test_every_figure_is_written(tmp_path):
     assert any(e['target'] == 'q' for e in res['effects'])
 
 
-def test_timeline_is_the_mean_over_runs_of_layer_means(tmp_path):
+def test_timeline_is_the_mean_over_runs_of_layer_means(tmp_path, write_run, log_iters):
     root = str(tmp_path)
     write_run(root, 'L2_normal_s1', n_layer=2, seed=1)
-    write_run(root, 'L3_normal_s1', n_layer=3, seed=1, iters=LOG_ITERS[:-1], max_iters=100)  # one record fewer
+    write_run(root, 'L3_normal_s1', n_layer=3, seed=1, iters=log_iters[:-1], max_iters=100)  # one record fewer
     write_run(root, 'L2_normal_shrink-k_s1', n_layer=2, seed=1, control='shrink')
     res = run_analysis(root)
     rows = analyze.read_table(os.path.join(res['out'], 'timeline.csv'))
     pooled = [r for r in rows if r['n_layer'] == 'all']
-    assert [r['iter'] for r in pooled] == list(LOG_ITERS[:-1]) and {r['n_runs'] for r in pooled} == {2}
+    assert [r['iter'] for r in pooled] == list(log_iters[:-1]) and {r['n_runs'] for r in pooled} == {2}
     def layer_mean(name, it):
         for line in open(os.path.join(root, name, 'metrics.jsonl')):
             rec = json.loads(line)
@@ -301,7 +234,7 @@ def test_timeline_is_the_mean_over_runs_of_layer_means(tmp_path):
     expected = (layer_mean('L2_normal_s1', 50) + layer_mean('L3_normal_s1', 50)) / 2
     assert next(r for r in pooled if r['iter'] == 50)['pr_k'] == pytest.approx(expected, rel=1e-9)
     shrink = [r for r in rows if r['control'] == 'shrink']
-    assert len(shrink) == len(LOG_ITERS) and shrink[-1]['pr_k'] == pytest.approx(layer_mean('L2_normal_shrink-k_s1', 100))
+    assert len(shrink) == len(log_iters) and shrink[-1]['pr_k'] == pytest.approx(layer_mean('L2_normal_shrink-k_s1', 100))
 
 
 def test_clip_marks_where_the_console_cut():
@@ -309,7 +242,7 @@ def test_clip_marks_where_the_console_cut():
     assert analyze.clip('x' * 20, 10) == 'x' * 7 + '...'
 
 
-def test_absent_data_skips_a_figure_with_a_note(tmp_path):
+def test_absent_data_skips_a_figure_with_a_note(tmp_path, write_run):
     write_run(str(tmp_path), 'L2_normal_s1', snapshots=False)
     res = run_analysis(tmp_path, figures=True)
     notes = ' '.join(res['figure_notes'])
@@ -320,7 +253,7 @@ def test_absent_data_skips_a_figure_with_a_note(tmp_path):
 
 # ----------------------------------------------------------------------------- command line
 
-def test_cli_errors_on_an_empty_folder(tmp_path, capsys):
+def test_cli_errors_on_an_empty_folder(tmp_path, capsys, write_run):
     (tmp_path / 'empty').mkdir()
     assert analyze.main([str(tmp_path / 'empty')]) == 2
     err = capsys.readouterr().err
@@ -333,7 +266,7 @@ def test_cli_errors_on_an_empty_folder(tmp_path, capsys):
     assert 'none of the 1 run folders is usable' in captured.err and 'no done.json' in captured.out
 
 
-def test_cli_summary_and_subcommand(tmp_path, capsys):
+def test_cli_summary_and_subcommand(tmp_path, capsys, write_run):
     write_run(str(tmp_path / 'a'), 'L2_normal_s1')
     write_run(str(tmp_path / 'b'), 'L2_normal_s2', seed=2)
     write_run(str(tmp_path / 'b'), 'L2_normal_s3', seed=3, done=False)

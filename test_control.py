@@ -375,15 +375,19 @@ def test_rank_deficient_float32_weight_keeps_its_zeros_over_many_steps():
 
 # ----------------------------------------------------------------------------- control inside train.py
 
-def _train_run(tmp_path, *extra):
-    import test_train
+@pytest.fixture
+def train_run(tmp_path, synthetic_text, tiny_config):
+    """train_run(*extra): a 24-iteration tiny run in tmp_path; returns its folder and records."""
     import train
     text = tmp_path / 'src' / 'corpus.txt'
-    if not text.exists():
-        text.parent.mkdir()
-        text.write_text(test_train.synthetic_text(40_000), encoding='utf-8')
-    run_dir = train.train(test_train.tiny_config(tmp_path, str(text), '--max_iters=24', *extra))
-    return run_dir, train.read_metrics(os.path.join(run_dir, 'metrics.jsonl'))
+
+    def run(*extra):
+        if not text.exists():
+            text.parent.mkdir()
+            text.write_text(synthetic_text(40_000), encoding='utf-8')
+        run_dir = train.train(tiny_config(tmp_path, str(text), '--max_iters=24', *extra))
+        return run_dir, train.read_metrics(os.path.join(run_dir, 'metrics.jsonl'))
+    return run
 
 
 def _snapshot_heads(run_dir, it, side):
@@ -392,8 +396,8 @@ def _snapshot_heads(run_dir, it, side):
     return [geometry.matrix_pr(geometry.split_heads(w, int(snap['n_head']))).tolist() for w in snap[side]]
 
 
-def test_freeze_in_training_holds_the_step0_pr_at_every_logged_iteration(tmp_path):
-    run_dir, rows = _train_run(tmp_path, '--control=freeze', '--lr=1e-2')
+def test_freeze_in_training_holds_the_step0_pr_at_every_logged_iteration(tmp_path, train_run):
+    run_dir, rows = train_run('--control=freeze', '--lr=1e-2')
     pr0 = _snapshot_heads(run_dir, 0, 'k')
     for row in rows:
         for layer, (want, got) in enumerate(zip(pr0, _snapshot_heads(run_dir, row['iter'], 'k'))):
@@ -404,9 +408,9 @@ def test_freeze_in_training_holds_the_step0_pr_at_every_logged_iteration(tmp_pat
     assert max(abs(a - b) / a for a, b in zip(sum(q0, []), sum(q24, []))) > 0.05
 
 
-def test_shrink_in_training_never_exceeds_the_schedule(tmp_path):
+def test_shrink_in_training_never_exceeds_the_schedule(tmp_path, train_run):
     cfg = {'control': 'shrink', 'shrink_to': 0.5, 'shrink_iters': 16}
-    run_dir, rows = _train_run(tmp_path, '--control=shrink', '--shrink_to=0.5', '--shrink_iters=16',
+    run_dir, rows = train_run('--control=shrink', '--shrink_to=0.5', '--shrink_iters=16',
                                '--control_scope=layer')
     import numpy as np
     pr0 = [geometry.matrix_pr(w) for w in np.load(os.path.join(run_dir, 'snapshots', 'qk_0000000.npz'))['k']]
@@ -421,7 +425,7 @@ def test_shrink_in_training_never_exceeds_the_schedule(tmp_path):
     assert max(layer['pr_k'] / (0.5 * p) for layer, p in zip(last, pr0)) == pytest.approx(1, rel=1e-5)
 
 
-def test_control_in_training_never_touches_the_other_projection(tmp_path, monkeypatch):
+def test_control_in_training_never_touches_the_other_projection(tmp_path, monkeypatch, train_run):
     import train
     apply = train.spectrum_control.apply
     touched = []
@@ -434,29 +438,26 @@ def test_control_in_training_never_touches_the_other_projection(tmp_path, monkey
         touched.append(any(not torch.equal(b, wk) for b, (_, wk) in zip(k_before, qk_weights)))
 
     monkeypatch.setattr(train.spectrum_control, 'apply', watched)
-    _train_run(tmp_path, '--control=freeze')
+    train_run('--control=freeze')
     assert len(touched) == 24 and all(touched)  # W_K was reset at every step, W_Q never
 
 
-def test_control_none_is_bit_identical_to_no_control_code(tmp_path, monkeypatch):
-    import test_train
+def test_control_none_is_bit_identical_to_no_control_code(tmp_path, monkeypatch, train_run, without_wall_clock):
     import train
-    _, with_code = _train_run(tmp_path, '--run_name=none')
+    _, with_code = train_run('--run_name=none')
     monkeypatch.setattr(train.spectrum_control, 'apply', lambda *a: None)
     monkeypatch.setattr(train.spectrum_control, 'report', lambda state: [{}] * state['n_layer'])
-    _, without = _train_run(tmp_path, '--run_name=bare')
-    assert test_train.without_wall_clock(with_code) == test_train.without_wall_clock(without)
+    _, without = train_run('--run_name=bare')
+    assert without_wall_clock(with_code) == without_wall_clock(without)
 
 
-def test_controlled_run_killed_and_resumed_matches_uninterrupted(tmp_path):
-    import test_faults
-    import test_train
+def test_controlled_run_killed_and_resumed_matches_uninterrupted(tmp_path, train_run, without_wall_clock, args_for, run_train):
     import train
-    _train_run(tmp_path)  # writes the text
+    train_run()  # writes the text
     text = str(tmp_path / 'src' / 'corpus.txt')
-    ref_dir, ref = _train_run(tmp_path, '--control=shrink', '--shrink_iters=16', '--run_name=ref')
-    args = test_faults.args_for(tmp_path, text, 'killed', '--control=shrink', '--shrink_iters=16')
-    assert test_faults.run_train(args, 'record', 16).returncode == -9
-    assert test_faults.run_train(args).returncode == 0
+    ref_dir, ref = train_run('--control=shrink', '--shrink_iters=16', '--run_name=ref')
+    args = args_for(tmp_path, text, 'killed', '--control=shrink', '--shrink_iters=16')
+    assert run_train(args, 'record', 16).returncode == -9
+    assert run_train(args).returncode == 0
     rows = train.read_metrics(str(tmp_path / 'out' / 'killed' / 'metrics.jsonl'))
-    assert test_train.without_wall_clock(rows) == test_train.without_wall_clock(ref)
+    assert without_wall_clock(rows) == without_wall_clock(ref)

@@ -13,66 +13,20 @@ import pytest
 import torch
 
 import train
-from test_train import records, synthetic_text, tiny_config, without_wall_clock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# argv: point iteration train-args...; dies (or signals itself) at that point of that iteration
-WRAPPER = r'''
-import os, signal, sys
-import train
-point, at, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-die = lambda: os.kill(os.getpid(), signal.SIGKILL)
-print_record, atomic_save = train.print_record, train.atomic_save
-
-def after_record(row, *rest):
-    print_record(row, *rest)
-    if row['iter'] != at:
-        return
-    if point == 'record':
-        die()
-    if point == 'half_line':  # a kill in the middle of writing the next metrics line
-        with open(os.path.join(train.get_config(args)['out_dir'], train.get_config(args)['run_name'],
-                               'metrics.jsonl'), 'a') as f:
-            f.write('{"iter": 99, "train_lo')
-        die()
-    if point in ('SIGTERM', 'SIGINT'):
-        os.kill(os.getpid(), getattr(signal, point))
-
-def during_save(obj, path):
-    if point == 'ckpt_write' and path.endswith('ckpt.pt') and obj['iter'] == at:
-        with open(path + '.tmp', 'wb') as f:
-            f.write(b'half a checkpoint')
-            f.flush()
-        die()
-    atomic_save(obj, path)
-
-train.print_record, train.atomic_save = after_record, during_save
-train.train(train.get_config(args))
-'''
-
-
-def run_train(args, point=None, at=0):
-    cmd = [sys.executable, '-c', WRAPPER, point, str(at), *args] if point else [sys.executable, 'train.py', *args]
-    return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=300)
-
 
 @pytest.fixture
-def setup(tmp_path):
+def setup(tmp_path, synthetic_text):
     (tmp_path / 'src').mkdir()
     path = tmp_path / 'src' / 'corpus.txt'
     path.write_text(synthetic_text(40_000), encoding='utf-8')
     return tmp_path, str(path)
 
 
-def args_for(tmp_path, text_file, name, *extra):
-    cfg = tiny_config(tmp_path, text_file, f'--run_name={name}', '--max_iters=24', *extra)
-    defaults = train.get_config([])
-    return [f'--{k}={v}' for k, v in cfg.items() if v != defaults[k]]
-
-
 @pytest.fixture
-def reference(setup):
+def reference(setup, records, without_wall_clock, args_for):
     tmp_path, text_file = setup
     run_dir = train.train(train.get_config(args_for(tmp_path, text_file, 'ref')))
     return without_wall_clock(records(run_dir)), sorted(os.listdir(os.path.join(run_dir, 'snapshots')))
@@ -82,7 +36,7 @@ def reference(setup):
                                        ('record', 16),      # between checkpoints: record 16 written, ckpt not
                                        ('half_line', 8),    # a truncated last line in metrics.jsonl
                                        ('ckpt_write', 16)])  # halfway through writing a checkpoint
-def test_sigkill_then_rerun_gives_the_uninterrupted_metrics(setup, reference, point, at):
+def test_sigkill_then_rerun_gives_the_uninterrupted_metrics(setup, reference, point, at, records, without_wall_clock, run_train, args_for):
     tmp_path, text_file = setup
     args = args_for(tmp_path, text_file, 'killed')
     killed = run_train(args, point, at)
@@ -99,7 +53,7 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_metrics(setup, reference, po
 
 
 @pytest.mark.parametrize('sig', ['SIGTERM', 'SIGINT'])
-def test_signal_checkpoints_exits_cleanly_and_resumes_exactly(setup, reference, sig):
+def test_signal_checkpoints_exits_cleanly_and_resumes_exactly(setup, reference, sig, records, without_wall_clock, run_train, args_for):
     tmp_path, text_file = setup
     args = args_for(tmp_path, text_file, 'signalled')
     stopped = run_train(args, sig, 16)
@@ -111,7 +65,7 @@ def test_signal_checkpoints_exits_cleanly_and_resumes_exactly(setup, reference, 
     assert without_wall_clock(records(run_dir)) == reference[0]
 
 
-def test_external_sigterm_mid_run(setup):
+def test_external_sigterm_mid_run(setup, args_for):
     tmp_path, text_file = setup
     args = args_for(tmp_path, text_file, 'term', '--max_iters=100000', '--eval_interval=50')
     proc = subprocess.Popen([sys.executable, 'train.py', *args], cwd=HERE, stdout=subprocess.PIPE,
@@ -128,7 +82,7 @@ def test_external_sigterm_mid_run(setup):
     assert all(r['iter'] <= it for r in train.read_metrics(str(metrics)))
 
 
-def test_nan_loss_stops_keeps_the_last_good_checkpoint(setup, monkeypatch):
+def test_nan_loss_stops_keeps_the_last_good_checkpoint(setup, monkeypatch, records, args_for):
     tmp_path, text_file = setup
     # an absurd learning rate from iteration 6 on: the weights blow up, and the loss with them
     get_lr = train.get_lr
@@ -143,7 +97,7 @@ def test_nan_loss_stops_keeps_the_last_good_checkpoint(setup, monkeypatch):
     assert all(np.isfinite(r.get('val_loss', 0)) and np.isfinite(r.get('eval_loss', 0)) for r in records(run_dir))
 
 
-def test_corrupt_or_mismatched_checkpoint_is_named(setup):
+def test_corrupt_or_mismatched_checkpoint_is_named(setup, args_for):
     tmp_path, text_file = setup
     args = args_for(tmp_path, text_file, 'bad')
     run_dir = train.train(train.get_config(args))
@@ -158,7 +112,7 @@ def test_corrupt_or_mismatched_checkpoint_is_named(setup):
     assert train.train(train.get_config(args + ['--overwrite=True'])) == run_dir
 
 
-def test_checkpoint_of_another_text_is_refused(setup):
+def test_checkpoint_of_another_text_is_refused(setup, synthetic_text, args_for):
     tmp_path, text_file = setup
     run_dir = train.train(train.get_config(args_for(tmp_path, text_file, 'text')))
     os.remove(os.path.join(run_dir, 'done.json'))
@@ -168,7 +122,7 @@ def test_checkpoint_of_another_text_is_refused(setup):
         train.train(train.get_config(args_for(tmp_path, str(other), 'text')))
 
 
-def test_cache_whose_meta_names_another_source_is_refused(setup):
+def test_cache_whose_meta_names_another_source_is_refused(setup, args_for):
     tmp_path, text_file = setup
     cfg = train.get_config(args_for(tmp_path, text_file, 'x'))
     folder = os.path.dirname(train.prepare_data(cfg)[0].filename)
@@ -184,7 +138,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_process_ddp_matches_one_process(setup):
+def test_two_process_ddp_matches_one_process(setup, records, args_for):
     tmp_path, text_file = setup
     single = train.train(train.get_config(args_for(tmp_path, text_file, 'one', '--grad_accum=2')))
     args = args_for(tmp_path, text_file, 'ddp', '--grad_accum=2')
@@ -204,7 +158,7 @@ def test_two_process_ddp_matches_one_process(setup):
     np.testing.assert_allclose([r['layers'][1]['pr_k'] for r in b], [r['layers'][1]['pr_k'] for r in a], rtol=1e-4)
 
 
-def test_refusals_from_the_command_line_print_their_reason():
+def test_refusals_from_the_command_line_print_their_reason(run_train):
     proc = run_train(['--n_embd=16', '--n_head=3'])
     assert proc.returncode == 2 and 'not divisible by n_head=3' in proc.stderr and 'Traceback' not in proc.stderr
     proc = run_train(['--n_layr=4'])

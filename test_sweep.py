@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from test_train import synthetic_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GRID_VARS = ('DEPTHS', 'INITS', 'SEEDS', 'CONTROL_DEPTH', 'CONTROL_SEEDS', 'MIRROR', 'RUN_LIST', 'BACKEND',
@@ -21,7 +20,7 @@ PROGRESS = re.compile(r'^\[(\d+)/(\d+)\] (\S+), (.*)$', re.M)
 
 
 @pytest.fixture
-def sweep_env(tmp_path):
+def sweep_env(tmp_path, synthetic_text):
     """Environment for a small smoke sweep of its own: synthetic text, OUT and data cache in tmp_path."""
     text = tmp_path / 'corpus.txt'
     text.write_text(synthetic_text(50_000), encoding='utf-8')
@@ -64,7 +63,7 @@ SMALL_RUNS = {'L4_normal_s1', 'L4_tied_s1', 'L6_normal_s1', 'L6_tied_s1',  # the
 
 
 @pytest.fixture(scope='module')
-def finished_sweep(tmp_path_factory):
+def finished_sweep(tmp_path_factory, synthetic_text):
     """One smoke sweep over a small grid, run to the end (with the analysis): (env, result)."""
     tmp = tmp_path_factory.mktemp('sweep')
     text = tmp / 'corpus.txt'

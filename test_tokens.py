@@ -5,6 +5,7 @@ import json
 import math
 import os
 import shutil
+import string
 import sys
 
 import numpy as np
@@ -15,8 +16,6 @@ import torch.nn.functional as F
 import analyze
 import geometry
 import train
-from test_analyze import write_run
-from test_train import synthetic_text, tiny_config
 
 LOG_STEPS = [0] + [2 ** i for i in range(11)]   # 0, 1, 2, 4, ..., 1024: 12 checkpoints
 
@@ -102,7 +101,7 @@ def test_planted_token_claims(tmp_path, sign, verdict):
     assert f2['value'].startswith('visible in 3/3' if sign > 0 else 'visible in 0/3')
 
 
-def test_report_picks_up_token_tables(tmp_path):
+def test_report_picks_up_token_tables(tmp_path, write_run):
     runs, out = tmp_path / 'runs', tmp_path / 'analysis'
     write_run(str(runs), 'L2_normal_s1')
     res = analyze.analyze([str(runs)], out=str(out), figures=False, log=lambda msg: None)
@@ -121,7 +120,7 @@ def test_report_picks_up_token_tables(tmp_path):
 # ----------------------------------------------------------------------------- our checkpoints
 
 @pytest.fixture(scope='module')
-def tiny_run(tmp_path_factory):
+def tiny_run(tmp_path_factory, synthetic_text, tiny_config):
     """A real run folder: 16 iterations, 2 layers, model checkpoints at iterations 0, 1, 4 and 16."""
     root = tmp_path_factory.mktemp('tokens')
     (root / 'src').mkdir()
@@ -168,7 +167,7 @@ def test_tokens_match_the_metrics_logged_in_training(tiny_run, capsys):
     assert '### our checkpoints' in (out / 'REPORT.md').read_text()
 
 
-def test_tokens_name_a_missing_text_and_the_override(tiny_run, tmp_path, capsys):
+def test_tokens_name_a_missing_text_and_the_override(tiny_run, tmp_path, capsys, synthetic_text):
     root, run_dir, text = tiny_run
     moved = tmp_path / 'runs' / 'L2_normal_s1'
     shutil.copytree(run_dir, moved)
@@ -328,7 +327,7 @@ def test_pretrained_without_transformers_says_how_to_install(monkeypatch, tmp_pa
 def char_tokenizer(tf, folder=None, special=False):
     """A character-level tokenizer (a fast tokenizer built offline), saved to folder if given."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    vocab = {c: i for i, c in enumerate(['[UNK]', '[CLS]', '[SEP]'] + sorted(set(synthetic_text(5000))))}
+    vocab = {c: i for i, c in enumerate(['[UNK]', '[CLS]', '[SEP]'] + sorted(string.ascii_letters + ' .'))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token='[UNK]'))
     tok.pre_tokenizer = pre_tokenizers.Split('', 'isolated')
     if special:
@@ -340,7 +339,7 @@ def char_tokenizer(tf, folder=None, special=False):
     return fast
 
 
-def test_text_windows_wrap_each_window_in_the_special_tokens(tf):
+def test_text_windows_wrap_each_window_in_the_special_tokens(tf, synthetic_text):
     tok, text = char_tokenizer(tf, special=True), synthetic_text(200)
     ids = analyze.text_windows(tok, text, n_seqs=3, seq_len=10)
     assert ids.shape == (3, 10) and (ids[:, 0] == 1).all() and (ids[:, -1] == 2).all()
@@ -351,7 +350,7 @@ def test_text_windows_wrap_each_window_in_the_special_tokens(tf):
     assert plain.flatten().tolist() == tok(text, add_special_tokens=False)['input_ids'][:20]
 
 
-def test_pretrained_command_on_local_checkpoint_series(tf, tmp_path, capsys):
+def test_pretrained_command_on_local_checkpoint_series(tf, tmp_path, capsys, synthetic_text, write_run):
     steps = (0, 1, 2, 4, 8, 16)
     series = tmp_path / 'neox-tiny'   # a series saved as one folder per revision, as a user would keep Pythia's
     for seed, step in enumerate(steps):

@@ -1,7 +1,6 @@
 """Tests of train.py on small synthetic text: config, data, model inits, run folder, determinism."""
 import json
 import os
-import random
 
 import numpy as np
 import pytest
@@ -10,47 +9,10 @@ import torch
 import geometry
 import train
 
-WORDS = 'the of and to in a is was for on as with by he it at from his an were are which this'.split()
-
-
-def synthetic_text(n_chars, seed=0):
-    """Word salad from a small vocabulary: structured enough for a tiny model to learn quickly."""
-    rng = random.Random(seed)
-    out, n = [], 0
-    while n < n_chars:
-        sentence = ' '.join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + '. '
-        out.append(sentence)
-        n += len(sentence)
-    return ''.join(out)[:n_chars]
-
-
-@pytest.fixture
-def text_file(tmp_path):
-    (tmp_path / 'src').mkdir()
-    path = tmp_path / 'src' / 'corpus.txt'
-    path.write_text(synthetic_text(40_000), encoding='utf-8')
-    return str(path)
-
-
-def tiny_config(tmp_path, text_file, *extra):
-    args = [f'--data_file={text_file}', f'--out_dir={tmp_path / "out"}', f'--cache_dir={tmp_path / "cache"}',
-            '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=8', '--max_iters=16',
-            '--eval_interval=8', '--geom_interval=8', '--eval_iters=2', '--eval_windows=4', '--ckpt_interval=8',
-            '--model_ckpts=4', '--warmup_iters=2', '--min_char_count=1', '--threads=1', *extra]
-    return train.get_config(args)
-
-
-def records(run_dir):
-    return train.read_metrics(os.path.join(run_dir, 'metrics.jsonl'))
-
-
-def without_wall_clock(rows):
-    return [{k: v for k, v in r.items() if k != 'time'} for r in rows]
-
 
 # ----------------------------------------------------------------------------- config
 
-def test_overrides_take_the_type_of_the_default(tmp_path, text_file):
+def test_overrides_take_the_type_of_the_default(tmp_path, text_file, tiny_config):
     cfg = tiny_config(tmp_path, text_file, '--lr=3e-4', '--decay_qk=False', '--qk_init=tied', '--max_iters=7')
     assert cfg['lr'] == 3e-4 and cfg['decay_qk'] is False and cfg['qk_init'] == 'tied' and cfg['max_iters'] == 7
     assert cfg['run_name'] == 'L2_tied_s1'
@@ -91,7 +53,7 @@ def test_config_file_then_command_line(tmp_path):
 
 # ----------------------------------------------------------------------------- data
 
-def test_encode_decode_round_trip_and_cache_reuse(tmp_path, text_file):
+def test_encode_decode_round_trip_and_cache_reuse(tmp_path, text_file, tiny_config):
     cfg = tiny_config(tmp_path, text_file)
     tr, va, meta = train.prepare_data(cfg)
     text = open(text_file, encoding='utf-8').read()
@@ -122,7 +84,7 @@ def test_missing_dataset_offline_says_what_to_do(tmp_path):
     assert not os.path.exists(tmp_path / 'wt' / 'wiki.train.raw')
 
 
-def test_corrupt_cache_is_named(tmp_path, text_file):
+def test_corrupt_cache_is_named(tmp_path, text_file, tiny_config):
     cfg = tiny_config(tmp_path, text_file)
     tr, _, _ = train.prepare_data(cfg)
     folder = os.path.dirname(tr.filename)
@@ -179,7 +141,7 @@ def test_log_schedule_is_log_spaced_early():
 
 # ----------------------------------------------------------------------------- runs
 
-def test_tiny_run_writes_every_file_and_snapshots_reproduce_the_log(tmp_path, text_file):
+def test_tiny_run_writes_every_file_and_snapshots_reproduce_the_log(tmp_path, text_file, tiny_config, records):
     run_dir = train.train(tiny_config(tmp_path, text_file))
     for name in ('config.json', 'metrics.jsonl', 'ckpt.pt', 'done.json'):
         assert os.path.isfile(os.path.join(run_dir, name)), name
@@ -207,7 +169,7 @@ def test_tiny_run_writes_every_file_and_snapshots_reproduce_the_log(tmp_path, te
         train.train(tiny_config(tmp_path, text_file))
 
 
-def test_same_config_and_seed_give_identical_metrics(tmp_path, text_file):
+def test_same_config_and_seed_give_identical_metrics(tmp_path, text_file, tiny_config, records, without_wall_clock):
     a = train.train(tiny_config(tmp_path, text_file, '--run_name=a'))
     b = train.train(tiny_config(tmp_path, text_file, '--run_name=b'))
     c = train.train(tiny_config(tmp_path, text_file, '--run_name=c', '--seed=2'))
@@ -217,7 +179,7 @@ def test_same_config_and_seed_give_identical_metrics(tmp_path, text_file):
     assert records(a)[0]['iter'] == records(c)[0]['iter'] == 0
 
 
-def test_loss_falls_on_learnable_text(tmp_path, text_file):
+def test_loss_falls_on_learnable_text(tmp_path, text_file, tiny_config, records):
     run_dir = train.train(tiny_config(tmp_path, text_file, '--max_iters=120', '--lr=3e-3', '--geom_interval=0',
                                       '--eval_interval=60', '--eval_iters=4'))
     rows = records(run_dir)
@@ -225,7 +187,7 @@ def test_loss_falls_on_learnable_text(tmp_path, text_file):
     assert rows[-1]['val_loss'] < 0.75 * rows[0]['val_loss'], [r['val_loss'] for r in rows]
 
 
-def test_decay_qk_moves_wq_and_wk_out_of_the_weight_decay_group(tmp_path, text_file):
+def test_decay_qk_moves_wq_and_wk_out_of_the_weight_decay_group(tmp_path, text_file, tiny_config):
     groups = {}
     for flag in ('True', 'False'):
         run_dir = train.train(tiny_config(tmp_path, text_file, f'--decay_qk={flag}', f'--run_name={flag}',
