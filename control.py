@@ -157,6 +157,15 @@ def parse_layers(text, n_layer):
     return layers
 
 
+def control_label(cfg):
+    """The control part of a run's name and of analyze.py's group labels: '' for none, else e.g. 'shrink-k',
+    with '-spec' when the top singular value is kept instead of the Frobenius norm ('freeze-k-spec')."""
+    if cfg.get('control', 'none') in ('none', None):
+        return ''
+    keep = '-spec' if cfg.get('control_keep', 'fro') == 'spec' else ''
+    return f"{cfg['control']}-{cfg.get('control_target', 'k')}{keep}"
+
+
 def check_settings(cfg, n_layer):
     """The controlled layers of an n_layer model, or a ValueError naming the control setting that cannot
     work (train.py checks with this before training and shows it as a config error)."""
