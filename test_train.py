@@ -1,6 +1,8 @@
 """Tests of train.py on small synthetic text: config, data, model inits, run folder, determinism."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import torch
 import geometry
 import train
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ----------------------------------------------------------------------------- config
 
@@ -41,6 +44,29 @@ def test_impossible_settings_stop_before_training(arg, words):
         train.get_config([arg])
 
 
+def test_run_names_come_from_the_settings_and_control_label():
+    """default_run_name is the one source of run names; its control part is control.control_label."""
+    names = [train.get_config(args)['run_name'] for args in (
+        [], ['--control=shrink'], ['--control=freeze', '--control_keep=spec', '--seed=3'],
+        ['--n_layer=6', '--qk_init=tied', '--control=shrink', '--control_target=q'])]
+    assert names == ['L4_normal_s1', 'L4_normal_shrink-k_s1', 'L4_normal_freeze-k-spec_s3', 'L6_tied_shrink-q_s1']
+
+
+def test_print_run_names_reads_argument_lists_from_stdin(tmp_path):
+    """--print_run_names: one resolved name per input line, exit 0, no folder made; a bad line is named."""
+    lines = ['--n_layer=6 --qk_init=tied', '', '--control=freeze --control_keep=spec --seed=3',
+             f'--run_name=mine --out_dir={tmp_path / "out"}']
+    proc = subprocess.run([sys.executable, 'train.py', '--print_run_names'], input='\n'.join(lines) + '\n',
+                          cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split('\n') == [train.get_config(line.split())['run_name'] for line in lines] + ['']
+    assert not os.path.exists(tmp_path / 'out')
+    proc = subprocess.run([sys.executable, 'train.py', '--print_run_names'], input='--seed=2\n--qk_init=ortho\n',
+                          cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ''
+    assert proc.stderr.count('\n') == 1 and "input line 2 ('--qk_init=ortho')" in proc.stderr
+
+
 def test_config_file_then_command_line(tmp_path):
     path = tmp_path / 'small.py'
     path.write_text("n_layer = 2\nn_embd = 96\nqk_init = 'orthogonal'\n")
@@ -49,6 +75,25 @@ def test_config_file_then_command_line(tmp_path):
     (tmp_path / 'bad.json').write_text('{"n_heads": 4}')
     with pytest.raises(SystemExit, match="unknown config key 'n_heads'.*n_head"):
         train.get_config([str(tmp_path / 'bad.json')])
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl
+
+def test_read_metrics_drops_a_cut_last_line_and_names_any_other_bad_one(tmp_path):
+    """A kill mid-write leaves a cut last line: dropped silently. Any other bad line (not JSON, not UTF-8,
+    not a record) raises ConfigError naming file and line, or with warn is reported and skipped."""
+    path = tmp_path / 'metrics.jsonl'
+    good = [json.dumps({'iter': i, 'val_loss': 1.0}) for i in range(3)]
+    path.write_text('\n'.join(good) + '\n{"iter": 3, "val_lo')
+    assert [r['iter'] for r in train.read_metrics(str(path))] == [0, 1, 2]
+    assert train.read_metrics(str(tmp_path / 'absent.jsonl')) == []
+    for bad in (b'{"iter": 1, "val', b'\xff\xfe{"iter": 1}', b'[1, 2]', b'{"iter": "one"}'):
+        path.write_bytes(b'\n'.join([good[0].encode(), bad, good[2].encode()]) + b'\n')
+        with pytest.raises(train.ConfigError, match=f'{path} line 2 '):
+            train.read_metrics(str(path))
+        warnings = []
+        assert [r['iter'] for r in train.read_metrics(str(path), warn=warnings.append)] == [0, 2]
+        assert len(warnings) == 1 and f'{path} line 2' in warnings[0]
 
 
 # ----------------------------------------------------------------------------- data

@@ -87,6 +87,7 @@ grad_clip = 1.0            # 0 = off
 control = 'none'           # none | shrink | freeze
 control_target = 'k'       # k: control W_K (the experiment); q: control W_Q (the mirror)
 control_scope = 'head'     # head: each head's (d, C) block; layer: the whole (C, C) matrix
+control_keep = 'fro'       # fro | spec: what reshaping keeps, the Frobenius norm or the top singular value
 control_layers = ''        # comma-separated layer indices; '' = all layers
 shrink_to = 0.5            # shrink: final target PR as a fraction of the step-0 PR
 shrink_iters = 2000        # shrink: iterations over which the target falls linearly
@@ -109,6 +110,7 @@ class ConfigError(SystemExit):
 
     def __init__(self, msg):
         super().__init__(f'error: {msg}')
+        self.msg = msg
 
 
 # ----------------------------------------------------------------------------- config
@@ -177,8 +179,21 @@ def get_config(argv):
 
 
 def default_run_name(cfg):
-    ctl = '' if cfg['control'] == 'none' else f"_{cfg['control']}-{cfg['control_target']}"
-    return f"L{cfg['n_layer']}_{cfg['qk_init']}{ctl}_s{cfg['seed']}"
+    """The one source of run names: L4_normal_s1, L4_normal_shrink-k_s1, L4_normal_freeze-k-spec_s3."""
+    label = spectrum_control.control_label(cfg)
+    return f"L{cfg['n_layer']}_{cfg['qk_init']}{'_' + label if label else ''}_s{cfg['seed']}"
+
+
+def print_run_names(lines):
+    """`python train.py --print_run_names`: one argument list per input line, its resolved run name per
+    output line; every line is checked before anything is printed. Loads no data, touches no folder."""
+    names = []
+    for n, line in enumerate(lines, 1):
+        try:
+            names.append(get_config(line.split())['run_name'])
+        except ConfigError as e:
+            raise ConfigError(f'--print_run_names: input line {n} ({line.strip()!r}): {e.msg}') from None
+    print('\n'.join(names))
 
 
 def check_config(cfg):
@@ -594,20 +609,33 @@ def write_json(obj, path):
     os.replace(tmp, path)
 
 
-def read_metrics(path):
-    """Records of a metrics.jsonl; a truncated last line (a kill mid-write) is dropped."""
+def read_metrics(path, warn=None):
+    """Records of a metrics.jsonl: the one tolerant reader (analyze.py uses it too). The last line may have
+    been cut short by a kill mid-write: if it does not parse, it is dropped silently. Any other line that is
+    not a JSON object with an integer 'iter' raises ConfigError, or, given warn, is skipped after
+    warn(a message naming the file and the line)."""
     rows = []
-    if os.path.exists(path):
-        with open(path) as f:
-            lines = f.read().split('\n')
-        for i, line in enumerate(lines):
-            if not line.strip():
+    if not os.path.exists(path):
+        return rows
+    with open(path, 'rb') as f:
+        lines = f.read().split(b'\n')
+    nonempty = [i for i, line in enumerate(lines) if line.strip()]
+    for i in nonempty:
+        try:
+            row = json.loads(lines[i].decode('utf-8'))
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
+            if i == nonempty[-1]:
+                continue  # cut short by a kill
+            problem = 'is not valid JSON'
+        else:
+            if isinstance(row, dict) and type(row.get('iter')) is int:
+                rows.append(row)
                 continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                if i < len(lines) - 2:  # only the last line may be cut short
-                    raise ConfigError(f'{path} line {i + 1} is corrupt; delete the run folder or pass --overwrite=True')
+            problem = "is not a record (a JSON object with an integer 'iter')"
+        msg = f'{path} line {i + 1} {problem}'
+        if warn is None:
+            raise ConfigError(f'{msg}; delete the run folder or pass --overwrite=True')
+        warn(msg)
     return rows
 
 
@@ -937,7 +965,13 @@ def print_record(row, ms, tokens_per_iter, cfg, start, t_start):
 
 if __name__ == '__main__':
     try:
-        train(get_config(sys.argv[1:]))
+        if sys.argv[1:] == ['--print_run_names']:
+            print_run_names(sys.stdin)
+        elif '--print_run_names' in sys.argv[1:]:
+            raise ConfigError('--print_run_names takes no other arguments: it reads one argument list per line '
+                              'from stdin')
+        else:
+            train(get_config(sys.argv[1:]))
     except ConfigError as e:
         print(e.code, file=sys.stderr, flush=True)
         sys.exit(2)
