@@ -4,7 +4,13 @@ the mirror experiment) towards a target participation ratio, keeping its singula
 
     W = U diag(s) V^T   ->   W' = U diag(s') V^T,   s' = c * s^alpha
     alpha  by bisection, so that PR(s') = (sum s'^2)^2 / sum s'^4 hits the target
-    c      so that sum s'^2 = sum s^2: the Frobenius norm is kept, only the dispersion changes
+    c      what the reshaping holds fixed (control_keep):
+           fro  (default) sum s'^2 = sum s^2: the Frobenius norm is kept, only the dispersion changes,
+                so a narrower spectrum has a larger top singular value (larger logits)
+           spec max(s') = max(s): the top singular value is kept, so only the shape of the spectrum
+                changes and the largest logit scale stays put
+           Comparing the two separates shape from scale in the causal experiment. PR is scale-free, so
+           both reach the same PR with the same alpha; spec costs no more than fro (c = max(s)).
 
 PR(s^alpha) falls as alpha grows: alpha = 0 makes every nonzero value equal (PR = rank, the most
 reachable), alpha = 1 is the spectrum as it is, alpha -> inf keeps only the top value (PR -> how many
@@ -29,6 +35,7 @@ and merges control.report(state)[layer] into each layer's record in metrics.json
 
 `python control.py` times apply at several widths.
 """
+import difflib
 import warnings
 
 import torch
@@ -64,8 +71,9 @@ def _pr_of_power(logx, keep, log_alpha):
     return lam.sum(-1) ** 2 / (lam ** 2).sum(-1).clamp(min=torch.finfo(lam.dtype).tiny)
 
 
-def _control(s, target, rtol):
+def _control(s, target, rtol, control_keep='fro'):
     """control_spectrum on float64 s (..., n), target (...); also returns the reachable PR range."""
+    keep_top = control_keep == 'spec'
     keep, logx, pr_min, pr_max = _reach(s, rtol)
     goal = torch.minimum(torch.maximum(target, pr_min), pr_max)   # out of reach: the nearest reachable PR
     # bisection on log alpha, every spectrum at once, a fixed number of steps (no data-dependent loop)
@@ -80,8 +88,11 @@ def _control(s, target, rtol):
     leave = (logx == 0).all(-1)
     alpha = torch.where(leave, 1.0, alpha)
     xa = torch.where(keep, torch.exp(alpha[..., None] * logx), 0.0)
-    kept_sq = (torch.where(keep, s, 0.0) ** 2).sum(-1, keepdim=True)
-    c = (kept_sq / (xa ** 2).sum(-1, keepdim=True).clamp(min=torch.finfo(s.dtype).tiny)).sqrt()
+    if keep_top:   # x = s / s_max has its top value at exactly 1, and so has x^alpha: c = s_max
+        c = s.amax(-1, keepdim=True)
+    else:
+        kept_sq = (torch.where(keep, s, 0.0) ** 2).sum(-1, keepdim=True)
+        c = (kept_sq / (xa ** 2).sum(-1, keepdim=True).clamp(min=torch.finfo(s.dtype).tiny)).sqrt()
     s_new = torch.where(keep & ~leave[..., None], c * xa, s)
     return s_new, alpha, pr_min, pr_max
 
@@ -93,8 +104,9 @@ def _spectra(s, rtol):
     return s, s.shape[-1] * torch.finfo(torch.float64).eps if rtol is None else rtol
 
 
-def control_spectrum(s, target_pr, rtol=None):
-    """s' = c * s^alpha with PR(s') = target_pr and sum s'^2 = sum s^2, for spectra s (..., n) >= 0.
+def control_spectrum(s, target_pr, rtol=None, keep='fro'):
+    """s' = c * s^alpha with PR(s') = target_pr, for spectra s (..., n) >= 0, and c such that
+    sum s'^2 = sum s^2 (keep='fro') or max(s') = max(s) (keep='spec').
 
     target_pr: a number or a tensor (...). Values <= rtol * max(s) (default n * float64 eps) count as
     zero and are returned as they are. A target outside reachable_pr(s) is clamped to it (silently:
@@ -102,8 +114,9 @@ def control_spectrum(s, target_pr, rtol=None):
     alpha: a float for 1-D s, else a tensor (...)).
     """
     s, rtol = _spectra(s, rtol)
+    _check_keep(keep)
     target = torch.as_tensor(target_pr, dtype=torch.float64).expand(s.shape[:-1])
-    s_new, alpha = _control(s, target, rtol)[:2]
+    s_new, alpha = _control(s, target, rtol, keep)[:2]
     return s_new, alpha.item() if alpha.ndim == 0 else alpha
 
 
@@ -157,18 +170,40 @@ def parse_layers(text, n_layer):
     return layers
 
 
+KEEPS = ('fro', 'spec')   # control_keep: what the reshaping holds fixed (the module docstring says why)
+
+
+def _keep(cfg):
+    """cfg's control_keep; a cfg from before it existed (an old config.json) kept the Frobenius norm."""
+    return cfg.get('control_keep', 'fro')
+
+
+def _check_keep(keep):
+    """ValueError unless keep is one of KEEPS, with the closest one for a near miss ('spectral')."""
+    if keep in KEEPS:
+        return
+    text = str(keep).strip().lower()
+    near = [k for k in KEEPS if text.startswith(k) or (text and k.startswith(text))]
+    near = near or difflib.get_close_matches(text, KEEPS, n=1, cutoff=0.5)
+    hint = f'; did you mean {near[0]}?' if near else ''
+    raise ValueError(f"control_keep={keep!r} is not one of fro (keep the Frobenius norm), spec (keep the top "
+                     f"singular value){hint}")
+
+
 def control_label(cfg):
     """The control part of a run's name and of analyze.py's group labels: '' for none, else e.g. 'shrink-k',
     with '-spec' when the top singular value is kept instead of the Frobenius norm ('freeze-k-spec')."""
     if cfg.get('control', 'none') in ('none', None):
         return ''
-    keep = '-spec' if cfg.get('control_keep', 'fro') == 'spec' else ''
+    keep = '-spec' if _keep(cfg) == 'spec' else ''
     return f"{cfg['control']}-{cfg.get('control_target', 'k')}{keep}"
 
 
 def check_settings(cfg, n_layer):
     """The controlled layers of an n_layer model, or a ValueError naming the control setting that cannot
-    work (train.py checks with this before training and shows it as a config error)."""
+    work (train.py checks with this before training and shows it as a config error). A cfg without
+    control_keep (a config.json from before it existed) means fro."""
+    _check_keep(_keep(cfg))
     if cfg['control'] not in ('none', 'shrink', 'freeze'):
         raise ValueError(f"control={cfg['control']!r} is not one of none, shrink, freeze")
     if cfg['control_target'] not in ('k', 'q') or cfg['control_scope'] not in ('head', 'layer'):
@@ -197,7 +232,7 @@ def record(cfg, qk_weights):
     pr0 = [geometry.matrix_pr(_blocks(qk_weights[i][side], cfg['control_scope'], cfg['n_head'])).tolist()
            for i in layers]
     return {'control': cfg['control'], 'target': cfg['control_target'], 'scope': cfg['control_scope'],
-            'n_head': cfg['n_head'], 'n_layer': len(qk_weights), 'layers': layers, 'pr0': pr0,
+            'keep': _keep(cfg), 'n_head': cfg['n_head'], 'n_layer': len(qk_weights), 'layers': layers, 'pr0': pr0,
             'target_pr': target_pr(pr0, cfg, 0) if layers else [], 'pr': [list(p) for p in pr0],
             'step': 0, 'warned': False}
 
@@ -208,9 +243,13 @@ def apply(state, cfg, qk_weights, step):
     target and the reached PR (of the weight as written, in its own dtype) in the state."""
     if not state['layers'] or step % cfg['control_interval']:
         return
-    for key, name in (('control', 'control'), ('target', 'control_target'), ('scope', 'control_scope')):
-        if state[key] != cfg[name]:
-            raise ValueError(f"the control state was recorded with {name}={state[key]!r}, not {cfg[name]!r}")
+    keep = state.get('keep', 'fro')   # a checkpoint from before control_keep existed kept the Frobenius norm
+    for name, was, now in (('control', state['control'], cfg['control']),
+                           ('control_target', state['target'], cfg['control_target']),
+                           ('control_scope', state['scope'], cfg['control_scope']),
+                           ('control_keep', keep, _keep(cfg))):
+        if was != now:
+            raise ValueError(f"the control state was recorded with {name}={was!r}, not {now!r}")
     side = 1 if state['target'] == 'k' else 0
     params = [qk_weights[i][side] for i in state['layers']]
     blocks = torch.stack([_blocks(p, state['scope'], state['n_head']) for p in params])  # (L, B, m, n)
@@ -223,7 +262,7 @@ def apply(state, cfg, qk_weights, step):
     if act.any():
         U, s, Vh = torch.linalg.svd(flat[act], full_matrices=False)
         rtol = max(m, n) * torch.finfo(params[0].dtype).eps   # zero up to the round-off of the stored weight
-        s_new, _, pr_min, pr_max = _control(s, target[act], rtol)
+        s_new, _, pr_min, pr_max = _control(s, target[act], rtol, keep)
         out = (target[act] > pr_max * (1 + REACH_RTOL)) | (target[act] < pr_min * (1 - REACH_RTOL))
         if out.any() and not state['warned']:
             i = int(out.nonzero()[0, 0])      # the first out-of-reach block among those acted on

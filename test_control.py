@@ -1,8 +1,10 @@
 """Tests of control.py: the spectrum transform, the shrink and freeze schedules, apply on small weights,
 and the state in a checkpoint. Small random inputs only; no training run (train.py's tests cover that)."""
 import os
+import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ import geometry
 
 def ctl_cfg(**overrides):
     cfg = dict(control='shrink', control_target='k', control_scope='head', control_layers='', shrink_to=0.5,
-               shrink_iters=10, control_interval=1, n_head=4)
+               shrink_iters=10, control_interval=1, control_keep='fro', n_head=4)
     cfg.update(overrides)
     return cfg
 
@@ -112,6 +114,134 @@ def test_transform_rejects_negative_or_nan_spectra():
         with pytest.raises(ValueError, match='nonnegative'):
             control.control_spectrum(torch.tensor(bad), 1.5)
 
+
+# ----------------------------------------------------------------------------- control_keep: fro or spec
+
+def np_control(s, target, keep):
+    """An independent numpy reference of the transform: bisection on alpha itself (geometric midpoints),
+    the PR from its definition, then c from the kept quantity."""
+    s = np.asarray(s, dtype=np.float64)
+    nz = s > len(s) * np.finfo(np.float64).eps * s.max()
+    x = s[nz] / s[nz].max()
+
+    def pr_of(alpha):
+        lam = x ** (2 * alpha)
+        return lam.sum() ** 2 / (lam ** 2).sum()
+    lo, hi = 1e-13, 1e13
+    for _ in range(300):
+        mid = np.sqrt(lo * hi)
+        lo, hi = (mid, hi) if pr_of(mid) > target else (lo, mid)
+    xa = x ** np.sqrt(lo * hi)
+    c = s.max() if keep == 'spec' else np.sqrt((s[nz] ** 2).sum() / (xa ** 2).sum())
+    out = s.copy()
+    out[nz] = c * xa
+    return out
+
+
+@pytest.mark.parametrize('keep', ['fro', 'spec'])
+@pytest.mark.parametrize('seed', range(40))
+def test_keep_preserves_its_quantity_hits_the_target_and_matches_numpy(seed, keep):
+    s = random_spectrum(seed)
+    pr_min, pr_max = control.reachable_pr(s)
+    frac = 0.02 + 0.96 * torch.rand(1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).item()
+    target = pr_min + (pr_max - pr_min) * frac
+    s_new, _ = control.control_spectrum(s, target, keep=keep)
+    assert abs(pr(s_new) - target) <= 1e-6 * target
+    if keep == 'fro':
+        assert abs((s_new ** 2).sum() - (s ** 2).sum()) <= 1e-10 * (s ** 2).sum()
+    else:
+        assert abs(s_new.max() - s.max()) <= 1e-10 * s.max()
+    ref = torch.from_numpy(np_control(s.numpy(), target, keep))
+    assert torch.allclose(s_new, ref, rtol=1e-8, atol=1e-12 * s.max().item())
+
+
+def test_fro_is_the_default_and_a_cfg_without_control_keep_means_fro():
+    s = random_spectrum(1)
+    assert torch.equal(control.control_spectrum(s, 3.0)[0], control.control_spectrum(s, 3.0, keep='fro')[0])
+    qk, twin = make_qk(seed=4), make_qk(seed=4)
+    old = ctl_cfg()
+    del old['control_keep']   # a config.json from before control_keep existed
+    state, state_old = control.record(ctl_cfg(), qk), control.record(old, twin)
+    assert state['keep'] == state_old['keep'] == 'fro'
+    control.apply(state, ctl_cfg(), qk, 3)
+    del state_old['keep']     # ... and its checkpoint
+    control.apply(state_old, old, twin, 3)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(qk, twin))
+
+
+def _planted(C=24, seed=0):
+    """A float64 (C, C) weight with known singular vectors U, V and spectrum s."""
+    g = torch.Generator().manual_seed(seed)
+    U = torch.linalg.qr(torch.randn(C, C, generator=g, dtype=torch.float64)).Q
+    V = torch.linalg.qr(torch.randn(C, C, generator=g, dtype=torch.float64)).Q
+    s = torch.rand(C, generator=g, dtype=torch.float64).sort(descending=True).values
+    return U @ torch.diag(s) @ V.T
+
+
+@pytest.mark.parametrize('scope', ['head', 'layer'])
+@pytest.mark.parametrize('control_name', ['shrink', 'freeze'])
+def test_apply_spec_keeps_each_blocks_top_singular_value_and_only_the_scale_differs_from_fro(scope, control_name):
+    """spec and fro use the same alpha (PR is scale-free), so their results differ by one factor per block:
+    the top singular value (spec) against the Frobenius norm (fro)."""
+    results = {}
+    for keep in ('fro', 'spec'):
+        W = _planted(seed=5)
+        qk = [(torch.nn.Parameter(W.clone()), torch.nn.Parameter(W.clone()))]
+        cfg = ctl_cfg(control=control_name, control_scope=scope, control_keep=keep, shrink_to=0.4, shrink_iters=0)
+        state = control.record(cfg, qk)
+        if control_name == 'freeze':   # a rank-1 push, so that freeze has a PR to restore
+            with torch.no_grad():
+                qk[0][1].add_(0.3 * W[:, :1] @ W[:1, :] / W[:1].norm())
+        before = control._blocks(qk[0][1], scope, 4)
+        control.apply(state, cfg, qk, 1)
+        after = control._blocks(qk[0][1], scope, 4)
+        top, fro = (lambda b: torch.linalg.matrix_norm(b, ord=2)), (lambda b: b.norm(dim=(-2, -1)))
+        kept = top if keep == 'spec' else fro
+        assert torch.allclose(kept(after), kept(before), rtol=1e-10, atol=0)
+        want = control.target_pr(state, cfg, 1)[0]
+        assert torch.allclose(geometry.matrix_pr(after), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
+        results[keep] = after
+    ratio = results['spec'] / results['fro']   # one factor per block
+    factor = ratio.flatten(1)[:, :1, None]
+    assert torch.allclose(ratio, factor.expand_as(ratio), rtol=1e-9)
+    if control_name == 'shrink':   # a narrower spectrum at the same Frobenius norm has a larger top value
+        assert torch.all(factor < 1)
+
+
+def test_control_keep_is_checked_with_a_hint_and_a_resume_must_keep_it():
+    qk = make_qk()
+    with pytest.raises(ValueError, match=r"control_keep='spectral' is not one of fro .*did you mean spec\?"):
+        control.check_settings(ctl_cfg(control_keep='spectral'), 3)
+    with pytest.raises(ValueError, match='did you mean fro'):
+        control.record(ctl_cfg(control_keep='frobenius'), qk)
+    with pytest.raises(ValueError, match='control_keep') as info:
+        control.control_spectrum(torch.rand(5), 2.0, keep='max')
+    assert 'did you mean' not in str(info.value)
+    state = control.record(ctl_cfg(control_keep='spec'), qk)
+    assert state['keep'] == 'spec'
+    with pytest.raises(ValueError, match="recorded with control_keep='spec', not 'fro'"):
+        control.apply(state, ctl_cfg(), qk, 1)
+
+
+def test_spec_costs_no_more_than_fro():
+    """apply at a small width, the two keeps interleaved step by step; the fastest of 30 steps each, which a
+    busy machine slows least. spec does less work (c = max(s)); the bound is loose so that noise cannot fail
+    it (bench.py measures the ratio)."""
+    runs = {}
+    for keep in ('fro', 'spec'):
+        qk = make_qk(n_layer=4, C=64, seed=6)
+        cfg = ctl_cfg(control='freeze', control_keep=keep)
+        runs[keep] = (qk, cfg, control.record(cfg, qk), [])
+    for step in range(1, 31):
+        for qk, cfg, state, times in runs.values():
+            with torch.no_grad():   # a stand-in optimizer step, so that freeze has something to undo
+                for _, wk in qk:
+                    wk[0].add_(0.01)
+            t0 = time.perf_counter()
+            control.apply(state, cfg, qk, step)
+            times.append(time.perf_counter() - t0)
+    fro, spec = min(runs['fro'][3]), min(runs['spec'][3])
+    assert spec <= 2.0 * fro, (fro, spec)
 
 # ----------------------------------------------------------------------------- the schedules
 
