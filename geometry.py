@@ -1,6 +1,7 @@
 """
 The geometry of queries and keys: participation ratios, spectra, interaction (QK^T) spectra,
-token-level PR and attention entropy. Pure functions, no I/O; the one place the math lives.
+token-level PR, attention entropy, the learned part of a weight and the partial correlation that holds
+the logit scale fixed. Pure functions, no I/O; the one place the math lives.
 
 Notation: W_Q, W_K are nn.Linear weights, shape (C, C) = (out, in). Head h owns rows
 h*d:(h+1)*d, d = C / n_head, giving W^h of shape (d, C).
@@ -16,12 +17,31 @@ h*d:(h+1)*d, d = C / n_head, giving W^h of shape (d, C).
     erank(s)   = exp(-sum p log p), p = s / sum s   effective rank (Roy and Vetterli)
     srank(M)   = ||M||_F^2 / ||M||_2^2              stable rank
 
+The learned part of a weight is W - W(0), its change since initialisation (learned_geometry):
+    pr_dq      = PR(W_Q - W_Q(0)), pr_dk the same for W_K   whole (C, C) matrix
+    pr_dq_head = mean over heads h of PR(W_Q^h - W_Q^h(0))  per head: pr_dq_heads (pr_dk_* for W_K)
+    dq_rel     = ||W_Q - W_Q(0)||_F / ||W_Q(0)||_F          how far training moved it (dk_rel for W_K)
+A random init has PR near C/2, so the PR of W itself can only fall early in training; the PR of the
+learned part shows which directions training opens, whatever the init.
+
+The logit scale is qk_spec_norm = ||W_QK^h||_2 (per head; layer_geometry). Entropy falls as the logits
+grow whatever the spectrum's shape (sigma-Reparam, Zhai et al. 2023), so every link between a PR and
+entropy is also measured with the logit scale held fixed (partial_correlation):
+    r(x, y | z) = corr(x - x_hat, y - y_hat)   x_hat, y_hat: least-squares fits of x, y on [1, z]
+                = (r_xy - r_xz r_yz) / sqrt((1 - r_xz^2)(1 - r_yz^2))   for a single z
+With ranks for x, y, z (for example entropy, PR_K_head, log qk_spec_norm over (layer, head) pairs) it
+is the partial Spearman correlation.
+
 Conventions. Inputs are torch tensors (any device, any dtype) or numpy arrays. Everything is
 computed in float64 on the CPU, so a metric logged during a GPU run and the same metric recomputed
 later from a saved float32 snapshot agree to float64 round-off. Scalars come back as Python floats,
 per-head lists as Python lists, batched results as float64 CPU tensors. An all-zero spectrum (a
-zero matrix, constant activations) has PR, effective rank and stable rank 0.0, never NaN. NaN or
-Inf in any input, or a shape that does not fit, is a ValueError that says what was expected.
+zero matrix, constant activations) has PR, effective rank and stable rank 0.0, never NaN; so has
+the learned part of an unchanged weight (W == W(0): PR 0.0, rel 0.0), and a zero W(0) has rel 0.0 (no
+scale to compare with). The one exception is a correlation with nothing to correlate (fewer than
+3 + k points for k controls, or a series constant once z is taken out): NaN, as a table should show
+"not measurable" there, not "no link". NaN or Inf in any input, or a shape that does not fit, is a
+ValueError that says what was expected.
 
 `python geometry.py` times layer_geometry and token_geometry at several widths.
 """
@@ -304,6 +324,62 @@ def layer_geometry(W_Q, W_K, n_head):
         "srank_q": _srank(sq).item(), "srank_k": _srank(sk).item(),
         "erank_qk": _erank(s_qk).mean().item(),
     }
+
+
+def learned_geometry(W_Q, W_K, W_Q0, W_K0, n_head):
+    """Geometry of the learned part W - W(0) of one layer's W_Q, W_K, all (C, C) = (out, in).
+
+    Returns floats (lists of length n_head for *_heads):
+      pr_dq, pr_dk                  PR of W_Q - W_Q(0), W_K - W_K(0), whole matrix
+      pr_dq_head, pr_dk_head        mean over heads of PR of the head's (d, C) block of the change;
+                                    per head: pr_dq_heads, pr_dk_heads
+      dq_rel, dk_rel                ||W - W(0)||_F / ||W(0)||_F
+    W == W(0) gives PR 0.0 and rel 0.0; a zero W(0) gives rel 0.0. The difference is taken in float64.
+    """
+    W_Q, W_K, _, _ = _qk_heads(W_Q, W_K, n_head)
+    W_Q0 = _as_f64(W_Q0, "W_Q0", ndim=2, shape_hint=" (C, C) = (out, in)")
+    W_K0 = _as_f64(W_K0, "W_K0", ndim=2, shape_hint=" (C, C) = (out, in)")
+    if W_Q0.shape != W_Q.shape or W_K0.shape != W_K.shape:
+        raise ValueError(f"W_Q0 and W_K0 must have the shape of W_Q and W_K {tuple(W_Q.shape)}, "
+                         f"got {tuple(W_Q0.shape)} and {tuple(W_K0.shape)}")
+    out = {}
+    for name, W, W0 in (("q", W_Q, W_Q0), ("k", W_K, W_K0)):
+        dW = W - W0
+        heads = _matrix_pr(dW.reshape(-1, W.shape[0] // n_head, W.shape[1]))
+        out |= {f"pr_d{name}": _matrix_pr(dW).item(), f"pr_d{name}_head": heads.mean().item(),
+                f"pr_d{name}_heads": heads.tolist(), f"d{name}_rel": _div(dW.norm(), W0.norm()).item()}
+    return out
+
+
+def partial_correlation(x, y, z=None):
+    """Pearson correlation of x and y (n,) with z held fixed: of the residuals of least-squares fits
+    of x and y on [1, z], z (n,) or (n, k) (k controls); z=None is the plain correlation.
+
+    Pass ranks for the partial Spearman correlation. A float in [-1, 1]; NaN when there is nothing to
+    correlate (n < 3 + k, or x or y constant once z is taken out).
+    """
+    x = _as_f64(x, "x", ndim=1, shape_hint=" (n,)")
+    y = _as_f64(y, "y", ndim=1, shape_hint=" (n,)")
+    n = x.shape[0]
+    z = torch.zeros(n, 0, dtype=torch.float64) if z is None else _as_f64(z, "z", min_ndim=1)
+    z = z[:, None] if z.ndim == 1 else z
+    if y.shape[0] != n or z.ndim != 2 or z.shape[0] != n:
+        raise ValueError(f"x (n,), y (n,) and z (n,) or (n, k) must share n, got shapes {tuple(x.shape)}, "
+                         f"{tuple(y.shape)} and {tuple(z.shape)}")
+    if n < 3 + z.shape[1]:
+        return float("nan")
+    A = torch.cat([torch.ones(n, 1, dtype=torch.float64), _unit_scale(z - z.mean(0), (0,))], 1)
+    xy = _unit_scale(torch.stack([x, y], 1), (0,))
+    # residuals: project out the column space of A, from its SVD so that a constant or collinear control
+    # (a rank-deficient A) takes out only the directions it has
+    U, S, _ = torch.linalg.svd(A, full_matrices=False)
+    U = U[:, S > S[0] * n * torch.finfo(torch.float64).eps]
+    res = xy - U @ (U.mT @ xy)
+    norms = res.norm(dim=0)
+    # a residual at round-off of the data is a series that z explains fully: nothing left to correlate
+    if (norms <= 1e-12 * xy.norm(dim=0).clamp(min=1e-300)).any():
+        return float("nan")
+    return (res[:, 0] @ res[:, 1] / (norms[0] * norms[1])).clamp(-1, 1).item()
 
 
 def token_geometry(q, k, att, n_head):

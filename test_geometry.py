@@ -341,6 +341,122 @@ def test_effective_and_stable_rank():
     assert np.allclose(g.effective_rank(s).numpy(), [np_erank(x) for x in s], rtol=RTOL)
 
 
+# ---- the learned part W - W(0) ----------------------------------------------------------------
+
+LEARNED_KEYS = {"pr_dq", "pr_dk", "pr_dq_head", "pr_dk_head", "pr_dq_heads", "pr_dk_heads", "dq_rel", "dk_rel"}
+
+
+@pytest.mark.parametrize("r", [1, 3, 7])
+def test_learned_part_of_rank_r_with_equal_singular_values_has_pr_r(r):
+    C, n_head = 24, 3
+    W0 = 0.02 * np.random.randn(C, C)
+    U, V = random_orthogonal(C)[:, :r], random_orthogonal(C)[:, :r]
+    W = W0 + 0.5 * U @ V.T            # singular values 0.5 (r times): PR exactly r
+    out = g.learned_geometry(W, W0, W0, W0, n_head)
+    assert set(out) == LEARNED_KEYS
+    assert out["pr_dq"] == pytest.approx(r, rel=1e-9)
+    assert out["dq_rel"] == pytest.approx(0.5 * math.sqrt(r) / np.linalg.norm(W0), rel=1e-9)
+    assert out["pr_dk"] == out["pr_dk_head"] == out["dk_rel"] == 0.0 and out["pr_dk_heads"] == [0.0] * n_head
+
+
+def test_learned_part_per_head_by_hand():
+    C, n_head = 24, 4
+    d = C // n_head
+    W_Q0, W_K0 = np.random.randn(C, C), np.random.randn(C, C)
+    W_Q = W_Q0 + np.random.randn(C, C) * np.linspace(0.1, 2.0, C)   # an uneven change
+    W_K = W_K0 + np.outer(np.random.randn(C), np.random.randn(C)) + 0.1 * np.random.randn(C, C)
+    out = g.learned_geometry(W_Q, W_K, W_Q0, W_K0, n_head)
+    for name, dW, W0 in (("q", W_Q - W_Q0, W_Q0), ("k", W_K - W_K0, W_K0)):
+        heads = [np_pr(np_svals(dW[h * d:(h + 1) * d]) ** 2) for h in range(n_head)]
+        assert np.allclose(out[f"pr_d{name}_heads"], heads, rtol=RTOL)
+        assert out[f"pr_d{name}_head"] == pytest.approx(np.mean(heads), rel=RTOL)
+        assert out[f"pr_d{name}"] == pytest.approx(np_pr(np_svals(dW) ** 2), rel=RTOL)
+        assert out[f"d{name}_rel"] == pytest.approx(np.linalg.norm(dW) / np.linalg.norm(W0), rel=RTOL)
+
+
+@pytest.mark.parametrize("c", [0.0, 0.5, 0.999, 1.001, 3.0])
+def test_learned_part_of_a_scaled_copy(c):
+    """W = c W(0): the change (c - 1) W(0) has rel |c - 1| and the PR of W(0) itself (scale-free)."""
+    W0 = np.random.randn(16, 16) * np.linspace(0.2, 1.0, 16)
+    out = g.learned_geometry(c * W0, W0, W0, W0, 2)
+    assert out["dq_rel"] == pytest.approx(abs(c - 1), rel=1e-9)
+    assert out["pr_dq"] == pytest.approx(g.matrix_pr(W0), rel=1e-9)
+    assert np.allclose(out["pr_dq_heads"], g.matrix_pr(g.split_heads(W0, 2)).numpy(), rtol=1e-9)
+
+
+def test_learned_part_of_an_unchanged_or_zero_init_weight_is_zero_not_nan():
+    W0 = np.random.randn(8, 8).astype(np.float32)
+    out = g.learned_geometry(W0, torch.from_numpy(W0), W0, W0, 2)
+    assert out == {k: ([0.0, 0.0] if k.endswith("_heads") else 0.0) for k in LEARNED_KEYS}
+    assert all(isinstance(out[k], float) for k in LEARNED_KEYS if not k.endswith("_heads"))
+    zero = np.zeros((8, 8))
+    assert g.learned_geometry(W0, W0, zero, zero, 2)["dq_rel"] == 0.0   # no scale to compare with
+
+
+def test_learned_part_numpy_and_torch_agree_and_the_difference_is_float64():
+    W0 = np.random.randn(8, 8).astype(np.float32)
+    W = W0.copy()
+    W[3, 5] = np.nextafter(W[3, 5], np.float32(np.inf))   # one float32 ulp: a rank-1 change
+    out = g.learned_geometry(W, W, W0, W0, 4)
+    assert out["pr_dq"] == pytest.approx(1.0, rel=1e-12) and out["pr_dq_heads"][1] == pytest.approx(1.0)
+    t = torch.from_numpy
+    assert out == g.learned_geometry(t(W), t(W), t(W0).requires_grad_(), t(W0), 4)
+
+
+# ---- partial correlation: the logit scale held fixed ------------------------------------------
+
+def np_partial(x, y, Z):
+    """Residuals of least-squares fits on [1, Z] (numpy lstsq), then their correlation."""
+    A = np.column_stack([np.ones(len(x)), Z])
+    rx = x - A @ np.linalg.lstsq(A, x, rcond=None)[0]
+    ry = y - A @ np.linalg.lstsq(A, y, rcond=None)[0]
+    return rx @ ry / np.sqrt((rx @ rx) * (ry @ ry))
+
+
+def test_partial_correlation_closed_forms():
+    n = 40
+    x, y, z = np.random.randn(n), np.random.randn(n), np.random.randn(n)
+    y = y + 0.5 * x + 0.7 * z
+    assert g.partial_correlation(x, y) == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-12)
+    r = np.corrcoef([x, y, z])
+    first_order = (r[0, 1] - r[0, 2] * r[1, 2]) / math.sqrt((1 - r[0, 2] ** 2) * (1 - r[1, 2] ** 2))
+    assert g.partial_correlation(x, y, z) == pytest.approx(first_order, rel=1e-10)
+    Z = np.column_stack([z, np.random.randn(n)])
+    assert g.partial_correlation(x, y, Z) == pytest.approx(np_partial(x, y, Z), rel=1e-10)
+    # affine maps of x, y, z change nothing but the sign
+    assert g.partial_correlation(3 * x + 1, -2 * y, 1e6 * z - 5) == pytest.approx(-first_order, rel=1e-9)
+    # a constant control or a repeated one is the same as none or one
+    assert g.partial_correlation(x, y, np.full(n, 2.0)) == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-10)
+    assert g.partial_correlation(x, y, np.column_stack([z, 2 * z])) == pytest.approx(first_order, rel=1e-9)
+
+
+@pytest.mark.parametrize("effect", ["scale", "shape", "both"])
+def test_partial_correlation_separates_planted_scale_from_shape(effect):
+    """Entropy driven by the logit scale alone, by the spectrum's shape alone, or by both: the partial
+    correlation given the scale is near 0 only in the first case."""
+    n = 2000
+    log_scale, shape = np.random.randn(n), np.random.randn(n)
+    pr_k = shape + (0.8 * log_scale if effect != "shape" else 0.0)   # PR_K drifts with the scale, or not
+    entropy = {"scale": -log_scale, "shape": shape, "both": shape - log_scale}[effect] + 0.3 * np.random.randn(n)
+    raw, partial = g.partial_correlation(entropy, pr_k), g.partial_correlation(entropy, pr_k, log_scale)
+    if effect == "scale":
+        assert raw < -0.3 and abs(partial) < 0.1
+    else:
+        assert partial > 0.5
+
+
+def test_partial_correlation_with_nothing_to_correlate_is_nan():
+    x, z = np.random.randn(10), np.random.randn(10)
+    assert math.isnan(g.partial_correlation(x, 2 * z + 1, z))   # y is all scale: nothing left
+    assert math.isnan(g.partial_correlation(np.full(10, 3.0), x))
+    assert math.isnan(g.partial_correlation(x[:3], x[:3] ** 2, z[:3]))   # 3 points, one control
+    assert not math.isnan(g.partial_correlation(x[:4], x[:4] ** 2, z[:4]))
+    with pytest.raises(ValueError, match="must share n"):
+        g.partial_correlation(x, x[:9], z)
+    with pytest.raises(ValueError, match="y has 1 NaN"):
+        g.partial_correlation(x, with_value(x, 2, np.nan))
+
+
 # ---- errors -----------------------------------------------------------------------------------
 
 W8 = np.random.RandomState(1).randn(8, 8)
@@ -376,6 +492,11 @@ def with_value(x, index, value):
     (lambda: g.token_geometry(QK[0], QK[0], ATT, 2), "q must be 3-D"),
     (lambda: g.token_geometry(QK, QK, ATT, 3), "not divisible by n_head"),
     (lambda: g.token_geometry(with_value(QK, (0, 1, 2), np.inf), QK, ATT, 2), "q has 1 NaN or Inf"),
+    (lambda: g.learned_geometry(W8, W8, W8[:4], W8, 2), "W_Q0 and W_K0 must have the shape of W_Q and W_K"),
+    (lambda: g.learned_geometry(W8, W8, W8, W8.T[:, :6], 2), "must have the shape of W_Q"),
+    (lambda: g.learned_geometry(W8, W8[:, :4], W8, W8, 2), "same shape"),
+    (lambda: g.learned_geometry(W8, W8, W8, W8, 3), "not divisible by n_head"),
+    (lambda: g.learned_geometry(W8, W8, with_value(W8, (1, 1), np.nan), W8, 2), "W_Q0 has 1 NaN or Inf"),
 ])
 def test_errors(call, match):
     with pytest.raises(ValueError, match=match):
