@@ -73,6 +73,10 @@ fmt_time() {  # seconds -> 42s, 3.5m, 1.8h
     else echo "${s}s"; fi
 }
 case $BACKEND in local|slurm) ;; *) die "unknown BACKEND=$BACKEND; use local or slurm" ;; esac
+for flag in MIRROR ANALYZE DRY_RUN; do  # DRY_RUN=yes must not start the whole sweep
+    case ${!flag} in 0|1) ;; *) die "$flag=${!flag} must be 0 or 1" ;; esac
+done
+case ${JOBS:-1} in *[!0-9]*|0) die "JOBS=$JOBS must be a whole number of runs at once, at least 1 (or unset)" ;; esac
 if [ -n "$DATA_FILE" ] && [ ! -f "$DATA_FILE" ]; then
     die "DATA_FILE=$DATA_FILE does not exist; set DATA_FILE to a UTF-8 text file, or DATA_FILE= (empty) for WikiText-103"
 fi
@@ -117,9 +121,38 @@ fi
 N=${#NAMES[@]}
 [ "$N" -gt 0 ] || die "the grid is empty (DEPTHS, INITS, SEEDS and CONTROL_SEEDS are all empty?)"
 
+# ----------------------------------------------------------------------------- one sweep per OUT
+LOCK=$OUT/.sweep.pid   # two sweeps on one OUT would train the same runs
+lock_holder() {  # the pid of the live sweep holding the lock; a pid reused by another program is not one
+    local pid
+    pid=$(cat "$LOCK" 2>/dev/null) && [ -n "$pid" ] || return 1
+    ps -o args= -p "$pid" 2>/dev/null | grep -q sweep.sh && echo "$pid"
+}
+refuse_if_locked() {  # before this sweep writes anything in $OUT
+    local holder
+    holder=$(lock_holder) || return 0
+    die "another sweep (pid $holder) is running in $OUT; stop it first, or use another OUT (if no sweep runs there, remove $LOCK)"
+}
+take_lock() {  # noclobber: of two sweeps starting at once, one creates the file
+    mkdir -p "$OUT" || die "cannot create $OUT"
+    ( set -C; echo $$ > "$LOCK" ) 2>/dev/null && return
+    refuse_if_locked
+    rm -f "$LOCK"  # left by a sweep that was killed outright (SIGKILL, power cut)
+    ( set -C; echo $$ > "$LOCK" ) 2>/dev/null || refuse_if_locked
+}
+
 # ----------------------------------------------------------------------------- what is left to do
-mkdir -p "$OUT/logs" || die "cannot create $OUT/logs"
-[ -n "${RUN_LIST:-}" ] || for i in "${!NAMES[@]}"; do echo "${NAMES[$i]} ${RUN_ARGS[$i]}"; done > "$OUT/runs.txt"
+# a dry run writes nothing here (a Slurm one only its scripts, below); a real one first makes sure it is alone
+if [ "$DRY_RUN" != 1 ]; then
+    if [ "$BACKEND" = local ]; then
+        take_lock
+        trap 'rm -rf ${STATE:+"$STATE"}; rm -f "$LOCK"' EXIT
+    else
+        refuse_if_locked  # submitting does not hold the lock: the array outlives this script
+    fi
+    mkdir -p "$OUT/logs" || die "cannot create $OUT/logs"
+    [ -n "${RUN_LIST:-}" ] || for i in "${!NAMES[@]}"; do echo "${NAMES[$i]} ${RUN_ARGS[$i]}"; done > "$OUT/runs.txt"
+fi
 TODO=()      # indices into NAMES of the runs without done.json
 for i in "${!NAMES[@]}"; do [ -f "$OUT/${NAMES[$i]}/done.json" ] || TODO+=("$i"); done
 n_skip=$((N - ${#TODO[@]}))
@@ -235,14 +268,8 @@ if [ "$DRY_RUN" = 1 ]; then
     exit 0
 fi
 
-LOCK=$OUT/.sweep.pid   # one sweep per OUT: two would train the same runs
-if [ -f "$LOCK" ] && kill -0 "$(cat "$LOCK")" 2>/dev/null; then
-    die "another sweep (pid $(cat "$LOCK")) is running in $OUT; stop it first"
-fi
-echo $$ > "$LOCK"
 rm -rf "$OUT"/.sweep.??????  # state left by a sweep that was killed outright (SIGKILL, power cut)
 STATE=$(mktemp -d "$OUT/.sweep.XXXXXX") || die "cannot create a state folder in $OUT"
-trap 'rm -rf "$STATE"; rm -f "$LOCK"' EXIT
 stopping=
 trap 'stopping=INT; [ -n "${WORKERS:-}" ] && kill -TERM $WORKERS 2>/dev/null' INT
 trap 'stopping=TERM; [ -n "${WORKERS:-}" ] && kill -TERM $WORKERS 2>/dev/null' TERM

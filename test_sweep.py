@@ -162,13 +162,48 @@ def test_stopped_sweep_finishes_on_restart_without_repeating_work(sweep_env):
         assert iters == sorted(set(iters)) and iters[-1] == 1500  # no iteration logged twice
 
 
-def test_a_second_sweep_on_the_same_out_is_refused(sweep_env):
-    os.makedirs(sweep_env['OUT'])
-    with open(os.path.join(sweep_env['OUT'], '.sweep.pid'), 'w') as f:
-        f.write(str(os.getpid()))  # a live process holds it
-    res = sweep(sweep_env, DEPTHS='4', INITS='normal', SEEDS='1', CONTROL_SEEDS='')
-    assert res.returncode == 2 and 'another sweep' in res.stderr
-    assert not os.path.exists(os.path.join(sweep_env['OUT'], 'L4_normal_s1'))
+def tree(folder):
+    """Every path under folder with its size and modification time: what a refused sweep must not change."""
+    return {os.path.join(d, n): (os.stat(os.path.join(d, n)).st_size, os.stat(os.path.join(d, n)).st_mtime_ns)
+            for d, dirs, files in os.walk(folder) for n in dirs + files}
+
+
+@pytest.fixture
+def running_sweep(tmp_path):
+    """A live process that looks like a sweep (bash running a file named sweep.sh), as holders of a lock are."""
+    fake = tmp_path / 'holder' / 'sweep.sh'
+    fake.parent.mkdir()
+    fake.write_text('sleep 120\n')
+    proc = subprocess.Popen(['bash', str(fake)])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_a_second_sweep_on_the_same_out_is_refused_and_changes_nothing(sweep_env, running_sweep):
+    out = sweep_env['OUT']
+    os.makedirs(os.path.join(out, 'logs'))
+    with open(os.path.join(out, '.sweep.pid'), 'w') as f:
+        f.write(str(running_sweep))
+    with open(os.path.join(out, 'runs.txt'), 'w') as f:
+        f.write('L4_normal_s1 --n_layer=4 --qk_init=normal --seed=1\n')  # the running sweep's plan
+    before = tree(out)
+    for backend in ('local', 'slurm'):  # a Slurm array on the same folder would train the same runs
+        res = sweep(sweep_env, DEPTHS='4 6', INITS='normal', SEEDS='1', CONTROL_SEEDS='', BACKEND=backend)
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert res.stderr.count('\n') == 1 and f'another sweep (pid {running_sweep}) is running in {out}' in res.stderr
+        assert tree(out) == before  # runs.txt, logs and the lock as they were
+
+
+def test_a_lock_left_by_a_dead_sweep_or_another_program_is_taken_over(sweep_env):
+    out = sweep_env['OUT']
+    os.makedirs(out)
+    for holder in (os.getpid(), 2 ** 22 + 1):  # alive but not a sweep (a reused pid), and no such process
+        with open(os.path.join(out, '.sweep.pid'), 'w') as f:
+            f.write(str(holder))
+        res = sweep(sweep_env, DEPTHS='4', INITS='normal', SEEDS='1', CONTROL_SEEDS='', ANALYZE='0')
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert not os.path.exists(os.path.join(out, '.sweep.pid'))  # released at the end
 
 
 # ----------------------------------------------------------------------------- failures
@@ -196,6 +231,11 @@ def test_bad_settings_stop_the_sweep_before_any_run(sweep_env):
     assert res.returncode == 2 and 'DATA_FILE=/no/such/file.txt does not exist' in res.stderr
     res = sweep(sweep_env, PRESET='huge')
     assert res.returncode == 2 and 'unknown PRESET=huge' in res.stderr
+    for var, value in (('DRY_RUN', 'yes'), ('MIRROR', 'true'), ('ANALYZE', 'no'), ('JOBS', 'two'), ('JOBS', '0')):
+        res = sweep(sweep_env, DEPTHS='4', INITS='normal', SEEDS='1', CONTROL_SEEDS='', **{var: value})
+        assert res.returncode == 2 and f'{var}={value} must be' in res.stderr, res.stdout + res.stderr
+        assert res.stderr.count('\n') == 1
+    assert not os.path.exists(os.path.join(sweep_env['OUT'], 'L4_normal_s1'))  # DRY_RUN=yes did not run it
 
 
 # ----------------------------------------------------------------------------- the grid (dry runs)
@@ -208,6 +248,7 @@ def dry_commands(env, *args, **overrides):
 
 def test_the_full_grid_shares_the_control_baseline_with_the_study(sweep_env):
     cmds, _ = dry_commands(sweep_env, '--lr=2e-3')
+    assert not os.path.exists(sweep_env['OUT'])  # a dry run writes nothing (runs.txt is a real sweep's plan)
     names = [re.search(r'--run_name=(\S+)', c).group(1) for c in cmds]
     study = {f'L{d}_{i}_s{s}' for d in (4, 6, 8) for i in ('normal', 'orthogonal', 'tied') for s in (1, 2, 3, 4)}
     control = {f'L4_normal{c}_s{s}' for c in ('', '_shrink-k', '_freeze-k') for s in range(1, 6)}
