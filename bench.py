@@ -1,15 +1,50 @@
 """
-Throughput of train.py at the CPU benchmark size, with geometry logging on and off, against a plain
-nanoGPT-style loop (the same model, no logging, no checkpoints, no guards). Medians of several runs.
-"train.py steps alone" is the geometry-off run without its loss estimates and checkpoint writes (the
-ms/iter train.py prints covers only the steps since the previous record): the loop itself.
+Every speed figure the project quotes, with the command that measures it. One timing helper,
+`timings`, times every measurement: the calls are interleaved, so a slow spell of a shared machine
+hits all of them alike, and the figures are medians.
 
-    python bench.py --data_file=../shared/data/wikitext-103/wiki.test.raw [--repeats=3] [--iters=1000]
+    python bench.py --loop       train.py per iteration against a plain nanoGPT-style loop (--iters, --repeats)
+    python bench.py --geometry   geometry per evaluation, layer_geometry and token_geometry, at several widths
+    python bench.py --control    control.apply at several widths, control_keep fro and spec (--threads)
+    python bench.py --encode     encoding a text into the data cache (--mb), and a cache hit
+
+--data_file (default: ../shared/data/wikitext-103/wiki.test.raw next to this repository) is the text.
+
+Measured on the 2-core CPU of the development machine, torch 2.13 (moved here from the README; the
+commands then were `python geometry.py` and `python control.py`); ratios rather than single times (the
+machine is shared, and single runs vary by 10% or more):
+
+- train.py against a plain loop (`python bench.py --loop --iters=1000 --repeats=2`; n_layer 4, n_embd 128,
+  4 heads, block 128, batch 32, default intervals): train.py's training steps alone (its printed ms/iter,
+  which leaves out records) 161.7 ms/iter against 164.1 ms/iter for a plain nanoGPT-style loop of the same
+  model: x0.985, no slower. Whole runs, records and checkpoints included: 172.9 ms/iter with geometry
+  logging, 184.7 ms/iter without (--geom_interval=0), a difference inside the machine's noise; the time
+  train.py itself counts as measuring and writing geometry (geometry_share in done.json) was 0.8% of wall
+  time at geom_interval=250.
+- Geometry per evaluation (`python bench.py --geometry`; eval batch of 16 windows of 256, n_head = C/64, ms):
+  C = 128: 2.8 (weights) + 26.8 (tokens); 256: 13.2 + 58.1; 384: 21.8 + 92.6; 512: 42.2 + 161.4;
+  768: 106.5 + 338.5; 1024: 223.5 + 560.3. For an 8-layer C = 384 model, all layers take 0.72 s inside
+  train.py (plus 0.74 s for the measuring forward pass), against 11.1 s for one training iteration at that
+  size (batch 64 x 256): 6.5% of one iteration, so once per 250 iterations it is about 0.03% of training.
+  That misses the 2% of one iteration we aimed for; the token metrics (float64 covariances of 4096 x 384
+  activations) are most of it.
+- Control, the transform alone (`python bench.py --control --threads=1`; one apply on 4 layers, freeze with
+  every block changing, median of 7, ms, head scope with n_head=4 / layer scope): n_embd 128: 6.2 / 12.8;
+  256: 23.7 / 57.8; 384: 52.3 / 138.6; 512: 118.9 / 360.8; 768: 274.2 / 849.0. It grows about as C^3 (the
+  SVD); at n_embd 128 that is 1-4% of a training iteration with control_interval=1. Inside train.py at the
+  cpu sweep size (n_embd 64, 4 layers, control=freeze, which acts at every step, 600 iterations): control
+  took 10.8% of wall time with 1 thread (as the sweep runs it) and 14.6% with 2, about 2.5 ms per step
+  against a 15-25 ms step: at, not under, the 10% we aimed for. At n_embd 128 it is about 7 ms against a
+  160 ms step (4%); the training step grows about as C^2.
+- Data encoding (`python bench.py --encode`): 31 M characters/s (a 160 MB synthetic WikiText-shaped file,
+  train.prepare_data), so the full WikiText-103 (540 M characters) encodes in well under a minute; a cache
+  hit costs one SHA-256 of the source.
 """
 import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -19,73 +54,269 @@ import time
 import numpy as np
 import torch
 
+import control
+import geometry
 import train
 
-SIZE = ['--n_layer=4', '--n_embd=128', '--n_head=4', '--block_size=128', '--batch_size=32']
+REPO = os.path.dirname(os.path.abspath(__file__))
+SHARED_TEXT = os.path.join(REPO, '..', 'shared', 'data', 'wikitext-103', 'wiki.test.raw')
+LOOP_SIZE = ['--n_layer=4', '--n_embd=128', '--n_head=4', '--block_size=128', '--batch_size=32']
 
 
-def train_py(data_file, iters, geom_interval, out):
-    """Wall time per iteration of a whole train.py run (start-up excluded: its done.json's wall time), and
-    the share of it spent measuring geometry. Loss estimates every 250 iterations (train.py's default) in
-    both modes; geometry logging adds its early log-spaced records (with their loss estimates) on top."""
-    args = [sys.executable, 'train.py', f'--data_file={data_file}', *SIZE, f'--max_iters={iters}',
-            f'--geom_interval={geom_interval}', f'--out_dir={out}', '--run_name=bench', '--overwrite=True']
-    log = subprocess.run(args, check=True, capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__))).stdout
-    with open(os.path.join(out, 'bench', 'done.json')) as f:
-        done = json.load(f)
-    # the training steps alone: the ms/iter of each console line covers the steps since the last record
-    steps = [(int(m[1]), float(m[2])) for m in re.finditer(r'^iter (\d+):.*? ([\d.]+) ms/iter', log, re.M)]
-    bare = sum((it - prev) * ms for (prev, _), (it, ms) in zip(steps, steps[1:])) / 1000 / iters
-    return done['wall_time'] / iters, done['geometry_share'], bare
+class BenchError(Exception):
+    """A problem with bench.py's arguments or inputs: main prints it as one line and exits with status 2."""
 
 
-def plain_loop(data_file, iters):
-    """The nanoGPT loop at its plainest: random windows from a memmap, forward, backward, step."""
-    cfg = train.get_config([f'--data_file={data_file}', *SIZE])
-    data, _, meta = train.prepare_data(cfg)
-    torch.manual_seed(1)
-    model = train.GPT(train.GPTConfig(meta['vocab_size'], 128, 4, 4, 128))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
-    t0 = time.time()
+# ----------------------------------------------------------------------------- the one timing helper
+
+def timings(fns, repeats, warmup=True):
+    """Wall seconds of each call: fns is a dict name -> function of no arguments, each called `repeats`
+    times, interleaved (a, b, a, b, ...), after one untimed call each when warmup. {name: [seconds, ...]}"""
+    if warmup:
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def median_ms(ts):
+    return 1000 * statistics.median(ts)
+
+
+# ----------------------------------------------------------------------------- train.py against a plain loop
+
+def load_data(args):
+    """The encoded training text of a train.py argument list (through train.py's cache), and its vocabulary."""
+    data, _, meta = train.prepare_data(train.get_config(args))
+    return data, meta['vocab_size']
+
+
+def plain_loop(data, vocab_size, args, iters, seed=1):
+    """The nanoGPT loop at its plainest, on train.py's model at the size in args: random windows from a
+    memmap, forward, backward, clip, step. Seconds per iteration."""
+    cfg = train.get_config(args)
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    T, B = cfg['block_size'], cfg['batch_size']
+    model = train.GPT(train.GPTConfig(vocab_size, T, cfg['n_layer'], cfg['n_head'], cfg['n_embd']))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
+                            weight_decay=cfg['weight_decay'])
+    t0 = time.perf_counter()
     for _ in range(iters):
-        ix = np.random.randint(len(data) - 129, size=32)
-        x = torch.from_numpy(np.stack([data[i:i + 128] for i in ix]).astype(np.int64))
-        y = torch.from_numpy(np.stack([data[i + 1:i + 129] for i in ix]).astype(np.int64))
+        ix = np.random.randint(len(data) - T - 1, size=B)
+        x = torch.from_numpy(np.stack([data[i:i + T] for i in ix]).astype(np.int64))
+        y = torch.from_numpy(np.stack([data[i + 1:i + 1 + T] for i in ix]).astype(np.int64))
         _, loss = model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return (time.time() - t0) / iters
+    return (time.perf_counter() - t0) / iters
 
 
-if __name__ == '__main__':
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--data_file', required=True)
-    p.add_argument('--iters', type=int, default=1000)
-    p.add_argument('--geom_interval', type=int, default=250, help="train.py's default")
-    p.add_argument('--repeats', type=int, default=3)
-    a = p.parse_args()
-    times = {'train.py, geometry on': [], 'train.py, geometry off': [], 'train.py steps alone': [],
-             'plain loop': []}
+def train_py(args, out, name='bench'):
+    """A whole train.py run; its done.json (wall_time excludes start-up) and console output."""
+    cmd = [sys.executable, os.path.join(REPO, 'train.py'), *args, f'--out_dir={out}', f'--run_name={name}',
+           '--overwrite=True']
+    log = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout
+    with open(os.path.join(out, name, 'done.json')) as f:
+        return json.load(f), log
+
+
+def steps_alone(log, iters):
+    """Seconds per iteration of the training steps alone: each console line's ms/iter covers the steps
+    since the previous record, and leaves the record itself out."""
+    records = [(int(m[1]), m[2]) for m in re.finditer(r'^iter (\d+):.*? ([\d.]+|-) ms/iter', log, re.M)]
+    return sum((it - prev) * float(ms) for (prev, _), (it, ms) in zip(records, records[1:])) / 1000 / iters
+
+
+def bench_loop(a):
+    args = [f'--data_file={a.data_file}', *LOOP_SIZE, f'--max_iters={a.iters}']
+    data, vocab = load_data(args)
+    results = {'train.py, geometry on': [], 'train.py, geometry off': [], 'train.py steps alone': [],
+               'plain loop': []}
     shares = []
     with tempfile.TemporaryDirectory() as out:
-        for _ in range(a.repeats):  # interleaved, so a slow spell of the machine hits all of them
-            per_iter, share, _ = train_py(a.data_file, a.iters, a.geom_interval, out)
-            times['train.py, geometry on'].append(per_iter)
-            shares.append(share)
-            per_iter, _, bare = train_py(a.data_file, a.iters, 0, out)
-            times['train.py, geometry off'].append(per_iter)
-            times['train.py steps alone'].append(bare)
-            times['plain loop'].append(plain_loop(a.data_file, a.iters))
+        def on():
+            done, _ = train_py([*args, f'--geom_interval={a.geom_interval}'], out)
+            results['train.py, geometry on'].append(done['wall_time'] / a.iters)
+            shares.append(done['geometry_share'])
+
+        def off():
+            done, log = train_py([*args, '--geom_interval=0'], out)
+            results['train.py, geometry off'].append(done['wall_time'] / a.iters)
+            results['train.py steps alone'].append(steps_alone(log, a.iters))
+
+        def plain():
+            results['plain loop'].append(plain_loop(data, vocab, args, a.iters))
+        timings({'on': on, 'off': off, 'plain': plain}, a.repeats, warmup=False)
     tokens = 32 * 128
-    base = statistics.median(times['plain loop'])
-    for name, ts in times.items():
+    base = statistics.median(results['plain loop'])
+    for name, ts in results.items():
         m = statistics.median(ts)
         print(f'{name:24s} {1000 * m:7.1f} ms/iter  {tokens / m:8.0f} tok/s  x{m / base:.3f} of the plain loop  '
               f'(runs: {", ".join(f"{1000 * t:.0f}" for t in ts)} ms)')
-    on, off = statistics.median(times['train.py, geometry on']), statistics.median(times['train.py, geometry off'])
-    print(f'geometry logging costs {100 * (on - off) / on:.1f}% of wall time at geom_interval={a.geom_interval} '
-          f'(on minus off); measuring and writing geometry alone: {100 * statistics.median(shares):.1f}% '
-          f'(train.py\'s geometry_share)')
+    on_s, off_s = (statistics.median(results[k]) for k in ('train.py, geometry on', 'train.py, geometry off'))
+    print(f'geometry logging costs {100 * (on_s - off_s) / on_s:.1f}% of wall time at geom_interval={a.geom_interval} '
+          f"(on minus off); measuring and writing geometry alone: {100 * statistics.median(shares):.1f}% "
+          f"(train.py's geometry_share)")
+
+
+# ----------------------------------------------------------------------------- geometry per evaluation
+
+def bench_geometry(widths, repeats=5, B=16, T=256):
+    """ms per call of layer_geometry and token_geometry, n_head = C / 64, on an eval batch (B, T)."""
+    torch.manual_seed(0)
+    print(f'torch {torch.__version__}, {torch.get_num_threads()} CPU threads; eval batch B={B}, T={T}, '
+          f'n_head=C/64; median of {repeats} runs, ms')
+    print(f"{'C':>5} {'n_head':>6} {'layer_geometry':>15} {'token_geometry':>15}")
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    rows = {}
+    for C in widths:
+        n_head = max(1, C // 64)
+        W_Q, W_K = 0.02 * torch.randn(C, C), 0.02 * torch.randn(C, C)
+        q, k = torch.randn(B, T, C), torch.randn(B, T, C)
+        att = torch.randn(B, n_head, T, T).masked_fill(~causal, float('-inf')).softmax(-1)
+        ts = timings({'layer': lambda: geometry.layer_geometry(W_Q, W_K, n_head),
+                      'token': lambda: geometry.token_geometry(q, k, att, n_head)}, repeats)
+        rows[C] = (median_ms(ts['layer']), median_ms(ts['token']))
+        print(f'{C:>5} {n_head:>6} {rows[C][0]:>15.1f} {rows[C][1]:>15.1f}')
+    if 384 in rows:
+        print(f'8-layer C=384 model, one evaluation: 8 x (layer + token) = {8 * sum(rows[384]):.0f} ms')
+    return rows
+
+
+# ----------------------------------------------------------------------------- control.apply
+
+def control_step(C, scope, n_head, keep, n_layer=4):
+    """One stand-in optimizer step (a small random change, so that freeze has something to undo) and
+    control.apply on n_layer (C, C) weights, as a function of no arguments."""
+    qk = [(torch.nn.Parameter(0.02 * torch.randn(C, C)), torch.nn.Parameter(0.02 * torch.randn(C, C)))
+          for _ in range(n_layer)]
+    cfg = dict(control='freeze', control_target='k', control_scope=scope, control_layers='', control_keep=keep,
+               shrink_to=0.5, shrink_iters=100, control_interval=1, n_head=n_head)
+    state = control.record(cfg, qk)
+    noise = [0.001 * torch.randn(C, C) for _ in range(n_layer)]
+
+    def step():
+        with torch.no_grad():
+            for (_, wk), e in zip(qk, noise):
+                wk.add_(e)
+        control.apply(state, cfg, qk, 1)
+    return step
+
+
+def bench_control(widths, repeats=7):
+    """ms per control.apply on 4 layers, control=freeze (every block changes), fro and spec interleaved."""
+    torch.manual_seed(0)
+    scopes = (('head, n_head=4', 'head', lambda C: 4), ('head, d=32', 'head', lambda C: C // 32),
+              ('layer', 'layer', lambda C: 4))
+    print(f'torch {torch.__version__}, {torch.get_num_threads()} CPU threads; apply() on 4 layers, control=freeze '
+          f'(every block changes), median of {repeats} runs, ms, control_keep fro / spec')
+    print(f"{'C':>5}" + ''.join(f'{label:>22}' for label, _, _ in scopes))
+    rows = {}
+    for C in widths:
+        fns = {(label, keep): control_step(C, scope, n_head(C), keep)
+               for label, scope, n_head in scopes for keep in ('fro', 'spec')}
+        ts = timings(fns, repeats)
+        rows[C] = {key: median_ms(t) for key, t in ts.items()}
+        print(f'{C:>5}' + ''.join(f"{rows[C][label, 'fro']:>14.1f} / {rows[C][label, 'spec']:<5.1f}"
+                                  for label, _, _ in scopes))
+    spec = sum(r[key] for r in rows.values() for key in r if key[1] == 'spec')
+    fro = sum(r[key] for r in rows.values() for key in r if key[1] == 'fro')
+    print(f'spec / fro, all cells together: {spec / fro:.3f}')
+    return rows
+
+
+# ----------------------------------------------------------------------------- data encoding
+
+def bench_encode(text_file, mb, repeats=1):
+    """Characters per second of encoding a text of about mb megabytes (text_file repeated) into an empty
+    cache with train.prepare_data, and the time of a cache hit (one SHA-256 of the source)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cache = os.path.join(tmp, 'text.txt'), os.path.join(tmp, 'cache')
+        text = open(text_file, encoding='utf-8').read()
+        with open(src, 'w', encoding='utf-8') as f:
+            for _ in range(max(1, round(mb * 2 ** 20 / max(1, len(text.encode('utf-8')))))):
+                f.write(text)
+        size_mb = os.path.getsize(src) / 2 ** 20
+        args = [f'--data_file={src}', f'--cache_dir={cache}']
+        chars = []
+
+        def miss():   # emptying the cache first (a few ms) makes every call a miss
+            shutil.rmtree(cache, ignore_errors=True)
+            _, _, meta = train.prepare_data(train.get_config(args))
+            chars.append(meta['n_train'] + meta['n_val'])
+        ts = timings({'miss': miss, 'hit': lambda: train.prepare_data(train.get_config(args))}, repeats,
+                     warmup=False)
+    rate, hit = chars[0] / statistics.median(ts['miss']), statistics.median(ts['hit'])
+    print(f"encoding {chars[0] / 1e6:.1f} M characters ({size_mb:.0f} MB): "
+          f"{rate / 1e6:.1f} M characters/s; a cache hit {1000 * hit:.0f} ms")
+    return rate, hit
+
+
+# ----------------------------------------------------------------------------- command line
+
+def int_list(text, name):
+    try:
+        values = [int(t) for t in text.split(',') if t.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise BenchError(f'{name}={text!r}: expected positive whole numbers separated by commas, such as 1,2,4')
+    return values
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):   # one line, not the usage block
+        raise BenchError(f'{message} (see python bench.py --help)')
+
+
+def parse_args(argv):
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument('--loop', action='store_true', help='train.py per iteration against a plain loop')
+    mode.add_argument('--geometry', action='store_true', help='geometry per evaluation at several widths')
+    mode.add_argument('--control', action='store_true', help='control.apply at several widths, fro and spec')
+    mode.add_argument('--encode', action='store_true', help='encoding a text into the data cache')
+    p.add_argument('--data_file', default=SHARED_TEXT, help='the text to train on or encode')
+    p.add_argument('--iters', type=int, default=1000, help='iterations per run (--loop)')
+    p.add_argument('--repeats', type=int, default=0, help='runs of each, interleaved [--loop 3, --encode 1]')
+    p.add_argument('--geom_interval', type=int, default=250, help="--loop's geometry-on runs (train.py's default)")
+    p.add_argument('--widths', default='', help='C values, comma-separated (--geometry, --control)')
+    p.add_argument('--threads', type=int, default=0, help='torch CPU threads (0: torch default)')
+    p.add_argument('--mb', type=float, default=64, help='size of the text to encode (--encode)')
+    a = p.parse_args(argv)
+    a.repeats = a.repeats or (3 if a.loop else 1)
+    if a.iters < 1 or a.repeats < 1:
+        raise BenchError(f'--iters={a.iters} and --repeats={a.repeats} must be at least 1')
+    if (a.loop or a.encode) and not os.path.isfile(a.data_file):
+        raise BenchError(f'--data_file={a.data_file} does not exist; pass the path of a UTF-8 text file')
+    return a
+
+
+def main(argv):
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.loop:
+        bench_loop(a)
+    elif a.geometry:
+        bench_geometry(int_list(a.widths or '128,256,384,512,768,1024', '--widths'))
+    elif a.control:
+        bench_control(int_list(a.widths or '128,256,384,512,768', '--widths'))
+    elif a.encode:
+        bench_encode(a.data_file, a.mb, a.repeats)
+
+
+if __name__ == '__main__':
+    try:
+        main(sys.argv[1:])
+    except (BenchError, train.ConfigError) as e:
+        print(f'bench.py: error: {e.msg if isinstance(e, train.ConfigError) else e}', file=sys.stderr)
+        sys.exit(2)

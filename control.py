@@ -33,7 +33,7 @@ two places (the state is a plain dict, saved in checkpoints):
     control.apply(state, cfg, model.qk_weights(), step)    # after each optimizer step (step = 1, 2, ...)
 and merges control.report(state)[layer] into each layer's record in metrics.jsonl.
 
-`python control.py` times apply at several widths.
+A library with no command line; `python bench.py --control` measures its speed.
 """
 import difflib
 import warnings
@@ -293,46 +293,3 @@ def report(state):
         if state['scope'] == 'head':
             rows[layer].update(ctl_target_pr_heads=list(target), ctl_pr_heads=list(pr))
     return rows
-
-
-# ----------------------------------------------------------------------------- benchmark: python control.py
-
-if __name__ == '__main__':
-    import statistics
-    import sys
-    import time
-
-    if len(sys.argv) > 1:
-        torch.set_num_threads(int(sys.argv[1]))
-
-    def median_ms(fn, repeats=7):
-        fn()  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(times)
-
-    torch.manual_seed(0)
-    n_layer = 4
-    print(f'torch {torch.__version__}, {torch.get_num_threads()} CPU threads; apply() on {n_layer} layers, '
-          f'control=freeze (every block changes), median of 7 runs, ms')
-    print(f"{'C':>5} {'head, n_head=4':>15} {'head, d=32':>11} {'layer':>7}")
-    for C in (128, 256, 384, 512, 768):
-        cols = []
-        for scope, n_head in (('head', 4), ('head', C // 32), ('layer', 4)):
-            qk = [(torch.nn.Parameter(0.02 * torch.randn(C, C)), torch.nn.Parameter(0.02 * torch.randn(C, C)))
-                  for _ in range(n_layer)]
-            cfg = dict(control='freeze', control_target='k', control_scope=scope, control_layers='',
-                       shrink_to=0.5, shrink_iters=100, control_interval=1, n_head=n_head)
-            state = record(cfg, qk)
-            noise = [0.001 * torch.randn(C, C) for _ in range(n_layer)]
-
-            def step():
-                with torch.no_grad():  # a stand-in optimizer step, so that freeze has something to undo
-                    for (_, wk), e in zip(qk, noise):
-                        wk.add_(e)
-                apply(state, cfg, qk, 1)
-            cols.append(median_ms(step))
-        print(f'{C:>5} {cols[0]:>15.1f} {cols[1]:>11.1f} {cols[2]:>7.1f}')

@@ -43,7 +43,7 @@ scale to compare with). The one exception is a correlation with nothing to corre
 "not measurable" there, not "no link". NaN or Inf in any input, or a shape that does not fit, is a
 ValueError that says what was expected.
 
-`python geometry.py` times layer_geometry and token_geometry at several widths.
+A library with no command line; `python bench.py --geometry` measures its speed.
 """
 import numpy as np
 import torch
@@ -426,38 +426,3 @@ def token_geometry(q, k, att, n_head):
         "entropy": H.mean().item(), "entropy_norm": Hn.mean().item(),
         "entropy_heads": H.mean((0, 2)).tolist(), "entropy_norm_heads": Hn.mean((0, 2)).tolist(),
     }
-
-
-# ----------------------------------------------------------------------------------------------
-# benchmark: python geometry.py
-
-if __name__ == "__main__":
-    import statistics
-    import time
-
-    def median_time(fn, *args, repeats=5):
-        fn(*args)  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn(*args)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    torch.manual_seed(0)
-    B, T = 16, 256
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads; "
-          f"eval batch B={B}, T={T}, n_head=C/64; median of 5 runs, ms")
-    print(f"{'C':>5} {'n_head':>6} {'layer_geometry':>15} {'token_geometry':>15}")
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    per_layer = {}
-    for C in (128, 256, 384, 512, 768, 1024):
-        n_head = C // 64
-        W_Q, W_K = 0.02 * torch.randn(C, C), 0.02 * torch.randn(C, C)
-        q, k = torch.randn(B, T, C), torch.randn(B, T, C)
-        att = torch.randn(B, n_head, T, T).masked_fill(~causal, float("-inf")).softmax(-1)
-        t_layer = median_time(layer_geometry, W_Q, W_K, n_head)
-        t_token = median_time(token_geometry, q, k, att, n_head)
-        per_layer[C] = t_layer + t_token
-        print(f"{C:>5} {n_head:>6} {1e3 * t_layer:>15.1f} {1e3 * t_token:>15.1f}")
-    print(f"8-layer C=384 model, one evaluation: 8 x (layer + token) = {8e3 * per_layer[384]:.0f} ms")
