@@ -82,14 +82,42 @@ if [ -n "$DATA_FILE" ] && [ ! -f "$DATA_FILE" ]; then
 fi
 
 # ----------------------------------------------------------------------------- the grid
+# the one place the study's grid is written: analyze.py reads the planned runs from $OUT/runs.txt
+GRID=()      # the per-run --key=value settings, in the order they are run (no spaces inside a value)
+if [ -z "${RUN_LIST:-}" ]; then
+    # the study: depth x qk_init x seed; seed outermost, so a sweep stopped early has every setting
+    for seed in $SEEDS; do for depth in $DEPTHS; do for init in $INITS; do
+        GRID+=("--n_layer=$depth --qk_init=$init --seed=$seed")
+    done; done; done
+    n_study=${#GRID[@]}
+    # the control experiment at one depth, qk_init normal. Its `none` runs have exactly the settings of
+    # the study's L4_normal_s* runs (same folder name): those are shared, not trained twice
+    targets=k
+    [ "$MIRROR" = 1 ] && targets='k q'
+    for seed in $CONTROL_SEEDS; do
+        GRID+=("--n_layer=$CONTROL_DEPTH --qk_init=normal --seed=$seed")
+        for target in $targets; do for control in shrink freeze; do
+            GRID+=("--n_layer=$CONTROL_DEPTH --qk_init=normal --control=$control --control_target=$target --seed=$seed")
+        done; done
+    done
+fi
+
 NAMES=()     # run folder names, in the order they are run
-RUN_ARGS=()  # the per-run --key=value settings of each (no spaces inside a value)
+RUN_ARGS=()  # the settings of each, as in GRID
 add_run() {  # add_run NAME ARGS...: a run, unless one of that name is already listed (then it is shared)
     local name=$1 n
     shift
     for n in "${NAMES[@]}"; do [ "$n" = "$name" ] && { shared=$((shared + 1)); return; }; done
     NAMES+=("$name")
     RUN_ARGS+=("$*")
+}
+# the extra arguments can rename a run (--seed=, --control_keep=); one with a space in it cannot
+NAME_EXTRA=()
+for arg in ${EXTRA[@]+"${EXTRA[@]}"}; do case $arg in *[[:space:]]*) ;; *) NAME_EXTRA+=("$arg") ;; esac; done
+name_grid() {  # one name per GRID line, from train.py (the one source of run names), which checks every line
+    local args
+    for args in "${GRID[@]}"; do echo "${PRESET_ARGS[*]} $args ${NAME_EXTRA[*]}"; done |
+        "$PYTHON" "$REPO/train.py" --print_run_names
 }
 shared=0
 if [ -n "${RUN_LIST:-}" ]; then
@@ -99,24 +127,15 @@ if [ -n "${RUN_LIST:-}" ]; then
         add_run "$name" $args
     done < "$RUN_LIST"
     what="from $RUN_LIST"
-else
-    # the study: depth x qk_init x seed; seed outermost, so a sweep stopped early has every setting
-    for seed in $SEEDS; do for depth in $DEPTHS; do for init in $INITS; do
-        add_run "L${depth}_${init}_s$seed" --n_layer=$depth --qk_init=$init --seed=$seed
-    done; done; done
-    n_study=${#NAMES[@]}
-    # the control experiment at one depth, qk_init normal. Its `none` runs have exactly the settings of
-    # the study's L4_normal_s* runs (same folder name): those are shared, not trained twice
-    targets=k
-    [ "$MIRROR" = 1 ] && targets='k q'
-    for seed in $CONTROL_SEEDS; do
-        add_run "L${CONTROL_DEPTH}_normal_s$seed" --n_layer="$CONTROL_DEPTH" --qk_init=normal --seed="$seed"
-        for target in $targets; do for control in shrink freeze; do
-            add_run "L${CONTROL_DEPTH}_normal_$control-${target}_s$seed" --n_layer="$CONTROL_DEPTH" --qk_init=normal \
-                --control="$control" --control_target="$target" --seed="$seed"
-        done; done
-    done
-    what="$n_study study + $((${#NAMES[@]} - n_study + shared)) control, $shared in both"
+elif [ "${#GRID[@]}" -gt 0 ]; then
+    grid_names=$(name_grid) || die "the grid's settings above are not usable (nothing was run)"
+    i=0
+    while read -r name; do
+        add_run "$name" ${GRID[$i]}
+        i=$((i + 1))
+    done <<< "$grid_names"
+    [ "$i" = "${#GRID[@]}" ] || die "train.py --print_run_names gave $i names for ${#GRID[@]} runs"
+    what="$n_study study + $((${#GRID[@]} - n_study)) control, $shared in both"
 fi
 N=${#NAMES[@]}
 [ "$N" -gt 0 ] || die "the grid is empty (DEPTHS, INITS, SEEDS and CONTROL_SEEDS are all empty?)"
@@ -213,7 +232,7 @@ if [ "$BACKEND" = slurm ]; then
     echo "sweep: PRESET=$PRESET, $N runs ($what): ${#TODO[@]} to submit, $n_skip already done; OUT=$OUT"
     array_cmd=() analyze_cmd=()
     [ "${#TODO[@]}" -gt 0 ] && array_cmd=(sbatch --parsable $SBATCH_ARGS "$dir/array.sbatch")
-    if [ "$ANALYZE" = 1 ] && [ -f "$REPO/analyze.py" ]; then
+    if [ "$ANALYZE" = 1 ]; then
         analyze_cmd=(sbatch --parsable $SBATCH_ARGS "$dir/analyze.sbatch")
         [ "${#TODO[@]}" -gt 0 ] && analyze_cmd=(sbatch --parsable $SBATCH_ARGS --dependency=afterok:JOBID "$dir/analyze.sbatch")
     fi
@@ -355,12 +374,10 @@ if [ -n "$stopping" ]; then
     case $stopping in HUP) exit 129 ;; INT) exit 130 ;; *) exit 143 ;; esac
 fi
 status=0
-if [ "$ANALYZE" = 1 ] && [ -f "$REPO/analyze.py" ]; then
+if [ "$ANALYZE" = 1 ]; then
     echo "analysis: $PYTHON $REPO/analyze.py $OUT (log: $OUT/logs/analyze.log)"
     "$PYTHON" "$REPO/analyze.py" "$OUT" 2>&1 | tee "$OUT/logs/analyze.log"
     [ "${PIPESTATUS[0]}" = 0 ] || { echo "the analysis FAILED, see $OUT/logs/analyze.log"; status=1; }
-elif [ "$ANALYZE" = 1 ]; then
-    echo "analysis skipped: $REPO/analyze.py does not exist"
 fi
 echo "sweep finished in $(fmt_time $(($(date +%s) - T0))): $N runs, $n_skip skipped (done before), ${n_ok:-0} trained" \
      "now, $(echo $FAILED | wc -w) failed"

@@ -78,6 +78,11 @@ def test_smoke_sweep_trains_every_run_then_analyses(finished_sweep):
     out = env['OUT']
     assert set(run_list(out)) == SMALL_RUNS and len(run_list(out)) == len(SMALL_RUNS)  # the shared run once
     assert set(done_mtimes(out)) == SMALL_RUNS
+    import train
+    with open(os.path.join(out, 'runs.txt')) as f:  # the plan analyze.py reads: each name is its settings' name
+        for line in f:
+            name, *args = line.split()
+            assert train.get_config(args)['run_name'] == name and f'--n_layer={name[1]}' in args
     for name in SMALL_RUNS:
         cfg = json.load(open(os.path.join(out, name, 'config.json')))
         assert cfg['run_name'] == name and cfg['max_iters'] == 6 and cfg['n_embd'] == 16  # the smoke preset
@@ -93,8 +98,6 @@ def test_smoke_sweep_trains_every_run_then_analyses(finished_sweep):
 
 def test_smoke_sweep_writes_the_analysis(finished_sweep):
     env, res = finished_sweep
-    if not os.path.exists(os.path.join(HERE, 'analyze.py')):
-        pytest.skip('analyze.py is not in the repository yet: sweep.sh skips the analysis step')
     assert res.returncode == 0, res.stdout + res.stderr
     assert os.path.isfile(os.path.join(env['OUT'], 'analysis', 'REPORT.md')), res.stdout
     assert os.path.getsize(os.path.join(env['OUT'], 'logs', 'analyze.log')) > 0
@@ -262,6 +265,26 @@ def test_the_full_grid_shares_the_control_baseline_with_the_study(sweep_env):
     assert len(dry_commands(sweep_env, CONTROL_SEEDS='')[0]) == 36
 
 
+def test_train_py_names_the_whole_grid_in_one_call(sweep_env, tmp_path):
+    python = tmp_path / 'python'  # the interpreter, logging how it is called
+    python.write_text(f'#!/usr/bin/env bash\necho "$*" >> {tmp_path / "calls"}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    cmds, _ = dry_commands(sweep_env, PYTHON=str(python))
+    calls = (tmp_path / 'calls').read_text().splitlines()
+    assert len(cmds) > 40 and calls == [f'{HERE}/train.py --print_run_names']
+    # a name is what train.py makes of the run's whole command line: the extra arguments included
+    cmds, _ = dry_commands(sweep_env, '--control_keep=spec', DEPTHS='', CONTROL_SEEDS='1')
+    names = {re.search(r'--run_name=(\S+)', c).group(1) for c in cmds}
+    assert names == {'L4_normal_s1', 'L4_normal_shrink-k-spec_s1', 'L4_normal_freeze-k-spec_s1'}
+
+
+def test_a_bad_grid_value_stops_the_sweep_before_anything_is_written(sweep_env):
+    res = sweep(sweep_env, DEPTHS='4 x', INITS='normal', SEEDS='1')
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert '--n_layer=x: expected int' in res.stderr and 'nothing was run' in res.stderr
+    assert not os.path.exists(sweep_env['OUT'])
+
+
 def test_workers_split_the_cpu_threads_and_the_gpus(sweep_env):
     ncpu = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
     cmds, out = dry_commands(sweep_env, JOBS='1')
@@ -320,5 +343,4 @@ def test_slurm_array_tasks_train_the_runs_and_the_analysis_waits_for_them(sweep_
     assert 'slurm task 4242_1' in open(os.path.join(env['OUT'], 'logs', 'L4_tied_s1.log')).read()
     calls = open(env['SBATCH_LOG']).read().splitlines()
     assert calls[0].startswith('--parsable --partition=test') and calls[0].endswith('array.sbatch')
-    if os.path.exists(os.path.join(HERE, 'analyze.py')):
-        assert '--dependency=afterok:4242' in calls[1] and calls[1].endswith('analyze.sbatch')
+    assert '--dependency=afterok:4242' in calls[1] and calls[1].endswith('analyze.sbatch')
