@@ -9,6 +9,8 @@ import pytest
 from PIL import Image
 
 import analyze
+import report
+import stats
 
 @pytest.fixture
 def synthetic_study(write_run):
@@ -43,57 +45,59 @@ def run_analysis(root, **kw):
 # ----------------------------------------------------------------------------- statistics
 
 def test_sign_test_exact_binomial():
-    assert analyze.sign_test_p(5, 5) == 1 / 32
-    assert analyze.sign_test_p(4, 5) == 6 / 32
-    assert analyze.sign_test_p(0, 5) == 1.0
-    assert analyze.sign_test_p(9, 10) == pytest.approx(11 / 1024)
-    assert math.isnan(analyze.sign_test_p(0, 0))
+    assert stats.sign_test_p(5, 5) == 1 / 32
+    assert stats.sign_test_p(4, 5) == 6 / 32
+    assert stats.sign_test_p(0, 5) == 1.0
+    assert stats.sign_test_p(9, 10) == pytest.approx(11 / 1024)
+    assert math.isnan(stats.sign_test_p(0, 0))
 
 
 def test_rankdata_averages_ties():
-    assert analyze.rankdata([10, 20, 20, 30]).tolist() == [1, 2.5, 2.5, 4]
-    assert analyze.rankdata([3, 1, 2]).tolist() == [3, 1, 2]
-    assert analyze.rankdata([5, 5, 5]).tolist() == [2, 2, 2]
+    assert stats.rankdata([10, 20, 20, 30]).tolist() == [1, 2.5, 2.5, 4]
+    assert stats.rankdata([3, 1, 2]).tolist() == [3, 1, 2]
+    assert stats.rankdata([5, 5, 5]).tolist() == [2, 2, 2]
 
 
 def test_spearman_known_values():
     x = np.arange(10.0)
-    assert analyze.spearman(x, np.exp(x)) == pytest.approx(1.0)       # monotone, not linear
-    assert analyze.spearman(x, -x ** 3) == pytest.approx(-1.0)        # reversed
+    assert stats.spearman(x, np.exp(x)) == pytest.approx(1.0)       # monotone, not linear
+    assert stats.spearman(x, -x ** 3) == pytest.approx(-1.0)        # reversed
     # by hand: ranks x = [1, 2.5, 2.5, 4, 5], y = [2, 1, 3.5, 3.5, 5] -> 7.25 / 9.5 = 29/38
-    assert analyze.spearman([1, 2, 2, 3, 4], [2, 1, 3, 3, 5]) == pytest.approx(29 / 38)
-    assert math.isnan(analyze.spearman([1, 2, 3], [4, 4, 4]))          # constant: undefined
-    assert math.isnan(analyze.spearman([1, 2], [1, 2]))                # too few points
-    assert analyze.spearman([1, 2, np.nan, 3, 4], [1, 2, 9, 3, 4]) == pytest.approx(1.0)  # NaN pairs dropped
+    assert stats.spearman([1, 2, 2, 3, 4], [2, 1, 3, 3, 5]) == pytest.approx(29 / 38)
+    assert math.isnan(stats.spearman([1, 2, 3], [4, 4, 4]))          # constant: undefined
+    assert math.isnan(stats.spearman([1, 2], [1, 2]))                # too few points
+    assert stats.spearman([1, 2, np.nan, 3, 4], [1, 2, 9, 3, 4]) == pytest.approx(1.0)  # NaN pairs dropped
 
 
 def test_bootstrap_constant_and_seeded():
-    lo, hi = analyze.bootstrap_ci([0.3] * 5)
+    lo, hi = stats.bootstrap_ci([0.3] * 5)
     assert lo == pytest.approx(0.3, rel=1e-12) and hi == pytest.approx(0.3, rel=1e-12)
     x = np.random.default_rng(1).normal(size=12)
-    assert analyze.bootstrap_ci(x) == analyze.bootstrap_ci(x)           # same seed, same interval
-    assert analyze.bootstrap_ci(x, seed=1) != analyze.bootstrap_ci(x, seed=2)
-    lo, hi = analyze.bootstrap_ci(np.arange(10.0))
+    # seeded: the percentile interval of the means of resamples drawn from BOOT_SEED, computed here by hand
+    draws = np.random.default_rng(stats.BOOT_SEED).integers(0, 12, size=(stats.N_BOOT, 12))
+    assert stats.bootstrap_ci(x) == pytest.approx(np.percentile(x[draws].mean(1), [2.5, 97.5]), rel=1e-12)
+    assert stats.bootstrap_ci(x, seed=1) != stats.bootstrap_ci(x, seed=2)
+    lo, hi = stats.bootstrap_ci(np.arange(10.0))
     assert lo < 4.5 < hi and 2 < lo and hi < 7
-    assert all(math.isnan(v) for v in analyze.bootstrap_ci([1.0]))     # one value: no interval
+    assert all(math.isnan(v) for v in stats.bootstrap_ci([1.0]))     # one value: no interval
 
 
 def test_paired_effect_and_verdicts():
-    e = analyze.paired_effect([-0.2, -0.1, -0.3, -0.15, -0.25], sign=-1)
+    e = stats.paired_effect([-0.2, -0.1, -0.3, -0.15, -0.25], sign=-1)
     assert e['n_predicted'] == 5 and e['sign_p'] == 1 / 32 and e['confidence'] == 1.0
     assert e['ci_hi'] < 0 and e['mean'] == pytest.approx(-0.2)
-    assert analyze.interval_verdict(e['mean'], e['ci_lo'], e['ci_hi'], -1, e['sign_p']) == analyze.HOLDS
-    assert analyze.interval_verdict(e['mean'], e['ci_lo'], e['ci_hi'], +1, e['sign_p']) == analyze.FAILS
+    assert report.interval_verdict(e['mean'], e['ci_lo'], e['ci_hi'], -1, e['sign_p']) == report.HOLDS
+    assert report.interval_verdict(e['mean'], e['ci_lo'], e['ci_hi'], +1, e['sign_p']) == report.FAILS
     # interval below 0 but only 4 of 5 negative (p = 6/32): mixed, not holds
-    e = analyze.paired_effect([-0.2, -0.1, -0.3, 0.01, -0.25], sign=-1)
+    e = stats.paired_effect([-0.2, -0.1, -0.3, 0.01, -0.25], sign=-1)
     assert e['n_predicted'] == 4 and e['ci_hi'] < 0
-    assert analyze.interval_verdict(e['mean'], e['ci_lo'], e['ci_hi'], -1, e['sign_p']) == analyze.MIXED
-    assert analyze.interval_verdict(float('nan'), 0, 0, 1) == analyze.NOT_MEASURED
-    assert analyze.share_verdict(9, 10) == analyze.HOLDS
-    assert analyze.share_verdict(8, 10) == analyze.MIXED
-    assert analyze.share_verdict(5, 10) == analyze.FAILS
-    assert analyze.share_verdict(0, 0) == analyze.NOT_MEASURED
-    assert analyze.combine_verdicts([analyze.HOLDS, analyze.MIXED]) == analyze.MIXED
+    assert report.interval_verdict(e['mean'], e['ci_lo'], e['ci_hi'], -1, e['sign_p']) == report.MIXED
+    assert report.interval_verdict(float('nan'), 0, 0, 1) == report.NOT_MEASURED
+    assert report.share_verdict(9, 10) == report.HOLDS
+    assert report.share_verdict(8, 10) == report.MIXED
+    assert report.share_verdict(5, 10) == report.FAILS
+    assert report.share_verdict(0, 0) == report.NOT_MEASURED
+    assert report.combine_verdicts([report.HOLDS, report.MIXED]) == report.MIXED
 
 
 # ----------------------------------------------------------------------------- the analysis
@@ -104,9 +108,9 @@ def test_planted_effect_holds(tmp_path, synthetic_study):
                              'f': 'not measured'}
     # the control none runs (depth 3) are uncontrolled runs too: 2 layers x 2 inits + 3 layers x 1 init
     assert res['summary']['trajectories'] == 2 * 2 + 3
-    report = open(os.path.join(res['out'], 'REPORT.md')).read()
-    assert analyze.SHARE_RULE in report and analyze.EFFECT_RULE in report and analyze.LINK_RULE in report
-    assert 'weight decay 0.1' in report and 'C/2' in report
+    text = open(os.path.join(res['out'], 'REPORT.md')).read()
+    assert report.SHARE_RULE in text and report.EFFECT_RULE in text and report.LINK_RULE in text
+    assert 'weight decay 0.1' in text and 'C/2' in text
     shrink = next(e for e in res['effects'] if e['contrast'] == 'shrink - none' and e['metric'] == 'entropy')
     assert shrink['n'] == 5 and shrink['n_predicted'] == 5 and shrink['sign_p'] == 1 / 32
 
@@ -138,18 +142,22 @@ def test_trajectory_table_values(tmp_path, write_run):
     assert rows[1]['n_seeds'] == 2 and rows[1]['gap_positive_share'] == 1.0
 
 
-def test_partial_sweep_lists_missing(tmp_path, write_run):
+def test_missing_runs_come_from_the_sweep_s_runs_txt(tmp_path, write_run):
     for seed in (1, 2, 3):
         write_run(str(tmp_path), f'L4_normal_s{seed}', n_layer=4, seed=seed)
     write_run(str(tmp_path), 'L4_normal_shrink-k_s1', n_layer=4, seed=1, control='shrink')
+    write_run(str(tmp_path), 'L4_normal_shrink-k_s2', n_layer=4, seed=2, control='shrink', done=False)
     res = run_analysis(tmp_path)
-    missing = res['missing']
-    assert 'L4 normal: seed 4' in missing
-    assert 'L8 tied: seed 1, 2, 3, 4' in missing
-    assert 'control L4 normal (setting A) none: seed 4, 5' in missing
-    assert 'control L4 normal (setting A) freeze-k: seed 1, 2, 3, 4, 5' in missing
-    assert verdicts(res)['e'] == 'not measured'
-    assert 'L4 normal: seed 4' in open(os.path.join(res['out'], 'REPORT.md')).read()
+    assert res['missing'] is None                  # no plan: nothing to check against, and it says so
+    assert 'No runs.txt found' in open(os.path.join(res['out'], 'REPORT.md')).read()
+    planned = ['L4_normal_s1', 'L4_normal_s2', 'L4_normal_s3', 'L4_normal_s4', 'L4_normal_shrink-k_s1',
+               'L4_normal_shrink-k_s2']
+    (tmp_path / 'runs.txt').write_text(''.join(f'{n} --n_layer=4 --seed={n[-1]}\n' for n in planned))
+    res = run_analysis(tmp_path)
+    plan = str(tmp_path / 'runs.txt')
+    assert res['missing'] == [f'{plan}: 2 of 6 planned runs have no done.json: L4_normal_s4, L4_normal_shrink-k_s2']
+    assert 'L4_normal_s4, L4_normal_shrink-k_s2' in open(os.path.join(res['out'], 'REPORT.md')).read()
+    assert not any('L8' in m for m in res['missing'])   # no grid of its own
 
 
 def test_corrupt_and_unfinished_runs_are_skipped_with_a_warning(tmp_path, write_run, log_iters):
@@ -173,18 +181,21 @@ def test_corrupt_and_unfinished_runs_are_skipped_with_a_warning(tmp_path, write_
     skipped = dict(res['skipped'])
     assert 'config.json' in skipped[bad_cfg]
     assert 'no done.json' in skipped[unfinished]
-    assert 'line 4' in skipped[broken]
+    assert broken not in skipped                      # its corrupt line is left out, with a warning naming it
     assert 'duplicate' in skipped[os.path.join(root, 'copy', 'L2_normal_s1')]
     assert truncated not in skipped                   # a truncated last line is tolerated ...
     run = next(r for r in res['runs'] if r.path == truncated)
     assert run.iters[-1] == log_iters[-1]             # ... and dropped
-    for path in (bad_cfg, unfinished, broken, truncated):
+    for path in (bad_cfg, unfinished, broken):
         assert any(path in m for m in messages), path  # every warning names its folder
-    report = open(os.path.join(res['out'], 'REPORT.md')).read()
-    assert bad_cfg in report and unfinished in report and 'truncated last line' in report
+    assert any('line 4' in m and broken in m for m in messages)
+    assert not any(truncated in m for m in messages)   # a cut last line is a kill mid-write: dropped silently
+    text = open(os.path.join(res['out'], 'REPORT.md')).read()
+    assert bad_cfg in text and unfinished in text and f'{broken}/metrics.jsonl line 4' in text
     runs_csv = open(os.path.join(res['out'], 'runs.csv')).read()
     assert 'skipped: unfinished' in runs_csv
-    assert len(res['runs']) == 3
+    assert len(res['runs']) == 4
+    assert len(next(r for r in res['runs'] if r.path == broken).iters) == len(log_iters) - 1
 
 
 def test_other_settings_are_kept_apart(tmp_path, write_run):
@@ -238,8 +249,8 @@ def test_timeline_is_the_mean_over_runs_of_layer_means(tmp_path, write_run, log_
 
 
 def test_clip_marks_where_the_console_cut():
-    assert analyze.clip('short', 10) == 'short'
-    assert analyze.clip('x' * 20, 10) == 'x' * 7 + '...'
+    assert report.clip('short', 10) == 'short'
+    assert report.clip('x' * 20, 10) == 'x' * 7 + '...'
 
 
 def test_absent_data_skips_a_figure_with_a_note(tmp_path, write_run):
@@ -274,7 +285,7 @@ def test_cli_summary_and_subcommand(tmp_path, capsys, write_run):
     assert analyze.main([str(tmp_path / 'a'), str(tmp_path / 'b'), f'--out={out}', '--no_figures']) == 0
     text = capsys.readouterr().out
     assert '3 run folders found: 2 used, 1 skipped' in text and 'no done.json' in text
-    assert 'L4 normal: seed 1, 2, 3, 4' in text and f'to {out}' in text
+    assert 'missing from the planned runs: not checked' in text and f'to {out}' in text
     assert (out / 'REPORT.md').exists()
     assert analyze.main(['runs', str(tmp_path / 'a'), '--no_figures']) == 0     # the explicit subcommand
     assert (tmp_path / 'a' / 'analysis' / 'REPORT.md').exists()

@@ -1,6 +1,7 @@
-"""Tests of the token-level analysis in analyze.py: the trend and link statistics on planted checkpoint series,
+"""Tests of the token-level analysis (tokens.py, through analyze.py's commands): the trend and link statistics on planted checkpoint series,
 `analyze.py tokens` on a real tiny run against what train.py logged, and the pretrained-family adapters against
 each model's own weights and attention (tiny random models built from configs: nothing is downloaded)."""
+import itertools
 import json
 import math
 import os
@@ -15,6 +16,9 @@ import torch.nn.functional as F
 
 import analyze
 import geometry
+import report
+import stats
+import tokens
 import train
 
 LOG_STEPS = [0] + [2 ** i for i in range(11)]   # 0, 1, 2, 4, ..., 1024: 12 checkpoints
@@ -33,26 +37,31 @@ def one_thread():
 
 def test_contrast_trend_of_a_planted_rise_then_decay():
     x = np.log1p(LOG_STEPS)
-    t = analyze.contrast_trend(LOG_STEPS, 5 - (x - math.log1p(32)) ** 2)
+    t = tokens.contrast_trend(LOG_STEPS, 5 - (x - math.log1p(32)) ** 2)
     assert t['peak_step'] == 32 and t['peak_position'] == pytest.approx(6 / 11)
     assert t['n_ckpts'] == 12 and t['n_early'] == t['n_late'] == 6   # split at the median log step: 0..16 | 32..1024
     assert t['rho_early'] == pytest.approx(1) and t['rho_late'] == pytest.approx(-1) and t['rise_then_decay']
     assert t['monotonicity'] == pytest.approx((6 - 5) / 11)           # 6 rises, then 5 falls
-    rising = analyze.contrast_trend(LOG_STEPS[::-1], x[::-1])           # any input order
+    rising = tokens.contrast_trend(LOG_STEPS[::-1], x[::-1])           # any input order
     assert rising['rho_all'] == pytest.approx(1) and rising['monotonicity'] == 1
     assert rising['peak_step'] == 1024 and rising['peak_position'] == 1 and not rising['rise_then_decay']
-    short = analyze.contrast_trend([0, 1, 4, 16], [1.0, 2.0, 3.0, 2.5])  # 2 early, 2 late: no correlation
+    short = tokens.contrast_trend([0, 1, 4, 16], [1.0, 2.0, 3.0, 2.5])  # 2 early, 2 late: no correlation
     assert math.isnan(short['rho_early']) and math.isnan(short['rho_late']) and short['peak_step'] == 4
 
 
 def test_permutation_p():
     x = np.arange(20.0)
-    assert analyze.permutation_p(x, x) == pytest.approx(1 / (1 + analyze.N_PERM))
-    assert analyze.permutation_p(x, -x) == 1.0
+    assert stats.permutation_p(x, x) == pytest.approx(1 / (1 + stats.N_PERM))
+    assert stats.permutation_p(x, -x) == 1.0
     noise = np.random.default_rng(0).normal(size=20)
-    assert analyze.permutation_p(x, noise) == analyze.permutation_p(x, noise)   # a fixed seed
-    assert 0.05 < analyze.permutation_p(x, noise) < 0.95
-    assert math.isnan(analyze.permutation_p([1, 2], [1, 2]))
+    assert 0.05 < stats.permutation_p(x, noise) < 0.95
+    # against the exact test: all 7! orderings of y, counted by hand; 2000 shuffles land within 4 sigma of it
+    x, y = np.arange(7.0), np.array([1.0, 0.0, 3.0, 2.0, 6.0, 4.0, 5.0])
+    rho = stats.spearman(x, y)
+    exact = np.mean([stats.spearman(x, perm) >= rho - 1e-12 for perm in itertools.permutations(y)])
+    assert 0.001 < exact < 0.2
+    assert abs(stats.permutation_p(x, y) - exact) < 4 * math.sqrt(exact * (1 - exact) / stats.N_PERM) + 1e-3
+    assert math.isnan(stats.permutation_p([1, 2], [1, 2]))
 
 
 def synthetic_series(model, shape, link, n_layer=3, n_head=4, seed=0):
@@ -71,7 +80,7 @@ def synthetic_series(model, shape, link, n_layer=3, n_head=4, seed=0):
                            'tok_pr_q_heads': [3 + c / 2] * n_head, 'tok_pr_k_heads': [3.0] * n_head,
                            'tok_pr_qk_heads': qk.tolist(), 'entropy_heads': ent.tolist(),
                            'entropy_norm_heads': (ent / 3).tolist()})
-        rows = analyze.token_rows({'model': model, 'family': 'gpt_neox', 'rope': 'after', 'revision': f'step{step}'},
+        rows = tokens.token_rows({'model': model, 'family': 'gpt_neox', 'rope': 'after', 'revision': f'step{step}'},
                                   step, layers)
         layer_rows += rows[0]
         head_rows += rows[1]
@@ -86,7 +95,7 @@ def planted_tables(out, sign):
         rows = synthetic_series(model, lambda x: sign * (4 - (x - math.log1p(32)) ** 2 / 4), link=sign, seed=i)
         layer_rows += rows[0]
         head_rows += rows[1]
-    return analyze.write_token_tables(layer_rows, head_rows, str(out), 'pretrained')
+    return tokens.write_token_tables(layer_rows, head_rows, str(out), 'pretrained')
 
 
 @pytest.mark.parametrize('sign, verdict', [(+1, 'holds'), (-1, 'does not hold')])
@@ -95,7 +104,7 @@ def test_planted_token_claims(tmp_path, sign, verdict):
     assert len(trend) == 9 and len(link) == 3 * len(LOG_STEPS)
     assert {r['peak_step'] for r in trend} == ({32} if sign > 0 else {0})   # a trough at 32: the peak is at 0
     assert all((r['rho_early'] > 0.9 and r['rho_late'] < -0.9) == (sign > 0) for r in trend)
-    f1, f2 = analyze.token_claims('pretrained', trend, link)
+    f1, f2 = report.token_claims('pretrained', trend, link)
     assert f1['verdict'] == verdict and f2['verdict'] == verdict
     assert ('rise then decay in 9/9' in f1['value']) == (sign > 0)
     assert f2['value'].startswith('visible in 3/3' if sign > 0 else 'visible in 0/3')
@@ -108,13 +117,13 @@ def test_report_picks_up_token_tables(tmp_path, write_run):
     assert [c['verdict'] for c in res['claims'] if c['claim'].startswith('(f')] == ['not measured'] * 4
     planted_tables(out, +1)
     res = analyze.analyze([str(runs)], out=str(out), figures=False, log=lambda msg: None)
-    verdicts = {(analyze.claim_label(c), c['claim'].split('[')[-1]): c['verdict'] for c in res['claims']}
+    verdicts = {(report.claim_label(c), c['claim'].split('[')[-1]): c['verdict'] for c in res['claims']}
     assert verdicts[('(f1)', 'pretrained models]')] == verdicts[('(f2)', 'pretrained models]')] == 'holds'
     assert verdicts[('(f1)', 'our checkpoints]')] == 'not measured'
-    report = (out / 'REPORT.md').read_text()
-    assert '## Token-level analysis' in report and '### pretrained models' in report
-    assert analyze.TREND_RULE in report and analyze.TOKEN_LINK_RULE in report
-    assert '[pretrained_trend.md](pretrained_trend.md)' in report
+    text = (out / 'REPORT.md').read_text()
+    assert '## Token-level analysis' in text and '### pretrained models' in text
+    assert report.TREND_RULE in text and report.TOKEN_LINK_RULE in text
+    assert '[pretrained_trend.md](pretrained_trend.md)' in text
 
 
 # ----------------------------------------------------------------------------- our checkpoints
@@ -260,10 +269,10 @@ def test_captured_queries_keys_and_attention_are_the_model_s(tf, name):
     ids = torch.randint(5, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = model(input_ids=ids, output_attentions=True, output_hidden_states=True)
-    _, fam = analyze.family_of(model.config)
+    _, fam = tokens.family_of(model.config)
     H, T = model.config.num_attention_heads, ids.shape[1]
-    layers, atts = analyze.capture_qk(model, ids, ('after', 'before'))
-    metrics = analyze.pretrained_tokens(model, ids)
+    layers, atts = tokens.capture_qk(model, ids, ('after', 'before'))
+    metrics = tokens.pretrained_tokens(model, ids)
     assert len(layers) == len(metrics) == 2
     for layer, (variants, att, m) in enumerate(zip(layers, atts, metrics)):
         assert set(variants) == ({'after', 'before'} if fam.rotary else {'none'})
@@ -315,7 +324,7 @@ def test_unsupported_architecture_names_the_supported_ones(tf):
     model = tf.AutoModel.from_config(tf.GPTJConfig(n_layer=1, n_embd=32, n_head=4, vocab_size=100, n_positions=64,
                                                    rotary_dim=4, bos_token_id=0, eos_token_id=0))
     with pytest.raises(ValueError, match=r"'gptj' is not supported.*gpt2, gpt_neox, opt, llama"):
-        analyze.pretrained_tokens(model, torch.zeros(1, 4, dtype=torch.long))
+        tokens.pretrained_tokens(model, torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_pretrained_without_transformers_says_how_to_install(monkeypatch, tmp_path, capsys):
@@ -341,12 +350,12 @@ def char_tokenizer(tf, folder=None, special=False):
 
 def test_text_windows_wrap_each_window_in_the_special_tokens(tf, synthetic_text):
     tok, text = char_tokenizer(tf, special=True), synthetic_text(200)
-    ids = analyze.text_windows(tok, text, n_seqs=3, seq_len=10)
+    ids = tokens.text_windows(tok, text, n_seqs=3, seq_len=10)
     assert ids.shape == (3, 10) and (ids[:, 0] == 1).all() and (ids[:, -1] == 2).all()
     assert ids[:, 1:-1].flatten().tolist() == tok(text, add_special_tokens=False)['input_ids'][:24]
-    short = analyze.text_windows(tok, text[:5], n_seqs=3, seq_len=10)   # shorter than a window: one, unpadded
+    short = tokens.text_windows(tok, text[:5], n_seqs=3, seq_len=10)   # shorter than a window: one, unpadded
     assert short.tolist() == [[1] + tok(text[:5], add_special_tokens=False)['input_ids'] + [2]]
-    plain = analyze.text_windows(char_tokenizer(tf), text, n_seqs=2, seq_len=10)
+    plain = tokens.text_windows(char_tokenizer(tf), text, n_seqs=2, seq_len=10)
     assert plain.flatten().tolist() == tok(text, add_special_tokens=False)['input_ids'][:20]
 
 

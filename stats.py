@@ -1,0 +1,106 @@
+"""
+The statistics of the analysis: pure functions on numpy arrays, no I/O (analyze.py, report.py and tokens.py call
+them; the geometry itself is geometry.py's). Every random draw comes from a fixed seed, so a report is
+reproducible to the last digit.
+
+- Spearman correlation: the Pearson correlation of the ranks, ties given their average rank.
+- Percentile bootstrap interval of a mean (N_BOOT resamples), exact one-sided sign test, one-sided permutation
+  test of a positive Spearman correlation (N_PERM shuffles).
+"""
+import math
+
+import numpy as np
+
+N_BOOT = 10000             # bootstrap resamples
+BOOT_SEED = 0              # every bootstrap and permutation draws from this seed: the report is reproducible
+LEVEL = 0.95               # interval level
+N_PERM = 2000              # shuffles of the one-sided permutation test
+
+
+def rankdata(x):
+    """Ranks 1..n of x; tied values get the average of the ranks they span."""
+    x = np.asarray(x, dtype=float)
+    order = np.argsort(x, kind='mergesort')
+    xs = x[order]
+    starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])
+    ends = np.r_[starts[1:], len(x)]
+    ranks = np.empty(len(x))
+    ranks[order] = np.repeat((starts + 1 + ends) / 2, ends - starts)
+    return ranks
+
+
+def spearman(x, y):
+    """Spearman rank correlation: the Pearson correlation of the (average-tied) ranks. Pairs with a NaN
+    are dropped; NaN with fewer than 3 pairs or a constant series."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    ok = np.isfinite(x) & np.isfinite(y)
+    if ok.sum() < 3:
+        return float('nan')
+    rx, ry = rankdata(x[ok]), rankdata(y[ok])
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denom = math.sqrt((rx ** 2).sum() * (ry ** 2).sum())
+    return float((rx * ry).sum() / denom) if denom > 0 else float('nan')
+
+
+def bootstrap_means(x, n_boot=N_BOOT, seed=BOOT_SEED):
+    """Means of n_boot resamples (with replacement) of x, from a fixed seed."""
+    x = np.asarray(x, dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(x), size=(n_boot, len(x)))
+    return x[idx].mean(1)
+
+
+def bootstrap_ci(x, level=LEVEL, n_boot=N_BOOT, seed=BOOT_SEED):
+    """Percentile bootstrap interval of the mean of x (NaNs dropped); (nan, nan) for fewer than 2 values,
+    where resampling says nothing."""
+    x = np.asarray(x, dtype=float)
+    x = x[np.isfinite(x)]
+    if len(x) < 2:
+        return float('nan'), float('nan')
+    lo, hi = np.percentile(bootstrap_means(x, n_boot, seed), [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
+
+
+def sign_test_p(n_predicted, n):
+    """Exact one-sided sign test: P(X >= n_predicted) for X ~ Binomial(n, 1/2); NaN when n = 0."""
+    if n == 0:
+        return float('nan')
+    return sum(math.comb(n, i) for i in range(n_predicted, n + 1)) / 2 ** n
+
+
+def paired_effect(diffs, sign=None):
+    """Mean paired difference with its bootstrap interval; with a predicted sign (+1 or -1) also the
+    count with that sign, the sign test (exact zeros dropped) and the directional confidence: the share
+    of bootstrap means with the predicted sign."""
+    d = np.asarray([v for v in diffs if np.isfinite(v)], dtype=float)
+    out = {'n': len(d), 'mean': float(d.mean()) if len(d) else float('nan')}
+    out['ci_lo'], out['ci_hi'] = bootstrap_ci(d)
+    out.update(predicted='' if sign is None else '+' if sign > 0 else '-', n_predicted=None, sign_p=None,
+               confidence=None)
+    if sign is not None and len(d):
+        nonzero = d[d != 0]
+        out['n_predicted'] = int((sign * nonzero > 0).sum())
+        out['sign_p'] = sign_test_p(out['n_predicted'], len(nonzero))
+        out['confidence'] = float((sign * bootstrap_means(d) > 0).mean())
+    return out
+
+
+def mean_ci(values):
+    """{'mean', 'lo', 'hi', 'n'} of the finite values: mean and bootstrap interval."""
+    v = np.asarray([x for x in values if np.isfinite(x)], dtype=float)
+    lo, hi = bootstrap_ci(v)
+    return {'mean': float(v.mean()) if len(v) else float('nan'), 'lo': lo, 'hi': hi, 'n': len(v)}
+
+
+def permutation_p(x, y, n_perm=N_PERM, seed=BOOT_SEED):
+    """One-sided permutation test of a positive Spearman correlation: (1 + the shuffles of y whose correlation
+    with x reaches the observed one) / (1 + n_perm), shuffles from a fixed seed; NaN where spearman is NaN."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    rho = spearman(x, y)
+    if not np.isfinite(rho):
+        return float('nan')
+    ok = np.isfinite(x) & np.isfinite(y)
+    rx, ry = rankdata(x[ok]), rankdata(y[ok])
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    shuffled = np.random.default_rng(seed).permuted(np.tile(ry, (n_perm, 1)), axis=1)
+    null = shuffled @ rx / math.sqrt((rx ** 2).sum() * (ry ** 2).sum())
+    return float((1 + (null >= rho - 1e-12).sum()) / (1 + n_perm))
