@@ -676,51 +676,64 @@ def draw_spectra(axes, reps):
 
 
 def plot_control(runs, rows, target):
-    """Figure 5: PR of the controlled projection and attention entropy over training for none, shrink and
-    freeze (seed mean, min-max band), and the per-seed paired entropy differences with the mean and its
-    bootstrap interval."""
+    """Figure 5, a row per control setup (training setting, depth, init): PR of the controlled projection and
+    attention entropy over training for none, shrink and freeze (seed mean, min-max band), and the per-seed
+    paired entropy differences with the mean and its bootstrap interval."""
     if not rows:
         raise Skip(f'no controlled runs (control_target={target})')
-    cells = {(r['setting'], r['n_layer'], r['qk_init']) for r in rows}
-    groups = {kind: [r for r in runs if (r.setting, r.n_layer, r.qk_init) in cells and r.control == kind
-                     and r.target == ('' if kind == 'none' else target) and r.has_geometry]
-              for kind in CONTROL_KINDS}
-    # show the PR the control acts on: per head (mean over heads) in head scope, else the whole matrix
+    cells = sorted({(r['setting'], r['n_layer'], r['qk_init']) for r in rows},
+                   key=lambda c: (c[0], c[1], init_order(c[2])))
+    labels = {kind: control.control_label({'control': kind, 'control_target': target}) for kind in CONTROL_KINDS}
+    fig = Figure(layout='constrained', figsize=(15, 4.3 * len(cells)))
+    for axes, cell in zip(fig.subplots(len(cells), 3, squeeze=False), cells):
+        groups = {kind: [r for r in runs if (r.setting, r.n_layer, r.qk_init) == cell and r.label == labels[kind]
+                         and r.has_geometry] for kind in CONTROL_KINDS}
+        draw_control_curves(axes[0], axes[1], groups, target)
+        draw_control_effects(axes[2], [r for r in rows if (r['setting'], r['n_layer'], r['qk_init']) == cell])
+        axes[0].set_title(f'setting {cell[0]}, L{cell[1]} {cell[2]}: ' + axes[0].get_title(), fontsize=9)
+    fig.suptitle(f'control experiment (control_target={target})')
+    return fig
+
+
+CONTROL_COLORS = {'none': 'k', 'shrink': 'tab:blue', 'freeze': 'tab:red'}
+
+
+def draw_control_curves(ax_pr, ax_h, groups, target):
+    """The controlled PR and the entropy over training of each group {kind: runs}: layer mean, seed mean and band.
+    The PR shown is the one the control acts on: per head (mean over heads) in head scope, else the whole matrix."""
     scopes = {r.cfg.get('control_scope', 'head') for kind in ('shrink', 'freeze') for r in groups[kind]}
     ctl_pr = ('pr_k' if target == 'k' else 'pr_q') + ('_head' if scopes == {'head'} else '')
-    fig = Figure(layout='constrained', figsize=(15, 4.3))
-    ax_pr, ax_h, ax_d = fig.subplots(1, 3)
-    colors = {'none': 'k', 'shrink': 'tab:blue', 'freeze': 'tab:red'}
     for kind, group in groups.items():
-        if not group:
-            continue
-        for ax, key in ((ax_pr, ctl_pr), (ax_h, 'entropy')):
+        for ax, key in ((ax_pr, ctl_pr), (ax_h, 'entropy')) if group else ():
             iters, v = seed_stack(group, key)
             v = np.nanmean(v, axis=2)   # layer mean, (S, T)
-            ax.plot(iters, v.mean(0), color=colors[kind], label=f'{kind} ({len(group)} seeds)')
-            ax.fill_between(iters, v.min(0), v.max(0), color=colors[kind], alpha=0.2, lw=0)
+            ax.plot(iters, v.mean(0), color=CONTROL_COLORS[kind], label=f'{kind} ({len(group)} seeds)')
+            ax.fill_between(iters, v.min(0), v.max(0), color=CONTROL_COLORS[kind], alpha=0.2, lw=0)
     for ax, name in ((ax_pr, ctl_pr.upper().replace('_HEAD', ' per head')), (ax_h, 'attention entropy (nats)')):
         iteration_axis(ax)
         ax.set_ylabel(name)
         ax.legend(fontsize=7)
     ax_pr.set_title(f'controlled PR ({ctl_pr}, layer mean)', fontsize=9)
     ax_h.set_title('entropy (layer mean)', fontsize=9)
+
+
+def draw_control_effects(ax, rows):
+    """Per seed, the paired final entropy differences shrink - none and freeze - none, with their mean and
+    bootstrap interval."""
     for x, kind in enumerate(('shrink', 'freeze')):
         d = np.array([r[f'd_entropy_{kind}'] for r in rows if r[f'd_entropy_{kind}'] is not None], dtype=float)
         if len(d) == 0:
             continue
         jitter = np.linspace(-0.12, 0.12, len(d)) if len(d) > 1 else np.zeros(1)
-        ax_d.scatter(x + jitter, d, color=colors[kind], s=18, zorder=3)
+        ax.scatter(x + jitter, d, color=CONTROL_COLORS[kind], s=18, zorder=3)
         lo, hi = stats.bootstrap_ci(d)
-        ax_d.errorbar([x + 0.3], [d.mean()], yerr=[[d.mean() - lo], [hi - d.mean()]], fmt='D', color='k',
-                      capsize=4, zorder=4)
-    ax_d.axhline(0, color='k', lw=1)
-    ax_d.set_xticks([0, 1], ['shrink - none', 'freeze - none'])
-    ax_d.set_xlim(-0.5, 1.6)
-    ax_d.set_ylabel('paired final entropy difference (nats)')
-    ax_d.set_title(f'per seed, mean and {stats.LEVEL:.0%} bootstrap interval', fontsize=9)
-    fig.suptitle(f'control experiment (control_target={target})')
-    return fig
+        ax.errorbar([x + 0.3], [d.mean()], yerr=[[d.mean() - lo], [hi - d.mean()]], fmt='D', color='k',
+                    capsize=4, zorder=4)
+    ax.axhline(0, color='k', lw=1)
+    ax.set_xticks([0, 1], ['shrink - none', 'freeze - none'])
+    ax.set_xlim(-0.5, 1.6)
+    ax.set_ylabel('paired final entropy difference (nats)')
+    ax.set_title(f'per seed, mean and {stats.LEVEL:.0%} bootstrap interval', fontsize=9)
 
 
 # ----------------------------------------------------------------------------- notes for the report

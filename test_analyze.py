@@ -228,6 +228,21 @@ def test_every_figure_is_written(tmp_path, write_run, synthetic_study):
     assert any(e['target'] == 'q' for e in res['effects'])
 
 
+def test_fig5_draws_each_control_setup_in_its_own_row(tmp_path, write_run):
+    # two control experiments of different depth (and width): fig5 crashed stacking their layers together
+    for seed in (1, 2):
+        for kind in analyze.CONTROL_KINDS:
+            ctl = '' if kind == 'none' else f'_{kind}-k'
+            write_run(str(tmp_path / 'a'), f'L2_normal{ctl}_s{seed}', n_layer=2, seed=seed, control=kind)
+            write_run(str(tmp_path / 'b'), f'L3_normal{ctl}_s{seed}', n_layer=3, seed=seed, control=kind, n_embd=16)
+    one = run_analysis(tmp_path / 'a', out=str(tmp_path / 'one'), figures=True)
+    both = run_analysis(tmp_path, out=str(tmp_path / 'both'), figures=True)
+    assert not one['figure_notes'] and not both['figure_notes']
+    with Image.open(tmp_path / 'one' / 'fig5_control_k.png') as a, Image.open(tmp_path / 'both' / 'fig5_control_k.png') as b:
+        assert b.size[1] > 1.8 * a.size[1]     # a row per setup
+    assert {(r['setting'], r['n_layer']) for r in both['ctl_rows']['k']} == {('A', 2), ('B', 3)}
+
+
 def test_timeline_is_the_mean_over_runs_of_layer_means(tmp_path, write_run, log_iters):
     root = str(tmp_path)
     write_run(root, 'L2_normal_s1', n_layer=2, seed=1)
