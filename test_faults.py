@@ -159,7 +159,195 @@ def test_two_process_ddp_matches_one_process(setup, records, args_for):
 
 
 def test_refusals_from_the_command_line_print_their_reason(run_train):
+    """A user mistake on the command line: one line on stderr naming it, exit status 2, no traceback."""
     proc = run_train(['--n_embd=16', '--n_head=3'])
     assert proc.returncode == 2 and 'not divisible by n_head=3' in proc.stderr and 'Traceback' not in proc.stderr
     proc = run_train(['--n_layr=4'])
     assert proc.returncode == 2 and 'did you mean n_layer' in proc.stderr
+
+
+# ----------------------------------------------------------------------------- issue 13: hardening
+
+def run_code(code, *args, timeout=300):
+    """python -c CODE ARGS in the repository: a wrapper that patches train.py from outside."""
+    return subprocess.run([sys.executable, '-c', code, *args], cwd=HERE, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def one_line_error(proc):
+    return proc.returncode == 2 and 'Traceback' not in proc.stderr and proc.stderr.count('\n') == 1
+
+
+@pytest.mark.parametrize('device, words', [('gpu', "'gpu' is not a device"), ('cuda:99', 'cuda:99'),
+                                           ('mps:0', 'mps')])
+def test_device_is_checked_first_and_names_what_is_available(tmp_path, run_train, device, words):
+    """Issue 13.6: an unusable device is refused before any data is read, naming the devices available
+    (cpu, cuda with its count, mps) and the fix."""
+    proc = run_train([f'--device={device}', f'--data_file={tmp_path / "absent.txt"}', f'--out_dir={tmp_path}'])
+    assert one_line_error(proc), proc.stderr
+    assert words in proc.stderr and 'available here: cpu' in proc.stderr and '--device=' in proc.stderr
+
+
+def test_a_second_process_on_the_same_run_is_refused_naming_the_holder(setup, args_for):
+    """Issue 13.2: a lock file in the run folder (fcntl.flock, released by the OS when its holder dies)."""
+    import fcntl
+    tmp_path, text_file = setup
+    cfg = train.get_config(args_for(tmp_path, text_file, 'locked'))
+    run_dir = tmp_path / 'out' / 'locked'
+    run_dir.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, '-c', 'import fcntl, sys, time; f = open(sys.argv[1], "a+"); '
+                               'fcntl.flock(f, fcntl.LOCK_EX); f.truncate(0); f.write("%d" % __import__("os").getpid()); '
+                               'f.flush(); print("held", flush=True); time.sleep(60)', str(run_dir / train.LOCK_FILE)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == 'held\n'
+        with pytest.raises(train.ConfigError, match=f'another train.py .*PID {holder.pid}.*{run_dir}'):
+            train.train(cfg)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert os.listdir(run_dir) == [train.LOCK_FILE]  # the refused process wrote nothing
+    assert train.train(cfg) == str(run_dir)  # the lock died with its holder
+    with open(run_dir / train.LOCK_FILE) as f:  # and the finished run holds none
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_nan_loss_is_caught_before_geometry(setup, args_for, run_train):
+    """Issue 13.7: with geometry on, a blown-up model stops with the documented message and exit 2, not a
+    ValueError from geometry.py; the checkpoint kept is finite."""
+    tmp_path, text_file = setup
+    args = args_for(tmp_path, text_file, 'nan', '--lr=1e30', '--grad_clip=0.0', '--warmup_iters=0', '--ckpt_interval=1')
+    proc = run_train(args)
+    assert one_line_error(proc), proc.stderr[-2000:]
+    assert 'the loss became nan at iteration' in proc.stderr or 'the loss became inf at iteration' in proc.stderr
+    run_dir = tmp_path / 'out' / 'nan'
+    if (run_dir / 'ckpt.pt').exists():
+        ckpt = torch.load(run_dir / 'ckpt.pt', weights_only=True)
+        assert all(torch.isfinite(v).all() for v in ckpt['model'].values())
+    assert all(np.isfinite(r.get('val_loss', 0)) for r in train.read_metrics(str(run_dir / 'metrics.jsonl')))
+    names = os.listdir(run_dir / 'snapshots')
+    last = max(r['iter'] for r in train.read_metrics(str(run_dir / 'metrics.jsonl')))
+    assert all(int(n[3:10]) <= last for n in names)  # no snapshot of the blown-up weights
+
+
+INTERRUPT_ENCODING = r"""
+import os, signal, sys
+import train
+encode_to = train.encode_to
+def interrupted(chunks, table, path):
+    n = encode_to(chunks, table, path)
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    return n
+train.encode_to = interrupted
+train.main(sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize('sig', ['SIGINT', 'SIGTERM'])
+def test_a_signal_during_encoding_leaves_no_building_folder_and_no_traceback(setup, args_for, sig):
+    """Issue 13.10: Ctrl-C or SIGTERM while the cache is being built: no traceback, the half-built
+    .building-* folder removed, exit 128 + signal."""
+    tmp_path, text_file = setup
+    proc = run_code(INTERRUPT_ENCODING, sig, *args_for(tmp_path, text_file, 'x'))
+    assert proc.returncode == 128 + getattr(signal, sig), proc.stderr
+    assert 'Traceback' not in proc.stderr and proc.stderr.count('\n') == 1
+    assert [n for n in os.listdir(tmp_path / 'cache') if n.startswith('.building')] == []
+
+
+FULL_DISK = r"""
+import resource, signal, sys
+import train
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+train.main(sys.argv[2:])
+"""
+
+
+def test_full_disk_gives_one_line_and_keeps_the_previous_checkpoint(setup, args_for, run_train, records,
+                                                                    without_wall_clock, reference):
+    """Issue 13.11: a write that fails (here: a file size limit, as a full disk) names the path and the
+    cause in one line, exit 2; the previous ckpt.pt is intact and no temporary file is left. The same
+    command, once there is room, resumes to the uninterrupted metrics."""
+    tmp_path, text_file = setup
+    args = args_for(tmp_path, text_file, 'full')
+    assert run_train(args, 'record', 16).returncode == -signal.SIGKILL  # ckpt.pt at 8
+    run_dir = tmp_path / 'out' / 'full'
+    size = os.path.getsize(run_dir / 'ckpt.pt')
+    proc = run_code(FULL_DISK, str(size // 2), *args)
+    assert one_line_error(proc), proc.stderr[-2000:]
+    assert 'cannot write' in proc.stderr and str(run_dir) in proc.stderr and 'File too large' in proc.stderr
+    assert torch.load(run_dir / 'ckpt.pt', weights_only=True)['iter'] == 8
+    assert not [n for n in os.listdir(run_dir) if n.endswith('.tmp')]
+    assert run_train(args).returncode == 0
+    assert without_wall_clock(records(run_dir)) == reference[0]
+
+
+def test_unwritable_out_dir_gives_one_line(setup, args_for, run_train):
+    """Issue 13.11: an out_dir that cannot be written (here a path under a file; a read-only folder goes the
+    same way) gives one line naming the path and the cause."""
+    tmp_path, text_file = setup
+    (tmp_path / 'afile').write_text('')
+    proc = run_train(args_for(tmp_path, text_file, 'x', f'--out_dir={tmp_path / "afile" / "out"}'))
+    assert one_line_error(proc), proc.stderr[-2000:]
+    assert f'cannot write {tmp_path / "afile" / "out"}' in proc.stderr and 'Not a directory' in proc.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason='root writes into read-only folders')
+def test_read_only_out_dir_gives_one_line(setup, args_for, run_train):
+    tmp_path, text_file = setup
+    (tmp_path / 'ro').mkdir(mode=0o555)
+    proc = run_train(args_for(tmp_path, text_file, 'x', f'--out_dir={tmp_path / "ro"}'))
+    assert one_line_error(proc) and 'Permission denied' in proc.stderr
+
+
+def test_files_train_py_did_not_write_are_ignored_on_resume(setup, reference, args_for, run_train, records,
+                                                             without_wall_clock):
+    """Issue 13.12: a stray file in snapshots/ or models/ neither breaks a resume nor is deleted."""
+    tmp_path, text_file = setup
+    args = args_for(tmp_path, text_file, 'stray')
+    assert run_train(args, 'record', 16).returncode == -signal.SIGKILL
+    run_dir = tmp_path / 'out' / 'stray'
+    for name in ('snapshots/notes.txt', 'models/notes.txt', 'snapshots/qk_final.npz'):
+        (run_dir / name).write_text('mine')
+    proc = run_train(args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert without_wall_clock(records(run_dir)) == reference[0]
+    assert all((run_dir / name).read_text() == 'mine' for name in ('snapshots/notes.txt', 'models/notes.txt'))
+
+
+def test_metrics_are_fsynced_before_each_checkpoint_is_renamed(setup, args_for, monkeypatch):
+    """Issue 13.13: after a power loss, the records a checkpoint has passed must be on disk."""
+    tmp_path, text_file = setup
+    synced, order = set(), []
+    fsync, replace = os.fsync, os.replace
+
+    def spy_fsync(fd):
+        synced.add(os.path.basename(os.readlink(f'/proc/self/fd/{fd}')))
+        fsync(fd)
+
+    def spy_replace(src, dst):
+        if str(dst).endswith('ckpt.pt'):
+            order.append('metrics.jsonl' in synced)
+            synced.clear()
+        replace(src, dst)
+    monkeypatch.setattr(os, 'fsync', spy_fsync)
+    monkeypatch.setattr(os, 'replace', spy_replace)
+    train.train(train.get_config(args_for(tmp_path, text_file, 'synced')))
+    assert order == [True, True, True]  # at 8, 16 and the end
+
+
+def test_the_run_folder_is_printed_at_start_and_end(setup, args_for, run_train):
+    """Issue 13.16: a user sees where the run goes."""
+    tmp_path, text_file = setup
+    proc = run_train(args_for(tmp_path, text_file, 'shown', '--max_iters=2'))
+    lines = proc.stdout.strip().split('\n')
+    run_dir = str(tmp_path / 'out' / 'shown')
+    assert proc.returncode == 0 and run_dir in lines[0] and run_dir in lines[-1]
+
+
+@pytest.mark.parametrize('arg', ['--lr=-1', '--dropout=1.5', '--qk_init=ortho', '--run_name=../v', '--seed=-1'])
+def test_user_mistakes_give_one_line_and_exit_2(run_train, arg):
+    """Issue 13: every user mistake: one line, exit 2, no traceback."""
+    proc = run_train([arg])
+    assert one_line_error(proc), proc.stderr[-2000:]

@@ -67,6 +67,63 @@ def test_print_run_names_reads_argument_lists_from_stdin(tmp_path):
     assert proc.stderr.count('\n') == 1 and "input line 2 ('--qk_init=ortho')" in proc.stderr
 
 
+@pytest.mark.parametrize('name', ['../v', '/tmp/abs', '.', '..', 'a/b', '  ', 'a\\0b'.replace('\\0', chr(0))])
+def test_run_name_cannot_leave_out_dir(name):
+    """Issue 13.1: a run name with a separator, '.', '..', an absolute path or no visible character is refused."""
+    with pytest.raises(train.ConfigError, match='run_name'):
+        train.get_config([f'--run_name={name}'])
+
+
+@pytest.mark.parametrize('arg, key', [('--lr=-1', 'lr'), ('--seed=-1', 'seed'), ('--threads=-1', 'threads'),
+                                      ('--dropout=1.5', 'dropout'), ('--lr_decay_iters=-5', 'lr_decay_iters'),
+                                      ('--lr_decay_iters=50', 'lr_decay_iters'), ('--lr=1e999', 'lr'),
+                                      ('--beta2=1.0', 'beta2'), ('--min_lr=-1e-4', 'min_lr'),
+                                      ('--min_lr=0.1', 'min_lr'), ('--weight_decay=-0.1', 'weight_decay'),
+                                      ('--grad_clip=-1', 'grad_clip'), ('--model_ckpts=-1', 'model_ckpts'),
+                                      ('--min_char_count=0', 'min_char_count'), ('--warmup_iters=-1', 'warmup_iters'),
+                                      ('--seed=4294967296', 'seed'), ('--eval_windows=0', 'eval_windows')])
+def test_numeric_settings_out_of_range_are_refused_before_training(arg, key):
+    """Issue 13.8: every numeric setting is range-checked in get_config, naming the key (no traceback later)."""
+    with pytest.raises(train.ConfigError, match=f'^error: {key}='):
+        train.get_config([arg])
+
+
+@pytest.mark.parametrize('arg, hint', [('--qk_init=ortho', 'orthogonal'), ('--control=shrnk', 'shrink'),
+                                       ('--control_target=K', 'k'), ('--control_scope=heads', 'head'),
+                                       ('--control_keep=spectral', 'spec'), ('--dtype=bf16', 'bfloat16'),
+                                       ('--dataset=wikitext', 'wikitext103')])
+def test_choice_settings_get_a_did_you_mean_hint(arg, hint):
+    """Issue 13.8: a misspelt choice names the closest valid one, as an unknown key does."""
+    with pytest.raises(train.ConfigError, match=f'not one of .*did you mean {hint}\\?'):
+        train.get_config([arg])
+
+
+@pytest.mark.parametrize('name, text, words', [
+    ('bad.json', '{"n_layer": 2,', 'not valid JSON'), ('list.json', '[2, 4]', 'JSON object'),
+    ('list_value.json', '{"n_layer": [2, 4]}', 'expected int'), ('str_value.json', '{"qk_init": ["tied"]}', 'expected str'),
+    ('syntax.py', 'n_layer = = 2', 'SyntaxError'), ('raises.py', 'n_layer = 1 / 0', 'ZeroDivisionError'),
+    ('nothing.py', '# n_layer = 2\n_private = 3\n', 'sets no config key'), ('empty.json', '{}', 'sets no config key'),
+    ('latin1.py', b'qk_init = "caf\xe9"', 'not UTF-8')])
+def test_malformed_config_files_are_named(tmp_path, name, text, words):
+    """Issue 13.8/13.9: malformed JSON, a JSON list, values of the wrong type, Python that fails, a file
+    that sets no known key and invalid UTF-8 each give one line naming the file."""
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(train.ConfigError, match=words) as e:
+        train.get_config([str(path)])
+    assert str(path) in e.value.msg and '\n' not in e.value.msg
+
+
+def test_json_config_is_recognised_by_content_and_python_is_executed(tmp_path):
+    """Issue 13.9: a JSON object in a file of any name is read as JSON; a Python file runs as Python."""
+    (tmp_path / 'my.cfg').write_text('  {"n_layer": 2, "qk_init": "tied", "lr": 1}\n')
+    cfg = train.get_config([str(tmp_path / 'my.cfg')])
+    assert (cfg['n_layer'], cfg['qk_init'], cfg['lr']) == (2, 'tied', 1.0)
+    (tmp_path / 'my.py').write_text('import math\nn_embd = 2 ** 7 * 3\nlr = math.sqrt(1e-6)\n')
+    cfg = train.get_config([str(tmp_path / 'my.py')])
+    assert cfg['n_embd'] == 384 and cfg['lr'] == pytest.approx(1e-3)
+
+
 def test_config_file_then_command_line(tmp_path):
     path = tmp_path / 'small.py'
     path.write_text("n_layer = 2\nn_embd = 96\nqk_init = 'orthogonal'\n")
@@ -147,6 +204,68 @@ def test_text_shorter_than_a_block_is_refused(tmp_path):
                                              f'--cache_dir={tmp_path / "c"}']))
 
 
+@pytest.mark.parametrize('text', ['', 'a'])
+def test_empty_or_tiny_text_says_it_is_too_short(tmp_path, text):
+    """Issue 13.10: an empty text is too short, not a corrupt cache (whose advice looped)."""
+    path = tmp_path / 'empty.txt'
+    path.write_text(text)
+    with pytest.raises(train.ConfigError, match='too short'):
+        train.prepare_data(train.get_config([f'--data_file={path}', f'--cache_dir={tmp_path / "c"}']))
+
+
+def test_invalid_utf8_text_is_named_and_leaves_no_building_folder(tmp_path, synthetic_text):
+    """Issue 13.8/13.10: a text that is not UTF-8 is named with the offset of the first bad byte, and the
+    half-built cache folder is removed."""
+    path = tmp_path / 'latin1.txt'
+    path.write_bytes(synthetic_text(5000).encode() + b'caf\xe9 ' + synthetic_text(5000).encode())
+    with pytest.raises(train.ConfigError, match=f'{path} is not UTF-8 text .*byte 5003'):
+        train.prepare_data(train.get_config([f'--data_file={path}', f'--cache_dir={tmp_path / "c"}']))
+    assert [n for n in os.listdir(tmp_path / 'c') if n.startswith('.building')] == []
+
+
+def test_stale_building_folders_are_removed_at_the_next_start(tmp_path, text_file, tiny_config):
+    """Issue 13.10: a .building-* folder of a dead process on this host is removed; a live process's is kept."""
+    import socket
+    cache = tmp_path / 'cache'
+    dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
+    stale = cache / f'.building-{socket.gethostname()}-{int(dead.stdout)}-abc'
+    live = cache / f'.building-{socket.gethostname()}-{os.getpid()}-def'
+    for folder in (stale, live):
+        folder.mkdir(parents=True)
+        (folder / 'train.bin').write_bytes(b'x' * 100)
+    train.prepare_data(tiny_config(tmp_path, text_file))
+    assert not stale.exists() and live.exists()
+
+
+def test_same_length_garbage_in_the_cache_is_caught_by_its_checksum(tmp_path, text_file, tiny_config):
+    """Issue 13.10: meta.json holds checksums of train.bin and val.bin, checked when the cache is opened."""
+    cfg = tiny_config(tmp_path, text_file)
+    tr, _, meta = train.prepare_data(cfg)
+    assert len(meta['train_sha256']) == 64 and len(meta['val_sha256']) == 64
+    path = tr.filename
+    size = os.path.getsize(path)
+    with open(path, 'r+b') as f:
+        f.seek(size // 2)
+        f.write(b'\xff\xff' * 8)
+    assert os.path.getsize(path) == size
+    with pytest.raises(train.ConfigError, match='train.bin.*checksum.*delete'):
+        train.prepare_data(cfg)
+
+
+def test_an_unchanged_text_and_cache_are_not_hashed_again(tmp_path, text_file, tiny_config, monkeypatch):
+    """Issue 16: the source text and the cache are hashed once; a later start checks their size and mtime."""
+    cfg = tiny_config(tmp_path, text_file)
+    train.prepare_data(cfg)
+    hashed = []
+    sha = train.sha256_of
+    monkeypatch.setattr(train, 'sha256_of', lambda paths: hashed.append(list(paths)) or sha(paths))
+    train.prepare_data(cfg)
+    assert hashed == []
+    os.utime(text_file, ns=(1, 1))  # the text may have changed: hash it again
+    train.prepare_data(cfg)
+    assert hashed == [[text_file]]
+
+
 # ----------------------------------------------------------------------------- model
 
 @pytest.mark.parametrize('name', sorted(train.QK_INITS))
@@ -212,6 +331,44 @@ def test_tiny_run_writes_every_file_and_snapshots_reproduce_the_log(tmp_path, te
     # a finished run is not overwritten by accident
     with pytest.raises(SystemExit, match='finished run; pass --overwrite=True'):
         train.train(tiny_config(tmp_path, text_file))
+
+
+def test_run_folder_must_lie_inside_out_dir(tmp_path, text_file, tiny_config):
+    """Issue 13.1: a run folder that is a symlink out of out_dir is refused, and nothing there is touched."""
+    outside = tmp_path / 'elsewhere'
+    outside.mkdir()
+    (outside / 'metrics.jsonl').write_text('{"iter": 0}\n')
+    (tmp_path / 'out').mkdir()
+    os.symlink(outside, tmp_path / 'out' / 'link')
+    with pytest.raises(train.ConfigError, match='outside out_dir'):
+        train.train(tiny_config(tmp_path, text_file, '--run_name=link'))
+    assert os.listdir(outside) == ['metrics.jsonl']
+
+
+def test_start_over_deletes_only_what_train_py_wrote(tmp_path, text_file, tiny_config):
+    """Issue 13.1: a folder train.py did not make (no config.json of its own) is refused, not cleared; in
+    its own folder, starting over removes its own files and keeps a user's."""
+    foreign = tmp_path / 'out' / 'mine'
+    (foreign / 'snapshots').mkdir(parents=True)
+    for name in ('metrics.jsonl', 'snapshots/qk_0000000.npz', 'notes.txt'):
+        (foreign / name).write_text('precious')
+    with pytest.raises(train.ConfigError, match='not written by train.py'):
+        train.train(tiny_config(tmp_path, text_file, '--run_name=mine', '--overwrite=True'))
+    assert (foreign / 'metrics.jsonl').read_text() == 'precious'
+    run_dir = train.train(tiny_config(tmp_path, text_file, '--run_name=own', '--max_iters=2'))
+    for name in ('notes.txt', 'snapshots/notes.txt', 'models/README'):
+        with open(os.path.join(run_dir, name), 'w') as f:
+            f.write('precious')
+    train.train(tiny_config(tmp_path, text_file, '--run_name=own', '--max_iters=2', '--overwrite=True'))
+    for name in ('notes.txt', 'snapshots/notes.txt', 'models/README'):
+        assert open(os.path.join(run_dir, name)).read() == 'precious'
+    assert os.path.exists(os.path.join(run_dir, 'done.json'))
+
+
+def test_config_json_holds_the_resolved_dtype(tmp_path, text_file, tiny_config):
+    """Issue 13.17: dtype=auto is written as what it resolved to (float32 on a CPU)."""
+    run_dir = train.train(tiny_config(tmp_path, text_file, '--max_iters=1', '--geom_interval=0'))
+    assert json.load(open(os.path.join(run_dir, 'config.json')))['dtype'] == 'float32'
 
 
 def test_same_config_and_seed_give_identical_metrics(tmp_path, text_file, tiny_config, records, without_wall_clock):

@@ -7,31 +7,42 @@ Any local text instead of WikiText-103 (what the CPU runs of this repository use
     python train.py --data_file=../shared/data/wikitext-103/wiki.test.raw --n_embd=128 --n_head=4
 Several GPUs on one node (DDP):
     torchrun --nproc_per_node=4 train.py --n_layer=8 --grad_accum=4
-A config file can come first (Python assignments or JSON), then --key=value overrides:
+A config file can come first, then --key=value overrides:
     python train.py my_config.py --seed=2
+A config file holding a JSON object (recognised by its content, whatever the file's name) sets those keys.
+Any other config file is executed as Python, as nanoGPT's configurator does: run only files you trust;
+its top-level names are the settings. A config file that sets no known key is refused.
+The run names of argument lists, one list per stdin line (sweep.sh names its grid this way):
+    printf -- '--n_layer=6 --seed=2\n--control=shrink\n' | python train.py --print_run_names
 
 Each run writes out_dir/run_name/: config.json, metrics.jsonl, snapshots/ (W_Q, W_K at every logged
-iteration), models/ (model weights at log-spaced iterations), ckpt.pt (latest state), done.json (last).
-Rerunning the same command resumes an unfinished run; --overwrite=True starts it over.
+iteration), models/ (model weights at log-spaced iterations), ckpt.pt (latest state), done.json (last),
+and .lock, which one process at a time holds while it trains there. Rerunning the same command resumes an
+unfinished run; --overwrite=True starts it over (deleting only the files train.py writes).
+
+Reading order: the config block; data; the model; RESEARCH (what is measured at each record, and the
+key-spectrum control: the lines to edit for a new metric or intervention); the run (train()); PLUMBING
+(devices, DDP, run folder, locks, checkpoints, signals: none of it needs reading to change the science).
 """
 import ast
 import builtins
 import contextlib
 import difflib
+import fcntl
 import functools
 import hashlib
 import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
-import subprocess
+import socket
 import sys
 import tempfile
 import time
-import urllib.request
-import zipfile
+import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +115,24 @@ config_keys = [k for k, v in list(globals().items())
 
 EVAL_SEED = 1234  # the evaluation windows are the same for every run, whatever its seed
 
+# the valid range of every numeric setting, checked before any work: (settings, test, what it asks)
+RANGES = [
+    (('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'grad_accum', 'eval_iters', 'eval_interval',
+      'ckpt_interval', 'eval_windows', 'control_interval', 'min_char_count'), lambda v: v >= 1, 'at least 1'),
+    (('max_iters', 'geom_interval', 'model_ckpts', 'warmup_iters', 'lr_decay_iters', 'shrink_iters', 'threads',
+      'min_lr', 'weight_decay', 'grad_clip'), lambda v: v >= 0, '>= 0'),
+    (('lr', 'shrink_to'), lambda v: v > 0, '> 0'),
+    (('dropout', 'beta1', 'beta2'), lambda v: 0 <= v < 1, 'in [0, 1)'),
+    (('seed',), lambda v: 0 <= v < 2 ** 32, 'in [0, 2**32) (numpy seeds are 32-bit)'),
+]
+
+
+def choices():
+    """The valid values of each choice setting (control.check_settings checks its own again)."""
+    return {'qk_init': sorted(QK_INITS), 'control': ['none', 'shrink', 'freeze'], 'control_target': ['k', 'q'],
+            'control_scope': ['head', 'layer'], 'control_keep': list(spectrum_control.KEEPS),
+            'dtype': ['auto', 'float32', 'bfloat16'], 'dataset': ['wikitext103']}
+
 
 class ConfigError(SystemExit):
     """A user-facing problem with the settings or the inputs: its message is printed, exit status 2."""
@@ -133,28 +162,71 @@ def parse_value(key, text, default):
     return value
 
 
+def did_you_mean(text, known):
+    low = str(text).lower()
+    close = [k for k in known if k == low] or difflib.get_close_matches(low, known, n=1)
+    return f'; did you mean {close[0]}?' if close else ''
+
+
 def unknown_key(key, where):
-    close = difflib.get_close_matches(key, config_keys, n=1)
-    hint = f'; did you mean {close[0]}?' if close else '; see the config block at the top of train.py'
+    hint = did_you_mean(key, config_keys) or '; see the config block at the top of train.py'
     return ConfigError(f'unknown config key {key!r} in {where}{hint}')
 
 
-def load_config_file(path, defaults):
-    """Python assignments or a JSON object; every name must be a config key."""
+def read_utf8(path, what):
+    """The text of a file, or one line saying it is not UTF-8 and where."""
+    with open(path, 'rb') as f:
+        data = f.read()
+    try:
+        return data.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, what, e.start, data[e.start:e.start + 4]) from None
+
+
+def not_utf8(path, what, offset, sample):
+    return ConfigError(f'{what} {path} is not UTF-8 text (byte {offset}: {sample!r}); convert it, for example '
+                       f'with iconv -f latin1 -t utf-8, or pass another file')
+
+
+def config_file_values(path):
+    """The settings a config file sets: a JSON object (recognised by content), else Python that is executed
+    as nanoGPT's configurator does, its top-level names the settings (modules and functions left out)."""
     if not os.path.isfile(path):
         raise ConfigError(f'config file {path} does not exist')
-    with open(path) as f:
-        text = f.read()
-    if path.endswith('.json'):
-        values = json.loads(text)
-    else:
-        values = {}
-        exec(builtins.compile(text, path, 'exec'), {}, values)
-        values = {k: v for k, v in values.items() if not k.startswith('_')}
+    text = read_utf8(path, 'config file')
+    if text.lstrip().startswith(('{', '[')):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f'config file {path} is not valid JSON ({e.msg} at line {e.lineno} '
+                              f'column {e.colno})') from None
+        if not isinstance(values, dict):
+            raise ConfigError(f'config file {path} holds a JSON {type(values).__name__}; it must be a JSON '
+                              f'object of settings, such as {{"n_layer": 4}}')
+        return values
+    namespace = {}
+    try:
+        exec(builtins.compile(text, path, 'exec'), namespace)
+    except Exception as e:  # the file is the user's code: whatever it raises is its mistake, shown in one line
+        detail = ' '.join(str(e).split())
+        raise ConfigError(f'config file {path} failed as Python ({type(e).__name__}: {detail})') from None
+    skip = (types.ModuleType, types.FunctionType, type)
+    return {k: v for k, v in namespace.items() if not k.startswith('_') and not isinstance(v, skip)}
+
+
+def load_config_file(path, defaults):
+    """A config file's settings, each checked to be a known key with a value of its default's type."""
+    values = config_file_values(path)
+    if not values:
+        raise ConfigError(f'config file {path} sets no config key; set at least one, e.g. n_layer = 4')
     for k, v in values.items():
         if k not in defaults:
             raise unknown_key(k, path)
-        values[k] = parse_value(k, repr(v), defaults[k])
+        want = type(defaults[k])
+        ok = type(v) is want or (want is float and type(v) is int)
+        if not ok:
+            raise ConfigError(f'{k}={v!r} in config file {path}: expected {want.__name__} (default {defaults[k]!r})')
+        values[k] = want(v)
     return values
 
 
@@ -175,6 +247,7 @@ def get_config(argv):
     check_config(cfg)
     if not cfg['run_name']:
         cfg['run_name'] = default_run_name(cfg)
+    check_run_name(cfg['run_name'])
     return cfg
 
 
@@ -182,6 +255,41 @@ def default_run_name(cfg):
     """The one source of run names: L4_normal_s1, L4_normal_shrink-k_s1, L4_normal_freeze-k-spec_s3."""
     label = spectrum_control.control_label(cfg)
     return f"L{cfg['n_layer']}_{cfg['qk_init']}{'_' + label if label else ''}_s{cfg['seed']}"
+
+
+def check_run_name(name):
+    """A run name is one plain folder name: the run folder must lie inside out_dir."""
+    seps = [s for s in (os.sep, os.altsep, '/') if s]
+    if not name.strip() or name in ('.', '..') or any(s in name for s in seps) or '\0' in name:
+        raise ConfigError(f'run_name={name!r} must be one plain folder name inside out_dir (no path separator, '
+                          f'not . or .., not blank), for example --run_name=my_run')
+
+
+def check_config(cfg):
+    """Stop before any work on settings that cannot run, saying which and how to fix them."""
+    for key, valid in choices().items():
+        if cfg[key] not in valid:
+            raise ConfigError(f"{key}={cfg[key]!r} is not one of {', '.join(valid)}{did_you_mean(cfg[key], valid)}")
+    for key in config_keys:
+        if isinstance(cfg[key], float) and not math.isfinite(cfg[key]):
+            raise ConfigError(f'{key}={cfg[key]} must be a finite number')
+    for keys, ok, words in RANGES:
+        for key in keys:
+            if not ok(cfg[key]):
+                raise ConfigError(f'{key}={cfg[key]} must be {words}')
+    if cfg['n_embd'] % cfg['n_head']:
+        raise ConfigError(f"n_embd={cfg['n_embd']} is not divisible by n_head={cfg['n_head']}; "
+                          f"pick n_head among {[h for h in range(1, 17) if cfg['n_embd'] % h == 0]}")
+    if 0 < cfg['lr_decay_iters'] < cfg['warmup_iters']:
+        raise ConfigError(f"lr_decay_iters={cfg['lr_decay_iters']} ends the decay before the warm-up ends "
+                          f"(warmup_iters={cfg['warmup_iters']}); use 0 (= max_iters) or at least warmup_iters")
+    if cfg['min_lr'] > cfg['lr']:
+        raise ConfigError(f"min_lr={cfg['min_lr']} must not exceed lr={cfg['lr']}: the schedule decays from lr "
+                          f"to min_lr")
+    try:  # control, control_target, control_scope, control_keep, control_layers, shrink_to, shrink_iters
+        spectrum_control.check_settings(cfg, cfg['n_layer'])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def print_run_names(lines):
@@ -194,27 +302,6 @@ def print_run_names(lines):
         except ConfigError as e:
             raise ConfigError(f'--print_run_names: input line {n} ({line.strip()!r}): {e.msg}') from None
     print('\n'.join(names))
-
-
-def check_config(cfg):
-    """Stop before any work on settings that cannot run, saying which and how to fix them."""
-    if cfg['n_embd'] % cfg['n_head']:
-        raise ConfigError(f"n_embd={cfg['n_embd']} is not divisible by n_head={cfg['n_head']}; "
-                          f"pick n_head among {[h for h in range(1, 17) if cfg['n_embd'] % h == 0]}")
-    if cfg['qk_init'] not in QK_INITS:
-        raise ConfigError(f"qk_init={cfg['qk_init']!r} is not one of {sorted(QK_INITS)}")
-    if cfg['dtype'] not in ('auto', 'float32', 'bfloat16'):
-        raise ConfigError(f"dtype={cfg['dtype']!r} is not one of auto, float32, bfloat16")
-    for key in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'grad_accum', 'eval_iters',
-                'eval_interval', 'ckpt_interval', 'eval_windows', 'control_interval'):
-        if cfg[key] < 1:
-            raise ConfigError(f'{key}={cfg[key]} must be at least 1')
-    if cfg['max_iters'] < 0 or cfg['geom_interval'] < 0:
-        raise ConfigError('max_iters and geom_interval must be >= 0')
-    try:  # control, control_target, control_scope, control_layers, shrink_to, shrink_iters
-        spectrum_control.check_settings(cfg, cfg['n_layer'])
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- data
@@ -232,10 +319,62 @@ def sha256_of(paths):
     return h.hexdigest()
 
 
+def file_stamp(path):
+    """What changes when a file is rewritten: its size, modification time and inode."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def remember(obj, path):
+    """Best effort: a small JSON file written whole (a unique temporary name, then renamed), or nothing
+    when the folder cannot be written (a read-only cache still works, it is only hashed again)."""
+    tmp = f'{path}.{os.getpid()}.tmp'
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, 'w') as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def read_json_or_empty(path):
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+        return obj if isinstance(obj, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def source_digest(sources, cfg):
+    """SHA-256 of the source texts, remembered in the cache by their size, mtime and inode, so an unchanged
+    text is not read again at every start (WikiText-103 is 540 MB)."""
+    stamp = [[os.path.abspath(p), *file_stamp(p)] for p in sources]
+    key = hashlib.sha1(json.dumps([s[0] for s in stamp]).encode()).hexdigest()[:16]
+    path = os.path.join(cache_root(cfg), '.sources', f'{key}.json')
+    known = read_json_or_empty(path)
+    if known.get('stamp') == stamp and isinstance(known.get('sha256'), str):
+        return known['sha256']
+    digest = sha256_of(sources)
+    remember({'stamp': stamp, 'sha256': digest}, path)
+    return digest
+
+
 def text_chunks(path, size=1 << 25):
-    with open(path, encoding='utf-8') as f:
-        for chunk in iter(lambda: f.read(size), ''):
-            yield chunk
+    """A UTF-8 file as str chunks, or one line naming the first byte that is not UTF-8."""
+    import codecs
+    decoder, offset = codecs.getincrementaldecoder('utf-8')(), 0
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(size), b''):
+            try:
+                yield decoder.decode(block)
+            except UnicodeDecodeError as e:
+                raise not_utf8(path, 'the text', offset + e.start, block[e.start:e.start + 4]) from None
+            offset += len(block)
+    if decoder.getstate()[0]:
+        raise not_utf8(path, 'the text', offset, b'(cut short at the end)')
 
 
 def codepoints(text):
@@ -255,27 +394,34 @@ def build_vocab(train_chunks, min_count):
 
 
 def encode_to(chunks, table, path):
-    """Encode text chunks through a code point -> id table into a uint16 file; returns its length."""
-    n = 0
+    """Encode text chunks through a code point -> id table into a uint16 file; returns its length and the
+    SHA-256 of its bytes (computed as they are written, so the checksum costs no second read)."""
+    n, h = 0, hashlib.sha256()
     with open(path, 'wb') as f:
         for chunk in chunks:
-            ids = table[codepoints(chunk)]
-            f.write(ids.tobytes())
-            n += len(ids)
-    return n
+            ids = table[codepoints(chunk)].tobytes()
+            f.write(ids)
+            h.update(ids)
+            n += len(ids) // 2
+    return n, h.hexdigest()
+
+
+BINS = ('train.bin', 'val.bin')
 
 
 def encode_dataset(train_chunks, val_chunks, min_count, out_dir, source):
-    """train.bin, val.bin (uint16, nanoGPT style) and meta.json in out_dir from chunk factories."""
+    """train.bin, val.bin (uint16, nanoGPT style) and meta.json (with their checksums) in out_dir."""
     kept, counts = build_vocab(train_chunks(), min_count)
     table = np.zeros(0x110000, dtype=np.uint16)
     table[kept] = np.arange(1, len(kept) + 1, dtype=np.uint16)
-    n_train = encode_to(train_chunks(), table, os.path.join(out_dir, 'train.bin'))
-    n_val = encode_to(val_chunks(), table, os.path.join(out_dir, 'val.bin'))
+    n_train, train_sha = encode_to(train_chunks(), table, os.path.join(out_dir, 'train.bin'))
+    n_val, val_sha = encode_to(val_chunks(), table, os.path.join(out_dir, 'val.bin'))
     meta = dict(source, vocab_size=len(kept) + 1, chars=''.join(map(chr, kept)), min_char_count=min_count,
-                n_train=n_train, n_val=n_val, n_unknown_train=int(counts.sum() - counts[kept].sum()))
+                n_train=n_train, n_val=n_val, n_unknown_train=int(counts.sum() - counts[kept].sum()),
+                train_sha256=train_sha, val_sha256=val_sha)
     with open(os.path.join(out_dir, 'meta.json'), 'w') as f:
         json.dump(meta, f, indent=1)
+    remember({name: file_stamp(os.path.join(out_dir, name)) for name in BINS}, os.path.join(out_dir, 'verified.json'))
     return meta
 
 
@@ -286,6 +432,8 @@ def decode(ids, meta):
 
 def download_wikitext(cfg):
     """Fetch and unzip the raw WikiText-103 release into data_dir, or explain the two ways out."""
+    import urllib.request  # only here: most runs never download
+    import zipfile
     data_dir = cfg['data_dir']
     os.makedirs(os.path.dirname(os.path.abspath(data_dir)), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix='.download-', dir=os.path.dirname(os.path.abspath(data_dir)))
@@ -306,54 +454,44 @@ def download_wikitext(cfg):
             os.replace(os.path.join(found[0], name), os.path.join(data_dir, name))
     except (OSError, zipfile.BadZipFile) as e:  # URLError and timeouts are OSErrors
         raise ConfigError(
-            f"WikiText-103 is not in {data_dir}/ and downloading {cfg['data_url']} failed ({e}).\n"
-            f"  Either: download wikitext-103-raw-v1.zip on a machine with network access and unzip it so\n"
-            f"  that {data_dir}/wiki.train.raw, wiki.valid.raw and wiki.test.raw exist (or pass --data_dir=),\n"
-            f"  or: train on any local UTF-8 text with --data_file=PATH\n"
-            f"  (for example --data_file=../shared/data/wikitext-103/wiki.test.raw)") from None
+            f"WikiText-103 is not in {data_dir}/ and downloading {cfg['data_url']} failed ({e}). Either put "
+            f"wiki.train.raw, wiki.valid.raw and wiki.test.raw from wikitext-103-raw-v1.zip there (or pass "
+            f"--data_dir=), or train on any local UTF-8 text with --data_file=PATH (for example "
+            f"--data_file=../shared/data/wikitext-103/wiki.test.raw)") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def prepare_data(cfg):
-    """Encoded train/val memmaps and meta, built once per source into the cache and reused."""
+def data_sources(cfg):
+    """(source paths, train and val chunk factories, cache name) of the configured text."""
     if cfg['data_file']:
         path = cfg['data_file']
         if not os.path.isfile(path):
             raise ConfigError(f'data_file {path} does not exist; pass the path of a UTF-8 text file')
-        sources = [path]
 
         @functools.lru_cache(maxsize=1)
         def split():  # read only when the cache has to be built, and then once
-            text = open(path, encoding='utf-8').read()
+            text = read_utf8(path, 'the text')
             cut = int(0.9 * len(text))
             return text[:cut], text[cut:]
-        train_chunks = lambda: [split()[0]]
-        val_chunks = lambda: [split()[1]]
-        name = os.path.basename(path)
-    else:
-        if cfg['dataset'] != 'wikitext103':
-            raise ConfigError(f"dataset={cfg['dataset']!r} is unknown: use wikitext103 or --data_file=PATH")
-        names = ('wiki.train.raw', 'wiki.valid.raw', 'wiki.test.raw')
-        if not all(os.path.isfile(os.path.join(cfg['data_dir'], n)) for n in names):
-            download_wikitext(cfg)
-        sources = [os.path.join(cfg['data_dir'], n) for n in names[:2]]
-        train_chunks = lambda: text_chunks(sources[0])
-        val_chunks = lambda: text_chunks(sources[1])
-        name = 'wikitext103'
-    digest = sha256_of(sources)
+        return [path], lambda: [split()[0]], lambda: [split()[1]], os.path.basename(path)
+    names = ('wiki.train.raw', 'wiki.valid.raw', 'wiki.test.raw')
+    if not all(os.path.isfile(os.path.join(cfg['data_dir'], n)) for n in names):
+        download_wikitext(cfg)
+    sources = [os.path.join(cfg['data_dir'], n) for n in names[:2]]
+    return sources, lambda: text_chunks(sources[0]), lambda: text_chunks(sources[1]), 'wikitext103'
+
+
+def prepare_data(cfg):
+    """Encoded train/val memmaps and meta, built once per source into the cache and reused."""
+    sources, train_chunks, val_chunks, name = data_sources(cfg)
+    if os.path.isdir(cache_root(cfg)):
+        remove_stale_builds(cache_root(cfg))
+    digest = source_digest(sources, cfg)
     folder = os.path.join(cache_root(cfg), f"{name}-{digest[:16]}-min{cfg['min_char_count']}")
     if not os.path.isfile(os.path.join(folder, 'meta.json')):
-        os.makedirs(cache_root(cfg), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix='.building-', dir=cache_root(cfg))
-        t0 = time.time()
-        meta = encode_dataset(train_chunks, val_chunks, cfg['min_char_count'], tmp,
-                              dict(source=[os.path.abspath(p) for p in sources], sha256=digest))
-        try:
-            os.rename(tmp, folder)  # a cache is either complete or absent
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # another process finished it first
-        print(f"encoded {meta['n_train'] + meta['n_val']:,} characters in {time.time() - t0:.1f}s into {folder}")
+        build_cache(folder, train_chunks, val_chunks, cfg,
+                    dict(source=[os.path.abspath(p) for p in sources], sha256=digest))
     train, val, meta = load_cache(folder, digest)
     if len(train) < 2 * cfg['block_size'] + 2 or len(val) < cfg['block_size'] + 2:
         raise ConfigError(f"{', '.join(sources)}: {len(train)} training and {len(val)} validation characters, "
@@ -362,19 +500,86 @@ def prepare_data(cfg):
     return train, val, meta
 
 
+def build_cache(folder, train_chunks, val_chunks, cfg, source):
+    """Encode into a .building-HOST-PID-* folder, then rename it into place: a cache is complete or absent.
+    The temporary folder goes on any failure or signal; one left by a killed process goes at the next start."""
+    root = cache_root(cfg)
+    with writing(root):
+        os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f'.building-{socket.gethostname()}-{os.getpid()}-', dir=root)
+    t0 = time.time()
+    try:
+        meta = encode_dataset(train_chunks, val_chunks, cfg['min_char_count'], tmp, source)
+        os.rename(tmp, folder)
+    except OSError as e:
+        if not os.path.isfile(os.path.join(folder, 'meta.json')):  # else another process finished it first
+            raise ConfigError(f'cannot write the data cache {folder}: {e.strerror or e}; free some disk space or '
+                              f'pass --cache_dir=') from None
+        return
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"encoded {meta['n_train'] + meta['n_val']:,} characters in {time.time() - t0:.1f}s into {folder}")
+
+
+def remove_stale_builds(root):
+    """.building-* folders of processes that died: on this host, those whose PID is gone; from elsewhere
+    (a shared cache), those untouched for a day."""
+    for name in os.listdir(root):
+        if not name.startswith('.building-'):
+            continue
+        path = os.path.join(root, name)
+        host, _, pid = name[len('.building-'):].rpartition('-')[0].rpartition('-')  # HOST-PID-random
+        with contextlib.suppress(OSError):
+            if host == socket.gethostname() and pid.isdigit():
+                stale = not pid_alive(int(pid))
+            else:  # another host's, or of an older train.py: by age
+                stale = time.time() - os.path.getmtime(path) > (86400 if host else 3600)
+            if stale:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def load_cache(folder, digest):
+    """The cache's memmaps and meta, checked: built from this text, of the recorded lengths and checksums."""
     try:
         with open(os.path.join(folder, 'meta.json')) as f:
             meta = json.load(f)
-        train = np.memmap(os.path.join(folder, 'train.bin'), dtype=np.uint16, mode='r')
-        val = np.memmap(os.path.join(folder, 'val.bin'), dtype=np.uint16, mode='r')
-        ok = meta['sha256'] == digest and len(train) == meta['n_train'] and len(val) == meta['n_val']
-    except (OSError, ValueError, KeyError):
+        ok = meta['sha256'] == digest and [os.path.getsize(os.path.join(folder, n)) for n in BINS] == [
+            2 * meta['n_train'], 2 * meta['n_val']]
+    except (OSError, ValueError, KeyError, TypeError):
         ok = False
     if not ok:
         raise ConfigError(f'the data cache {folder} is corrupt or was built from a different file; '
                           f'delete that folder and run again to rebuild it')
+    verify_checksums(folder, meta)
+    train, val = (np.memmap(os.path.join(folder, n), dtype=np.uint16, mode='r') if meta[f'n_{n[:-4]}'] else
+                  np.zeros(0, dtype=np.uint16) for n in BINS)  # numpy cannot map an empty file
     return train, val, meta
+
+
+def verify_checksums(folder, meta):
+    """train.bin and val.bin against the SHA-256 in meta.json. A file is hashed only when its size, mtime or
+    inode differ from when it was last verified (verified.json): an unchanged cache costs two stat calls,
+    and any rewrite of a file (same-length garbage included) changes its mtime and gets it hashed."""
+    path = os.path.join(folder, 'verified.json')
+    verified = read_json_or_empty(path)
+    now = {name: file_stamp(os.path.join(folder, name)) for name in BINS}
+    if verified == now or 'train_sha256' not in meta:  # a cache from before checksums: nothing to check against
+        return
+    for name in BINS:
+        if verified.get(name) != now[name] and sha256_of([os.path.join(folder, name)]) != meta[f'{name[:-4]}_sha256']:
+            raise ConfigError(f'the data cache {folder}: {name} does not match its checksum in meta.json (it changed '
+                              f'after it was built); delete that folder and run again to rebuild it')
+    remember(now, path)
 
 
 def get_batch(data, idx, block_size):
@@ -554,7 +759,10 @@ def log_iters(cfg):
     return its
 
 
-# ----------------------------------------------------------------------------- measuring
+# =============================================================================
+# RESEARCH: what each record measures, and the key-spectrum control. A new metric goes into
+# measure_geometry (its math into geometry.py); a new intervention goes where control_step calls control.py.
+# =============================================================================
 
 @torch.no_grad()
 def estimate_loss(model, data, cfg, dev, ctx):
@@ -577,11 +785,14 @@ def estimate_loss(model, data, cfg, dev, ctx):
 @torch.no_grad()
 def measure_geometry(model, eval_x, eval_y, n_head):
     """Per layer: every weight metric of W_Q, W_K, W_QK and every token metric on the evaluation batch;
-    and the loss on that batch, which the same forward pass gives for free."""
+    and the loss on that batch, which the same forward pass gives for free. Layers are None when the loss or
+    an activation is not finite (the caller stops the run: geometry.py refuses NaN)."""
     model.eval()
     probe = []
     loss = model(eval_x, eval_y, probe=probe)[1].item()  # float32, explicit attention
     model.train()
+    if not math.isfinite(loss) or not all(torch.isfinite(t).all() for acts in probe for t in acts):
+        return loss, None
     layers = []
     for (wq, wk), (q, k, att) in zip(model.qk_weights(), probe):
         row = geometry.layer_geometry(wq, wk, n_head)
@@ -590,23 +801,443 @@ def measure_geometry(model, eval_x, eval_y, n_head):
     return loss, layers
 
 
-# ----------------------------------------------------------------------------- run folder plumbing
+def measure(run, it):
+    """One metrics.jsonl record at iteration it: losses (at the loss iterations), checked before anything
+    else, then the Q/K geometry of every layer and the control's targets and reached PRs."""
+    cfg = run.cfg
+    row = {'iter': it, 'tokens': it * run.tokens_per_iter, 'lr': get_lr(it, cfg)}
+    if it in run.evals:
+        losses = estimate_loss(run.model, run.data, cfg, run.dev, run.ctx)
+        row.update(train_loss=losses['train'], val_loss=losses['val'])
+    for key in ('train_loss', 'val_loss'):
+        if not math.isfinite(row.get(key, 0.0)):
+            nan_stop(row[key], it, cfg)
+    t0 = time.time()
+    if cfg['geom_interval']:
+        loss, layers = measure_geometry(run.model, run.eval_x, run.eval_y, cfg['n_head'])
+        if layers is None:
+            nan_stop(loss if not math.isfinite(loss) else float('nan'), it, cfg)
+        for layer, ctl_row in zip(layers, spectrum_control.report(run.ctl)):
+            layer.update(ctl_row)
+        row['eval_loss'], row['layers'] = loss, layers
+    run.t_geom += time.time() - t0
+    return row
+
+
+def control_step(run, step):
+    """The causal experiment: reshape the controlled spectra after optimizer step number `step`."""
+    if run.cfg['control'] == 'none':  # a none run reports a control share of exactly 0
+        return
+    t0 = time.time()
+    spectrum_control.apply(run.ctl, run.cfg, run.model.qk_weights(), step)
+    run.t_ctl += time.time() - t0
+
+
+# ----------------------------------------------------------------------------- the run
+
+def train(cfg):
+    """One run from its config: trains, logs, checkpoints; resumes an unfinished run. Returns the run folder."""
+    dev = pick_device(cfg)  # first: an unusable device is named before any work
+    ddp, rank, world, dev = start_ddp(dev)
+    run = types.SimpleNamespace(cfg=cfg, dev=dev, ddp=ddp, rank=rank, world=world, master=rank == 0)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(release, run)  # however this ends: signal handlers, lock, process group released
+        if cfg['grad_accum'] % world:
+            raise ConfigError(f"grad_accum={cfg['grad_accum']} must be divisible by the {world} DDP processes")
+        # ---- seeding: python, numpy, torch (the data order has its own generator, saved in checkpoints)
+        if cfg['threads']:
+            torch.set_num_threads(cfg['threads'])
+        random.seed(cfg['seed'])
+        np.random.seed(cfg['seed'])
+        torch.manual_seed(cfg['seed'])
+        dev_type = dev.split(':')[0]
+        use_bf16 = cfg['dtype'] == 'bfloat16' or (cfg['dtype'] == 'auto' and dev_type == 'cuda'
+                                                   and torch.cuda.is_bf16_supported())
+        run.dtype = 'bfloat16' if use_bf16 else 'float32'
+        run.ctx = torch.autocast(dev_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+
+        # ---- run folder: checked and locked; resumed or started over below (rank 0 writes)
+        run.dir = run_folder(cfg)
+        run.lock = lock_run(run.dir) if run.master else None
+        run.ckpt_path = os.path.join(run.dir, 'ckpt.pt')
+        resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
+        if run.master:
+            print(f'run folder {run.dir}', flush=True)
+            if not resuming:
+                check_own_folder(run.dir)
+        if ddp:
+            torch.distributed.barrier()
+
+        # ---- data
+        train_data, val_data, run.meta = prepare_data(cfg)
+        run.data = {'train': train_data, 'val': val_data}
+        run.data_gen = torch.Generator().manual_seed(cfg['seed'])
+        run.eval_x, run.eval_y = (t.to(dev) for t in eval_batch(val_data, cfg))
+
+        # ---- model, optimizer, control state; then the checkpoint over them when resuming
+        run.gcfg = GPTConfig(run.meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'],
+                             cfg['n_embd'], cfg['bias'], cfg['dropout'])
+        run.model = GPT(run.gcfg, cfg['qk_init']).to(dev)
+        run.optimizer = make_optimizer(run.model, cfg, dev_type)
+        run.ctl = spectrum_control.record(cfg, run.model.qk_weights())  # the step-0 spectra control steers from
+        run.start, run.elapsed = 0, 0.0
+        if resuming:
+            run.start, run.elapsed, run.ctl = load_checkpoint(run.ckpt_path, cfg, run.meta, run.model,
+                                                              run.optimizer, run.data_gen)
+        if run.master:
+            open_run_files(run, resuming)
+        run.train_model = run.model
+        if cfg['compile'] and hasattr(torch, 'compile') and dev_type != 'mps':
+            run.train_model = torch.compile(run.model)
+        if ddp:
+            from torch.nn.parallel import DistributedDataParallel
+            run.train_model = DistributedDataParallel(run.train_model, device_ids=[int(dev.split(':')[1])]
+                                                      if ':' in dev else None)
+
+        # ---- the loop: a record at the logged iterations, then one optimizer step and the control
+        run.stop, stopping = [], False
+        run.old_handlers = {s: signal.signal(s, lambda sig, frame: run.stop.append(sig))
+                            for s in (signal.SIGINT, signal.SIGTERM)}  # finish the step, checkpoint, exit
+        run.logs, run.evals, run.ckpts = log_iters(cfg), loss_iters(cfg), model_ckpt_iters(cfg)
+        run.tokens_per_iter = cfg['batch_size'] * cfg['grad_accum'] * cfg['block_size']
+        run.t_start, run.t_geom, run.t_ctl = time.time(), 0.0, 0.0
+        run.t_mark, run.it_mark, run.last = run.t_start, run.start, {}  # for ms/iter: training time only
+        for it in range(run.start, cfg['max_iters'] + 1):
+            if run.master and it in run.logs:
+                record(run, it)
+            if it == cfg['max_iters']:
+                break
+            if stopping or (it > run.start and it % cfg['ckpt_interval'] == 0):
+                checkpoint(run, it)
+            if stopping:
+                stop_on_signal(run, it)
+            stopping = train_step(run, it)
+            control_step(run, it + 1)
+        finish(run)
+    return run.dir
+
+
+def make_optimizer(model, cfg, dev_type):
+    """AdamW; weight decay on matrices (not gains), and on W_Q and W_K only with decay_qk."""
+    qk_ids = {id(w) for pair in model.qk_weights() for w in pair}
+    decays = lambda p: p.dim() >= 2 and (cfg['decay_qk'] or id(p) not in qk_ids)
+    decay = [p for p in model.parameters() if decays(p)]
+    no_decay = [p for p in model.parameters() if not decays(p)]
+    return torch.optim.AdamW([{'params': decay, 'weight_decay': cfg['weight_decay']},
+                              {'params': no_decay, 'weight_decay': 0.0}],
+                             lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']), fused=dev_type == 'cuda')
+
+
+def train_step(run, it):
+    """One optimizer step over grad_accum micro-batches (this rank's share of them). Returns whether a
+    signal asks every rank to stop."""
+    cfg, micro = run.cfg, run.cfg['grad_accum'] // run.world
+    for group in run.optimizer.param_groups:
+        group['lr'] = get_lr(it, cfg)
+    # every rank draws the whole global batch's offsets, so the data stream does not depend on world
+    offsets = random_offsets(run.data['train'], (cfg['grad_accum'], cfg['batch_size']), cfg['block_size'],
+                             run.data_gen)
+    step_loss = 0.0
+    for m in range(micro):
+        x, y = get_batch(run.data['train'], offsets[run.rank * micro + m], cfg['block_size'])
+        if run.ddp:
+            run.train_model.require_backward_grad_sync = m == micro - 1
+        with run.ctx:
+            loss = run.train_model(x.to(run.dev, non_blocking=True), y.to(run.dev, non_blocking=True))[1] / micro
+        loss.backward()
+        step_loss += loss.item()
+    # one collective for the ranks to agree on a bad loss or a signal, so they stop together
+    flags = torch.tensor([step_loss, float(len(run.stop))])
+    if run.ddp:
+        torch.distributed.all_reduce(flags)
+    if not math.isfinite(flags[0].item()):
+        nan_stop(flags[0].item(), it, cfg)
+    if cfg['grad_clip']:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg['grad_clip'])
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return flags[1].item() > 0
+
+
+def nan_stop(loss, it, cfg):
+    raise ConfigError(f"the loss became {loss} at iteration {it}. The run stops here: ckpt.pt keeps the last good "
+                      f"state, metrics.jsonl the records before this one, and no done.json is written. "
+                      f"Lower --lr (now {cfg['lr']}), keep --grad_clip on (now {cfg['grad_clip']}), or lengthen "
+                      f"--warmup_iters, then rerun with --overwrite=True")
+
+
+# =============================================================================
+# PLUMBING: devices, DDP, the run folder and its lock, records on disk, checkpoints and resume, signals,
+# errors. None of it needs reading to change the science.
+# =============================================================================
+
+def available_devices():
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    mps = getattr(torch.backends, 'mps', None) is not None and torch.backends.mps.is_available()
+    return ', '.join(['cpu'] + [f'cuda ({cuda} device{"s" * (cuda > 1)}: cuda:0..cuda:{cuda - 1})'] * (cuda > 0)
+                     + ['mps'] * mps)
+
+
+def pick_device(cfg):
+    """cfg['device'] checked against what this machine has, or (empty) the best available."""
+    name, here = cfg['device'], available_devices()
+    if not name:
+        return 'cuda' if 'cuda' in here else 'mps' if 'mps' in here else 'cpu'
+    kind, _, index = name.partition(':')
+    fix = f'available here: {here}; pass one of them (--device=cpu always works) or leave --device= empty'
+    if kind not in ('cpu', 'cuda', 'mps') or (index and not index.isdigit()):
+        raise ConfigError(f'--device={name}: {name!r} is not a device train.py can use; {fix}')
+    if kind == 'cuda' and not torch.cuda.is_available():
+        build = 'is a CPU-only build' if torch.version.cuda is None else 'finds no CUDA GPU'
+        raise ConfigError(f'--device={name}: torch {torch.__version__} here {build}; {fix}, or install a CUDA '
+                          f'build of torch on a GPU machine')
+    if kind == 'cuda' and index and int(index) >= torch.cuda.device_count():
+        raise ConfigError(f'--device={name}: there is no CUDA device {index}; {fix}')
+    if kind == 'mps' and 'mps' not in here:
+        raise ConfigError(f'--device={name}: MPS (Apple GPUs) is not available here; {fix}')
+    return name
+
+
+def start_ddp(dev):
+    """(ddp, rank, world size, device) from torchrun's environment; one plain process without it."""
+    if int(os.environ.get('RANK', -1)) == -1:
+        return False, 0, 1, dev
+    import torch.distributed as dist
+    dist.init_process_group('nccl' if dev.startswith('cuda') else 'gloo')
+    if dev.startswith('cuda'):
+        dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(dev)
+    return True, int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), dev
+
+
+LOCK_FILE = '.lock'
+# what train.py writes in a run folder; starting over deletes these and nothing else
+RUN_FILES = ('done.json', 'ckpt.pt', 'metrics.jsonl', 'config.json')
+RUN_FILE = re.compile(r'(done\.json|ckpt\.pt|metrics\.jsonl|config\.json)(\.tmp)?')
+SNAPSHOT = re.compile(r'(?:\.tmp_|qk_)(\d{7})\.npz')
+MODEL = re.compile(r'model_(\d{7})\.pt(?:\.tmp)?')
+
+
+def run_folder(cfg):
+    """out_dir/run_name, checked before anything is written: inside out_dir (a symlink out of it is refused)
+    and not a finished run (unless --overwrite=True)."""
+    run_dir = os.path.join(cfg['out_dir'], cfg['run_name'])
+    out, real = os.path.realpath(cfg['out_dir']), os.path.realpath(run_dir)
+    if real == out or os.path.commonpath([real, out]) != out:
+        raise ConfigError(f'the run folder {run_dir} resolves to {real}, outside out_dir={cfg["out_dir"]}; '
+                          f'choose another --run_name')
+    if os.path.exists(os.path.join(run_dir, 'done.json')) and not cfg['overwrite']:
+        raise ConfigError(f'{run_dir} holds a finished run; pass --overwrite=True to train it again '
+                          f'(that deletes it) or choose another --run_name / --out_dir')
+    return run_dir
+
+
+def lock_run(run_dir):
+    """Make the run folder and hold its lock file (fcntl.flock: the OS releases it when the process ends,
+    however it ends), or refuse, naming the PID of the process that holds it."""
+    with writing(run_dir):
+        os.makedirs(run_dir, exist_ok=True)
+        f = open(os.path.join(run_dir, LOCK_FILE), 'a+')
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or '?'
+        f.close()
+        raise ConfigError(f'another train.py (PID {pid}) is running on {run_dir}; wait for it to finish, or stop it '
+                          f'(kill {pid}: it checkpoints and exits), then run the same command again') from None
+    f.seek(0)
+    f.truncate()
+    f.write(f'{os.getpid()}\n')
+    f.flush()
+    return f
+
+
+def train_py_wrote(run_dir):
+    """Whether the folder's config.json is one train.py wrote (it holds what only train.py adds)."""
+    cfg = read_json_or_empty(os.path.join(run_dir, 'config.json'))
+    return all(k in cfg for k in ('run_name', 'torch', 'n_params', 'data_sha256'))
+
+
+def own_files(run_dir):
+    """The paths in run_dir that train.py writes, present now; config.json last (see clear_run)."""
+    found = [n for n in os.listdir(run_dir) if RUN_FILE.fullmatch(n) and n != 'config.json']
+    for sub, pattern in (('snapshots', SNAPSHOT), ('models', MODEL)):
+        folder = os.path.join(run_dir, sub)
+        found += [os.path.join(sub, n) for n in (os.listdir(folder) if os.path.isdir(folder) else [])
+                  if pattern.fullmatch(n)]
+    found += ['config.json'] * os.path.exists(os.path.join(run_dir, 'config.json'))
+    return found
+
+
+def check_own_folder(run_dir):
+    """Starting over deletes train.py's files: refuse where they are not train.py's (no config.json of its own)."""
+    found = own_files(run_dir)
+    if found and not train_py_wrote(run_dir):
+        raise ConfigError(f"{run_dir} holds {', '.join(found[:4])}{' ...' * (len(found) > 4)} not written by "
+                          f"train.py (no config.json of its own); starting over would delete them: move them away "
+                          f"or choose another --run_name")
+
+
+def clear_run(run_dir):
+    """Remove what a run writes and nothing else; config.json goes last, so a folder cleared halfway is still
+    recognised as train.py's."""
+    with writing(run_dir):
+        for name in own_files(run_dir):
+            os.remove(os.path.join(run_dir, name))
+        for sub in ('snapshots', 'models'):
+            with contextlib.suppress(OSError):  # left where it holds something of the user's
+                os.rmdir(os.path.join(run_dir, sub))
+
+
+def trim_run(run_dir, keep_below):
+    """Drop records, snapshots and model checkpoints from iteration keep_below on, so that a resumed
+    run rewrites them exactly once. Files train.py did not write are left alone."""
+    path = os.path.join(run_dir, 'metrics.jsonl')
+    rows = [r for r in read_metrics(path) if r['iter'] < keep_below]
+    with writing(path):
+        with open(path + '.tmp', 'w') as f:
+            f.writelines(json.dumps(r) + '\n' for r in rows)
+        os.replace(path + '.tmp', path)
+        for name in own_files(run_dir):
+            match = (SNAPSHOT.fullmatch(os.path.basename(name)) or MODEL.fullmatch(os.path.basename(name)))
+            if match and int(match.group(1)) >= keep_below:
+                os.remove(os.path.join(run_dir, name))
+
+
+def open_run_files(run, resuming):
+    """Rank 0: the run folder trimmed to the checkpoint (resuming) or cleared, config.json written (every
+    value as resolved), metrics.jsonl opened for appending."""
+    cfg = run.cfg
+    if resuming:
+        trim_run(run.dir, run.start)
+        print(f'resuming {run.dir} from iteration {run.start}', flush=True)
+    else:
+        clear_run(run.dir)  # an overwritten run, or leftovers of one killed before its first checkpoint
+    write_json(dict(cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
+                    git_commit=git_commit(), vocab_size=run.meta['vocab_size'], data_sha256=run.meta['sha256'],
+                    n_params=sum(p.numel() for p in run.model.parameters())),
+               os.path.join(run.dir, 'config.json'))
+    path = os.path.join(run.dir, 'metrics.jsonl')
+    with writing(path):
+        run.metrics = open(path, 'a')
+
+
+def record(run, it):
+    """Measure (RESEARCH above), then write: the snapshot, a model checkpoint at its iterations, the record."""
+    ms = 1000 * (time.time() - run.t_mark) / (it - run.it_mark) if it > run.it_mark else float('nan')
+    row = measure(run, it)
+    t0 = time.time()
+    if run.cfg['geom_interval']:
+        save_qk(run.model, run.dir, it, run.cfg)
+    if it in run.ckpts:
+        atomic_save({'model': run.model.state_dict(), 'model_config': run.gcfg.__dict__, 'iter': it},
+                    os.path.join(run.dir, 'models', f'model_{it:07d}.pt'))
+    run.t_geom += time.time() - t0  # geometry share: measuring (in measure) and these writes, not the losses
+    row['time'] = run.elapsed + time.time() - run.t_start
+    with writing(run.metrics.name):
+        run.metrics.write(json.dumps(row) + '\n')
+        run.metrics.flush()
+    run.last = row
+    print_record(row, ms, run.tokens_per_iter, run.cfg, run.start, run.t_start)
+    run.t_mark, run.it_mark = time.time(), it  # time spent measuring is not training time
+
+
+def checkpoint(run, it):
+    """ckpt.pt: everything that decides the rest of the run. metrics.jsonl is fsynced first, so that after a
+    power loss a checkpoint never lies ahead of the records on disk."""
+    if not run.master:
+        return
+    with writing(run.metrics.name):
+        run.metrics.flush()
+        os.fsync(run.metrics.fileno())
+    atomic_save({'model': run.model.state_dict(), 'optimizer': run.optimizer.state_dict(), 'iter': it,
+                 'elapsed': run.elapsed + time.time() - run.t_start, 'config': run.cfg,
+                 'rng': rng_state(run.data_gen), 'data_sha256': run.meta['sha256'], 'control': run.ctl},
+                run.ckpt_path)
+
+
+def stop_on_signal(run, it):
+    """After SIGINT/SIGTERM: the checkpoint is written; every rank leaves together."""
+    if run.ddp:
+        torch.distributed.barrier()
+    sig = run.stop[0] if run.stop else signal.SIGTERM
+    if run.master:
+        print(f"stopped by signal {signal.Signals(sig).name} at iteration {it}; checkpoint saved in "
+              f"{run.ckpt_path}. Run the same command again to resume.", flush=True)
+    raise SystemExit(128 + sig)
+
+
+def finish(run):
+    """The final checkpoint, then done.json last, so a sweep knows the run is complete."""
+    checkpoint(run, run.cfg['max_iters'])
+    run.elapsed += time.time() - run.t_start
+    if run.master:
+        run.metrics.close()
+        last = run.last
+        done = {k: last.get(k) for k in ('iter', 'train_loss', 'val_loss')}
+        if last.get('layers'):
+            for key in ('pr_q', 'pr_k', 'pr_qk', 'entropy', 'entropy_norm'):
+                done[key] = float(np.mean([layer[key] for layer in last['layers']]))
+        share = lambda t: t / max(time.time() - run.t_start, 1e-9)  # of this process's wall time
+        done.update(wall_time=run.elapsed, geometry_share=share(run.t_geom), control_share=share(run.t_ctl))
+        write_json(done, os.path.join(run.dir, 'done.json'))
+        ctl_msg = f" and control {100 * share(run.t_ctl):.1f}%" if run.cfg['control'] != 'none' else ''
+        print(f"done in {fmt_time(run.elapsed)}: val loss {done['val_loss']:.4f}; geometry logging took "
+              f"{100 * share(run.t_geom):.1f}%{ctl_msg} of wall time; run folder {run.dir}", flush=True)
+    if run.ddp:
+        torch.distributed.barrier()  # every rank got here: rank 0 has finished writing
+
+
+def release(run):
+    """Whatever way the loop ended: the signal handlers back, the lock and the process group released."""
+    for sig, handler in getattr(run, 'old_handlers', {}).items():
+        signal.signal(sig, handler)
+    if getattr(run, 'lock', None):
+        run.lock.close()
+    if run.ddp:
+        torch.distributed.destroy_process_group()
+
+
+def disk_error(path, e):
+    return ConfigError(f'cannot write {path}: {e.strerror or e}; free some disk space or choose another --out_dir. '
+                       f'Files already written are intact: the same command resumes from the last checkpoint')
+
+
+@contextlib.contextmanager
+def writing(path):
+    """A failed write (a full disk, a read-only or missing folder) as one line naming the path and the cause."""
+    try:
+        yield
+    except OSError as e:
+        raise disk_error(path, e) from None
+
 
 def atomic_save(obj, path):
-    """torch.save to a temporary name, flushed, then renamed: a kill never leaves half a file."""
+    """torch.save to a temporary name, flushed, then renamed: a kill never leaves half a file. Serialised in
+    memory first, so a failed write is the OSError it is (torch.save's writer turns it into a RuntimeError)."""
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
     tmp = path + '.tmp'
-    with open(tmp, 'wb') as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, 'wb') as f:
+            f.write(buf.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise disk_error(path, e) from None
 
 
 def write_json(obj, path):
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    with writing(path):
+        with open(path + '.tmp', 'w') as f:
+            json.dump(obj, f, indent=1)
+        os.replace(path + '.tmp', path)
 
 
 def read_metrics(path, warn=None):
@@ -639,36 +1270,21 @@ def read_metrics(path, warn=None):
     return rows
 
 
-def trim_run(run_dir, keep_below):
-    """Drop records, snapshots and model checkpoints from iteration keep_below on, so that a resumed
-    run rewrites them exactly once."""
-    path = os.path.join(run_dir, 'metrics.jsonl')
-    rows = [r for r in read_metrics(path) if r['iter'] < keep_below]
-    with open(path + '.tmp', 'w') as f:
-        f.writelines(json.dumps(r) + '\n' for r in rows)
-    os.replace(path + '.tmp', path)
-    for sub in ('snapshots', 'models'):
-        folder = os.path.join(run_dir, sub)
-        for name in os.listdir(folder) if os.path.isdir(folder) else []:
-            if int(name.split('_')[-1].split('.')[0]) >= keep_below:
-                os.remove(os.path.join(folder, name))
-
-
-def clear_run(run_dir):
-    """Remove what a run writes (and nothing else a user may have put in the folder)."""
-    for name in RUN_FILES:
-        path = os.path.join(run_dir, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-    os.makedirs(run_dir, exist_ok=True)
-
-
-RUN_FILES = ('done.json', 'ckpt.pt', 'ckpt.pt.tmp', 'metrics.jsonl', 'config.json', 'snapshots', 'models')
+def save_qk(model, run_dir, it, cfg):
+    if not cfg['save_snapshots']:
+        return
+    folder = os.path.join(run_dir, 'snapshots')
+    q = torch.stack([wq.detach().float().cpu() for wq, _ in model.qk_weights()]).numpy()
+    k = torch.stack([wk.detach().float().cpu() for _, wk in model.qk_weights()]).numpy()
+    tmp = os.path.join(folder, f'.tmp_{it:07d}.npz')
+    with writing(folder):
+        os.makedirs(folder, exist_ok=True)
+        np.savez(tmp, q=q, k=k, n_head=cfg['n_head'])
+        os.replace(tmp, os.path.join(folder, f'qk_{it:07d}.npz'))
 
 
 def git_commit():
+    import subprocess  # only here
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         return subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=here, capture_output=True, text=True,
@@ -692,235 +1308,6 @@ def set_rng_state(state, data_gen):
     np.random.set_state((n[0], n[1].numpy().astype(np.uint32), *n[2:]))
     if state['cuda'] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state['cuda'])
-
-
-def pick_device(cfg):
-    if cfg['device']:
-        return cfg['device']
-    if torch.cuda.is_available():
-        return 'cuda'
-    if getattr(torch.backends, 'mps', None) and torch.backends.mps.is_available():
-        return 'mps'
-    return 'cpu'
-
-
-def fmt_time(s):
-    return f'{s / 3600:.1f}h' if s > 5400 else f'{s / 60:.1f}m' if s > 90 else f'{s:.0f}s'
-
-
-# ----------------------------------------------------------------------------- the run
-
-def train(cfg):
-    # ---- distributed setup, device, dtype, seeding
-    ddp = int(os.environ.get('RANK', -1)) != -1
-    rank, world = (int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])) if ddp else (0, 1)
-    master = rank == 0
-    dev = pick_device(cfg)
-    if ddp:
-        import torch.distributed as dist
-        local = int(os.environ.get('LOCAL_RANK', 0))
-        dist.init_process_group('nccl' if dev.startswith('cuda') else 'gloo')
-        if dev.startswith('cuda'):
-            dev = f'cuda:{local}'
-            torch.cuda.set_device(dev)
-    if cfg['grad_accum'] % world:
-        raise ConfigError(f"grad_accum={cfg['grad_accum']} must be divisible by the {world} DDP processes")
-    if cfg['threads']:
-        torch.set_num_threads(cfg['threads'])
-    random.seed(cfg['seed'])
-    np.random.seed(cfg['seed'])
-    torch.manual_seed(cfg['seed'])
-    dev_type = dev.split(':')[0]
-    use_bf16 = cfg['dtype'] == 'bfloat16' or (cfg['dtype'] == 'auto' and dev_type == 'cuda'
-                                               and torch.cuda.is_bf16_supported())
-    ctx = torch.autocast(dev_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-
-    # ---- run folder: fresh, resumed, or refused (decided by every rank before rank 0 changes anything)
-    run_dir = os.path.join(cfg['out_dir'], cfg['run_name'])
-    ckpt_path = os.path.join(run_dir, 'ckpt.pt')
-    if os.path.exists(os.path.join(run_dir, 'done.json')) and not cfg['overwrite']:
-        raise ConfigError(f'{run_dir} holds a finished run; pass --overwrite=True to train it again '
-                          f'(that deletes it) or choose another --run_name / --out_dir')
-    resuming = os.path.exists(ckpt_path) and not cfg['overwrite']
-    if ddp:
-        dist.barrier()
-
-    # ---- data
-    train_data, val_data, meta = prepare_data(cfg)
-    data_gen = torch.Generator().manual_seed(cfg['seed'])
-    eval_x, eval_y = (t.to(dev) for t in eval_batch(val_data, cfg))
-
-    # ---- model and optimizer
-    gcfg = GPTConfig(meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'], cfg['n_embd'],
-                     cfg['bias'], cfg['dropout'])
-    model = GPT(gcfg, cfg['qk_init']).to(dev)
-    qk_ids = {id(w) for pair in model.qk_weights() for w in pair}
-    decays = lambda p: p.dim() >= 2 and (cfg['decay_qk'] or id(p) not in qk_ids)  # matrices, not gains
-    decay = [p for p in model.parameters() if decays(p)]
-    no_decay = [p for p in model.parameters() if not decays(p)]
-    optimizer = torch.optim.AdamW([{'params': decay, 'weight_decay': cfg['weight_decay']},
-                                   {'params': no_decay, 'weight_decay': 0.0}],
-                                  lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
-                                  fused=dev_type == 'cuda')
-    ctl = spectrum_control.record(cfg, model.qk_weights())  # the step-0 spectra that control steers from
-    start, elapsed = 0, 0.0
-    if resuming:
-        start, elapsed, ctl = load_checkpoint(ckpt_path, cfg, meta, model, optimizer, data_gen)
-        if master:
-            trim_run(run_dir, start)
-            print(f'resuming {run_dir} from iteration {start}')
-    elif master:
-        clear_run(run_dir)  # an overwritten run, or leftovers of one killed before its first checkpoint
-    if master:
-        write_json(dict(cfg, torch=torch.__version__, device=dev, world_size=world, git_commit=git_commit(),
-                        vocab_size=meta['vocab_size'], data_sha256=meta['sha256'],
-                        n_params=sum(p.numel() for p in model.parameters())),
-                   os.path.join(run_dir, 'config.json'))
-    train_model = model
-    if cfg['compile'] and hasattr(torch, 'compile') and dev_type != 'mps':
-        train_model = torch.compile(model)
-    if ddp:
-        from torch.nn.parallel import DistributedDataParallel
-        train_model = DistributedDataParallel(train_model, device_ids=[int(dev.split(':')[1])] if ':' in dev else None)
-
-    # ---- stop cleanly on SIGINT / SIGTERM: finish the step, checkpoint, exit
-    stop, stopping = [], False
-    old_handlers = {sig: signal.signal(sig, lambda s, f: stop.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def leave(together=False):
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
-        if ddp:
-            if together:  # every rank got here: let rank 0 finish writing before the group goes
-                dist.barrier()
-            dist.destroy_process_group()
-
-    def checkpoint(it):
-        if master:
-            atomic_save({'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'iter': it,
-                         'elapsed': elapsed + time.time() - t_start, 'config': cfg, 'rng': rng_state(data_gen),
-                         'data_sha256': meta['sha256'], 'control': ctl},
-                        ckpt_path)
-
-    # ---- the loop
-    logs, evals, ckpts = log_iters(cfg), loss_iters(cfg), model_ckpt_iters(cfg)
-    micro = cfg['grad_accum'] // world
-    tokens_per_iter = cfg['batch_size'] * cfg['grad_accum'] * cfg['block_size']
-    metrics = open(os.path.join(run_dir, 'metrics.jsonl'), 'a') if master else None
-    t_start, t_geom, t_ctl = time.time(), 0.0, 0.0
-    t_mark, it_mark = t_start, start  # training time and iteration at the last record, for ms/iter
-    last = {}
-    for it in range(start, cfg['max_iters'] + 1):
-        # -- log a record: losses, and the Q/K geometry (the research part)
-        if master and it in logs:
-            t0 = time.time()
-            ms = 1000 * (t0 - t_mark) / (it - it_mark) if it > it_mark else float('nan')
-            row = {'iter': it, 'tokens': it * tokens_per_iter, 'lr': get_lr(it, cfg)}
-            if it in evals:
-                losses = estimate_loss(model, {'train': train_data, 'val': val_data}, cfg, dev, ctx)
-                row.update(train_loss=losses['train'], val_loss=losses['val'])
-            t1 = time.time()
-            if cfg['geom_interval']:
-                row['eval_loss'], row['layers'] = measure_geometry(model, eval_x, eval_y, cfg['n_head'])
-                for layer, ctl_row in zip(row['layers'], spectrum_control.report(ctl)):
-                    layer.update(ctl_row)
-                save_qk(model, run_dir, it, cfg)
-            bad = [v for key, v in row.items() if key.endswith('_loss') and not math.isfinite(v)]
-            if bad:
-                leave()
-                nan_stop(bad[0], it, cfg)
-            if it in ckpts:
-                os.makedirs(os.path.join(run_dir, 'models'), exist_ok=True)
-                atomic_save({'model': model.state_dict(), 'model_config': gcfg.__dict__, 'iter': it},
-                            os.path.join(run_dir, 'models', f'model_{it:07d}.pt'))
-            t_geom += time.time() - t1
-            row['time'] = elapsed + time.time() - t_start
-            metrics.write(json.dumps(row) + '\n')
-            metrics.flush()
-            last = row
-            print_record(row, ms, tokens_per_iter, cfg, start, t_start)
-            t_mark, it_mark = time.time(), it  # time spent measuring is not training time
-        if it == cfg['max_iters']:
-            break
-        if stopping or (it > start and it % cfg['ckpt_interval'] == 0):
-            checkpoint(it)
-        if stopping:
-            leave(together=True)
-            sig = stop[0] if stop else signal.SIGTERM
-            print(f"stopped by signal {signal.Signals(sig).name} at iteration {it}; checkpoint saved in "
-                  f"{ckpt_path}. Run the same command again to resume.", flush=True)
-            raise SystemExit(128 + sig)
-
-        # -- one optimizer step over grad_accum micro-batches (this rank's share of them)
-        lr_now = get_lr(it, cfg)
-        for group in optimizer.param_groups:
-            group['lr'] = lr_now
-        # every rank draws the whole global batch's offsets, so the data stream does not depend on world
-        offsets = random_offsets(train_data, (cfg['grad_accum'], cfg['batch_size']), cfg['block_size'], data_gen)
-        step_loss = 0.0
-        for m in range(micro):
-            x, y = get_batch(train_data, offsets[rank * micro + m], cfg['block_size'])
-            if ddp:
-                train_model.require_backward_grad_sync = m == micro - 1
-            with ctx:
-                loss = train_model(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True))[1] / micro
-            loss.backward()
-            step_loss += loss.item()
-        # one collective for the ranks to agree on a bad loss or a signal, so they stop together
-        flags = torch.tensor([step_loss, float(len(stop))])
-        if ddp:
-            dist.all_reduce(flags)
-        step_loss, stopping = flags[0].item(), flags[1].item() > 0
-        if not math.isfinite(step_loss):
-            leave()
-            nan_stop(step_loss, it, cfg)
-        if cfg['grad_clip']:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        # -- key-spectrum control: reshape the controlled spectra after the step (the causal experiment)
-        if cfg['control'] != 'none':  # a none run reports a control share of exactly 0
-            t0 = time.time()
-            spectrum_control.apply(ctl, cfg, model.qk_weights(), it + 1)
-            t_ctl += time.time() - t0
-
-    # ---- finish: final state, then done.json last so a sweep knows the run is complete
-    if master:
-        checkpoint(cfg['max_iters'])
-    elapsed += time.time() - t_start
-    if master:
-        metrics.close()
-        done = {k: last.get(k) for k in ('iter', 'train_loss', 'val_loss')}
-        if last.get('layers'):
-            for key in ('pr_q', 'pr_k', 'pr_qk', 'entropy', 'entropy_norm'):
-                done[key] = float(np.mean([layer[key] for layer in last['layers']]))
-        share = lambda t: t / max(time.time() - t_start, 1e-9)  # of this process's wall time
-        done.update(wall_time=elapsed, geometry_share=share(t_geom), control_share=share(t_ctl))
-        write_json(done, os.path.join(run_dir, 'done.json'))
-        ctl_msg = f" and control {100 * share(t_ctl):.1f}%" if cfg['control'] != 'none' else ''
-        print(f"done in {fmt_time(elapsed)}: val loss {done['val_loss']:.4f}; geometry logging took "
-              f"{100 * share(t_geom):.1f}%{ctl_msg} of wall time")
-    leave(together=True)
-    return run_dir
-
-
-def nan_stop(loss, it, cfg):
-    raise ConfigError(f"the loss became {loss} at iteration {it}. The run stops here: ckpt.pt keeps the last good "
-                      f"state, metrics.jsonl the records before this one, and no done.json is written. "
-                      f"Lower --lr (now {cfg['lr']}), keep --grad_clip on (now {cfg['grad_clip']}), or lengthen "
-                      f"--warmup_iters, then rerun with --overwrite=True")
-
-
-def save_qk(model, run_dir, it, cfg):
-    if not cfg['save_snapshots']:
-        return
-    folder = os.path.join(run_dir, 'snapshots')
-    os.makedirs(folder, exist_ok=True)
-    q = torch.stack([wq.detach().float().cpu() for wq, _ in model.qk_weights()]).numpy()
-    k = torch.stack([wk.detach().float().cpu() for _, wk in model.qk_weights()]).numpy()
-    tmp = os.path.join(folder, f'.tmp_{it:07d}.npz')
-    np.savez(tmp, q=q, k=k, n_head=cfg['n_head'])
-    os.replace(tmp, os.path.join(folder, f'qk_{it:07d}.npz'))
 
 
 # settings that may differ between a run and its resumption: where things are, not what is computed
@@ -963,15 +1350,42 @@ def print_record(row, ms, tokens_per_iter, cfg, start, t_start):
     print(msg, flush=True)
 
 
-if __name__ == '__main__':
+def fmt_time(s):
+    return f'{s / 3600:.1f}h' if s > 5400 else f'{s / 60:.1f}m' if s > 90 else f'{s:.0f}s'
+
+
+class Stopped(BaseException):
+    """SIGTERM outside the training loop (which checkpoints instead): unwinds like Ctrl-C, cleaning up."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stopped(signum, frame):
+    raise Stopped(signum)
+
+
+def main(argv):
+    """The command line: train.py [CONFIG_FILE] [--key=value ...], or --print_run_names."""
+    signal.signal(signal.SIGTERM, stopped)
     try:
-        if sys.argv[1:] == ['--print_run_names']:
+        if argv == ['--print_run_names']:
             print_run_names(sys.stdin)
-        elif '--print_run_names' in sys.argv[1:]:
+        elif '--print_run_names' in argv:
             raise ConfigError('--print_run_names takes no other arguments: it reads one argument list per line '
                               'from stdin')
         else:
-            train(get_config(sys.argv[1:]))
+            train(get_config(argv))
     except ConfigError as e:
         print(e.code, file=sys.stderr, flush=True)
         sys.exit(2)
+    except (KeyboardInterrupt, Stopped) as e:
+        sig = getattr(e, 'signum', signal.SIGINT)
+        print(f'error: stopped by {signal.Signals(sig).name} before training started; nothing half-written was kept. '
+              f'Run the same command again.', file=sys.stderr, flush=True)
+        sys.exit(128 + sig)
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
