@@ -3,7 +3,7 @@
 # a lost session): running runs checkpoint, and the same command again trains only what is left.
 #
 #   bash sweep.sh                          # PRESET=paper: the study at train.py's GPU sizes, one run per GPU
-#   PRESET=cpu JOBS=2 bash sweep.sh        # CPU sizes on wiki.test.raw: 30 min on 2 cores (README, Results)
+#   PRESET=cpu JOBS=2 bash sweep.sh        # CPU sizes on wiki.test.raw, 57 runs (time: see the cpu preset)
 #   PRESET=smoke bash sweep.sh             # every run for a few iterations: checks the plumbing in minutes
 #   bash sweep.sh --max_iters=2000         # extra --key=value arguments go to every run
 #   BACKEND=slurm bash sweep.sh            # a Slurm job array, then the analysis as a dependent job
@@ -15,7 +15,8 @@
 #               next to this repository, for cpu and smoke]
 #   JOBS        runs at once [local: the number of visible GPUs, else of CPU cores; slurm: 8]
 #   DEPTHS [4 6 8]  INITS [normal orthogonal tied]  SEEDS [1 2 3 4]            the study
-#   CONTROL_DEPTH [4]  CONTROL_SEEDS [1 2 3 4 5]  MIRROR [0; 1 adds control_target=q]   the control experiment
+#   CONTROL_DEPTH [4]  CONTROL_SEEDS [1 2 3 4 5]  CONTROL_KEEPS [fro spec]            the control experiment
+#   MIRROR      1: every control run also with control_target=q (the mirror), for both keeps [0]
 #   RUN_LIST    a file of runs to do instead of the grid, one per line: NAME --key=value ... (as $OUT/runs.txt)
 #   ANALYZE     1: run analyze.py on $OUT at the end; 0: do not [1]
 #   BACKEND     local | slurm [local];  DRY_RUN=1 prints what would run or be submitted, and stops there
@@ -32,7 +33,8 @@ paper)  # train.py's defaults, sized for one GPU; nanoGPT quotes ~3 min on an A1
                  --eval_interval=250 --geom_interval=250 --eval_iters=20 --shrink_iters=2000)
     SLURM=(--gres=gpu:1 --cpus-per-task=4 --mem=16G --time=4:00:00)
     default_data='' ;;
-cpu)    # 47 runs (36 study + 15 control, 4 shared): 29.8 min with JOBS=2 on 2 idle CPU cores, measured (README)
+cpu)    # 57 runs (36 study + 25 control, 4 shared): time NOT YET MEASURED with the control_keep=spec arm (the
+        # 47 runs before it took 29.8 min with JOBS=2 on 2 idle CPU cores, measured: README)
     PRESET_ARGS=(--n_embd=64 --n_head=4 --block_size=64 --batch_size=16 --max_iters=2000
                  --eval_interval=200 --geom_interval=200 --eval_iters=10 --shrink_to=0.2 --shrink_iters=400)
     SLURM=(--cpus-per-task=1 --mem=2G --time=1:00:00)
@@ -59,6 +61,7 @@ INITS=${INITS-normal orthogonal tied}
 SEEDS=${SEEDS-1 2 3 4}
 CONTROL_DEPTH=${CONTROL_DEPTH:-4}
 CONTROL_SEEDS=${CONTROL_SEEDS-1 2 3 4 5}
+CONTROL_KEEPS=${CONTROL_KEEPS-fro spec}
 MIRROR=${MIRROR:-0}
 PYTHON=${PYTHON:-$(command -v python >/dev/null 2>&1 && echo python || echo python3)}
 EXTRA=("$@")
@@ -90,15 +93,19 @@ if [ -z "${RUN_LIST:-}" ]; then
         GRID+=("--n_layer=$depth --qk_init=$init --seed=$seed")
     done; done; done
     n_study=${#GRID[@]}
-    # the control experiment at one depth, qk_init normal. Its `none` runs have exactly the settings of
-    # the study's L4_normal_s* runs (same folder name): those are shared, not trained twice
+    # the control experiment at one depth, qk_init normal: shrink and freeze keeping the Frobenius norm (fro,
+    # train.py's default) or the top singular value (spec: the shape changes, the largest logit scale does not).
+    # Its `none` runs have exactly the settings of the study's L4_normal_s* runs (same folder name): those
+    # are shared, not trained twice
     targets=k
     [ "$MIRROR" = 1 ] && targets='k q'
     for seed in $CONTROL_SEEDS; do
         GRID+=("--n_layer=$CONTROL_DEPTH --qk_init=normal --seed=$seed")
-        for target in $targets; do for control in shrink freeze; do
-            GRID+=("--n_layer=$CONTROL_DEPTH --qk_init=normal --control=$control --control_target=$target --seed=$seed")
-        done; done
+        for target in $targets; do for keep in $CONTROL_KEEPS; do for control in shrink freeze; do
+            keep_arg=
+            [ "$keep" = fro ] || keep_arg=" --control_keep=$keep"
+            GRID+=("--n_layer=$CONTROL_DEPTH --qk_init=normal --control=$control --control_target=$target$keep_arg --seed=$seed")
+        done; done; done
     done
 fi
 

@@ -14,7 +14,7 @@ import pytest
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GRID_VARS = ('DEPTHS', 'INITS', 'SEEDS', 'CONTROL_DEPTH', 'CONTROL_SEEDS', 'MIRROR', 'RUN_LIST', 'BACKEND',
+GRID_VARS = ('DEPTHS', 'INITS', 'SEEDS', 'CONTROL_DEPTH', 'CONTROL_SEEDS', 'CONTROL_KEEPS', 'MIRROR', 'RUN_LIST', 'BACKEND',
              'DRY_RUN', 'SBATCH_ARGS', 'ANALYZE', 'JOBS', 'PRESET', 'OUT', 'DATA_FILE')
 PROGRESS = re.compile(r'^\[(\d+)/(\d+)\] (\S+), (.*)$', re.M)
 
@@ -59,7 +59,8 @@ def metric_iters(run_dir):
 
 SMALL_GRID = dict(DEPTHS='4 6', INITS='normal tied', SEEDS='1', CONTROL_SEEDS='1')
 SMALL_RUNS = {'L4_normal_s1', 'L4_tied_s1', 'L6_normal_s1', 'L6_tied_s1',  # the study
-              'L4_normal_shrink-k_s1', 'L4_normal_freeze-k_s1'}           # control; its none run is L4_normal_s1
+              'L4_normal_shrink-k_s1', 'L4_normal_freeze-k_s1',           # control; its none run is L4_normal_s1
+              'L4_normal_shrink-k-spec_s1', 'L4_normal_freeze-k-spec_s1'}
 
 
 @pytest.fixture(scope='module')
@@ -87,13 +88,14 @@ def test_smoke_sweep_trains_every_run_then_analyses(finished_sweep):
         cfg = json.load(open(os.path.join(out, name, 'config.json')))
         assert cfg['run_name'] == name and cfg['max_iters'] == 6 and cfg['n_embd'] == 16  # the smoke preset
         assert cfg['control'] == ('shrink' if 'shrink' in name else 'freeze' if 'freeze' in name else 'none')
+        assert cfg['control_keep'] == ('spec' if name.endswith('-spec_s1') else 'fro')
         assert metric_iters(os.path.join(out, name))[-1] == 6
         assert os.path.getsize(os.path.join(out, 'logs', f'{name}.log')) > 0
     # one progress line per run, numbered 1..N in the order they finish, with a time and an ETA
     lines = PROGRESS.findall(res.stdout)
-    assert [int(k) for k, *_ in lines] == list(range(1, 7)) and {n for _, _, n, _ in lines} == SMALL_RUNS
-    assert all(total == '6' and 'ETA' in rest for _, total, _, rest in lines)
-    assert '6 trained now, 0 failed' in res.stdout
+    assert [int(k) for k, *_ in lines] == list(range(1, 9)) and {n for _, _, n, _ in lines} == SMALL_RUNS
+    assert all(total == '8' and 'ETA' in rest for _, total, _, rest in lines)
+    assert '8 trained now, 0 failed' in res.stdout
 
 
 def test_smoke_sweep_writes_the_analysis(finished_sweep):
@@ -115,7 +117,7 @@ def test_second_invocation_skips_every_run(finished_sweep):
     assert logs == {n: os.path.getsize(os.path.join(out, 'logs', f'{n}.log')) for n in SMALL_RUNS}  # none started
     lines = PROGRESS.findall(res.stdout)
     assert {n for *_, n, _ in lines} == SMALL_RUNS and all(rest.startswith('skipped') for *_, rest in lines)
-    assert '6 skipped (done before), 0 trained now' in res.stdout
+    assert '8 skipped (done before), 0 trained now' in res.stdout
 
 
 # ----------------------------------------------------------------------------- stop and restart
@@ -254,15 +256,19 @@ def test_the_full_grid_shares_the_control_baseline_with_the_study(sweep_env):
     assert not os.path.exists(sweep_env['OUT'])  # a dry run writes nothing (runs.txt is a real sweep's plan)
     names = [re.search(r'--run_name=(\S+)', c).group(1) for c in cmds]
     study = {f'L{d}_{i}_s{s}' for d in (4, 6, 8) for i in ('normal', 'orthogonal', 'tied') for s in (1, 2, 3, 4)}
-    control = {f'L4_normal{c}_s{s}' for c in ('', '_shrink-k', '_freeze-k') for s in range(1, 6)}
-    assert len(names) == len(set(names)) == 47 and set(names) == study | control  # L4_normal_s1..4 in both
+    control = {f'L4_normal{c}_s{s}' for c in ('', '_shrink-k', '_freeze-k', '_shrink-k-spec', '_freeze-k-spec')
+               for s in range(1, 6)}
+    assert len(names) == len(set(names)) == 57 and set(names) == study | control  # L4_normal_s1..4 in both
     assert all(c.endswith('--lr=2e-3') for c in cmds)  # extra arguments last, so they win
-    assert all('--control=shrink --control_target=k' in c for c in cmds if '_shrink-k_' in c)
-    mirror, _ = dry_commands(sweep_env, MIRROR='1')
-    assert len(mirror) == 57 and sum('--control_target=q' in c for c in mirror) == 10
+    assert all('--control=shrink --control_target=k --seed' in c for c in cmds if '_shrink-k_' in c)
+    assert all('--control=freeze --control_target=k --control_keep=spec' in c for c in cmds if '_freeze-k-spec_' in c)
+    mirror, _ = dry_commands(sweep_env, MIRROR='1')  # both keeps mirrored
+    assert len(mirror) == 77 and sum('--control_target=q' in c for c in mirror) == 20
+    assert sum(bool(re.search(r'--run_name=L4_normal_(shrink|freeze)-q-spec_s\d', c)) for c in mirror) == 10
     deeper, _ = dry_commands(sweep_env, CONTROL_DEPTH='6')
-    assert len(deeper) == 47 and sum(bool(re.search(r'--run_name=L6_normal_s\d', c)) for c in deeper) == 5
+    assert len(deeper) == 57 and sum(bool(re.search(r'--run_name=L6_normal_s\d', c)) for c in deeper) == 5
     assert len(dry_commands(sweep_env, CONTROL_SEEDS='')[0]) == 36
+    assert len(dry_commands(sweep_env, CONTROL_KEEPS='fro')[0]) == 47  # the control experiment before spec
 
 
 def test_train_py_names_the_whole_grid_in_one_call(sweep_env, tmp_path):
@@ -301,17 +307,17 @@ def test_slurm_dry_run_writes_an_array_of_the_runs_left(sweep_env):
     out = sweep_env['OUT']
     res = sweep(sweep_env, BACKEND='slurm', DRY_RUN='1', JOBS='3')
     assert res.returncode == 0, res.stdout + res.stderr
-    assert '#SBATCH --array=0-46%3' in res.stdout and 'not submitted' in res.stdout
+    assert '#SBATCH --array=0-56%3' in res.stdout and 'not submitted' in res.stdout
     assert re.search(r'^sbatch --parsable --dependency=afterok:JOBID \S+/analyze.sbatch$', res.stdout, re.M)
     (folder,) = os.listdir(os.path.join(out, 'slurm'))
     folder = os.path.join(out, 'slurm', folder)
     assert subprocess.run(['bash', '-n', os.path.join(folder, 'array.sbatch')]).returncode == 0
-    assert len(open(os.path.join(folder, 'runs.txt')).read().splitlines()) == 47
+    assert len(open(os.path.join(folder, 'runs.txt')).read().splitlines()) == 57
     for name in ('L4_normal_s1', 'L8_tied_s4'):  # finished runs are left out of the next array
         os.makedirs(os.path.join(out, name))
         open(os.path.join(out, name, 'done.json'), 'w').write('{}')
     res = sweep(sweep_env, BACKEND='slurm', DRY_RUN='1', MIRROR='1', JOBS='')  # at most 8 at once by default
-    assert '#SBATCH --array=0-54%8' in res.stdout
+    assert '#SBATCH --array=0-74%8' in res.stdout
 
 
 FAKE_SBATCH = r'''#!/usr/bin/env python3
