@@ -36,7 +36,9 @@ def reference(setup, records, without_wall_clock, args_for):
                                        ('record', 16),      # between checkpoints: record 16 written, ckpt not
                                        ('half_line', 8),    # a truncated last line in metrics.jsonl
                                        ('ckpt_write', 16)])  # halfway through writing a checkpoint
-def test_sigkill_then_rerun_gives_the_uninterrupted_metrics(setup, reference, point, at, records, without_wall_clock, run_train, args_for):
+def test_sigkill_then_rerun_gives_the_uninterrupted_metrics(setup, reference, point, at, records, without_wall_clock,
+                                                            run_train, args_for):
+    """SIGKILL at a record, mid-line or mid-checkpoint, then the same command: the metrics of a run never killed."""
     tmp_path, text_file = setup
     args = args_for(tmp_path, text_file, 'killed')
     killed = run_train(args, point, at)
@@ -53,7 +55,10 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_metrics(setup, reference, po
 
 
 @pytest.mark.parametrize('sig', ['SIGTERM', 'SIGINT'])
-def test_signal_checkpoints_exits_cleanly_and_resumes_exactly(setup, reference, sig, records, without_wall_clock, run_train, args_for):
+def test_signal_checkpoints_exits_cleanly_and_resumes_exactly(setup, reference, sig, records, without_wall_clock,
+                                                              run_train, args_for):
+    """SIGTERM/SIGINT: the step finishes, a checkpoint is written, exit 128+signal without traceback; the
+    rerun resumes exactly."""
     tmp_path, text_file = setup
     args = args_for(tmp_path, text_file, 'signalled')
     stopped = run_train(args, sig, 16)
@@ -66,6 +71,7 @@ def test_signal_checkpoints_exits_cleanly_and_resumes_exactly(setup, reference, 
 
 
 def test_external_sigterm_mid_run(setup, args_for):
+    """A SIGTERM from outside mid-run checkpoints and names the iteration; no record lies beyond it."""
     tmp_path, text_file = setup
     args = args_for(tmp_path, text_file, 'term', '--max_iters=100000', '--eval_interval=50')
     proc = subprocess.Popen([sys.executable, 'train.py', *args], cwd=HERE, stdout=subprocess.PIPE,
@@ -83,6 +89,7 @@ def test_external_sigterm_mid_run(setup, args_for):
 
 
 def test_nan_loss_stops_keeps_the_last_good_checkpoint(setup, monkeypatch, records, args_for):
+    """A loss that blows up stops the run with the documented message; ckpt.pt keeps the last finite state."""
     tmp_path, text_file = setup
     # an absurd learning rate from iteration 6 on: the weights blow up, and the loss with them
     get_lr = train.get_lr
@@ -98,6 +105,8 @@ def test_nan_loss_stops_keeps_the_last_good_checkpoint(setup, monkeypatch, recor
 
 
 def test_corrupt_or_mismatched_checkpoint_is_named(setup, args_for):
+    """A checkpoint of other settings, or a truncated one, is refused naming the cause, deleting nothing;
+    --overwrite=True starts over."""
     tmp_path, text_file = setup
     args = args_for(tmp_path, text_file, 'bad')
     run_dir = train.train(train.get_config(args))
@@ -113,6 +122,7 @@ def test_corrupt_or_mismatched_checkpoint_is_named(setup, args_for):
 
 
 def test_checkpoint_of_another_text_is_refused(setup, synthetic_text, args_for):
+    """Resuming on another training text is refused."""
     tmp_path, text_file = setup
     run_dir = train.train(train.get_config(args_for(tmp_path, text_file, 'text')))
     os.remove(os.path.join(run_dir, 'done.json'))
@@ -123,6 +133,7 @@ def test_checkpoint_of_another_text_is_refused(setup, synthetic_text, args_for):
 
 
 def test_cache_whose_meta_names_another_source_is_refused(setup, args_for):
+    """A cache whose meta.json names another source is refused."""
     tmp_path, text_file = setup
     cfg = train.get_config(args_for(tmp_path, text_file, 'x'))
     folder = os.path.dirname(train.prepare_data(cfg)[0].filename)
@@ -139,6 +150,7 @@ def free_port():
 
 
 def test_two_process_ddp_matches_one_process(setup, records, args_for):
+    """Two DDP processes on gloo give the one-process metrics to float tolerance and the same files."""
     tmp_path, text_file = setup
     single = train.train(train.get_config(args_for(tmp_path, text_file, 'one', '--grad_accum=2')))
     args = args_for(tmp_path, text_file, 'ddp', '--grad_accum=2')
@@ -196,7 +208,8 @@ def test_a_second_process_on_the_same_run_is_refused_naming_the_holder(setup, ar
     run_dir = tmp_path / 'out' / 'locked'
     run_dir.mkdir(parents=True)
     holder = subprocess.Popen([sys.executable, '-c', 'import fcntl, sys, time; f = open(sys.argv[1], "a+"); '
-                               'fcntl.flock(f, fcntl.LOCK_EX); f.truncate(0); f.write("%d" % __import__("os").getpid()); '
+                               'fcntl.flock(f, fcntl.LOCK_EX); f.truncate(0); '
+                               'f.write("%d" % __import__("os").getpid()); '
                                'f.flush(); print("held", flush=True); time.sleep(60)', str(run_dir / train.LOCK_FILE)],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -295,6 +308,7 @@ def test_unwritable_out_dir_gives_one_line(setup, args_for, run_train):
 
 @pytest.mark.skipif(os.geteuid() == 0, reason='root writes into read-only folders')
 def test_read_only_out_dir_gives_one_line(setup, args_for, run_train):
+    """Issue 13.11: a read-only out_dir gives one line naming the cause (skipped as root, who may write anyway)."""
     tmp_path, text_file = setup
     (tmp_path / 'ro').mkdir(mode=0o555)
     proc = run_train(args_for(tmp_path, text_file, 'x', f'--out_dir={tmp_path / "ro"}'))

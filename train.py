@@ -28,6 +28,7 @@ import ast
 import builtins
 import contextlib
 import difflib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -180,12 +181,12 @@ def read_utf8(path, what):
     try:
         return data.decode('utf-8')
     except UnicodeDecodeError as e:
-        raise not_utf8(path, what, e.start, data[e.start:e.start + 4]) from None
+        raise not_utf8(path, what, f'byte {e.start}: {data[e.start:e.start + 4]!r}') from None
 
 
-def not_utf8(path, what, offset, sample):
-    return ConfigError(f'{what} {path} is not UTF-8 text (byte {offset}: {sample!r}); convert it, for example '
-                       f'with iconv -f latin1 -t utf-8, or pass another file')
+def not_utf8(path, what, detail):
+    return ConfigError(f'{what} {path} is not UTF-8 text ({detail}); convert it, for example with '
+                       f'iconv -f latin1 -t utf-8, or pass another file')
 
 
 def config_file_values(path):
@@ -325,20 +326,6 @@ def file_stamp(path):
     return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
-def remember(obj, path):
-    """Best effort: a small JSON file written whole (a unique temporary name, then renamed), or nothing
-    when the folder cannot be written (a read-only cache still works, it is only hashed again)."""
-    tmp = f'{path}.{os.getpid()}.tmp'
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, 'w') as f:
-            json.dump(obj, f)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-
-
 def read_json_or_empty(path):
     try:
         with open(path) as f:
@@ -348,33 +335,36 @@ def read_json_or_empty(path):
         return {}
 
 
-def source_digest(sources, cfg):
-    """SHA-256 of the source texts, remembered in the cache by their size, mtime and inode, so an unchanged
-    text is not read again at every start (WikiText-103 is 540 MB)."""
-    stamp = [[os.path.abspath(p), *file_stamp(p)] for p in sources]
-    key = hashlib.sha1(json.dumps([s[0] for s in stamp]).encode()).hexdigest()[:16]
-    path = os.path.join(cache_root(cfg), '.sources', f'{key}.json')
-    known = read_json_or_empty(path)
-    if known.get('stamp') == stamp and isinstance(known.get('sha256'), str):
-        return known['sha256']
-    digest = sha256_of(sources)
-    remember({'stamp': stamp, 'sha256': digest}, path)
-    return digest
+def remember(obj, path):
+    """Best effort: a small JSON file written whole (a unique temporary name, then renamed), or nothing
+    where it cannot be written (a read-only cache still works: it is only hashed again)."""
+    tmp = f'{path}.{os.getpid()}.tmp'
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, 'w') as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    with contextlib.suppress(OSError):
+        os.remove(tmp)
+
+
+def digest_of(paths, memo):
+    """SHA-256 of the files, remembered in the JSON file memo with their size, mtime and inode: files left
+    unchanged since are not read again (WikiText-103 is 540 MB), and any rewrite, same length or not, is."""
+    stamp = [file_stamp(p) for p in paths]
+    known = read_json_or_empty(memo)
+    if known.get('stamp') != stamp or not isinstance(known.get('sha256'), str):
+        known = {'stamp': stamp, 'sha256': sha256_of(paths)}
+        remember(known, memo)
+    return known['sha256']
 
 
 def text_chunks(path, size=1 << 25):
-    """A UTF-8 file as str chunks, or one line naming the first byte that is not UTF-8."""
-    import codecs
-    decoder, offset = codecs.getincrementaldecoder('utf-8')(), 0
-    with open(path, 'rb') as f:
-        for block in iter(lambda: f.read(size), b''):
-            try:
-                yield decoder.decode(block)
-            except UnicodeDecodeError as e:
-                raise not_utf8(path, 'the text', offset + e.start, block[e.start:e.start + 4]) from None
-            offset += len(block)
-    if decoder.getstate()[0]:
-        raise not_utf8(path, 'the text', offset, b'(cut short at the end)')
+    with open(path, encoding='utf-8') as f:
+        try:
+            yield from iter(lambda: f.read(size), '')
+        except UnicodeDecodeError as e:
+            raise not_utf8(path, 'the text', e.reason) from None
 
 
 def codepoints(text):
@@ -421,8 +411,13 @@ def encode_dataset(train_chunks, val_chunks, min_count, out_dir, source):
                 train_sha256=train_sha, val_sha256=val_sha)
     with open(os.path.join(out_dir, 'meta.json'), 'w') as f:
         json.dump(meta, f, indent=1)
-    remember({name: file_stamp(os.path.join(out_dir, name)) for name in BINS}, os.path.join(out_dir, 'verified.json'))
+    for name, sha in zip(BINS, (train_sha, val_sha)):  # hashed as written: no second read to verify them
+        remember({'stamp': [file_stamp(os.path.join(out_dir, name))], 'sha256': sha}, memo_of(out_dir, name))
     return meta
+
+
+def memo_of(folder, name):
+    return os.path.join(folder, f'.{name}.sha256')
 
 
 def decode(ids, meta):
@@ -487,7 +482,8 @@ def prepare_data(cfg):
     sources, train_chunks, val_chunks, name = data_sources(cfg)
     if os.path.isdir(cache_root(cfg)):
         remove_stale_builds(cache_root(cfg))
-    digest = source_digest(sources, cfg)
+    where = hashlib.sha1(json.dumps([os.path.abspath(p) for p in sources]).encode()).hexdigest()[:16]
+    digest = digest_of(sources, os.path.join(cache_root(cfg), '.sources', f'{where}.json'))
     folder = os.path.join(cache_root(cfg), f"{name}-{digest[:16]}-min{cfg['min_char_count']}")
     if not os.path.isfile(os.path.join(folder, 'meta.json')):
         build_cache(folder, train_chunks, val_chunks, cfg,
@@ -522,18 +518,17 @@ def build_cache(folder, train_chunks, val_chunks, cfg, source):
 
 
 def remove_stale_builds(root):
-    """.building-* folders of processes that died: on this host, those whose PID is gone; from elsewhere
-    (a shared cache), those untouched for a day."""
+    """.building-HOST-PID-* folders of dead processes: on this host when the PID is gone, else after a day."""
     for name in os.listdir(root):
         if not name.startswith('.building-'):
             continue
+        host, _, pid = name[len('.building-'):].rpartition('-')[0].rpartition('-')
         path = os.path.join(root, name)
-        host, _, pid = name[len('.building-'):].rpartition('-')[0].rpartition('-')  # HOST-PID-random
         with contextlib.suppress(OSError):
             if host == socket.gethostname() and pid.isdigit():
                 stale = not pid_alive(int(pid))
-            else:  # another host's, or of an older train.py: by age
-                stale = time.time() - os.path.getmtime(path) > (86400 if host else 3600)
+            else:  # another host's (a shared cache), or an older train.py's
+                stale = time.time() - os.path.getmtime(path) > 86400
             if stale:
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -541,10 +536,8 @@ def remove_stale_builds(root):
 def pid_alive(pid):
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
+    except OSError as e:
+        return e.errno != errno.ESRCH  # EPERM: someone else's process
     return True
 
 
@@ -567,19 +560,11 @@ def load_cache(folder, digest):
 
 
 def verify_checksums(folder, meta):
-    """train.bin and val.bin against the SHA-256 in meta.json. A file is hashed only when its size, mtime or
-    inode differ from when it was last verified (verified.json): an unchanged cache costs two stat calls,
-    and any rewrite of a file (same-length garbage included) changes its mtime and gets it hashed."""
-    path = os.path.join(folder, 'verified.json')
-    verified = read_json_or_empty(path)
-    now = {name: file_stamp(os.path.join(folder, name)) for name in BINS}
-    if verified == now or 'train_sha256' not in meta:  # a cache from before checksums: nothing to check against
-        return
-    for name in BINS:
-        if verified.get(name) != now[name] and sha256_of([os.path.join(folder, name)]) != meta[f'{name[:-4]}_sha256']:
+    """train.bin and val.bin against the SHA-256 in meta.json (hashed again only when a file changed)."""
+    for name in BINS if 'train_sha256' in meta else ():  # a cache from before checksums: nothing to check
+        if digest_of([os.path.join(folder, name)], memo_of(folder, name)) != meta[f'{name[:-4]}_sha256']:
             raise ConfigError(f'the data cache {folder}: {name} does not match its checksum in meta.json (it changed '
                               f'after it was built); delete that folder and run again to rebuild it')
-    remember(now, path)
 
 
 def get_batch(data, idx, block_size):
@@ -863,8 +848,8 @@ def train(cfg):
         resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
         if run.master:
             print(f'run folder {run.dir}', flush=True)
-            if not resuming:
-                check_own_folder(run.dir)
+            if not resuming:  # an overwritten run, or the leftovers of one killed before its first checkpoint
+                start_over(run.dir)
         if ddp:
             torch.distributed.barrier()
 
@@ -1011,8 +996,7 @@ def start_ddp(dev):
 
 
 LOCK_FILE = '.lock'
-# what train.py writes in a run folder; starting over deletes these and nothing else
-RUN_FILES = ('done.json', 'ckpt.pt', 'metrics.jsonl', 'config.json')
+# what train.py writes in a run folder (with snapshots/ and models/): starting over deletes these, nothing else
 RUN_FILE = re.compile(r'(done\.json|ckpt\.pt|metrics\.jsonl|config\.json)(\.tmp)?')
 SNAPSHOT = re.compile(r'(?:\.tmp_|qk_)(\d{7})\.npz')
 MODEL = re.compile(r'model_(\d{7})\.pt(?:\.tmp)?')
@@ -1060,7 +1044,7 @@ def train_py_wrote(run_dir):
 
 
 def own_files(run_dir):
-    """The paths in run_dir that train.py writes, present now; config.json last (see clear_run)."""
+    """The paths in run_dir that train.py writes, present now; config.json last (see start_over)."""
     found = [n for n in os.listdir(run_dir) if RUN_FILE.fullmatch(n) and n != 'config.json']
     for sub, pattern in (('snapshots', SNAPSHOT), ('models', MODEL)):
         folder = os.path.join(run_dir, sub)
@@ -1070,23 +1054,19 @@ def own_files(run_dir):
     return found
 
 
-def check_own_folder(run_dir):
-    """Starting over deletes train.py's files: refuse where they are not train.py's (no config.json of its own)."""
+def start_over(run_dir):
+    """Remove what train.py writes in run_dir, and nothing else; refuse where those files are not train.py's
+    (no config.json of its own). config.json goes last: a folder cleared halfway is still recognised."""
     found = own_files(run_dir)
     if found and not train_py_wrote(run_dir):
         raise ConfigError(f"{run_dir} holds {', '.join(found[:4])}{' ...' * (len(found) > 4)} not written by "
                           f"train.py (no config.json of its own); starting over would delete them: move them away "
                           f"or choose another --run_name")
-
-
-def clear_run(run_dir):
-    """Remove what a run writes and nothing else; config.json goes last, so a folder cleared halfway is still
-    recognised as train.py's."""
     with writing(run_dir):
-        for name in own_files(run_dir):
+        for name in found:
             os.remove(os.path.join(run_dir, name))
         for sub in ('snapshots', 'models'):
-            with contextlib.suppress(OSError):  # left where it holds something of the user's
+            with contextlib.suppress(OSError):  # kept where it holds something of the user's
                 os.rmdir(os.path.join(run_dir, sub))
 
 
@@ -1112,8 +1092,6 @@ def open_run_files(run, resuming):
     if resuming:
         trim_run(run.dir, run.start)
         print(f'resuming {run.dir} from iteration {run.start}', flush=True)
-    else:
-        clear_run(run.dir)  # an overwritten run, or leftovers of one killed before its first checkpoint
     write_json(dict(cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
                     git_commit=git_commit(), vocab_size=run.meta['vocab_size'], data_sha256=run.meta['sha256'],
                     n_params=sum(p.numel() for p in run.model.parameters())),
@@ -1342,7 +1320,8 @@ def print_record(row, ms, tokens_per_iter, cfg, start, t_start):
         msg += f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, "
     if 'eval_loss' in row:
         msg += f"eval batch {row['eval_loss']:.4f}, "
-    speed = f"{ms:.1f} ms/iter, {1000 * tokens_per_iter / ms:.0f} tok/s" if ms == ms else "- ms/iter"  # none yet at the start
+    # no speed yet at the start
+    speed = f"{ms:.1f} ms/iter, {1000 * tokens_per_iter / ms:.0f} tok/s" if ms == ms else "- ms/iter"
     msg += f"lr {row['lr']:.2e}, {speed}, ETA {fmt_time(eta) if eta == eta else '-'}"
     if row.get('layers'):
         mean = lambda key: np.mean([layer[key] for layer in row['layers']])
