@@ -3,12 +3,21 @@ Every speed figure the project quotes, with the command that measures it. One ti
 `timings`, times every measurement: the calls are interleaved, so a slow spell of a shared machine
 hits all of them alike, and the figures are medians.
 
+    python bench.py --jobs=1,2,4,8 [--preset=paper|cpu] [--device=cuda] [--iters=200]
+                                 K train.py runs at once on one device at a sweep.sh preset's size, for each K:
+                                 aggregate tokens/s, ms/iter per run, geometry (and control) share of wall
+                                 time. This is how to pick sweep.sh's JOBS per GPU. [device: cuda when
+                                 available, else cpu; preset: paper on cuda, else cpu]
+    python bench.py --fixed_cost whole train.py processes (150 iterations, default logging) against whole plain
+                                 nanoGPT-style processes of the same model: start-up and records included
     python bench.py --loop       train.py per iteration against a plain nanoGPT-style loop (--iters, --repeats)
     python bench.py --geometry   geometry per evaluation, layer_geometry and token_geometry, at several widths
     python bench.py --control    control.apply at several widths, control_keep fro and spec (--threads)
     python bench.py --encode     encoding a text into the data cache (--mb), and a cache hit
 
---data_file (default: ../shared/data/wikitext-103/wiki.test.raw next to this repository) is the text.
+--data_file (default: ../shared/data/wikitext-103/wiki.test.raw next to this repository) is the text. Other
+--key=value arguments go to every train.py run, as with sweep.sh (--n_layer=8, --control=freeze, ...).
+The sizes of --jobs are read from sweep.sh's presets, their one home.
 
 Measured on the 2-core CPU of the development machine, torch 2.13 (moved here from the README; the
 commands then were `python geometry.py` and `python control.py`); ratios rather than single times (the
@@ -121,9 +130,7 @@ def plain_loop(data, vocab_size, args, iters, seed=1):
 
 def train_py(args, out, name='bench'):
     """A whole train.py run; its done.json (wall_time excludes start-up) and console output."""
-    cmd = [sys.executable, os.path.join(REPO, 'train.py'), *args, f'--out_dir={out}', f'--run_name={name}',
-           '--overwrite=True']
-    log = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout
+    log = launch([[sys.executable, 'train.py', *args, f'--out_dir={out}', f'--run_name={name}', '--overwrite=True']])[0]
     with open(os.path.join(out, name, 'done.json')) as f:
         return json.load(f), log
 
@@ -135,36 +142,159 @@ def steps_alone(log, iters):
     return sum((it - prev) * float(ms) for (prev, _), (it, ms) in zip(records, records[1:])) / 1000 / iters
 
 
-def bench_loop(a):
-    args = [f'--data_file={a.data_file}', *LOOP_SIZE, f'--max_iters={a.iters}']
+def bench_loop(args, iters, repeats, geom_interval):
+    """Per iteration: train.py with geometry logging on and off, its steps alone, and the plain loop."""
+    args = [*LOOP_SIZE, *args, f'--max_iters={iters}']
     data, vocab = load_data(args)
+    cfg = train.get_config(args)
     results = {'train.py, geometry on': [], 'train.py, geometry off': [], 'train.py steps alone': [],
                'plain loop': []}
     shares = []
     with tempfile.TemporaryDirectory() as out:
         def on():
-            done, _ = train_py([*args, f'--geom_interval={a.geom_interval}'], out)
-            results['train.py, geometry on'].append(done['wall_time'] / a.iters)
+            done, _ = train_py([*args, f'--geom_interval={geom_interval}'], out)
+            results['train.py, geometry on'].append(done['wall_time'] / iters)
             shares.append(done['geometry_share'])
 
         def off():
             done, log = train_py([*args, '--geom_interval=0'], out)
-            results['train.py, geometry off'].append(done['wall_time'] / a.iters)
-            results['train.py steps alone'].append(steps_alone(log, a.iters))
+            results['train.py, geometry off'].append(done['wall_time'] / iters)
+            results['train.py steps alone'].append(steps_alone(log, iters))
 
         def plain():
-            results['plain loop'].append(plain_loop(data, vocab, args, a.iters))
-        timings({'on': on, 'off': off, 'plain': plain}, a.repeats, warmup=False)
-    tokens = 32 * 128
+            results['plain loop'].append(plain_loop(data, vocab, args, iters))
+        timings({'on': on, 'off': off, 'plain': plain}, repeats, warmup=False)
+    tokens = cfg['batch_size'] * cfg['block_size']
     base = statistics.median(results['plain loop'])
     for name, ts in results.items():
         m = statistics.median(ts)
         print(f'{name:24s} {1000 * m:7.1f} ms/iter  {tokens / m:8.0f} tok/s  x{m / base:.3f} of the plain loop  '
               f'(runs: {", ".join(f"{1000 * t:.0f}" for t in ts)} ms)')
     on_s, off_s = (statistics.median(results[k]) for k in ('train.py, geometry on', 'train.py, geometry off'))
-    print(f'geometry logging costs {100 * (on_s - off_s) / on_s:.1f}% of wall time at geom_interval={a.geom_interval} '
+    print(f'geometry logging costs {100 * (on_s - off_s) / on_s:.1f}% of wall time at geom_interval={geom_interval} '
           f"(on minus off); measuring and writing geometry alone: {100 * statistics.median(shares):.1f}% "
           f"(train.py's geometry_share)")
+    return results
+
+
+# ----------------------------------------------------------------------------- runs per device: --jobs
+
+def preset_args(preset):
+    """The --key=value overrides of sweep.sh's PRESET, read from sweep.sh: its presets are the one place
+    the run sizes are written (a preset there is `name) ... PRESET_ARGS=(...)`)."""
+    with open(os.path.join(REPO, 'sweep.sh')) as f:
+        presets = {m[1]: m[2].split() for m in re.finditer(r'^(\w+)\).*?PRESET_ARGS=\((.*?)\)', f.read(), re.M | re.S)}
+    if preset not in presets:
+        raise BenchError(f"--preset={preset} is not one of sweep.sh's presets ({', '.join(presets)})")
+    return presets[preset]
+
+
+def size_of(cfg):
+    """The model and batch size of a train.py config, in words."""
+    return (f"n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}, n_head {cfg['n_head']}, block {cfg['block_size']}, "
+            f"batch {cfg['batch_size']}" + (f" x {cfg['grad_accum']}" if cfg['grad_accum'] > 1 else ''))
+
+
+def launch(cmds):
+    """Start every command at once, wait for all; ValueError naming the first that failed (with its last line)."""
+    procs = []
+    try:
+        for cmd in cmds:
+            procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate() for p in procs]
+    finally:   # stopped (Ctrl-C) or failed: no run is left behind
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+    for cmd, p, (_, err) in zip(cmds, procs, outs):
+        if p.returncode:
+            last = (err.strip().splitlines() or ['(no output)'])[-1]
+            raise BenchError(f"{' '.join(cmd[1:3])}... exited with status {p.returncode}: {last}")
+    return [out for out, _ in outs]
+
+
+def jobs_row(k, dones, iters, tokens_per_iter, batch_s):
+    """One line of the --jobs table from the done.json of k processes that ran at once: the aggregate
+    tokens/s over the slowest process's training time (start-up excluded), the median ms/iter per
+    process (records and checkpoints included), the median geometry and control shares."""
+    slowest = max(d['wall_time'] for d in dones)
+    return {'jobs': k, 'tok_s': k * iters * tokens_per_iter / slowest,
+            'ms_iter': 1000 * statistics.median(d['wall_time'] for d in dones) / iters,
+            'geometry_share': statistics.median(d['geometry_share'] for d in dones),
+            'control_share': statistics.median(d.get('control_share', 0.0) for d in dones), 'batch_s': batch_s}
+
+
+def bench_jobs(jobs, args, iters, device):
+    """K train.py processes at once on one device, for each K in jobs; returns the table's rows."""
+    args = [*args, f'--max_iters={iters}', f'--device={device}']
+    cfg = train.get_config(args)
+    train.prepare_data(cfg)   # the cache is built once here, not raced by K processes
+    tokens_per_iter = cfg['batch_size'] * cfg['grad_accum'] * cfg['block_size']
+    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+    print(f"train.py at {size_of(cfg)}, {iters} iterations per process on {device}, --threads=CPUs/K as sweep.sh "
+          f"sets it (unless given); arguments: {' '.join(args)}")
+    print(f"{'jobs':>4} {'aggregate tok/s':>16} {'ms/iter/process':>16} {'geometry':>9} {'control':>8} "
+          f"{'batch wall s':>13} {'load before':>12}")
+    rows = []
+    for k in jobs:
+        threads = [] if any(a.startswith('--threads=') for a in args) else [f'--threads={max(1, ncpu // k)}']
+        load = os.getloadavg()[0]
+        with tempfile.TemporaryDirectory() as out:
+            cmds = [[sys.executable, 'train.py', *args, *threads, f'--seed={i + 1}', f'--out_dir={out}',
+                     f'--run_name=job{i}', '--overwrite=True'] for i in range(k)]
+            batch = timings({'batch': lambda: launch(cmds)}, 1, warmup=False)['batch'][0]
+            dones = []
+            for i in range(k):
+                with open(os.path.join(out, f'job{i}', 'done.json')) as f:
+                    dones.append(json.load(f))
+        row = jobs_row(k, dones, iters, tokens_per_iter, batch)
+        rows.append(row)
+        print(f"{k:>4} {row['tok_s']:>16.0f} {row['ms_iter']:>16.1f} {100 * row['geometry_share']:>8.1f}% "
+              f"{100 * row['control_share']:>7.1f}% {batch:>13.1f} {load:>12.2f}", flush=True)
+    best = max(rows, key=lambda r: r['tok_s'])
+    print(f"most tokens/s with {best['jobs']} processes at once on {device}")
+    return rows
+
+
+# ----------------------------------------------------------------------------- fixed per-run costs
+
+def plain_process(cache, args, iters):
+    """The body of a whole plain process (`bench.py --plain_process=CACHE`): the encoded text from the
+    cache folder as a memmap, as nanoGPT reads its train.bin, then plain_loop. Prints its loop time."""
+    data = np.memmap(os.path.join(cache, 'train.bin'), dtype=np.uint16, mode='r')
+    with open(os.path.join(cache, 'meta.json')) as f:
+        vocab_size = json.load(f)['vocab_size']
+    print(json.dumps({'loop_s': iters * plain_loop(data, vocab_size, args, iters)}))
+
+
+def bench_fixed_cost(args, iters, repeats):
+    """Whole processes, start-up included: train.py with its default logging against a plain process of
+    the same model and iterations (no logging, no checkpoints), interleaved, `repeats` pairs."""
+    args = [*LOOP_SIZE, *args, f'--max_iters={iters}']
+    data, _, _ = train.prepare_data(train.get_config(args))   # a warm cache for both
+    cache = os.path.dirname(os.path.abspath(data.filename))
+    parts = {'train.py': [], 'plain': []}
+    with tempfile.TemporaryDirectory() as out:
+        def whole_train():
+            launch([[sys.executable, 'train.py', *args, f'--out_dir={out}', '--run_name=fixed', '--overwrite=True']])
+            with open(os.path.join(out, 'fixed', 'done.json')) as f:
+                parts['train.py'].append(json.load(f)['wall_time'])
+
+        def whole_plain():
+            line = launch([[sys.executable, 'bench.py', f'--plain_process={cache}', f'--iters={iters}', *args]])[0]
+            parts['plain'].append(json.loads(line.strip().splitlines()[-1])['loop_s'])
+        print(f"whole processes, {iters} iterations at {size_of(train.get_config(args))}: train.py with default "
+              f"logging against a plain loop of the same model; {repeats} pairs, load {os.getloadavg()[0]:.2f} before")
+        ts = timings({'train.py': whole_train, 'plain': whole_plain}, repeats, warmup=False)
+    ratios = [t / p for t, p in zip(ts['train.py'], ts['plain'])]
+    for name in ts:
+        whole, loop = statistics.median(ts[name]), statistics.median(parts[name])
+        print(f"{name:9s} {whole:6.1f} s whole process (runs: {', '.join(f'{t:.1f}' for t in ts[name])}), "
+              f"of which {loop:.1f} s in its loop and {whole - loop:.1f} s outside it (start-up, exit)")
+    print(f"train.py / plain, median of the {repeats} pairs: x{statistics.median(ratios):.3f} "
+          f"(pairs: {', '.join(f'{r:.3f}' for r in ratios)}); load {os.getloadavg()[0]:.2f} after")
+    return statistics.median(ratios)
 
 
 # ----------------------------------------------------------------------------- geometry per evaluation
@@ -278,25 +408,47 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+               epilog='Other --key=value arguments go to every train.py run (and the plain loop), as in sweep.sh.')
     mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument('--jobs', help='K[,K,...]: K train.py processes at once on one device, for each K')
+    mode.add_argument('--fixed_cost', '--fixed-cost', action='store_true',
+                      help='whole train.py processes against whole plain ones')
     mode.add_argument('--loop', action='store_true', help='train.py per iteration against a plain loop')
     mode.add_argument('--geometry', action='store_true', help='geometry per evaluation at several widths')
     mode.add_argument('--control', action='store_true', help='control.apply at several widths, fro and spec')
     mode.add_argument('--encode', action='store_true', help='encoding a text into the data cache')
-    p.add_argument('--data_file', default=SHARED_TEXT, help='the text to train on or encode')
-    p.add_argument('--iters', type=int, default=1000, help='iterations per run (--loop)')
-    p.add_argument('--repeats', type=int, default=0, help='runs of each, interleaved [--loop 3, --encode 1]')
+    mode.add_argument('--plain_process', help=argparse.SUPPRESS)   # the child process of --fixed_cost
+    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', help='(--jobs) [cuda if '
+                   'available, else cpu]')
+    p.add_argument('--preset', default='', help="(--jobs) sweep.sh's preset whose sizes to run: paper | cpu | smoke "
+                   '[paper on cuda, else cpu]')
+    p.add_argument('--data_file', default=SHARED_TEXT, help="the text to train on or encode; '' = WikiText-103")
+    p.add_argument('--iters', type=int, help='iterations per run [--jobs 200, --fixed_cost 150, '
+                   '--loop 1000]')
+    p.add_argument('--repeats', type=int, help='runs of each, interleaved [--fixed_cost and --loop 3, '
+                   '--encode 1]')
     p.add_argument('--geom_interval', type=int, default=250, help="--loop's geometry-on runs (train.py's default)")
     p.add_argument('--widths', default='', help='C values, comma-separated (--geometry, --control)')
     p.add_argument('--threads', type=int, default=0, help='torch CPU threads (0: torch default)')
     p.add_argument('--mb', type=float, default=64, help='size of the text to encode (--encode)')
-    a = p.parse_args(argv)
-    a.repeats = a.repeats or (3 if a.loop else 1)
+    a, extra = p.parse_known_args(argv)
+    if a.iters is None:
+        a.iters = 200 if a.jobs else 150 if a.fixed_cost else 1000
+    if a.repeats is None:
+        a.repeats = 1 if a.encode else 3
     if a.iters < 1 or a.repeats < 1:
         raise BenchError(f'--iters={a.iters} and --repeats={a.repeats} must be at least 1')
-    if (a.loop or a.encode) and not os.path.isfile(a.data_file):
+    trains = a.jobs or a.fixed_cost or a.loop or a.plain_process
+    if extra and not trains:
+        raise BenchError(f"{extra[0]}: extra --key=value arguments go to train.py runs, which only --jobs, "
+                         f"--fixed_cost and --loop make")
+    if (trains or a.encode) and a.data_file and not os.path.isfile(a.data_file):
         raise BenchError(f'--data_file={a.data_file} does not exist; pass the path of a UTF-8 text file')
+    if a.jobs and a.device.startswith('cuda') and not torch.cuda.is_available():
+        raise BenchError(f'--device={a.device}, but torch sees no CUDA device here; use --device=cpu')
+    a.train_args = [f'--data_file={a.data_file}', *extra] if trains else []
+    train.get_config(a.train_args)   # an unknown key or a bad value: train.py's one-line error, here
     return a
 
 
@@ -304,8 +456,15 @@ def main(argv):
     a = parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    if a.loop:
-        bench_loop(a)
+    if a.jobs:
+        preset = a.preset or ('paper' if a.device.startswith('cuda') else 'cpu')
+        bench_jobs(int_list(a.jobs, '--jobs'), [*preset_args(preset), *a.train_args], a.iters, a.device)
+    elif a.fixed_cost:
+        bench_fixed_cost(a.train_args, a.iters, a.repeats)
+    elif a.plain_process:
+        plain_process(a.plain_process, a.train_args, a.iters)
+    elif a.loop:
+        bench_loop(a.train_args, a.iters, a.repeats, a.geom_interval)
     elif a.geometry:
         bench_geometry(int_list(a.widths or '128,256,384,512,768,1024', '--widths'))
     elif a.control:

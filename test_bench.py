@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import bench
+import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -38,19 +39,36 @@ def test_timings_measures_wall_time():
 
 # ----------------------------------------------------------------------------- the command line
 
+def error_of(args):
+    """The one-line message bench.py prints for args (its own errors and train.py's config errors)."""
+    with pytest.raises((bench.BenchError, train.ConfigError)) as info:
+        bench.main(args)
+    return info.value.msg if isinstance(info.value, train.ConfigError) else str(info.value)
+
+
 @pytest.mark.parametrize('args,match', [
-    ([], 'one of the arguments --loop'),
+    ([], 'one of the arguments --jobs --fixed_cost'),
     (['--geometry', '--control'], 'not allowed with'),
     (['--geometry', '--widths=a,2'], "--widths='a,2': expected positive whole numbers"),
     (['--control', '--widths=0'], 'expected positive whole numbers'),
     (['--loop', '--data_file=no/such/file.txt'], 'does not exist'),
     (['--loop', '--iters=0'], 'must be at least 1'),
+    (['--jobs=0'], "--jobs='0': expected positive whole numbers"),
+    (['--jobs=1', '--preset=gpu'], "--preset=gpu is not one of sweep.sh's presets (paper, cpu, smoke)"),
+    (['--jobs=1', '--device=cuda'], 'torch sees no CUDA device'),
+    (['--jobs=1', '--n_embed=32'], 'did you mean n_embd'),
+    (['--geometry', '--n_embd=32'], 'only --jobs, --fixed_cost and --loop'),
+    (['--fixed-cost', '--repeats=-1'], 'must be at least 1'),
 ])
-def test_bad_arguments_are_one_line_and_exit_2(args, match):
+def test_bad_arguments_are_clear_errors(args, match):
+    assert match in error_of(args)
+
+
+@pytest.mark.parametrize('args', [['--jobs=1', '--preset=gpu'], ['--jobs=1', '--n_embed=32']])
+def test_an_error_is_one_line_and_exit_2(args):
     r = run_bench(*args)
-    assert r.returncode == 2 and r.stdout == ''
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith('bench.py: error: ') and match in lines[0], r.stderr
+    assert r.returncode == 2 and r.stdout == '' and len(lines) == 1 and lines[0] == f'bench.py: error: {error_of(args)}'
 
 
 # ----------------------------------------------------------------------------- each measurement, small
@@ -83,3 +101,65 @@ def test_plain_loop_trains_train_pys_model(tmp_path, text_file):
             '--n_head=2', '--block_size=16', '--batch_size=4', '--min_char_count=1']
     data, vocab = bench.load_data(args)
     assert 0 < bench.plain_loop(data, vocab, args, iters=3) < 10
+
+
+# ----------------------------------------------------------------------------- --jobs: runs per device
+
+@pytest.mark.parametrize('preset', ['paper', 'cpu', 'smoke'])
+def test_preset_args_are_the_ones_sweep_sh_runs(tmp_path, preset):
+    """bench.py reads the presets from sweep.sh; sweep.sh's dry run prints the command of each run."""
+    env = dict(os.environ, PRESET=preset, DRY_RUN='1', ANALYZE='0', DATA_FILE='', OUT=str(tmp_path / 'out'),
+               SEEDS='1', DEPTHS='4', INITS='normal', CONTROL_SEEDS='')
+    r = subprocess.run(['bash', 'sweep.sh'], cwd=HERE, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    cmd = next(line.split() for line in r.stdout.splitlines() if 'train.py' in line)
+    args = bench.preset_args(preset)
+    start = cmd.index(args[0])
+    assert len(args) > 3 and cmd[start:start + len(args)] == args
+
+
+def test_jobs_row_aggregates_over_the_slowest_process():
+    dones = [{'wall_time': 2.0, 'geometry_share': 0.01, 'control_share': 0.0},
+             {'wall_time': 4.0, 'geometry_share': 0.03, 'control_share': 0.0},
+             {'wall_time': 3.0, 'geometry_share': 0.02, 'control_share': 0.0}]
+    row = bench.jobs_row(3, dones, iters=100, tokens_per_iter=512, batch_s=9.0)
+    assert row['tok_s'] == pytest.approx(3 * 100 * 512 / 4.0)
+    assert row['ms_iter'] == pytest.approx(1000 * 3.0 / 100)
+    assert row['geometry_share'] == pytest.approx(0.02) and row['batch_s'] == 9.0
+
+
+def tiny(text_file, tmp_path):
+    return [f'--data_file={text_file}', f'--cache_dir={tmp_path}/cache', '--min_char_count=1', '--n_layer=1']
+
+
+def test_jobs_runs_k_processes_at_once_at_the_preset_size(tmp_path, text_file, capsys):
+    rows = bench.bench_jobs([1, 2], [*bench.preset_args('smoke'), *tiny(text_file, tmp_path)], iters=4, device='cpu')
+    assert [r['jobs'] for r in rows] == [1, 2]
+    for r in rows:
+        assert r['tok_s'] > 0 and r['ms_iter'] > 0 and 0 < r['geometry_share'] < 1 and r['control_share'] == 0
+    out = capsys.readouterr().out
+    assert 'n_embd 16, n_head 2, block 16, batch 4' in out and 'most tokens/s with' in out
+
+
+def test_jobs_reports_the_control_share_when_control_is_on(tmp_path, text_file):
+    rows = bench.bench_jobs([1], [*bench.preset_args('smoke'), *tiny(text_file, tmp_path), '--control=freeze',
+                                  '--control_keep=spec'], iters=4, device='cpu')
+    assert 0 < rows[0]['control_share'] < 1
+
+
+def test_a_failing_train_run_is_one_line_naming_it(tmp_path, text_file):
+    r = run_bench('--jobs=1', '--preset=smoke', '--iters=6', *tiny(text_file, tmp_path), '--lr=1e12', '--grad_clip=0')
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert 'train.py --n_embd=16' in lines[0] and 'exited with status 2: error: the loss became' in lines[0]
+
+
+# ----------------------------------------------------------------------------- --fixed_cost: whole processes
+
+def test_fixed_cost_compares_whole_processes(tmp_path, text_file, capsys):
+    size = ['--n_embd=16', '--n_head=2', '--block_size=16', '--batch_size=4']
+    ratio = bench.bench_fixed_cost([*tiny(text_file, tmp_path), *size], iters=3, repeats=1)
+    assert 0 < ratio < 100
+    out = capsys.readouterr().out
+    assert 'n_layer 1, n_embd 16' in out and 'train.py / plain, median of the 1 pairs' in out
+    assert out.count('s whole process') == 2
