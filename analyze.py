@@ -32,18 +32,27 @@ import argparse
 import csv
 import io
 import json
+import math
 import os
+import re
+import shlex
+import shutil
 import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import reduce
 
+import matplotlib
 import numpy as np
 import torch
 from matplotlib import colormaps
 from matplotlib.figure import Figure  # object-oriented matplotlib: headless, no pyplot state
 from PIL import Image
+
+matplotlib.rcParams['axes.formatter.useoffset'] = False   # axes read '1e-6+2.04477' with it: every tick in full
 
 import control
 import geometry
@@ -72,6 +81,11 @@ VARIANTS = {'': ('pr_q', 'pr_k', 'full-matrix weight PR'),
 LINKS = {'pr_k~entropy': ('pr_k', 'entropy'), 'pr_k~pr_qk': ('pr_k', 'pr_qk'), 'pr_qk~entropy': ('pr_qk', 'entropy')}
 
 
+# the files `runs` writes into its --out folder (stale ones from an earlier analysis are removed)
+RUNS_OUTPUTS = re.compile(r'(runs|trajectories\w*|trajectory_summary|attention_link\w*|control|control_effects|timeline'
+                          r'|scale_shape\w*|robustness\w*)\.(csv|md)|fig[1-58]_\w+\.(png|pdf)')
+
+
 class Skip(Exception):
     """A run, table or figure left out, with the reason (printed and reported, never fatal)."""
 
@@ -89,6 +103,7 @@ class Run:
     geom_iters: np.ndarray   # the logged iterations that carry geometry ("layers")
     layers: dict             # per-layer scalar metric -> (len(geom_iters), n_layer) float64
     notes: list = field(default_factory=list)
+    heads: dict = field(default_factory=dict)   # per-head metric (a list per layer) -> (len(geom_iters), n_layer, n_head)
     setting: str = 'A'       # which training setup (SETTING_KEYS) it shares with others; set by load_runs
 
     n_layer = property(lambda self: int(self.cfg['n_layer']))
@@ -103,15 +118,23 @@ class Run:
         """(len(geom_iters), n_layer) values of a per-layer metric; NaN where it was not logged."""
         return self.layers.get(key, np.full((len(self.geom_iters), self.n_layer), np.nan))
 
+    @property
+    def too_short(self):
+        """Fewer than FINAL_LOGS records after the end of warm-up: its final values still average over warm-up."""
+        its = self.geom_iters if self.has_geometry else self.iters
+        return int((its > self.cfg.get('warmup_iters', 0)).sum()) < FINAL_LOGS
+
     def final(self, key):
         """Mean over the last FINAL_LOGS logged iterations and over layers (NaN if not logged)."""
         v = self.metric(key)[-FINAL_LOGS:]
         return float(np.nanmean(v)) if np.isfinite(v).any() else float('nan')
 
 
-def walk_folders(paths):
+def walk_folders(paths, warn=None):
     """(run folders, plans) under paths: every folder that holds a config.json (a run folder holds no further
-    runs; one reached twice through a link counts once) and every runs.txt outside them (sweep.sh's plan)."""
+    runs; one reached twice counts once) and every runs.txt outside them (sweep.sh's plan). With warn, a folder
+    with metrics.jsonl but no config.json and a symbolic link to a folder (not followed) are named."""
+    warn = warn or (lambda msg: None)
     found, plans = [], []
     for top in paths:
         for root, dirs, files in os.walk(top):
@@ -119,7 +142,13 @@ def walk_folders(paths):
                 found.append(os.path.normpath(root))
                 dirs[:] = []
                 continue
-            dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
+            if 'metrics.jsonl' in files:
+                warn(f'skipped {root}: it holds metrics.jsonl but no config.json (a run folder train.py did not '
+                     f'finish setting up, or a copy missing it)')
+            for d in [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+                warn(f'skipped {os.path.join(root, d)}: a symbolic link to {os.path.realpath(os.path.join(root, d))},'
+                     f' not followed; pass that folder itself')
+            dirs[:] = sorted(d for d in dirs if not d.startswith('.') and not os.path.islink(os.path.join(root, d)))
             if 'runs.txt' in files:
                 plans.append(os.path.normpath(os.path.join(root, 'runs.txt')))
     unique = {}
@@ -132,9 +161,9 @@ def find_run_dirs(paths):
     return walk_folders(paths)[0]
 
 
-def discover(paths):
+def discover(paths, warn=None):
     """walk_folders, or Skip naming the folders when they hold no run folder (every subcommand starts here)."""
-    run_dirs, plans = walk_folders(paths)
+    run_dirs, plans = walk_folders(paths, warn)
     if not run_dirs:
         raise Skip(f'no run folder (a folder with config.json) found under {", ".join(paths)}')
     return run_dirs, plans
@@ -162,7 +191,8 @@ def read_json(path):
 
 
 def load_run(path):
-    """A finished run folder as a Run; Skip (with the reason) for an unfinished or corrupt one."""
+    """A finished run folder as a Run; Skip (with the reason) for an unfinished or corrupt one. Records with a
+    value that is not a finite number are left out, each with a note naming its iteration and key."""
     cfg = read_json(os.path.join(path, 'config.json'))
     lacking = [k for k in ('n_layer', 'qk_init', 'seed') if k not in cfg]
     if lacking:
@@ -175,32 +205,72 @@ def load_run(path):
     if not os.path.isfile(os.path.join(path, 'metrics.jsonl')):
         raise Skip('no metrics.jsonl')
     notes = []  # a line that is not a record is left out, with a note naming it (a cut last line: silently)
-    rows = train.read_metrics(os.path.join(path, 'metrics.jsonl'), notes.append)
-    if not rows:
-        raise Skip('metrics.jsonl holds no records')
-    try:
-        by_iter = {int(r['iter']): r for r in rows}  # a repeated iteration: the last record wins
-        iters = np.array(sorted(by_iter), dtype=np.int64)
-        recs = [by_iter[i] for i in iters]
-        geo = [r for r in recs if r.get('layers')]
-        n_layer = int(cfg['n_layer'])
-        bad = [int(r['iter']) for r in geo if len(r['layers']) != n_layer]
-        if bad:
-            first = next(r for r in geo if len(r['layers']) != n_layer)
-            raise Skip(f"metrics.jsonl at iteration {bad[0]} has {len(first['layers'])} layers, "
-                       f"config.json says n_layer={n_layer}")
-        keys = sorted({k for r in geo for layer in r['layers'] for k, v in layer.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        layers = {k: np.array([[layer.get(k) for layer in r['layers']] for r in geo], dtype=float) for k in keys}
-        run = Run(path, cfg, done, iters,
-                  np.array([r.get('train_loss') for r in recs], dtype=float),
-                  np.array([r.get('val_loss') for r in recs], dtype=float),
-                  np.array([int(r['iter']) for r in geo], dtype=np.int64), layers, notes)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise Skip(f'metrics.jsonl is malformed ({type(e).__name__}: {str(e)[:80]})') from None
+    recs = usable_records(train.read_metrics(os.path.join(path, 'metrics.jsonl'), notes.append), cfg['n_layer'],
+                          notes.append)
+    if not recs:
+        raise Skip('metrics.jsonl holds no usable records')
+    geo = [r for r in recs if r.get('layers')]
+    scalars = sorted({k for r in geo for layer in r['layers'] for k, v in layer.items() if not isinstance(v, list)})
+    lists = sorted({k for r in geo for layer in r['layers'] for k, v in layer.items() if isinstance(v, list)})
+    run = Run(path, cfg, done, np.array([r['iter'] for r in recs], dtype=np.int64),
+              np.array([r.get('train_loss') for r in recs], dtype=float),
+              np.array([r.get('val_loss') for r in recs], dtype=float),
+              np.array([r['iter'] for r in geo], dtype=np.int64),
+              {k: np.array([[layer.get(k) for layer in r['layers']] for r in geo], dtype=float) for k in scalars},
+              notes, per_head(geo, lists, notes.append))
     if not run.has_geometry:
         run.notes.append('no geometry logged (geom_interval=0): losses only')
     return run
+
+
+def finite(v):
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def bad_value(rec, n_layer):
+    """What makes a record unusable ('iteration 50: layer 0 pr_k = nan ...'), or None when every value is a
+    finite number (lists: of finite numbers) and it has n_layer layers."""
+    for key in ('train_loss', 'val_loss', 'lr'):
+        if key in rec and rec[key] is not None and not finite(rec[key]):
+            return f'{key} = {str(rec[key])[:40]} is not a finite number'
+    layers = rec.get('layers') or []
+    if not isinstance(layers, list) or not all(isinstance(layer, dict) for layer in layers):
+        return 'layers is not a list of objects'
+    if layers and len(layers) != n_layer:
+        return f'{len(layers)} layers logged, config.json says n_layer={n_layer}'
+    for i, layer in enumerate(layers):
+        for key, v in layer.items():
+            if not (finite(v) or isinstance(v, list) and v and all(finite(x) for x in v)):
+                return f'layer {i} {key} = {str(v)[:40]} is not a finite number'
+    return None
+
+
+def usable_records(rows, n_layer, note):
+    """The records by iteration, without those bad_value rejects; a repeated iteration keeps its last record.
+    Each record left out, and each repeat, gets a note naming the iteration."""
+    counts = Counter(r['iter'] for r in rows)
+    by_iter = {}
+    for rec in rows:
+        problem = bad_value(rec, n_layer)
+        if problem:
+            note(f"metrics.jsonl iteration {rec['iter']}: {problem}; that record is left out")
+        else:
+            by_iter[rec['iter']] = rec
+    for it, n in sorted(counts.items()):
+        if n > 1:
+            note(f'metrics.jsonl has {n} records at iteration {it}: the last one is used')
+    return [by_iter[it] for it in sorted(by_iter)]
+
+
+def per_head(geo, keys, note):
+    """{key: (records, n_layer, n_head)} of the per-head lists; a key whose lists differ in length is left out."""
+    out = {}
+    for key in keys:
+        try:
+            out[key] = np.array([[layer.get(key, []) for layer in r['layers']] for r in geo], dtype=float)
+        except ValueError:
+            note(f'metrics.jsonl: the lists of {key} differ in length between layers or records; left out')
+    return {k: v for k, v in out.items() if v.ndim == 3}
 
 
 def setting_of(cfg):
@@ -545,22 +615,25 @@ def plot_pr_over_training(cells):
     axes = fig.subplots(len(depths), len(inits), squeeze=False, sharex=True)
     for (depth, init), runs in cells.items():
         ax = axes[depths.index(depth)][inits.index(init)]
-        draw_pr_layers(ax, runs, depth)
+        draw_pr_layers(ax, runs, depth, depths[-1])
         ax.set_title(f'L{depth} {init} ({len(runs)} seeds)', fontsize=9)
         ax.set_ylabel('PR')
         iteration_axis(ax)
         if depth != depths[-1]:
             ax.set_xlabel('')  # the axes are shared: name them once, on the bottom row
-    axes[-1][0].legend(fontsize=6, title='solid PR_Q, dashed PR_K', title_fontsize=6, ncol=2)  # deepest: every layer
+    handles, labels = axes[-1][0].get_legend_handles_labels()   # the deepest panel has every layer
+    fig.legend(handles, labels, loc='outside right upper', fontsize=9, title='solid PR_Q\ndashed PR_K',
+               title_fontsize=9)
     fig.suptitle('PR_Q and PR_K over training (seed mean, min-max band)')
     return fig
 
 
-def draw_pr_layers(ax, runs, depth):
-    """PR_Q (solid) and PR_K (dashed) of every layer of runs of one depth: seed mean, min-max band."""
+def draw_pr_layers(ax, runs, depth, deepest):
+    """PR_Q (solid) and PR_K (dashed) of every layer of runs of one depth: seed mean, min-max band. Layer i has
+    the same colour at every depth (one legend for the figure)."""
     iters, Q = seed_stack(runs, 'pr_q')
     K = seed_stack(runs, 'pr_k')[1]
-    colors = colormaps['viridis'](np.linspace(0, 0.9, depth))
+    colors = colormaps['viridis'](np.linspace(0, 0.9, deepest))
     for layer in range(depth):
         for vals, style in ((Q, '-'), (K, '--')):
             v = vals[:, :, layer]
@@ -628,51 +701,72 @@ def representative_runs(cells):
     return [(init, runs[0]) for (d, init), runs in cells.items() if d == depth]
 
 
-def plot_spectra(cells):
+def snapshot_files(run):
+    """[(iteration, path)] of the Q/K snapshots train.py wrote in a run's snapshots/, by iteration."""
+    folder = os.path.join(run.path, 'snapshots')
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return sorted((int(n[3:-4]), os.path.join(folder, n)) for n in names
+                  if n.startswith('qk_') and n.endswith('.npz') and n[3:-4].isdigit())
+
+
+def read_snapshot(run, it, path, layer):
+    """(W_Q, W_K, n_head) of one layer in a snapshot; Skip naming the run and iteration when it is unreadable."""
+    try:
+        with np.load(path) as z:
+            q, k, n_head = z['q'][layer], z['k'][layer], int(z['n_head'])
+    except Exception as e:  # a truncated or foreign file: zipfile, OSError, KeyError, ValueError, ...
+        raise Skip(f'{run.path}: the snapshot of iteration {it} ({os.path.basename(path)}) is unreadable '
+                   f'({type(e).__name__}: {str(e)[:60]})') from None
+    if not (np.isfinite(q).all() and np.isfinite(k).all()):
+        raise Skip(f'{run.path}: the snapshot of iteration {it} holds values that are not finite')
+    return q, k, n_head
+
+
+def plot_spectra(cells, warn=print):
     """Figure 4: singular values of W_Q, W_K and W_QK (head mean of each rank) at the first and the last
-    snapshot, for the middle layer of one representative run per init. Reads two snapshots per run."""
+    snapshot, for the middle layer of one representative run per init. Reads two snapshots per run; a run
+    whose snapshot cannot be read is left out with a warning."""
     reps = []
     for init, run in representative_runs(cells) if cells else []:
-        folder = os.path.join(run.path, 'snapshots')
-        files = sorted(f for f in os.listdir(folder) if f.startswith('qk_') and f.endswith('.npz')) \
-            if os.path.isdir(folder) else []
-        if files:
-            reps.append((init, run, files[0], files[-1]))
+        files = snapshot_files(run)
+        try:
+            snaps = [(it, read_snapshot(run, it, path, run.n_layer // 2)) for it, path in (files[0], files[-1])]
+        except IndexError:
+            continue  # no snapshots
+        except Skip as e:
+            warn(f'{e}; left out of fig4')
+            continue
+        reps.append((run, snaps))
     if not reps:
-        raise Skip('no Q/K snapshots in the uncontrolled runs')
+        raise Skip('no readable Q/K snapshots in the uncontrolled runs')
     fig = Figure(layout='constrained', figsize=(13, 3.3 * len(reps)))
     axes = fig.subplots(len(reps), 3, squeeze=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small matrices: several threads on a busy machine spin-wait (seen: 1000x slower)
     try:
-        draw_spectra(axes, reps)
+        for row, (run, snaps) in zip(axes, reps):
+            draw_spectra(row, run, snaps)
     finally:
         torch.set_num_threads(threads)
     fig.suptitle('singular value spectra at the start and the end')
     return fig
 
 
-def draw_spectra(axes, reps):
-    for row, (init, run, first, last) in enumerate(reps):
-        layer = run.n_layer // 2
-        for name, color in ((first, 'tab:blue'), (last, 'tab:red')):
-            with np.load(os.path.join(run.path, 'snapshots', name)) as z:
-                q, k, n_head = z['q'][layer], z['k'][layer], int(z['n_head'])
-            it = int(name[3:-4])
-            s_qk = geometry.interaction_singular_values(q, k, n_head)
-            spectra = ((geometry.singular_values(q), geometry.matrix_pr(q)),
-                       (geometry.singular_values(k), geometry.matrix_pr(k)),
-                       (s_qk.mean(0), geometry.participation_ratio(s_qk ** 2).mean().item()))  # pr_qk: mean of head PRs
-            for col, (s, pr) in enumerate(spectra):
-                s = s.numpy()
-                axes[row][col].semilogy(np.arange(1, len(s) + 1), np.maximum(s, 1e-12), color=color,
-                                        label=f'iter {it}: PR {pr:.1f}')
-        for col, title in enumerate(('W_Q', 'W_K', 'W_QK (head mean)')):
-            ax = axes[row][col]
-            ax.set_title(f'{title}, {os.path.basename(run.path)} layer {layer}', fontsize=9)
-            ax.set_xlabel('index')
-            ax.set_ylabel('singular value')
-            ax.legend(fontsize=7)
+def draw_spectra(axes, run, snaps):
+    """One row of figure 4: the spectra of W_Q, W_K and W_QK of a run's middle layer at two snapshots."""
+    for (it, (q, k, n_head)), color in zip(snaps, ('tab:blue', 'tab:red')):
+        s_qk = geometry.interaction_singular_values(q, k, n_head)
+        spectra = ((geometry.singular_values(q), geometry.matrix_pr(q)),
+                   (geometry.singular_values(k), geometry.matrix_pr(k)),
+                   (s_qk.mean(0), geometry.participation_ratio(s_qk ** 2).mean().item()))  # pr_qk: mean of head PRs
+        for ax, (s, pr) in zip(axes, spectra):
+            s = s.numpy()
+            ax.semilogy(np.arange(1, len(s) + 1), np.maximum(s, 1e-12), color=color, label=f'iter {it}: PR {pr:.1f}')
+    for ax, title in zip(axes, ('W_Q', 'W_K', 'W_QK (head mean)')):
+        ax.set_title(f'{title}, {os.path.basename(run.path)} layer {run.n_layer // 2}', fontsize=9)
+        ax.set_xlabel('index')
+        ax.set_ylabel('singular value')
+        ax.legend(fontsize=7)
 
 
 def plot_control(runs, rows, target):
@@ -787,25 +881,55 @@ def setting_notes(runs, settings):
 def analyze(paths, out=None, pdf=False, figures=True, log=print):
     """Everything: load the runs under paths, write tables, figures and REPORT.md to out. Returns a dict
     with the claims, the files written, the warnings and what is missing. Raises Skip when no run
-    folder is found."""
+    folder is found. Everything is written into a staging folder first and moved into out at the end."""
     warnings, warn = collector(log)
-    run_dirs, plans = discover(paths)
+    run_dirs, plans = discover(paths, warn)
     runs, skipped, settings = load_runs(run_dirs, warn)
     out = out or os.path.join(paths[0], 'analysis')
-    os.makedirs(out, exist_ok=True)
     res = study_tables(runs, warn)
-    tables = write_tables(res, runs, skipped, out)
-    written, figure_notes = draw_figures(res, runs, out, pdf, log) if figures else ([], [])
     # the report, with the token-level results written earlier into out by `tokens` and `pretrained`
     res.update(paths=list(paths), out=out, n_found=len(run_dirs), runs=runs, skipped=skipped,
-               token=token_results(out), final_logs=FINAL_LOGS)
+               token=token_results(out), final_logs=FINAL_LOGS, short=[r.path for r in runs if r.too_short])
     res.update(claims=report.claims(res), confounds=confound_notes(runs, res['cells'], res['traj']['']),
-               setting_notes=setting_notes(runs, settings), missing=missing_runs(plans), warnings=warnings,
-               tables=tables, figures=written, figure_notes=figure_notes)
-    path = os.path.join(out, 'REPORT.md')
-    report.write_report(path, res)
-    res['files'] = tables + written + [path]
+               setting_notes=setting_notes(runs, settings), missing=missing_runs(plans), warnings=warnings)
+    with staging(out) as staged:
+        tables = write_tables(res, runs, skipped, staged)
+        written, figure_notes = draw_figures(res, runs, staged, pdf, log, warn) if figures else ([], [])
+        res.update(tables=moved(tables, out), figures=moved(written, out), figure_notes=figure_notes)
+        report.write_report(os.path.join(staged, 'REPORT.md'), res)
+        publish(staged, out, RUNS_OUTPUTS)
+    res['files'] = res['tables'] + res['figures'] + [os.path.join(out, 'REPORT.md')]
     return res
+
+
+@contextmanager
+def staging(out):
+    """A fresh hidden folder inside out to write an analysis into (publish moves it into out); removed on the
+    way out, so a crash halfway leaves out as it was."""
+    os.makedirs(out, exist_ok=True)
+    staged = tempfile.mkdtemp(prefix='.staging-', dir=out)
+    try:
+        yield staged
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def publish(staged, out, owned):
+    """Move the files written into staged into out. First REPORT.md goes, and every file of the same kind of
+    analysis (owned, a regex) from an earlier one that was not written again, so that a report never sits beside
+    tables of another analysis; a new REPORT.md comes last. Returns whether an old REPORT.md was removed."""
+    new = sorted(os.listdir(staged), key=lambda name: name == 'REPORT.md')
+    old_report = os.path.isfile(os.path.join(out, 'REPORT.md'))
+    for name in os.listdir(out):
+        if name == 'REPORT.md' or (owned.fullmatch(name) and name not in new):
+            os.remove(os.path.join(out, name))
+    for name in new:
+        os.replace(os.path.join(staged, name), os.path.join(out, name))
+    return old_report and 'REPORT.md' not in new
+
+
+def moved(paths, out):
+    return [os.path.join(out, os.path.basename(p)) for p in paths]
 
 
 def study_tables(runs, warn):
@@ -835,13 +959,13 @@ def write_tables(res, runs, skipped, out):
     return [path for stem, rows in tables if rows for path in write_table(rows, out, stem)]
 
 
-def draw_figures(res, runs, out, pdf, log):
+def draw_figures(res, runs, out, pdf, log, warn):
     """fig1..fig5 in out: (paths written, notes on the figures skipped and why)."""
     cells, ctl_rows = res['cells'], res['ctl_rows']
     plots = [('fig1_pr_over_training', lambda: plot_pr_over_training(cells)),
              ('fig2_pr_gap', lambda: plot_pr_gap(cells)),
              ('fig3_entropy_and_pr', lambda: plot_entropy_and_pr(cells)),
-             ('fig4_spectra', lambda: plot_spectra(cells)),
+             ('fig4_spectra', lambda: plot_spectra(cells, warn)),
              ('fig5_control_k', lambda: plot_control(runs, ctl_rows['k'], 'k'))]
     if ctl_rows['q']:
         plots.append(('fig5_control_q', lambda: plot_control(runs, ctl_rows['q'], 'q')))
@@ -893,6 +1017,8 @@ def runs_command(argv):
               f'{os.path.join(res["out"], "REPORT.md")} lists them too)', file=sys.stderr)
         return 1
     print_missing(res['missing'])
+    if res['short']:
+        print(f'note: {report.short_note(res)}; the verdicts below are plumbing checks')
     for c in res['claims']:
         print(f'{report.claim_label(c):<4} {c["verdict"]:<14} {report.clip(c["value"], 100)}')
     print(f'wrote {len(res["files"])} files to {res["out"]} in {time.time() - t0:.1f}s: '
@@ -909,11 +1035,23 @@ def print_missing(missing):
         print(f'  {line}')
 
 
-def print_token_result(res):
+def print_token_result(res, dirs=None):
+    """The token-level claims, the files, and the exact command that puts the claims into a REPORT.md: the runs
+    analysed (dirs), else the run folders above an --out named analysis/ (pretrained models)."""
     for c in res['claims']:
         print(f'{report.claim_label(c):<4} {c["verdict"]:<14} {report.clip(c["value"], 110)}')
-    print(f'wrote {len(res["files"])} files to {res["out"]}; `python analyze.py DIR --out={res["out"]}` puts claims '
-          f'(f1), (f2) into its REPORT.md')
+    out = res['out']
+    if dirs is None and os.path.basename(os.path.normpath(out)) == 'analysis':
+        parent = os.path.dirname(os.path.normpath(out)) or '.'
+        dirs = [parent] if find_run_dirs([parent]) else None
+    if dirs is None:
+        hint = f'`python analyze.py RUN_FOLDERS --out={shlex.quote(out)}` (RUN_FOLDERS: the out_dir of your runs)'
+    else:
+        default = os.path.normpath(os.path.join(dirs[0], 'analysis')) == os.path.normpath(out)
+        hint = '`python analyze.py ' + ' '.join(map(shlex.quote, [*dirs] + ([] if default else [f'--out={out}']))) + '`'
+    print(f'wrote {len(res["files"])} files to {out}; {hint} puts claims (f1), (f2) into its REPORT.md')
+    if res.get('report_removed'):
+        print(f'(the REPORT.md there reported the earlier token tables: removed until that command writes it again)')
 
 
 def tokens_command(argv):
@@ -940,7 +1078,7 @@ def tokens_command(argv):
         print(f'error: none of the {res["n_found"]} run folders could be measured (reasons above)', file=sys.stderr)
         return 1
     print(f'{len(res["measured"])} of {res["n_found"]} runs measured in {time.time() - t0:.1f}s')
-    print_token_result(res)
+    print_token_result(res, args.dirs)
     return 0
 
 

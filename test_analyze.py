@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from PIL import Image
 
 import analyze
@@ -35,6 +36,26 @@ def make_study(write_run, root, effect=1, depths=(2,), inits=('normal', 'tied'),
 
 def verdicts(result):
     return {c['claim'][1]: c['verdict'] for c in result['claims']}
+
+
+def edit_records(run_dir, edit):
+    """Rewrite a written run's metrics.jsonl: edit(record) changes each record in place."""
+    path = os.path.join(run_dir, 'metrics.jsonl')
+    rows = [json.loads(line) for line in open(path)]
+    for row in rows:
+        edit(row)
+    with open(path, 'w') as f:
+        f.writelines(json.dumps(row) + '\n' for row in rows)
+
+
+def set_value(run_dir, it, layer, key, value):
+    def edit(row):
+        if row['iter'] == it:
+            if layer is None:
+                row[key] = value
+            else:
+                row['layers'][layer][key] = value
+    edit_records(run_dir, edit)
 
 
 def run_analysis(root, **kw):
@@ -275,6 +296,120 @@ def test_absent_data_skips_a_figure_with_a_note(tmp_path, write_run):
     assert 'fig5_control_k' in notes and 'fig4_spectra' in notes
     assert os.path.exists(os.path.join(res['out'], 'fig1_pr_over_training.png'))
     assert 'figure skipped: fig5_control_k' in open(os.path.join(res['out'], 'REPORT.md')).read()
+
+
+# ----------------------------------------------------------------------------- bad input, short runs, figures
+
+def test_bad_values_are_left_out_with_a_warning_naming_run_iteration_and_key(tmp_path, synthetic_study):
+    root = synthetic_study(str(tmp_path / 'runs'))
+    bad = [(os.path.join(root, 'L2_normal_s1'), 50, 0, 'pr_k', float('nan')),
+           (os.path.join(root, 'L2_normal_s2'), 64, 1, 'entropy', float('inf')),
+           (os.path.join(root, 'L2_tied_s1'), 100, 0, 'pr_q', 'abc'),
+           (os.path.join(root, 'L2_tied_s2'), 32, 1, 'pr_k_heads', [1.0, None]),
+           (os.path.join(root, 'control', 'L3_normal_shrink-k_s1'), 100, None, 'val_loss', float('nan'))]
+    for run, it, layer, key, value in bad:
+        set_value(run, it, layer, key, value)
+    messages = []
+    res = analyze.analyze([root], out=str(tmp_path / 'out'), figures=False, log=messages.append)
+    assert verdicts(res) == {'a': 'holds', 'b': 'holds', 'c': 'holds', 'd': 'holds', 'e': 'holds',
+                             'f': 'not measured'}
+    for run, it, _, key, _ in bad:
+        assert any(run in m and f'iteration {it}' in m and key in m for m in messages), (run, key)
+        loaded = next(r for r in res['runs'] if r.path == run)
+        assert it not in loaded.iters                  # that record is left out, the run kept
+    text = open(tmp_path / 'out' / 'REPORT.md').read()
+    claims_table = text.split('## Claims')[1].split('###')[0]
+    assert 'nan' not in claims_table and 'iteration 50' in text
+
+
+def test_a_damaged_snapshot_is_left_out_and_the_analysis_completes(tmp_path, write_run):
+    root = str(tmp_path / 'runs')
+    for init in ('normal', 'tied'):
+        for seed in (1, 2):
+            write_run(root, f'L2_{init}_s{seed}', qk_init=init, seed=seed)
+    damaged = os.path.join(root, 'L2_normal_s1', 'snapshots', 'qk_0000100.npz')
+    with open(damaged, 'r+b') as f:
+        f.truncate(os.path.getsize(damaged) // 2)
+    messages = []
+    res = analyze.analyze([root], out=str(tmp_path / 'out'), log=messages.append)
+    assert any('L2_normal_s1' in m and 'iteration 100' in m and 'snapshot' in m for m in messages)
+    assert os.path.exists(tmp_path / 'out' / 'fig4_spectra.png')     # the tied run still has its row
+    assert any('iteration 100' in w for w in res['warnings'])
+
+
+def test_a_report_never_sits_beside_the_tables_of_another_analysis(tmp_path, synthetic_study, write_run,
+                                                                     monkeypatch):
+    out = tmp_path / 'out'
+    run_analysis(synthetic_study(str(tmp_path / 'study'), seeds=(1, 2), control_seeds=(1, 2)), out=str(out))
+    assert (out / 'control.csv').exists() and (out / 'control_effects.md').exists()
+    write_run(str(tmp_path / 'plain'), 'L2_normal_s1')
+    run_analysis(tmp_path / 'plain', out=str(out))
+    assert not (out / 'control.csv').exists() and not (out / 'control_effects.md').exists()   # stale: removed
+    before = {name: (out / name).read_bytes() for name in ('runs.csv', 'REPORT.md')}
+    write_run(str(tmp_path / 'other'), 'L2_tied_s1', qk_init='tied')
+    monkeypatch.setattr(analyze, 'plot_pr_gap', lambda cells: 1 / 0)    # a crash halfway through
+    with pytest.raises(ZeroDivisionError):
+        run_analysis(tmp_path / 'other', out=str(out), figures=True)
+    assert {name: (out / name).read_bytes() for name in before} == before   # nothing half-written
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith('.')) == []
+
+
+def test_odd_folders_and_repeated_records_are_named(tmp_path, write_run):
+    root = tmp_path / 'runs'
+    write_run(str(root), 'L2_normal_s1')
+    orphan = write_run(str(root), 'L2_normal_s2', seed=2)
+    os.remove(os.path.join(orphan, 'config.json'))              # metrics.jsonl without config.json
+    elsewhere = write_run(str(tmp_path / 'elsewhere'), 'L2_normal_s3', seed=3)
+    os.symlink(elsewhere, root / 'linked')                       # a symlinked run folder
+    repeated = write_run(str(root), 'L2_normal_s4', seed=4)
+    with open(os.path.join(repeated, 'metrics.jsonl')) as f:
+        lines = f.readlines()
+    with open(os.path.join(repeated, 'metrics.jsonl'), 'a') as f:
+        f.write(lines[5])                                        # iteration 16 twice
+    messages = []
+    res = analyze.analyze([str(root)], figures=False, log=messages.append)
+    assert any(orphan in m and 'no config.json' in m for m in messages)
+    assert any(str(root / 'linked') in m and 'symbolic link' in m and elsewhere in m for m in messages)
+    assert any(repeated in m and 'iteration 16' in m and '2 records' in m for m in messages)
+    assert len(res['runs']) == 2
+
+
+def test_short_runs_get_plumbing_checks_not_verdicts(tmp_path, synthetic_study):
+    # warm-up to iteration 64 leaves one record after it (100): too short for any verdict
+    res = run_analysis(synthetic_study(str(tmp_path / 'short'), seeds=(1, 2), control_seeds=(1, 2, 3),
+                                       warmup_iters=64))
+    text = open(os.path.join(res['out'], 'REPORT.md')).read()
+    assert 'too short for verdicts' in text and '(plumbing check)' in text.split('## Claims')[1].split('###')[0]
+    res = run_analysis(synthetic_study(str(tmp_path / 'long'), seeds=(1, 2), control_seeds=(1, 2, 3)))
+    text = open(os.path.join(res['out'], 'REPORT.md')).read()
+    assert 'too short for verdicts' not in text and 'plumbing check' not in text
+
+
+def test_effects_below_the_precision_shown_are_in_scientific_notation():
+    effect = {'target': 'k', 'contrast': 'freeze - none', 'metric': 'entropy', 'n': 5, 'mean': 2.1e-8,
+              'ci_lo': 1.2e-8, 'ci_hi': 3.3e-8, 'n_predicted': 5, 'sign_p': 1 / 32, 'confidence': 1.0}
+    e = next(c for c in report.effect_claims([effect], 3) if c['claim'].startswith('(e)'))
+    assert '+2.10e-08 [+1.20e-08, +3.30e-08]' in e['value'] and '0.0000' not in e['value']
+    assert report.signed(0.25) == '+0.2500' and report.signed(-3e-5) == '-3.00e-05' and report.signed(0.0) == '0'
+
+
+def offsets(fig):
+    """The additive offsets (the 2.04477 of an axis that reads '1e-6+2.04477') of every axis of a figure, drawn."""
+    FigureCanvasAgg(fig).draw()
+    formatters = [axis.get_major_formatter() for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)]
+    return [f.offset for f in formatters if getattr(f, 'offset', 0)]
+
+
+def test_figures_have_no_offset_notation_and_fig1_a_readable_legend(tmp_path, synthetic_study):
+    root = synthetic_study(str(tmp_path), seeds=(1, 2), control_seeds=(1, 2))
+    for name in os.listdir(os.path.join(root, 'control')):   # entropies that differ in the 7th digit
+        edit_records(os.path.join(root, 'control', name), lambda row: [
+            layer.update(entropy=2.04477 + 1e-6 * layer['entropy']) for layer in row['layers']])
+    res = run_analysis(root)
+    assert offsets(analyze.plot_control(res['runs'], res['ctl_rows']['k'], 'k')) == []
+    fig = analyze.plot_pr_over_training(res['cells'])
+    assert len(fig.legends) == 1                                  # one legend for the figure, not one panel
+    assert min(t.get_fontsize() for t in fig.legends[0].get_texts()) >= 8
 
 
 # ----------------------------------------------------------------------------- command line

@@ -5,6 +5,8 @@ import itertools
 import json
 import math
 import os
+import re
+import shlex
 import shutil
 import string
 import sys
@@ -12,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 import torch.nn.functional as F
 
 import analyze
@@ -174,6 +177,34 @@ def test_tokens_match_the_metrics_logged_in_training(tiny_run, capsys):
     f2 = next(c for c in res['claims'] if c['claim'].startswith('(f2)') and 'our checkpoints' in c['claim'])
     assert f2['verdict'] != 'not measured' and 'L2_normal_s1' in f2['value']
     assert '### our checkpoints' in (out / 'REPORT.md').read_text()
+
+
+def test_the_printed_hint_is_the_exact_command(tiny_run, tmp_path, capsys, monkeypatch):
+    root, _, _ = tiny_run
+    monkeypatch.chdir(tmp_path)
+    for out in (f'{tmp_path}/my results', None):             # a path that needs quoting, then the default --out
+        args = ['tokens', str(root / 'out'), '--no_figures', '--device=cpu'] + ([f'--out={out}'] if out else [])
+        assert analyze.main(args) == 0
+        hint = re.search(r'`(python analyze\.py [^`]*)`', capsys.readouterr().out).group(1)
+        assert ('--out' in hint) == bool(out)
+        assert analyze.main(shlex.split(hint)[2:] + ['--no_figures']) == 0
+        report_path = os.path.join(out or root / 'out' / 'analysis', 'REPORT.md')
+        assert '### our checkpoints' in open(report_path).read()
+    shutil.rmtree(root / 'out' / 'analysis')                  # the module's run folder as it was
+
+
+def test_fig6_keeps_every_row_readable(tmp_path):
+    layer_rows, head_rows = [], []
+    for i in range(10):                                         # ten configurations: three files, four rows at most
+        rows = synthetic_series(f'run{i}', lambda x: x, link=1, seed=i)
+        layer_rows += rows[0]
+        head_rows += rows[1]
+    paths = tokens.save_token_figures(layer_rows, head_rows, lambda r: r['model'], str(tmp_path), 'fig6_tokens',
+                                      'test', pdf=False)
+    assert [os.path.basename(p) for p in paths] == ['fig6_tokens.png', 'fig6_tokens_2.png', 'fig6_tokens_3.png']
+    for p in paths:
+        with Image.open(p) as im:
+            assert im.size[1] <= 1500 and im.size[0] <= 1700     # 100% zoom on a laptop screen, about
 
 
 def test_tokens_name_a_missing_text_and_the_override(tiny_run, tmp_path, capsys, synthetic_text):

@@ -49,7 +49,8 @@ and the late ones (split at the series' median log step, both halves inclusive; 
 monotonicity score (mean sign of successive differences), and where the contrast peaks. Per checkpoint
 (*_link): Spearman of tok_pr_qk with entropy across its (layer, head) pairs, one-sided permutation test.
 *_summary: one row per series. Files: tokens.csv / pretrained.csv (series, step, layer), *_heads, *_trend,
-*_link, *_summary (.csv and .md), fig6_tokens.png (our runs) and fig7_pretrained.png. The claims (f1) and
+*_link, *_summary (.csv and .md), fig6_tokens.png (our runs; fig6_tokens_2.png, ... past FIG_ROWS
+configurations) and fig7_pretrained.png. The claims (f1) and
 (f2) and their rules are analyze.py's: `python analyze.py out/` reads these tables from its output folder.
 """
 import json
@@ -78,6 +79,10 @@ SERIES_COLUMNS = ('model', 'family', 'rope', 'n_layer', 'qk_init', 'control', 't
 SAMPLE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'shared', 'data', 'wikitext-103',
                            'wiki.test.raw')
 SAMPLE_CHARS = 100_000        # of SAMPLE_FILE or --text: far more than n_seqs x seq_len tokens need
+FIG_ROWS = 4                  # configurations (or models) per figure file: more rows make every label unreadable
+# the files each subcommand writes into its --out folder (stale ones from an earlier run of it are removed)
+TOKENS_OUTPUTS = re.compile(r'tokens(_\w+)?\.(csv|md)|fig6_tokens(_\d+)?\.(png|pdf)')
+PRETRAINED_OUTPUTS = re.compile(r'pretrained(_\w+)?\.(csv|md)|fig7_pretrained(_\d+)?\.(png|pdf)')
 
 
 def default_device():
@@ -524,9 +529,23 @@ def plot_token_contrast(layer_rows, head_rows, label_of, title):
         ax_s.set_title(f'last checkpoint, layers x heads: Spearman {spearman(x, y):+.2f}', fontsize=9)
     widest = max(range(len(groups)), key=lambda i: len(axes[i][0].get_legend_handles_labels()[0]))
     if axes[widest][0].get_legend_handles_labels()[0]:
-        axes[widest][0].legend(fontsize=6, ncol=2)
+        axes[widest][0].legend(fontsize=8, ncol=2)
     fig.suptitle(title)
     return fig
+
+
+def save_token_figures(layer_rows, head_rows, label_of, out, stem, title, pdf):
+    """plot_token_contrast in files of at most FIG_ROWS rows each (stem.png, stem_2.png, ...), so that every label
+    reads at 100% zoom; returns the paths written."""
+    labels = list(dict.fromkeys(label_of(r) for r in layer_rows))
+    parts = [set(labels[i:i + FIG_ROWS]) for i in range(0, len(labels), FIG_ROWS)]
+    paths = []
+    for n, part in enumerate(parts, 1):
+        fig = plot_token_contrast([r for r in layer_rows if label_of(r) in part],
+                                  [h for h in head_rows if label_of(h) in part], label_of,
+                                  title if len(parts) == 1 else f'{title}, part {n} of {len(parts)}')
+        paths += analyze.save_figure(fig, out, stem if n == 1 else f'{stem}_{n}', pdf)
+    return paths
 
 
 def draw_series(ax_c, ax_h, label, rows):
@@ -592,9 +611,9 @@ def analyze_tokens(paths, out=None, data_file='', data_dir='', cache_dir='', dev
     evaluation batch: tables tokens[_heads|_trend|_link|_summary] and fig6_tokens in out (default
     <first path>/analysis). Returns a dict with the rows, files and warnings; Skip when no run folder is found.
     Runs that cannot be measured (no checkpoints, data not found) are skipped with a warning."""
-    run_dirs = analyze.discover(paths)[0]
-    out = out or os.path.join(paths[0], 'analysis')
     warnings, warn = analyze.collector(log)
+    run_dirs = analyze.discover(paths, warn)[0]
+    out = out or os.path.join(paths[0], 'analysis')
     layer_rows, head_rows, batches, measured, labels = [], [], {}, [], {}
     for path in run_dirs:
         try:
@@ -613,13 +632,14 @@ def analyze_tokens(paths, out=None, data_file='', data_dir='', cache_dir='', dev
               'layer_rows': layer_rows, 'head_rows': head_rows, 'files': [], 'claims': []}
     if not layer_rows:
         return result
-    os.makedirs(out, exist_ok=True)
-    result['files'], trend, link = write_token_tables(layer_rows, head_rows, out, 'tokens')
-    result['claims'] = report.token_claims('tokens', trend, link)
-    if figures:
-        result['files'] += analyze.save_figure(plot_token_contrast(
-            layer_rows, head_rows, lambda r: labels[r['model']], 'token-level contrast and entropy over checkpoints, '
-            'our runs (mean over seeds)'), out, 'fig6_tokens', pdf)
+    with analyze.staging(out) as staged:
+        files, trend, link = write_token_tables(layer_rows, head_rows, staged, 'tokens')
+        if figures:
+            files += save_token_figures(layer_rows, head_rows, lambda r: labels[r['model']], staged, 'fig6_tokens',
+                                        'token-level contrast and entropy over checkpoints, our runs (mean over seeds)',
+                                        pdf)
+        result.update(files=analyze.moved(files, out), claims=report.token_claims('tokens', trend, link),
+                      report_removed=analyze.publish(staged, out, TOKENS_OUTPUTS))
     return result
 
 
@@ -661,19 +681,18 @@ def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rop
     ids = text_windows(tokenizer, text, n_seqs, seq_len)
     log(f'text: {where}; {ids.shape[0]} windows of {ids.shape[1]} tokens')
     layer_rows, head_rows = measure_revisions(name, revisions, ids, ROPES if rope == 'both' else (rope,), device, log)
-    os.makedirs(out, exist_ok=True)
     new = {report.series_of(r) for r in layer_rows}
     for rows, stem in ((layer_rows, 'pretrained'), (head_rows, 'pretrained_heads')):
         path = os.path.join(out, stem + '.csv')
         if os.path.isfile(path):  # earlier models stay, earlier rows of this one are replaced
             rows[:0] = [r for r in analyze.read_table(path) if report.series_of(r) not in new]
-    files, trend, link = write_token_tables(layer_rows, head_rows, out, 'pretrained')
-    result = {'out': out, 'text': where, 'ids': ids, 'layer_rows': layer_rows, 'head_rows': head_rows,
-              'files': files, 'claims': report.token_claims('pretrained', trend, link), 'warnings': []}
-    if figures:
-        label = lambda r: os.path.basename(os.path.normpath(r['model'])) + \
-            ('' if r['rope'] == 'none' else f" (q, k {r['rope']} rotary)")
-        result['files'] += analyze.save_figure(plot_token_contrast(
-            layer_rows, head_rows, label, 'token-level contrast and entropy over checkpoints, pretrained models'),
-            out, 'fig7_pretrained', pdf)
-    return result
+    label = lambda r: os.path.basename(os.path.normpath(r['model'])) + \
+        ('' if r['rope'] == 'none' else f" (q, k {r['rope']} rotary)")
+    with analyze.staging(out) as staged:
+        files, trend, link = write_token_tables(layer_rows, head_rows, staged, 'pretrained')
+        if figures:
+            files += save_token_figures(layer_rows, head_rows, label, staged, 'fig7_pretrained', 'token-level '
+                                        'contrast and entropy over checkpoints, pretrained models', pdf)
+        return {'out': out, 'text': where, 'ids': ids, 'layer_rows': layer_rows, 'head_rows': head_rows,
+                'files': analyze.moved(files, out), 'claims': report.token_claims('pretrained', trend, link),
+                'warnings': [], 'report_removed': analyze.publish(staged, out, PRETRAINED_OUTPUTS)}
