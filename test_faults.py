@@ -52,6 +52,7 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_metrics(setup, reference, po
     assert ('resuming' in resumed.stdout) == (at > 8)
     assert without_wall_clock(records(run_dir)) == reference[0]
     assert sorted(os.listdir(run_dir / 'snapshots')) == reference[1]
+    assert {'pr_dq', 'pr_dk_heads', 'dq_rel'} <= set(reference[0][-1]['layers'][0])  # learned part compared too
 
 
 @pytest.mark.parametrize('sig', ['SIGTERM', 'SIGINT'])
@@ -365,3 +366,22 @@ def test_user_mistakes_give_one_line_and_exit_2(run_train, arg):
     """Issue 13: every user mistake: one line, exit 2, no traceback."""
     proc = run_train([arg])
     assert one_line_error(proc), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize('keep', ['spec', 'fro'])
+def test_controlled_run_killed_and_resumed_matches_uninterrupted(setup, args_for, run_train, records,
+                                                                 without_wall_clock, keep):
+    """Issue 15: a shrink run with control_keep (spec keeps the top singular value) resumes exactly: W(0)
+    and the control state come back from ckpt.pt, so the learned-part metrics continue unchanged."""
+    tmp_path, text_file = setup
+    extra = ('--control=shrink', f'--control_keep={keep}', '--shrink_iters=16', '--shrink_to=0.3')
+    ref = train.train(train.get_config(args_for(tmp_path, text_file, 'ref', *extra)))
+    args = args_for(tmp_path, text_file, 'killed', *extra)
+    assert run_train(args, 'record', 16).returncode == -signal.SIGKILL
+    ckpt = torch.load(tmp_path / 'out' / 'killed' / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter'] == 8 and len(ckpt['w0']) == 2 and ckpt['config']['control_keep'] == keep
+    assert run_train(args).returncode == 0
+    want = without_wall_clock(records(ref))
+    assert without_wall_clock(records(tmp_path / 'out' / 'killed')) == want
+    assert want[-1]['layers'][0]['ctl_pr'] < 0.5 * want[0]['layers'][0]['ctl_pr']  # the control did act
+    assert want[-1]['layers'][0]['dk_rel'] > 0

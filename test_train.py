@@ -316,7 +316,11 @@ def test_log_schedule_is_log_spaced_early():
     cfg = train.get_config(['--max_iters=1000', '--eval_interval=250', '--geom_interval=100', '--model_ckpts=5'])
     its = sorted(train.log_iters(cfg))
     assert {0, 1, 2, 4, 8, 16, 32, 64, 100, 250, 900} <= set(its) and its[-1] == 1000 and 128 not in its
-    assert train.model_ckpt_iters(cfg) == {0, 1, 10, 100, 1000} and train.model_ckpt_iters(cfg) <= set(its)
+    # model checkpoints (contract 5): 0, then 4 log-spaced from the end of warm-up (100) to max_iters
+    assert train.model_ckpt_iters(cfg) == {0, 100, 215, 464, 1000} and train.model_ckpt_iters(cfg) <= set(its)
+    for extra, want in ((['--warmup_iters=0'], {0, 1, 10, 100, 1000}), (['--model_ckpts=2'], {0, 1000}),
+                        (['--model_ckpts=1'], {0}), (['--model_ckpts=0'], set())):
+        assert train.model_ckpt_iters(train.get_config(['--max_iters=1000', '--model_ckpts=5', *extra])) == want
 
 
 # ----------------------------------------------------------------------------- runs
@@ -328,22 +332,30 @@ def test_tiny_run_writes_every_file_and_snapshots_reproduce_the_log(tmp_path, te
     for name in ('config.json', 'metrics.jsonl', 'ckpt.pt', 'done.json'):
         assert os.path.isfile(os.path.join(run_dir, name)), name
     rows = records(run_dir)
-    assert [r['iter'] for r in rows] == [0, 1, 2, 4, 8, 16]
-    assert sorted(os.listdir(os.path.join(run_dir, 'models'))) == [
-        'model_0000000.pt', 'model_0000001.pt', 'model_0000004.pt', 'model_0000016.pt']
+    assert [r['iter'] for r in rows] == [0, 1, 2, 4, 6, 8, 16]
+    assert sorted(os.listdir(os.path.join(run_dir, 'models'))) == [   # 0, then 2 (warm-up's end) .. 16
+        'model_0000000.pt', 'model_0000002.pt', 'model_0000006.pt', 'model_0000016.pt']
     assert len(os.listdir(os.path.join(run_dir, 'snapshots'))) == len(rows)
     cfg = json.load(open(os.path.join(run_dir, 'config.json')))
     assert cfg['n_layer'] == 2 and cfg['torch'] == torch.__version__ and cfg['device'] == 'cpu'
     done = json.load(open(os.path.join(run_dir, 'done.json')))
     assert done['iter'] == 16 and done['val_loss'] == rows[-1]['val_loss']
     assert done['control_share'] == 0 and 0 < done['geometry_share'] < 1   # no control ran
+    snap0 = np.load(os.path.join(run_dir, 'snapshots', 'qk_0000000.npz'))  # W(0)
+    ckpt = torch.load(os.path.join(run_dir, 'ckpt.pt'), weights_only=True)
+    assert all(np.array_equal(w.numpy(), snap0[s][i]) for i, pair in enumerate(ckpt['w0']) for w, s in zip(pair, 'qk'))
     for row in rows:
         snap = np.load(os.path.join(run_dir, 'snapshots', f"qk_{row['iter']:07d}.npz"))
         assert snap['q'].dtype == np.float32 and snap['q'].shape == (2, 32, 32)
         for layer, logged in enumerate(row['layers']):
             again = geometry.layer_geometry(snap['q'][layer], snap['k'][layer], int(snap['n_head']))
-            for key, value in again.items():
+            learned = geometry.learned_geometry(snap['q'][layer], snap['k'][layer], snap0['q'][layer],
+                                                snap0['k'][layer], int(snap['n_head']))
+            assert set(learned) == {'pr_dq', 'pr_dk', 'pr_dq_head', 'pr_dk_head', 'pr_dq_heads', 'pr_dk_heads',
+                                    'dq_rel', 'dk_rel'}
+            for key, value in {**again, **learned}.items():
                 assert np.allclose(logged[key], value, rtol=1e-6, atol=0), (row['iter'], layer, key)
+            assert (logged['dq_rel'] == 0) == (row['iter'] == 0) and (logged['dk_rel'] > 0) == (row['iter'] > 0)
             for key in ('tok_pr_q', 'tok_pr_k', 'tok_pr_qk', 'entropy', 'entropy_norm'):
                 assert np.isfinite(logged[key])
     # a finished run is not overwritten by accident

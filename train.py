@@ -718,11 +718,13 @@ def get_lr(it, cfg):
 
 
 def model_ckpt_iters(cfg):
-    """0, max_iters and model_ckpts - 2 log-spaced iterations between them."""
+    """0, then model_ckpts - 1 iterations log-spaced from the end of warm-up (warmup_iters, at least 1) to
+    max_iters: the token-level analysis sees training, not model_ckpts copies of the init."""
     n, m = cfg['model_ckpts'], cfg['max_iters']
     if n < 1 or m < 1:
-        return set()
-    return {0, m} | {int(round(m ** (i / max(1, n - 2)))) for i in range(n - 1)} if n > 2 else {0, m}
+        return {0} if n >= 1 else set()
+    lo, k = min(max(1, cfg['warmup_iters']), m), n - 1
+    return {0} | {int(round(lo * (m / lo) ** (i / (k - 1)))) if k > 1 else m for i in range(k)}
 
 
 def loss_iters(cfg):
@@ -768,10 +770,11 @@ def estimate_loss(model, data, cfg, dev, ctx):
 
 
 @torch.no_grad()
-def measure_geometry(model, eval_x, eval_y, n_head):
-    """Per layer: every weight metric of W_Q, W_K, W_QK and every token metric on the evaluation batch;
-    and the loss on that batch, which the same forward pass gives for free. Layers are None when the loss or
-    an activation is not finite (the caller stops the run: geometry.py refuses NaN)."""
+def measure_geometry(model, eval_x, eval_y, n_head, w0=None):
+    """Per layer: every weight metric of W_Q, W_K, W_QK, the learned part W - W(0) when w0 (a list per layer
+    of (W_Q(0), W_K(0))) is given, and every token metric on the evaluation batch; and the loss on that
+    batch, which the same forward pass gives for free. Layers are None when the loss or an activation is not
+    finite (the caller stops the run: geometry.py refuses NaN)."""
     model.eval()
     probe = []
     loss = model(eval_x, eval_y, probe=probe)[1].item()  # float32, explicit attention
@@ -779,8 +782,10 @@ def measure_geometry(model, eval_x, eval_y, n_head):
     if not math.isfinite(loss) or not all(torch.isfinite(t).all() for acts in probe for t in acts):
         return loss, None
     layers = []
-    for (wq, wk), (q, k, att) in zip(model.qk_weights(), probe):
+    for i, ((wq, wk), (q, k, att)) in enumerate(zip(model.qk_weights(), probe)):
         row = geometry.layer_geometry(wq, wk, n_head)
+        if w0 is not None:  # which directions training opened, whatever the init (a random W has PR ~ C/2)
+            row.update(geometry.learned_geometry(wq, wk, *w0[i], n_head))
         row.update(geometry.token_geometry(q, k, att, n_head))
         layers.append(row)
     return loss, layers
@@ -799,7 +804,7 @@ def measure(run, it):
             nan_stop(row[key], it, cfg)
     t0 = time.time()
     if cfg['geom_interval']:
-        loss, layers = measure_geometry(run.model, run.eval_x, run.eval_y, cfg['n_head'])
+        loss, layers = measure_geometry(run.model, run.eval_x, run.eval_y, cfg['n_head'], run.w0)
         if layers is None:
             nan_stop(loss if not math.isfinite(loss) else float('nan'), it, cfg)
         for layer, ctl_row in zip(layers, spectrum_control.report(run.ctl)):
@@ -865,10 +870,11 @@ def train(cfg):
         run.model = GPT(run.gcfg, cfg['qk_init']).to(dev)
         run.optimizer = make_optimizer(run.model, cfg, dev_type)
         run.ctl = spectrum_control.record(cfg, run.model.qk_weights())  # the step-0 spectra control steers from
+        run.w0 = [(wq.detach().cpu().clone(), wk.detach().cpu().clone()) for wq, wk in run.model.qk_weights()]
         run.start, run.elapsed = 0, 0.0
-        if resuming:
-            run.start, run.elapsed, run.ctl = load_checkpoint(run.ckpt_path, cfg, run.meta, run.model,
-                                                              run.optimizer, run.data_gen)
+        if resuming:  # the state at the checkpoint, W(0) and the control's step-0 spectra included
+            run.start, run.elapsed, run.ctl, run.w0 = load_checkpoint(run.ckpt_path, cfg, run.meta, run.model,
+                                                                      run.optimizer, run.data_gen, run.w0)
         if run.master:
             open_run_files(run, resuming)
         run.train_model = run.model
@@ -1131,7 +1137,8 @@ def checkpoint(run, it):
         os.fsync(run.metrics.fileno())
     atomic_save({'model': run.model.state_dict(), 'optimizer': run.optimizer.state_dict(), 'iter': it,
                  'elapsed': run.elapsed + time.time() - run.t_start, 'config': run.cfg,
-                 'rng': rng_state(run.data_gen), 'data_sha256': run.meta['sha256'], 'control': run.ctl},
+                 'rng': rng_state(run.data_gen), 'data_sha256': run.meta['sha256'], 'control': run.ctl,
+                 'w0': run.w0},
                 run.ckpt_path)
 
 
@@ -1293,8 +1300,9 @@ RESUMABLE_CHANGES = ('overwrite', 'device', 'threads', 'compile', 'out_dir', 'da
                      'data_url')
 
 
-def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
-    """Restore everything that decides the rest of the run, or say why this checkpoint cannot do it."""
+def load_checkpoint(path, cfg, meta, model, optimizer, data_gen, w0):
+    """Restore everything that decides the rest of the run, or say why this checkpoint cannot do it. A
+    checkpoint from before W(0) was saved gives w0 back: the same seed's init, W(0) itself."""
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
         changed = [k for k in ckpt['config'] if k not in RESUMABLE_CHANGES and ckpt['config'][k] != cfg.get(k)]
@@ -1308,7 +1316,7 @@ def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
     model.load_state_dict(ckpt['model'])
     optimizer.load_state_dict(ckpt['optimizer'])
     set_rng_state(ckpt['rng'], data_gen)
-    return ckpt['iter'], ckpt['elapsed'], ckpt['control']
+    return ckpt['iter'], ckpt['elapsed'], ckpt['control'], [tuple(pair) for pair in ckpt.get('w0', w0)]
 
 
 def print_record(row, ms, tokens_per_iter, cfg, start, t_start):
