@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from folders import markdown_table
 from stats import BOOT_SEED, LEVEL, N_BOOT, N_PERM, mean_ci
 
 HOLDS, FAILS, MIXED, NOT_MEASURED = 'holds', 'does not hold', 'mixed', 'not measured'
@@ -208,21 +209,6 @@ def signed(v, decimals=4):
     if v == 0 or not math.isfinite(v):
         return f'{v:g}'
     return f'{v:+.2e}' if abs(v) < 0.5 * 10 ** -decimals else f'{v:+.{decimals}f}'
-
-
-def fmt(v):
-    """A cell for Markdown: 4 significant digits for floats, blank for None."""
-    if v is None:
-        return ''
-    if isinstance(v, float):
-        return 'nan' if v != v else f'{v:.4g}'
-    return str(v)
-
-
-def markdown_table(rows, columns):
-    lines = ['| ' + ' | '.join(columns) + ' |', '|' + ' --- |' * len(columns)]
-    lines += ['| ' + ' | '.join(fmt(row.get(c)) for c in columns) + ' |' for row in rows]
-    return '\n'.join(lines) + '\n'
 
 
 def clip(text, width):

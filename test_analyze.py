@@ -10,6 +10,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from PIL import Image
 
 import analyze
+import folders
+import plots
 import report
 import stats
 
@@ -27,7 +29,7 @@ def make_study(write_run, root, effect=1, depths=(2,), inits=('normal', 'tied'),
             for seed in seeds:
                 write_run(root, f'L{depth}_{init}_s{seed}', n_layer=depth, qk_init=init, seed=seed, effect=effect, **kw)
     for seed in control_seeds:
-        for kind in analyze.CONTROL_KINDS:
+        for kind in folders.CONTROL_KINDS:
             name = f'L{control_depth}_normal' + ('' if kind == 'none' else f'_{kind}-k') + f'_s{seed}'
             write_run(os.path.join(root, 'control'), name, n_layer=control_depth, seed=seed, control=kind,
                       effect=effect, **kw)
@@ -252,7 +254,7 @@ def test_every_figure_is_written(tmp_path, write_run, synthetic_study):
 def test_fig5_draws_each_control_setup_in_its_own_row(tmp_path, write_run):
     # two control experiments of different depth (and width): fig5 crashed stacking their layers together
     for seed in (1, 2):
-        for kind in analyze.CONTROL_KINDS:
+        for kind in folders.CONTROL_KINDS:
             ctl = '' if kind == 'none' else f'_{kind}-k'
             write_run(str(tmp_path / 'a'), f'L2_normal{ctl}_s{seed}', n_layer=2, seed=seed, control=kind)
             write_run(str(tmp_path / 'b'), f'L3_normal{ctl}_s{seed}', n_layer=3, seed=seed, control=kind, n_embd=16)
@@ -270,7 +272,7 @@ def test_timeline_is_the_mean_over_runs_of_layer_means(tmp_path, write_run, log_
     write_run(root, 'L3_normal_s1', n_layer=3, seed=1, iters=log_iters[:-1], max_iters=100)  # one record fewer
     write_run(root, 'L2_normal_shrink-k_s1', n_layer=2, seed=1, control='shrink')
     res = run_analysis(root)
-    rows = analyze.read_table(os.path.join(res['out'], 'timeline.csv'))
+    rows = folders.read_table(os.path.join(res['out'], 'timeline.csv'))
     pooled = [r for r in rows if r['n_layer'] == 'all']
     assert [r['iter'] for r in pooled] == list(log_iters[:-1]) and {r['n_runs'] for r in pooled} == {2}
     def layer_mean(name, it):
@@ -347,7 +349,7 @@ def test_a_report_never_sits_beside_the_tables_of_another_analysis(tmp_path, syn
     assert not (out / 'control.csv').exists() and not (out / 'control_effects.md').exists()   # stale: removed
     before = {name: (out / name).read_bytes() for name in ('runs.csv', 'REPORT.md')}
     write_run(str(tmp_path / 'other'), 'L2_tied_s1', qk_init='tied')
-    monkeypatch.setattr(analyze, 'plot_pr_gap', lambda cells: 1 / 0)    # a crash halfway through
+    monkeypatch.setattr(plots, 'plot_pr_gap', lambda cells: 1 / 0)    # a crash halfway through
     with pytest.raises(ZeroDivisionError):
         run_analysis(tmp_path / 'other', out=str(out), figures=True)
     assert {name: (out / name).read_bytes() for name in before} == before   # nothing half-written
@@ -406,8 +408,8 @@ def test_figures_have_no_offset_notation_and_fig1_a_readable_legend(tmp_path, sy
         edit_records(os.path.join(root, 'control', name), lambda row: [
             layer.update(entropy=2.04477 + 1e-6 * layer['entropy']) for layer in row['layers']])
     res = run_analysis(root)
-    assert offsets(analyze.plot_control(res['runs'], res['ctl_rows']['k'], 'k')) == []
-    fig = analyze.plot_pr_over_training(res['cells'])
+    assert offsets(plots.plot_control(res['runs'], res['ctl_rows']['k'], 'k')) == []
+    fig = plots.plot_pr_over_training(res['cells'])
     assert len(fig.legends) == 1                                  # one legend for the figure, not one panel
     assert min(t.get_fontsize() for t in fig.legends[0].get_texts()) >= 8
 

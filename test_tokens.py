@@ -18,6 +18,7 @@ from PIL import Image
 import torch.nn.functional as F
 
 import analyze
+import folders
 import geometry
 import report
 import stats
@@ -133,7 +134,8 @@ def test_report_picks_up_token_tables(tmp_path, write_run):
 
 @pytest.fixture(scope='module')
 def tiny_run(tmp_path_factory, synthetic_text, tiny_config):
-    """A real run folder: 16 iterations, 2 layers, model checkpoints at iterations 0, 1, 4 and 16."""
+    """A real run folder: 16 iterations, 2 layers, 4 model checkpoints (iteration 0, then log-spaced from the end of
+    warm-up to 16)."""
     root = tmp_path_factory.mktemp('tokens')
     (root / 'src').mkdir()
     text = root / 'src' / 'corpus.txt'
@@ -150,26 +152,27 @@ def test_tokens_match_the_metrics_logged_in_training(tiny_run, capsys):
     assert analyze.main(['tokens', str(root / 'out'), f'--out={out}', '--device=cpu']) == 0
     assert '1 of 1 runs measured' in capsys.readouterr().out
     logged = {r['iter']: r['layers'] for r in train.read_metrics(os.path.join(run_dir, 'metrics.jsonl'))}
-    rows = analyze.read_table(out / 'tokens.csv')
-    assert sorted({r['step'] for r in rows}) == [0, 1, 4, 16] and len(rows) == 4 * 2
+    rows = folders.read_table(out / 'tokens.csv')
+    ckpts = sorted(int(name[len('model_'):-len('.pt')]) for name in os.listdir(os.path.join(run_dir, 'models')))
+    assert len(ckpts) == 4 and ckpts[0] == 0 and ckpts[-1] == 16
+    assert sorted({r['step'] for r in rows}) == ckpts and len(rows) == 4 * 2
     for r in rows:   # the same evaluation batch and weights: the same numbers
         m = logged[r['step']][r['layer']]
         for key in ('tok_pr_q', 'tok_pr_k', 'tok_pr_q_head', 'tok_pr_k_head', 'tok_pr_qk', 'entropy', 'entropy_norm'):
             assert r[key] == pytest.approx(m[key], rel=1e-6, abs=1e-9), key
         assert r['contrast'] == pytest.approx(m['tok_pr_q'] - m['tok_pr_k'], rel=1e-6)
-    heads = analyze.read_table(out / 'tokens_heads.csv')
+    heads = folders.read_table(out / 'tokens_heads.csv')
     assert len(heads) == 4 * 2 * 2
     for h in heads:
         m = logged[h['step']][h['layer']]
         for key, logged_key in (('tok_pr_qk', 'tok_pr_qk_heads'), ('entropy', 'entropy_heads'),
                                 ('tok_pr_k_head', 'tok_pr_k_heads')):
             assert h[key] == pytest.approx(m[logged_key][h['head']], rel=1e-6), key
-    trend = analyze.read_table(out / 'tokens_trend.csv')
+    trend = folders.read_table(out / 'tokens_trend.csv')
     assert [(r['layer'], r['n_ckpts'], r['first_step'], r['last_step']) for r in trend] == \
         [(0, 4, 0, 16), (1, 4, 0, 16)]
-    link = analyze.read_table(out / 'tokens_link.csv')
-    assert [(r['step'], r['n_pairs'], r['last']) for r in link] == [(0, 4, False), (1, 4, False), (4, 4, False),
-                                                                    (16, 4, True)]
+    link = folders.read_table(out / 'tokens_link.csv')
+    assert [(r['step'], r['n_pairs'], r['last']) for r in link] == [(it, 4, it == 16) for it in ckpts]
     for name in ('tokens.md', 'tokens_summary.md', 'fig6_tokens.png'):
         assert (out / name).exists(), name
     # the runs report puts the token-level rows in
@@ -224,7 +227,7 @@ def test_tokens_name_a_missing_text_and_the_override(tiny_run, tmp_path, capsys,
     assert analyze.main(args + [f'--data_file={other}']) == 1     # another text: other windows, refused
     assert 'SHA-256' in capsys.readouterr().out
     assert analyze.main(args + [f'--data_file={text}']) == 0      # the same text, moved
-    assert len(analyze.read_table(tmp_path / 'res' / 'tokens.csv')) == 4 * 2
+    assert len(folders.read_table(tmp_path / 'res' / 'tokens.csv')) == 4 * 2
 
 
 # ----------------------------------------------------------------------------- pretrained families
@@ -402,12 +405,12 @@ def test_pretrained_command_on_local_checkpoint_series(tf, tmp_path, capsys, syn
     neox = ['pretrained', f'--model={series}', '--revisions=' + ','.join(f'step{s}' for s in steps), '--rope=both']
     assert analyze.main(neox + common) == 0
     assert 'windows of 16 tokens' in capsys.readouterr().out
-    trend = analyze.read_table(out / 'pretrained_trend.csv')
+    trend = folders.read_table(out / 'pretrained_trend.csv')
     assert sorted((r['rope'], r['layer']) for r in trend) == [('after', 0), ('after', 1), ('before', 0), ('before', 1)]
     assert all((r['n_ckpts'], r['n_early'], r['n_late'], r['family']) == (6, 3, 3, 'gpt_neox') for r in trend)
-    link = analyze.read_table(out / 'pretrained_link.csv')
+    link = folders.read_table(out / 'pretrained_link.csv')
     assert len(link) == 2 * 6 and [r['step'] for r in link if r['last']] == [16, 16]
-    rows = analyze.read_table(out / 'pretrained.csv')
+    rows = folders.read_table(out / 'pretrained.csv')
     assert sorted({(r['step'], r['revision']) for r in rows}) == [(s, f'step{s}') for s in steps]
     # a second model is added to the tables; running the first again replaces its rows
     gpt2 = tmp_path / 'gpt2-tiny'
@@ -415,7 +418,7 @@ def test_pretrained_command_on_local_checkpoint_series(tf, tmp_path, capsys, syn
     char_tokenizer(tf, gpt2)
     assert analyze.main(['pretrained', f'--model={gpt2}', '--no_figures'] + common) == 0
     assert analyze.main(neox + common) == 0
-    rows = analyze.read_table(out / 'pretrained.csv')
+    rows = folders.read_table(out / 'pretrained.csv')
     assert len(rows) == 6 * 2 * 2 + 2 and {(r['model'], r['rope']) for r in rows if r['family'] == 'gpt2'} == \
         {(str(gpt2), 'none')}
     assert (out / 'fig7_pretrained.png').exists() and (out / 'pretrained_summary.md').exists()

@@ -2,13 +2,13 @@
 Token-level analysis of checkpoints: query/key geometry measured on activations, not weights. Each checkpoint
 runs a fixed input; geometry.token_geometry turns its query and key vectors into token-level PRs (tok_pr_q,
 tok_pr_k, per head too), the interaction rank of the logits (tok_pr_qk) and the attention entropy. The
-quantity followed over checkpoints is the paired contrast tok_pr_q - tok_pr_k. Run it through analyze.py:
+quantity followed over checkpoints is the paired contrast tok_pr_q - tok_pr_k. Run it through folders.py:
 
-    python analyze.py tokens out/                          # our runs: every models/model_*.pt -> out/analysis/
-    python analyze.py tokens out/ --data_file=moved/wiki.test.raw   # the training text has moved
-    python analyze.py pretrained --model=EleutherAI/pythia-160m --revisions=pythia   # a checkpoint series
-    python analyze.py pretrained --model=gpt2 --out=out/analysis   # one checkpoint
-    python analyze.py out/                                 # REPORT.md, now with claims (f1), (f2)
+    python folders.py tokens out/                          # our runs: every models/model_*.pt -> out/analysis/
+    python folders.py tokens out/ --data_file=moved/wiki.test.raw   # the training text has moved
+    python folders.py pretrained --model=EleutherAI/pythia-160m --revisions=pythia   # a checkpoint series
+    python folders.py pretrained --model=gpt2 --out=out/analysis   # one checkpoint
+    python folders.py out/                                 # REPORT.md, now with claims (f1), (f2)
 
 Our checkpoints (`tokens`). Every model checkpoint in a run's models/ (weights_only) runs the run's fixed
 evaluation batch, rebuilt as train.py builds it (train.prepare_data on its config.json, then eval_windows
@@ -51,7 +51,7 @@ monotonicity score (mean sign of successive differences), and where the contrast
 *_summary: one row per series. Files: tokens.csv / pretrained.csv (series, step, layer), *_heads, *_trend,
 *_link, *_summary (.csv and .md), fig6_tokens.png (our runs; fig6_tokens_2.png, ... past FIG_ROWS
 configurations) and fig7_pretrained.png. The claims (f1) and
-(f2) and their rules are analyze.py's: `python analyze.py out/` reads these tables from its output folder.
+(f2) and their rules are folders.py's: `python folders.py out/` reads these tables from its output folder.
 """
 import json
 import math
@@ -68,11 +68,12 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-import analyze
+import folders
 import geometry
+import plots
 import report
 import train  # the trainer's own data and model code: the evaluation batch is rebuilt with it
-from analyze import Skip
+from folders import Skip
 from stats import permutation_p, spearman
 
 SERIES_COLUMNS = ('model', 'family', 'rope', 'n_layer', 'qk_init', 'control', 'target', 'seed')
@@ -496,9 +497,9 @@ def write_token_tables(layer_rows, head_rows, out, prefix):
     """prefix[_heads|_trend|_link|_summary] (.csv, .md) from the per-layer and per-head rows; returns
     (paths written, trend rows, link rows)."""
     trend, link = token_trend_rows(layer_rows), token_link_rows(head_rows)
-    paths = analyze.write_table(layer_rows, out, prefix) + analyze.write_table(head_rows, out, prefix + '_heads')
-    paths += analyze.write_table(trend, out, prefix + '_trend') + analyze.write_table(link, out, prefix + '_link')
-    paths += analyze.write_table(token_summary_rows(trend, link), out, prefix + '_summary')
+    paths = folders.write_table(layer_rows, out, prefix) + folders.write_table(head_rows, out, prefix + '_heads')
+    paths += folders.write_table(trend, out, prefix + '_trend') + folders.write_table(link, out, prefix + '_link')
+    paths += folders.write_table(token_summary_rows(trend, link), out, prefix + '_summary')
     return paths, trend, link
 
 
@@ -544,7 +545,7 @@ def save_token_figures(layer_rows, head_rows, label_of, out, stem, title, pdf):
         fig = plot_token_contrast([r for r in layer_rows if label_of(r) in part],
                                   [h for h in head_rows if label_of(h) in part], label_of,
                                   title if len(parts) == 1 else f'{title}, part {n} of {len(parts)}')
-        paths += analyze.save_figure(fig, out, stem if n == 1 else f'{stem}_{n}', pdf)
+        paths += plots.save_figure(fig, out, stem if n == 1 else f'{stem}_{n}', pdf)
     return paths
 
 
@@ -562,7 +563,7 @@ def draw_series(ax_c, ax_h, label, rows):
         if len(steps) > 1:
             for i, layer in enumerate(layers):
                 ax.plot(steps, mean[i], '.-', color=colors[i], lw=1.2, label=f'layer {layer}')
-            analyze.iteration_axis(ax)
+            plots.iteration_axis(ax)
             ax.set_xlabel('step')
         else:
             ax.plot(layers, mean[:, 0], 'o-', color='k')
@@ -585,7 +586,7 @@ def draw_series(ax_c, ax_h, label, rows):
 def measure_run(path, batches, overrides, device):
     """(per-layer rows, per-head rows, checkpoints) of one run folder's model checkpoints on its evaluation
     batch; batches caches the batch of each text (runs on the same text share one). Skip with the reason."""
-    cfg = analyze.read_json(os.path.join(path, 'config.json'))
+    cfg = folders.read_json(os.path.join(path, 'config.json'))
     ckpts = model_checkpoints(path)
     if not ckpts:
         raise Skip('no model checkpoints in models/ (model_ckpts=0?)')
@@ -595,7 +596,7 @@ def measure_run(path, batches, overrides, device):
         batches[data_key] = evaluation_batch(cfg, *overrides)
     x = batches[data_key].to(device)
     series = {'model': path, 'rope': 'none', 'n_layer': cfg.get('n_layer'), 'qk_init': cfg.get('qk_init'),
-              'control': cfg.get('control', 'none'), 'target': analyze.target_of(cfg), 'seed': cfg.get('seed')}
+              'control': cfg.get('control', 'none'), 'target': folders.target_of(cfg), 'seed': cfg.get('seed')}
     layer_rows, head_rows = [], []
     for it, ckpt in ckpts:
         model, _ = load_model(ckpt)
@@ -611,8 +612,8 @@ def analyze_tokens(paths, out=None, data_file='', data_dir='', cache_dir='', dev
     evaluation batch: tables tokens[_heads|_trend|_link|_summary] and fig6_tokens in out (default
     <first path>/analysis). Returns a dict with the rows, files and warnings; Skip when no run folder is found.
     Runs that cannot be measured (no checkpoints, data not found) are skipped with a warning."""
-    warnings, warn = analyze.collector(log)
-    run_dirs = analyze.discover(paths, warn)[0]
+    warnings, warn = folders.collector(log)
+    run_dirs = folders.discover(paths, warn)[0]
     out = out or os.path.join(paths[0], 'analysis')
     layer_rows, head_rows, batches, measured, labels = [], [], {}, [], {}
     for path in run_dirs:
@@ -624,7 +625,7 @@ def analyze_tokens(paths, out=None, data_file='', data_dir='', cache_dir='', dev
         layer_rows += rows[0]
         head_rows += rows[1]
         measured.append(path)
-        labels[path] = analyze.group_label(analyze.read_json(os.path.join(path, 'config.json')))
+        labels[path] = folders.group_label(folders.read_json(os.path.join(path, 'config.json')))
         done = os.path.exists(os.path.join(path, 'done.json'))
         log(f'{path}: {len(rows[2])} checkpoints (iterations {", ".join(str(i) for i, _ in rows[2])})'
             f'{"" if done else ", unfinished run"}')
@@ -632,14 +633,14 @@ def analyze_tokens(paths, out=None, data_file='', data_dir='', cache_dir='', dev
               'layer_rows': layer_rows, 'head_rows': head_rows, 'files': [], 'claims': []}
     if not layer_rows:
         return result
-    with analyze.staging(out) as staged:
+    with folders.staging(out) as staged:
         files, trend, link = write_token_tables(layer_rows, head_rows, staged, 'tokens')
         if figures:
             files += save_token_figures(layer_rows, head_rows, lambda r: labels[r['model']], staged, 'fig6_tokens',
                                         'token-level contrast and entropy over checkpoints, our runs (mean over seeds)',
                                         pdf)
-        result.update(files=analyze.moved(files, out), claims=report.token_claims('tokens', trend, link),
-                      report_removed=analyze.publish(staged, out, TOKENS_OUTPUTS))
+        result.update(files=folders.moved(files, out), claims=report.token_claims('tokens', trend, link),
+                      report_removed=folders.publish(staged, out, TOKENS_OUTPUTS))
     return result
 
 
@@ -685,14 +686,14 @@ def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rop
     for rows, stem in ((layer_rows, 'pretrained'), (head_rows, 'pretrained_heads')):
         path = os.path.join(out, stem + '.csv')
         if os.path.isfile(path):  # earlier models stay, earlier rows of this one are replaced
-            rows[:0] = [r for r in analyze.read_table(path) if report.series_of(r) not in new]
+            rows[:0] = [r for r in folders.read_table(path) if report.series_of(r) not in new]
     label = lambda r: os.path.basename(os.path.normpath(r['model'])) + \
         ('' if r['rope'] == 'none' else f" (q, k {r['rope']} rotary)")
-    with analyze.staging(out) as staged:
+    with folders.staging(out) as staged:
         files, trend, link = write_token_tables(layer_rows, head_rows, staged, 'pretrained')
         if figures:
             files += save_token_figures(layer_rows, head_rows, label, staged, 'fig7_pretrained', 'token-level '
                                         'contrast and entropy over checkpoints, pretrained models', pdf)
         return {'out': out, 'text': where, 'ids': ids, 'layer_rows': layer_rows, 'head_rows': head_rows,
-                'files': analyze.moved(files, out), 'claims': report.token_claims('pretrained', trend, link),
-                'warnings': [], 'report_removed': analyze.publish(staged, out, PRETRAINED_OUTPUTS)}
+                'files': folders.moved(files, out), 'claims': report.token_claims('pretrained', trend, link),
+                'warnings': [], 'report_removed': folders.publish(staged, out, PRETRAINED_OUTPUTS)}

@@ -1,0 +1,294 @@
+"""
+The figures of the weight study, each a function named after what it shows (fig6 and fig7, token level, are
+tokens.py's). Object-oriented matplotlib (Figure, no pyplot state), headless; written as 256-colour PNGs.
+
+    fig1_pr_over_training   PR_Q (solid) and PR_K (dashed) over training, a panel per depth x init, a line per layer
+    fig2_pr_gap             PR_Q - PR_K along every (depth, init, layer) trajectory
+    fig3_entropy_and_pr     entropy over training; PR_K and PR_QK against entropy
+    fig4_spectra            singular values of W_Q, W_K and W_QK at the first and the last snapshot
+    fig5_control_k (_q)     the control experiment, a row per control setup
+"""
+import io
+import os
+
+import matplotlib
+import numpy as np
+import torch
+from matplotlib import colormaps
+from matplotlib.figure import Figure  # object-oriented matplotlib: headless, no pyplot state
+from PIL import Image
+
+import control
+import geometry
+import stats
+from folders import CONTROL_KINDS, Skip, init_order, seed_stack
+
+matplotlib.rcParams['axes.formatter.useoffset'] = False   # axes read '1e-6+2.04477' with it: every tick in full
+
+
+
+def draw_figures(res, runs, out, pdf, log, warn):
+    """fig1..fig5 in out: (paths written, notes on the figures skipped and why)."""
+    cells, ctl_rows = res['cells'], res['ctl_rows']
+    plots = [('fig1_pr_over_training', lambda: plot_pr_over_training(cells)),
+             ('fig2_pr_gap', lambda: plot_pr_gap(cells)),
+             ('fig3_entropy_and_pr', lambda: plot_entropy_and_pr(cells)),
+             ('fig4_spectra', lambda: plot_spectra(cells, warn)),
+             ('fig5_control_k', lambda: plot_control(runs, ctl_rows['k'], 'k'))]
+    if ctl_rows['q']:
+        plots.append(('fig5_control_q', lambda: plot_control(runs, ctl_rows['q'], 'q')))
+    written, notes = [], []
+    for stem, make in plots:
+        try:
+            written += save_figure(make(), out, stem, pdf)
+        except Skip as e:
+            notes.append(f'{stem}: {e}')
+            log(f'note: {stem} skipped: {e}')
+    return written, notes
+
+
+def save_figure(fig, out, stem, pdf):
+    """stem.png as a 256-colour palette PNG: line plots look the same and the file is about 3x smaller,
+    which matters for figures committed with results (PIL comes with matplotlib)."""
+    paths = [os.path.join(out, stem + '.png')]
+    buf = io.BytesIO()
+    fig.savefig(buf, format='png', dpi=110, bbox_inches='tight')
+    rgb = Image.open(buf).convert('RGB')
+    rgb.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(paths[0], optimize=True)
+    if pdf:
+        paths.append(os.path.join(out, stem + '.pdf'))
+        fig.savefig(paths[1], bbox_inches='tight')
+    return paths
+
+
+def iteration_axis(ax):
+    """Iterations 0, 1, 2, 4, ... on a symlog axis: 0 is plotted, the log-spaced early logs spread out."""
+    ax.set_xscale('symlog', linthresh=1)
+    ax.set_xlabel('iteration')
+    ax.set_xlim(left=0)
+
+
+def plot_pr_over_training(cells):
+    """Figure 1: PR_Q (solid) and PR_K (dashed) over training, a panel per depth x init, a line per layer,
+    min-max band over seeds."""
+    if not cells:
+        raise Skip('no uncontrolled runs with geometry')
+    depths = sorted({d for d, _ in cells})
+    inits = sorted({i for _, i in cells}, key=init_order)
+    fig = Figure(layout='constrained', figsize=(4.2 * len(inits), 3.2 * len(depths)))
+    axes = fig.subplots(len(depths), len(inits), squeeze=False, sharex=True)
+    for (depth, init), runs in cells.items():
+        ax = axes[depths.index(depth)][inits.index(init)]
+        draw_pr_layers(ax, runs, depth, depths[-1])
+        ax.set_title(f'L{depth} {init} ({len(runs)} seeds)', fontsize=9)
+        ax.set_ylabel('PR')
+        iteration_axis(ax)
+        if depth != depths[-1]:
+            ax.set_xlabel('')  # the axes are shared: name them once, on the bottom row
+    handles, labels = axes[-1][0].get_legend_handles_labels()   # the deepest panel has every layer
+    fig.legend(handles, labels, loc='outside right upper', fontsize=9, title='solid PR_Q\ndashed PR_K',
+               title_fontsize=9)
+    fig.suptitle('PR_Q and PR_K over training (seed mean, min-max band)')
+    return fig
+
+
+def draw_pr_layers(ax, runs, depth, deepest):
+    """PR_Q (solid) and PR_K (dashed) of every layer of runs of one depth: seed mean, min-max band. Layer i has
+    the same colour at every depth (one legend for the figure)."""
+    iters, Q = seed_stack(runs, 'pr_q')
+    K = seed_stack(runs, 'pr_k')[1]
+    colors = colormaps['viridis'](np.linspace(0, 0.9, deepest))
+    for layer in range(depth):
+        for vals, style in ((Q, '-'), (K, '--')):
+            v = vals[:, :, layer]
+            ax.plot(iters, v.mean(0), style, color=colors[layer], lw=1.2,
+                    label=f'layer {layer}' if style == '-' else None)
+            if len(runs) > 1:
+                ax.fill_between(iters, v.min(0), v.max(0), color=colors[layer], alpha=0.15, lw=0)
+
+
+def plot_pr_gap(cells):
+    """Figure 2: PR_Q - PR_K along every (depth, init, layer) trajectory (seed means), zero marked."""
+    if not cells:
+        raise Skip('no uncontrolled runs with geometry')
+    fig = Figure(layout='constrained', figsize=(7, 4.5))
+    ax = fig.subplots()
+    colors = {init: colormaps['tab10'](i) for i, init in enumerate(sorted({i for _, i in cells}, key=init_order))}
+    styles = ['-', '--', ':', '-.']
+    depths = sorted({d for d, _ in cells})
+    for (depth, init), runs in cells.items():
+        iters, Q = seed_stack(runs, 'pr_q')
+        gap = Q.mean(0) - seed_stack(runs, 'pr_k')[1].mean(0)
+        for layer in range(depth):
+            ax.plot(iters, gap[:, layer], styles[depths.index(depth) % 4], color=colors[init], lw=0.9, alpha=0.8,
+                    label=f'L{depth} {init}' if layer == 0 else None)
+    ax.axhline(0, color='k', lw=1)
+    iteration_axis(ax)
+    ax.set_ylabel('PR_Q - PR_K')
+    ax.set_title('PR_Q - PR_K, every trajectory (line style = depth, colour = init)', fontsize=10)
+    ax.legend(fontsize=6, ncol=3)
+    return fig
+
+
+def plot_entropy_and_pr(cells):
+    """Figure 3: attention entropy over training (seed and layer mean per configuration), and PR_K and
+    PR_QK against entropy for every run, layer and logged iteration, coloured by iteration."""
+    if not cells:
+        raise Skip('no uncontrolled runs with geometry')
+    fig = Figure(layout='constrained', figsize=(15, 4.3))
+    ax_h, ax_k, ax_qk = fig.subplots(1, 3)
+    for (depth, init), runs in cells.items():
+        iters, H = seed_stack(runs, 'entropy')
+        ax_h.plot(iters, np.nanmean(H, axis=(0, 2)), lw=1.2, label=f'L{depth} {init}')
+    iteration_axis(ax_h)
+    ax_h.set_ylabel('attention entropy (nats)')
+    ax_h.legend(fontsize=6, ncol=2)
+    runs = [r for rs in cells.values() for r in rs]
+    it = np.concatenate([np.repeat(r.geom_iters, r.n_layer) for r in runs])
+    ent = np.concatenate([r.metric('entropy').ravel() for r in runs])
+    color = np.log10(1 + it)
+    for ax, key, name in ((ax_k, 'pr_k', 'PR_K'), (ax_qk, 'pr_qk', 'PR_QK')):
+        x = np.concatenate([r.metric(key).ravel() for r in runs])
+        sc = ax.scatter(x, ent, c=color, s=4, cmap='viridis', alpha=0.6, lw=0)
+        ax.set_xlabel(name)
+        ax.set_ylabel('attention entropy (nats)')
+        ax.set_title(f'{name} against entropy (all runs, layers, iterations)', fontsize=9)
+    fig.colorbar(sc, ax=[ax_k, ax_qk], label='log10(1 + iteration)')
+    ax_h.set_title('entropy over training (seed and layer mean)', fontsize=9)
+    return fig
+
+
+def representative_runs(cells):
+    """Per init, the lowest-seed run at the middle depth found; its middle layer is the one shown."""
+    depths = sorted({d for d, _ in cells})
+    depth = depths[len(depths) // 2]
+    return [(init, runs[0]) for (d, init), runs in cells.items() if d == depth]
+
+
+def snapshot_files(run):
+    """[(iteration, path)] of the Q/K snapshots train.py wrote in a run's snapshots/, by iteration."""
+    folder = os.path.join(run.path, 'snapshots')
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return sorted((int(n[3:-4]), os.path.join(folder, n)) for n in names
+                  if n.startswith('qk_') and n.endswith('.npz') and n[3:-4].isdigit())
+
+
+def read_snapshot(run, it, path, layer):
+    """(W_Q, W_K, n_head) of one layer in a snapshot; Skip naming the run and iteration when it is unreadable."""
+    try:
+        with np.load(path) as z:
+            q, k, n_head = z['q'][layer], z['k'][layer], int(z['n_head'])
+    except Exception as e:  # a truncated or foreign file: zipfile, OSError, KeyError, ValueError, ...
+        raise Skip(f'{run.path}: the snapshot of iteration {it} ({os.path.basename(path)}) is unreadable '
+                   f'({type(e).__name__}: {str(e)[:60]})') from None
+    if not (np.isfinite(q).all() and np.isfinite(k).all()):
+        raise Skip(f'{run.path}: the snapshot of iteration {it} holds values that are not finite')
+    return q, k, n_head
+
+
+def plot_spectra(cells, warn=print):
+    """Figure 4: singular values of W_Q, W_K and W_QK (head mean of each rank) at the first and the last
+    snapshot, for the middle layer of one representative run per init. Reads two snapshots per run; a run
+    whose snapshot cannot be read is left out with a warning."""
+    reps = []
+    for init, run in representative_runs(cells) if cells else []:
+        files = snapshot_files(run)
+        try:
+            snaps = [(it, read_snapshot(run, it, path, run.n_layer // 2)) for it, path in (files[0], files[-1])]
+        except IndexError:
+            continue  # no snapshots
+        except Skip as e:
+            warn(f'{e}; left out of fig4')
+            continue
+        reps.append((run, snaps))
+    if not reps:
+        raise Skip('no readable Q/K snapshots in the uncontrolled runs')
+    fig = Figure(layout='constrained', figsize=(13, 3.3 * len(reps)))
+    axes = fig.subplots(len(reps), 3, squeeze=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small matrices: several threads on a busy machine spin-wait (seen: 1000x slower)
+    try:
+        for row, (run, snaps) in zip(axes, reps):
+            draw_spectra(row, run, snaps)
+    finally:
+        torch.set_num_threads(threads)
+    fig.suptitle('singular value spectra at the start and the end')
+    return fig
+
+
+def draw_spectra(axes, run, snaps):
+    """One row of figure 4: the spectra of W_Q, W_K and W_QK of a run's middle layer at two snapshots."""
+    for (it, (q, k, n_head)), color in zip(snaps, ('tab:blue', 'tab:red')):
+        s_qk = geometry.interaction_singular_values(q, k, n_head)
+        spectra = ((geometry.singular_values(q), geometry.matrix_pr(q)),
+                   (geometry.singular_values(k), geometry.matrix_pr(k)),
+                   (s_qk.mean(0), geometry.participation_ratio(s_qk ** 2).mean().item()))  # pr_qk: mean of head PRs
+        for ax, (s, pr) in zip(axes, spectra):
+            s = s.numpy()
+            ax.semilogy(np.arange(1, len(s) + 1), np.maximum(s, 1e-12), color=color, label=f'iter {it}: PR {pr:.1f}')
+    for ax, title in zip(axes, ('W_Q', 'W_K', 'W_QK (head mean)')):
+        ax.set_title(f'{title}, {os.path.basename(run.path)} layer {run.n_layer // 2}', fontsize=9)
+        ax.set_xlabel('index')
+        ax.set_ylabel('singular value')
+        ax.legend(fontsize=7)
+
+
+def plot_control(runs, rows, target):
+    """Figure 5, a row per control setup (training setting, depth, init): PR of the controlled projection and
+    attention entropy over training for none, shrink and freeze (seed mean, min-max band), and the per-seed
+    paired entropy differences with the mean and its bootstrap interval."""
+    if not rows:
+        raise Skip(f'no controlled runs (control_target={target})')
+    cells = sorted({(r['setting'], r['n_layer'], r['qk_init']) for r in rows},
+                   key=lambda c: (c[0], c[1], init_order(c[2])))
+    labels = {kind: control.control_label({'control': kind, 'control_target': target}) for kind in CONTROL_KINDS}
+    fig = Figure(layout='constrained', figsize=(15, 4.3 * len(cells)))
+    for axes, cell in zip(fig.subplots(len(cells), 3, squeeze=False), cells):
+        groups = {kind: [r for r in runs if (r.setting, r.n_layer, r.qk_init) == cell and r.label == labels[kind]
+                         and r.has_geometry] for kind in CONTROL_KINDS}
+        draw_control_curves(axes[0], axes[1], groups, target)
+        draw_control_effects(axes[2], [r for r in rows if (r['setting'], r['n_layer'], r['qk_init']) == cell])
+        axes[0].set_title(f'setting {cell[0]}, L{cell[1]} {cell[2]}: ' + axes[0].get_title(), fontsize=9)
+    fig.suptitle(f'control experiment (control_target={target})')
+    return fig
+
+CONTROL_COLORS = {'none': 'k', 'shrink': 'tab:blue', 'freeze': 'tab:red'}
+
+
+
+def draw_control_curves(ax_pr, ax_h, groups, target):
+    """The controlled PR and the entropy over training of each group {kind: runs}: layer mean, seed mean and band.
+    The PR shown is the one the control acts on: per head (mean over heads) in head scope, else the whole matrix."""
+    scopes = {r.cfg.get('control_scope', 'head') for kind in ('shrink', 'freeze') for r in groups[kind]}
+    ctl_pr = ('pr_k' if target == 'k' else 'pr_q') + ('_head' if scopes == {'head'} else '')
+    for kind, group in groups.items():
+        for ax, key in ((ax_pr, ctl_pr), (ax_h, 'entropy')) if group else ():
+            iters, v = seed_stack(group, key)
+            v = np.nanmean(v, axis=2)   # layer mean, (S, T)
+            ax.plot(iters, v.mean(0), color=CONTROL_COLORS[kind], label=f'{kind} ({len(group)} seeds)')
+            ax.fill_between(iters, v.min(0), v.max(0), color=CONTROL_COLORS[kind], alpha=0.2, lw=0)
+    for ax, name in ((ax_pr, ctl_pr.upper().replace('_HEAD', ' per head')), (ax_h, 'attention entropy (nats)')):
+        iteration_axis(ax)
+        ax.set_ylabel(name)
+        ax.legend(fontsize=7)
+    ax_pr.set_title(f'controlled PR ({ctl_pr}, layer mean)', fontsize=9)
+    ax_h.set_title('entropy (layer mean)', fontsize=9)
+
+
+def draw_control_effects(ax, rows):
+    """Per seed, the paired final entropy differences shrink - none and freeze - none, with their mean and
+    bootstrap interval."""
+    for x, kind in enumerate(('shrink', 'freeze')):
+        d = np.array([r[f'd_entropy_{kind}'] for r in rows if r[f'd_entropy_{kind}'] is not None], dtype=float)
+        if len(d) == 0:
+            continue
+        jitter = np.linspace(-0.12, 0.12, len(d)) if len(d) > 1 else np.zeros(1)
+        ax.scatter(x + jitter, d, color=CONTROL_COLORS[kind], s=18, zorder=3)
+        lo, hi = stats.bootstrap_ci(d)
+        ax.errorbar([x + 0.3], [d.mean()], yerr=[[d.mean() - lo], [hi - d.mean()]], fmt='D', color='k',
+                    capsize=4, zorder=4)
+    ax.axhline(0, color='k', lw=1)
+    ax.set_xticks([0, 1], ['shrink - none', 'freeze - none'])
+    ax.set_xlim(-0.5, 1.6)
+    ax.set_ylabel('paired final entropy difference (nats)')
+    ax.set_title(f'per seed, mean and {stats.LEVEL:.0%} bootstrap interval', fontsize=9)
