@@ -28,7 +28,8 @@ PRESET=${PRESET:-paper}
 # --key=value overrides given to every run; SLURM: #SBATCH options of one array task
 case $PRESET in
 paper)  # train.py's defaults, sized for one GPU; nanoGPT quotes ~3 min on an A100 for its shakespeare_char
-        # model of the same shape (6 layers, 384 wide, 5000 iterations); not measured here (no GPU)
+        # model of the same shape (6 layers, 384 wide, 5000 iterations). NOT YET MEASURED here: on a GPU machine,
+        # `bash gpu_check.sh` times one run and the best JOBS per GPU, and estimates the whole study
     PRESET_ARGS=(--n_embd=384 --n_head=6 --block_size=256 --batch_size=64 --max_iters=5000
                  --eval_interval=250 --geom_interval=250 --eval_iters=20 --shrink_iters=2000)
     SLURM=(--gres=gpu:1 --cpus-per-task=4 --mem=16G --time=4:00:00)
@@ -102,9 +103,9 @@ if [ -z "${RUN_LIST:-}" ]; then
     for seed in $CONTROL_SEEDS; do
         GRID+=("--n_layer=$CONTROL_DEPTH --qk_init=normal --seed=$seed")
         for target in $targets; do for keep in $CONTROL_KEEPS; do for control in shrink freeze; do
-            keep_arg=
-            [ "$keep" = fro ] || keep_arg=" --control_keep=$keep"
-            GRID+=("--n_layer=$CONTROL_DEPTH --qk_init=normal --control=$control --control_target=$target$keep_arg --seed=$seed")
+            args="--n_layer=$CONTROL_DEPTH --qk_init=normal --control=$control --control_target=$target"
+            [ "$keep" = fro ] || args="$args --control_keep=$keep"  # fro: train.py's default, as before
+            GRID+=("$args --seed=$seed")
         done; done; done
     done
 fi
@@ -157,7 +158,8 @@ lock_holder() {  # the pid of the live sweep holding the lock; a pid reused by a
 refuse_if_locked() {  # before this sweep writes anything in $OUT
     local holder
     holder=$(lock_holder) || return 0
-    die "another sweep (pid $holder) is running in $OUT; stop it first, or use another OUT (if no sweep runs there, remove $LOCK)"
+    die "another sweep (pid $holder) is running in $OUT; stop it first, or use another OUT" \
+        "(if no sweep runs there, remove $LOCK)"
 }
 take_lock() {  # noclobber: of two sweeps starting at once, one creates the file
     mkdir -p "$OUT" || die "cannot create $OUT"

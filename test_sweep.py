@@ -14,8 +14,8 @@ import pytest
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GRID_VARS = ('DEPTHS', 'INITS', 'SEEDS', 'CONTROL_DEPTH', 'CONTROL_SEEDS', 'CONTROL_KEEPS', 'MIRROR', 'RUN_LIST', 'BACKEND',
-             'DRY_RUN', 'SBATCH_ARGS', 'ANALYZE', 'JOBS', 'PRESET', 'OUT', 'DATA_FILE')
+GRID_VARS = ('DEPTHS', 'INITS', 'SEEDS', 'CONTROL_DEPTH', 'CONTROL_SEEDS', 'CONTROL_KEEPS', 'MIRROR', 'RUN_LIST',
+             'BACKEND', 'DRY_RUN', 'SBATCH_ARGS', 'ANALYZE', 'JOBS', 'PRESET', 'OUT', 'DATA_FILE')
 PROGRESS = re.compile(r'^\[(\d+)/(\d+)\] (\S+), (.*)$', re.M)
 
 
