@@ -305,6 +305,9 @@ def test_unwritable_out_dir_gives_one_line(setup, args_for, run_train):
     proc = run_train(args_for(tmp_path, text_file, 'x', f'--out_dir={tmp_path / "afile" / "out"}'))
     assert one_line_error(proc), proc.stderr[-2000:]
     assert f'cannot write {tmp_path / "afile" / "out"}' in proc.stderr and 'Not a directory' in proc.stderr
+    proc = run_train(args_for(tmp_path, text_file, 'x', f'--cache_dir={tmp_path / "afile" / "cache"}'))
+    assert one_line_error(proc), proc.stderr[-2000:]
+    assert f'cannot write {tmp_path / "afile" / "cache"}' in proc.stderr and '--cache_dir' in proc.stderr
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason='root writes into read-only folders')

@@ -500,17 +500,16 @@ def build_cache(folder, train_chunks, val_chunks, cfg, source):
     """Encode into a .building-HOST-PID-* folder, then rename it into place: a cache is complete or absent.
     The temporary folder goes on any failure or signal; one left by a killed process goes at the next start."""
     root = cache_root(cfg)
-    with writing(root):
+    with writing(root, 'free some disk space or pass another --cache_dir'):
         os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f'.building-{socket.gethostname()}-{os.getpid()}-', dir=root)
+        tmp = tempfile.mkdtemp(prefix=f'.building-{socket.gethostname()}-{os.getpid()}-', dir=root)
     t0 = time.time()
     try:
         meta = encode_dataset(train_chunks, val_chunks, cfg['min_char_count'], tmp, source)
         os.rename(tmp, folder)
     except OSError as e:
         if not os.path.isfile(os.path.join(folder, 'meta.json')):  # else another process finished it first
-            raise ConfigError(f'cannot write the data cache {folder}: {e.strerror or e}; free some disk space or '
-                              f'pass --cache_dir=') from None
+            raise disk_error(folder, e, 'free some disk space or pass another --cache_dir') from None
         return
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1184,18 +1183,21 @@ def release(run):
         torch.distributed.destroy_process_group()
 
 
-def disk_error(path, e):
-    return ConfigError(f'cannot write {path}: {e.strerror or e}; free some disk space or choose another --out_dir. '
-                       f'Files already written are intact: the same command resumes from the last checkpoint')
+RUN_FIX = ('free some disk space or choose another --out_dir. Files already written are intact: the same command '
+           'resumes from the last checkpoint')
+
+
+def disk_error(path, e, fix=RUN_FIX):
+    return ConfigError(f'cannot write {path}: {e.strerror or e}; {fix}')
 
 
 @contextlib.contextmanager
-def writing(path):
+def writing(path, fix=RUN_FIX):
     """A failed write (a full disk, a read-only or missing folder) as one line naming the path and the cause."""
     try:
         yield
     except OSError as e:
-        raise disk_error(path, e) from None
+        raise disk_error(path, e, fix) from None
 
 
 def atomic_save(obj, path):
@@ -1369,8 +1371,8 @@ def main(argv):
         sys.exit(2)
     except (KeyboardInterrupt, Stopped) as e:
         sig = getattr(e, 'signum', signal.SIGINT)
-        print(f'error: stopped by {signal.Signals(sig).name} before training started; nothing half-written was kept. '
-              f'Run the same command again.', file=sys.stderr, flush=True)
+        print(f'error: stopped by {signal.Signals(sig).name}; nothing half-written was kept. Run the same command '
+              f'again to continue.', file=sys.stderr, flush=True)
         sys.exit(128 + sig)
 
 
