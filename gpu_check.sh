@@ -4,7 +4,7 @@
 # the GPU count. It goes on after a failed step, so one failure does not lose the other measurements.
 #
 #   bash gpu_check.sh                      # on a GPU machine; logs and summary.txt in out/gpu_check/DATE/
-#   SMALL=1 bash gpu_check.sh              # every step shrunk (smoke sizes, a few tests): about a minute on CPU
+#   SMALL=1 bash gpu_check.sh              # every step shrunk (smoke sizes, test_geometry.py): 1-2 min on CPU
 #   STEPS="paper bench" bash gpu_check.sh  # some of the steps only
 #
 # Environment (default in brackets):
@@ -42,6 +42,10 @@ for step in $STEPS; do
     esac
 done
 [ -f "$DATA_FILE" ] || die "DATA_FILE=$DATA_FILE does not exist; set DATA_FILE to a UTF-8 text (no download here)"
+NGPU=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null) ||
+    die "cannot import torch with PYTHON=$PYTHON"
+[ "$NGPU" -gt 0 ] || [ "$SMALL" = 1 ] ||
+    die "torch sees no CUDA GPU here, and the paper sizes would take hours on CPU; SMALL=1 checks every step on CPU"
 for dir in "$LOG" "$RUNS"; do  # earlier measurements are never overwritten
     [ -z "$(ls -A "$dir" 2>/dev/null)" ] || die "$dir is not empty; give LOG (and RUNS) a new folder"
 done
@@ -77,15 +81,13 @@ sweep() {  # sweep NAME PRESET [VAR=VALUE...]: the command of a sweep into $RUNS
 }
 
 # ----------------------------------------------------------------------------- the machine
-NGPU=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null) ||
-    die "cannot import torch with PYTHON=$PYTHON"
 {
     "$PYTHON" -c 'import torch as t; print(f"torch {t.__version__}, CUDA {t.version.cuda}, {t.cuda.device_count()} GPUs")'
     nvidia-smi 2>/dev/null || echo "no nvidia-smi; $(nproc 2>/dev/null || echo '?') CPU cores"
     git -C "$REPO" log -1 --format='commit %H' 2>/dev/null
 } > "$LOG/machine.txt"
 say "gpu_check.sh, $(date), SMALL=$SMALL, PRESET=$PRESET: $(head -n 1 "$LOG/machine.txt")"
-[ "$NGPU" -gt 0 ] 2>/dev/null || say "no GPU: every step runs on CPU"
+[ "$NGPU" -gt 0 ] || say "no GPU: every step runs on CPU"
 sweep dry "$PRESET" DRY_RUN=1
 STUDY_N=$("${SWEEP[@]}" 2>/dev/null | sed -n '1s/.*, \([0-9]*\) runs .*/\1/p')  # a dry run writes nothing
 
@@ -124,7 +126,7 @@ for step in $STEPS; do "step_$step"; done
 if [ -n "${PAPER_S:-}" ] && [ -n "${SPEEDUP:-}" ] && [ -n "$STUDY_N" ]; then
     gpus=$NGPU where="$NGPU GPUs"
     [ "$gpus" -gt 0 ] || gpus=1 where='CPU'
-    say "estimate: the whole $PRESET study ($STUDY_N runs) at JOBS=${SPEEDUP% *} per device on $where:" \
+    say "estimate: the whole $PRESET study ($STUDY_N runs) at ${SPEEDUP% *} runs at once per device on $where:" \
         "$(minutes "$(awk -v t="$PAPER_S" -v n="$STUDY_N" -v s="${SPEEDUP#* }" -v g="$gpus" \
                           'BEGIN { printf "%d", t * n / s / g }')") (every run timed as the L6 run, the study's" \
         "mean depth; the bench speed-up is at sweep.sh's preset size)"

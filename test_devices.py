@@ -193,7 +193,7 @@ def test_gpu_check_runs_every_step_end_to_end_with_small_sizes(gpu_check, tmp_pa
                      r'\([\d.]+x the tokens/s of one\)$', summary, re.M), summary
     assert re.search(r'^4 smoke sweep, JOBS=2 \(0 GPUs\): ok in .*2 runs, 0 skipped .*2 trained now, 0 failed$',
                      summary, re.M), summary
-    assert re.search(r'^estimate: the whole smoke study \(\d+ runs\) at JOBS=[12] per device on CPU: [\d.]+ min',
+    assert re.search(r'^estimate: the whole smoke study \(\d+ runs\) at [12] runs at once per device on CPU: [\d.]+ min',
                      summary, re.M), summary
     assert done_runs(runs / 'paper') == {'L6_normal_s1'}
     assert json.loads((runs / 'paper' / 'L6_normal_s1' / 'done.json').read_text())['iter'] == 6
@@ -217,6 +217,7 @@ def test_gpu_check_refuses_bad_settings_in_one_line_and_writes_nothing(gpu_check
     log = tmp_path / 'log'
     for env, message in ((dict(STEPS='tests gpu'), "unknown step 'gpu' in STEPS"),
                          (dict(SMALL='yes'), 'SMALL=yes must be 0 or 1'),
+                         (dict(SMALL='0'), 'torch sees no CUDA GPU here'),  # the tests hide any GPU
                          (dict(DATA_FILE=str(tmp_path / 'no.txt')), f'DATA_FILE={tmp_path / "no.txt"} does not exist')):
         res = gpu_check(**env)
         assert res.returncode == 2 and message in res.stderr and res.stderr.count('\n') == 1, res.stderr
