@@ -53,6 +53,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -109,6 +110,8 @@ def plain_loop(data, vocab_size, args, iters, seed=1):
     """The nanoGPT loop at its plainest, on train.py's model at the size in args: random windows from a
     memmap, forward, backward, clip, step. Seconds per iteration."""
     cfg = train.get_config(args)
+    if cfg['threads']:
+        torch.set_num_threads(cfg['threads'])
     torch.manual_seed(seed)
     np.random.seed(seed)
     T, B = cfg['block_size'], cfg['batch_size']
@@ -130,7 +133,8 @@ def plain_loop(data, vocab_size, args, iters, seed=1):
 
 def train_py(args, out, name='bench'):
     """A whole train.py run; its done.json (wall_time excludes start-up) and console output."""
-    log = launch([[sys.executable, 'train.py', *args, f'--out_dir={out}', f'--run_name={name}', '--overwrite=True']])[0]
+    log = launch([[sys.executable, 'train.py', *args, f'--out_dir={out}', f'--run_name={name}',
+                   '--overwrite=True']])[0][0]
     with open(os.path.join(out, name, 'done.json')) as f:
         return json.load(f), log
 
@@ -143,8 +147,8 @@ def steps_alone(log, iters):
 
 
 def bench_loop(args, iters, repeats, geom_interval):
-    """Per iteration: train.py with geometry logging on and off, its steps alone, and the plain loop."""
-    args = [*LOOP_SIZE, *args, f'--max_iters={iters}']
+    """Per iteration, on the CPU: train.py with geometry logging on and off, its steps alone, the plain loop."""
+    args = [*LOOP_SIZE, *args, f'--max_iters={iters}', '--device=cpu']
     data, vocab = load_data(args)
     cfg = train.get_config(args)
     results = {'train.py, geometry on': [], 'train.py, geometry off': [], 'train.py steps alone': [],
@@ -196,8 +200,9 @@ def size_of(cfg):
 
 
 def launch(cmds):
-    """Start every command at once, wait for all; ValueError naming the first that failed (with its last line)."""
-    procs = []
+    """Start every command at once and wait for all: (their standard outputs, the CPU seconds they used).
+    BenchError naming the first that failed, with its last line."""
+    procs, cpu0 = [], resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         for cmd in cmds:
             procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -207,11 +212,12 @@ def launch(cmds):
             if p.poll() is None:
                 p.terminate()
                 p.wait()
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     for cmd, p, (_, err) in zip(cmds, procs, outs):
         if p.returncode:
             last = (err.strip().splitlines() or ['(no output)'])[-1]
             raise BenchError(f"{' '.join(cmd[1:3])}... exited with status {p.returncode}: {last}")
-    return [out for out, _ in outs]
+    return [out for out, _ in outs], cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
 
 
 def jobs_row(k, dones, iters, tokens_per_iter, batch_s):
@@ -270,31 +276,41 @@ def plain_process(cache, args, iters):
 
 def bench_fixed_cost(args, iters, repeats):
     """Whole processes, start-up included: train.py with its default logging against a plain process of
-    the same model and iterations (no logging, no checkpoints), interleaved, `repeats` pairs."""
-    args = [*LOOP_SIZE, *args, f'--max_iters={iters}']
+    the same model and iterations (no logging, no checkpoints), interleaved, `repeats` pairs, each pair
+    printed as it ends. Also the CPU seconds of each process, which a busy machine inflates less than wall
+    time. On the CPU: the plain loop has no device code."""
+    args = [*LOOP_SIZE, *args, f'--max_iters={iters}', '--device=cpu']
     data, _, _ = train.prepare_data(train.get_config(args))   # a warm cache for both
     cache = os.path.dirname(os.path.abspath(data.filename))
-    parts = {'train.py': [], 'plain': []}
+    loop_s, cpu_s = {'train.py': [], 'plain': []}, {'train.py': [], 'plain': []}
     with tempfile.TemporaryDirectory() as out:
         def whole_train():
-            launch([[sys.executable, 'train.py', *args, f'--out_dir={out}', '--run_name=fixed', '--overwrite=True']])
+            cpu_s['train.py'].append(launch([[sys.executable, 'train.py', *args, f'--out_dir={out}',
+                                              '--run_name=fixed', '--overwrite=True']])[1])
             with open(os.path.join(out, 'fixed', 'done.json')) as f:
-                parts['train.py'].append(json.load(f)['wall_time'])
+                loop_s['train.py'].append(json.load(f)['wall_time'])
 
         def whole_plain():
-            line = launch([[sys.executable, 'bench.py', f'--plain_process={cache}', f'--iters={iters}', *args]])[0]
-            parts['plain'].append(json.loads(line.strip().splitlines()[-1])['loop_s'])
+            outs, cpu = launch([[sys.executable, 'bench.py', f'--plain_process={cache}', f'--iters={iters}', *args]])
+            cpu_s['plain'].append(cpu)
+            loop_s['plain'].append(json.loads(outs[0].strip().splitlines()[-1])['loop_s'])
         print(f"whole processes, {iters} iterations at {size_of(train.get_config(args))}: train.py with default "
-              f"logging against a plain loop of the same model; {repeats} pairs, load {os.getloadavg()[0]:.2f} before")
-        ts = timings({'train.py': whole_train, 'plain': whole_plain}, repeats, warmup=False)
-    ratios = [t / p for t, p in zip(ts['train.py'], ts['plain'])]
-    for name in ts:
-        whole, loop = statistics.median(ts[name]), statistics.median(parts[name])
-        print(f"{name:9s} {whole:6.1f} s whole process (runs: {', '.join(f'{t:.1f}' for t in ts[name])}), "
-              f"of which {loop:.1f} s in its loop and {whole - loop:.1f} s outside it (start-up, exit)")
-    print(f"train.py / plain, median of the {repeats} pairs: x{statistics.median(ratios):.3f} "
-          f"(pairs: {', '.join(f'{r:.3f}' for r in ratios)}); load {os.getloadavg()[0]:.2f} after")
-    return statistics.median(ratios)
+              f"logging against a plain loop of the same model, {repeats} interleaved pairs")
+        wall = {'train.py': [], 'plain': []}
+        for _ in range(repeats):
+            load = os.getloadavg()[0]
+            for name, ts in timings({'train.py': whole_train, 'plain': whole_plain}, 1, warmup=False).items():
+                wall[name] += ts
+            print('  ' + ';  '.join(f'{name} {wall[name][-1]:.1f} s ({loop_s[name][-1]:.1f} s in its loop, '
+                                    f'{cpu_s[name][-1]:.1f} CPU s)' for name in wall) +
+                  f';  ratio x{wall["train.py"][-1] / wall["plain"][-1]:.3f}; load {load:.2f} before', flush=True)
+    ratio = statistics.median(t / p for t, p in zip(wall['train.py'], wall['plain']))
+    cpu_ratio = statistics.median(t / p for t, p in zip(cpu_s['train.py'], cpu_s['plain']))
+    print(f"train.py / plain, median of the {repeats} pairs: x{ratio:.3f} in wall time, x{cpu_ratio:.3f} in CPU "
+          f"time; outside its loop (imports, data, set-up, exit): train.py "
+          f"{statistics.median(w - l for w, l in zip(wall['train.py'], loop_s['train.py'])):.1f} s, plain "
+          f"{statistics.median(w - l for w, l in zip(wall['plain'], loop_s['plain'])):.1f} s")
+    return ratio
 
 
 # ----------------------------------------------------------------------------- geometry per evaluation
