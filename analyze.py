@@ -3,7 +3,7 @@ Turn run folders written by train.py into the study's evidence: tables, figures 
 every verdict is computed by a rule printed in the report. The command line of every analysis, and the
 weight-study tables; the rest is split by job:
 
-    folders.py   finding and loading run folders, writing tables      plots.py    the figures fig1-fig5
+    folders.py   finding and loading run folders, writing tables      plots.py    fig1-fig5, fig8
     stats.py     the statistics (numpy only)                          report.py   claims, verdict rules, REPORT.md
     tokens.py    the token-level analysis of checkpoints (ours and pretrained), fig6 and fig7
 
@@ -18,14 +18,20 @@ unfinished or corrupt runs are skipped and bad records left out, each with a war
 sweep planned are read from the runs.txt that sweep.sh writes into its output folder; those without done.json
 are listed as missing. Written to --out (default <first dir>/analysis/), each table as .csv and .md:
 
-    REPORT.md                      one row per claim of the study: statistic, value, verdict, rule
+    REPORT.md                      the claims (statistic, value, verdict, rule), the robustness map, the tables below
     runs                           final losses and wall time, one row per run
-    trajectories[_head|_tok]       PR_Q, PR_K per (depth, init, layer), seed means; full-matrix, per-head, token-level
-    trajectory_summary             per variant: how many trajectories keep PR_Q - PR_K > 0, have PR_Q up and PR_K down
-    attention_link[_runs]          within-run Spearman of PR_K, PR_QK and entropy over training
-    control, control_effects       the control experiment: per seed, and paired differences against none
-    timeline                       PRs and entropy over training, mean over the runs of each group (which moves when)
-    fig1..fig5 *.png (--pdf: also .pdf)
+    trajectories[_head|_tok|_learned]  PR_Q, PR_K per (depth, init, layer, window), seed means, in each lens
+    trajectory_summary             per lens and window: how many trajectories keep PR_Q - PR_K > 0, have Q up, K down
+    attention_link[_runs]          within-run correlations of PR_K, PR_QK, entropy and log ||W_QK||_2 over training
+    scale_shape[_runs]             entropy against PR_K, PR_QK and the logit scale: across heads and over time
+    robustness_map                 claims x ways of measuring them, a verdict per cell
+    control, control_effects       the control experiment per control_keep: per seed, and paired differences
+    timeline                       PRs, scale and entropy over training, mean over the runs of each group
+    fig1..fig5, fig8 *.png (--pdf: also .pdf)
+
+Claims (a) and (b) are measured over all records and from the end of warm-up on (--from_iter, default each
+run's warmup_iters), in four lenses (LENSES): whole-matrix and per-head weight PR, token-level PR, and the PR of
+the learned part W - W(0); report.py holds the rules.
 
 `tokens` and `pretrained` (tokens.py, whose docstring has the details) write tokens* / pretrained* tables and
 fig6 / fig7 into their --out folder; `runs` (the default subcommand: `python analyze.py out/` is
@@ -39,14 +45,18 @@ import shlex
 import sys
 import time
 from collections import Counter, defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 import control
 import plots
 import report
 import stats
 import tokens
+from report import ACROSS, ALL, FROM_WARMUP, OVER_TIME
 from folders import (CONTROL_KINDS, FINAL_LOGS, SETTING_KEYS, Skip, collector, discover, find_run_dirs, init_order,
                      load_runs, moved, publish, read_table, seed_stack, staging, study_cells, write_table)
 
@@ -56,13 +66,37 @@ from folders import (CONTROL_KINDS, FINAL_LOGS, SETTING_KEYS, Skip, collector, d
 # shrink lowering the controlled PR (pr_k; pr_q in the mirror, control_target=q) is the manipulation check
 PREDICTED = {('entropy', 'shrink'): -1, ('entropy', 'freeze'): +1,
              ('entropy_norm', 'shrink'): -1, ('entropy_norm', 'freeze'): +1, ('pr_controlled', 'shrink'): -1}
-CONTROL_METRICS = ('entropy', 'entropy_norm', 'pr_k', 'pr_q', 'pr_qk', 'val_loss')
-# trajectory variants: table suffix -> (query key, key key, what it is)
-VARIANTS = {'': ('pr_q', 'pr_k', 'full-matrix weight PR'),
-            '_head': ('pr_q_head', 'pr_k_head', 'per-head weight PR (mean over heads)'),
-            '_tok': ('tok_pr_q', 'tok_pr_k', 'token-level PR of the query/key vectors')}
-# the within-run correlations of table 2: name -> (x, y)
+CONTROL_METRICS = ('entropy', 'entropy_norm', 'pr_k', 'pr_q', 'pr_qk', 'qk_spec_norm', 'val_loss')
+
+
+@dataclass(frozen=True)
+class Lens:
+    """What "PR" is measured on: the logged keys of PR_Q, PR_K and PR_QK (per layer), and of PR_K and PR_QK per
+    head (None: the lens has no per-head value)."""
+    q: str
+    k: str
+    qk: str
+    k_heads: str
+    qk_heads: str
+    what: str
+    table: str                # the suffix of its trajectories table
+
+
+LENSES = {
+    'whole': Lens('pr_q', 'pr_k', 'pr_qk', None, None, 'whole-matrix weight PR', ''),
+    'head': Lens('pr_q_head', 'pr_k_head', 'pr_qk', 'pr_k_heads', 'pr_qk_heads', 'per-head weight PR (mean over '
+                 'heads)', '_head'),
+    'tok': Lens('tok_pr_q', 'tok_pr_k', 'tok_pr_qk', 'tok_pr_k_heads', 'tok_pr_qk_heads', 'token-level PR of the '
+                'query/key vectors', '_tok'),
+    'learned': Lens('pr_dq', 'pr_dk', 'pr_qk', 'pr_dk_heads', 'pr_qk_heads', 'PR of the learned part W - W(0), '
+                    'whole matrix (PR_QK: of W_QK itself)', '_learned'),
+}
+WINDOWS = (ALL, FROM_WARMUP)      # the windows of records a claim is measured over
+VIEWS = [(lens, window, None) for window in WINDOWS for lens in LENSES]   # decay None: the main setting A
+# the within-run correlations of the attention_link table: name -> (x, y), PR_K and PR_QK of the lens
 LINKS = {'pr_k~entropy': ('pr_k', 'entropy'), 'pr_k~pr_qk': ('pr_k', 'pr_qk'), 'pr_qk~entropy': ('pr_qk', 'entropy')}
+# scale against shape: the statistics of shape_stats, at each checkpoint across heads and within runs over time
+SHAPE_STATS = ('pr_k~entropy', 'pr_k~entropy|scale', 'pr_qk~entropy', 'pr_qk~entropy|scale', 'scale~entropy')
 # the files `runs` writes into its --out folder (stale ones from an earlier analysis are removed)
 RUNS_OUTPUTS = re.compile(r'(runs|trajectories\w*|trajectory_summary|attention_link\w*|control|control_effects|timeline'
                           r'|scale_shape\w*|robustness\w*)\.(csv|md)|fig[1-58]_\w+\.(png|pdf)')
@@ -70,14 +104,13 @@ RUNS_OUTPUTS = re.compile(r'(runs|trajectories\w*|trajectory_summary|attention_l
 
 # ----------------------------------------------------------------------------- tables
 
-
 def runs_table(runs, skipped):
     rows = []
-    for r in sorted(runs, key=lambda r: (r.control != 'none', r.n_layer, init_order(r.qk_init), r.control,
-                                         r.target, r.seed)):
+    for r in sorted(runs, key=lambda r: (r.control != 'none', r.n_layer, init_order(r.qk_init), r.label, r.seed)):
         rows.append({'run': os.path.basename(r.path), 'path': r.path, 'n_layer': r.n_layer, 'qk_init': r.qk_init,
-                     'control': r.control, 'control_target': r.target, 'seed': r.seed, 'setting': r.setting,
-                     'iters': int(r.iters[-1]), 'train_loss': r.done.get('train_loss', float(r.train_loss[-1])),
+                     'control': r.control, 'control_target': r.target, 'control_keep': keep_of(r.cfg),
+                     'seed': r.seed, 'setting': r.setting, 'iters': int(r.iters[-1]),
+                     'train_loss': r.done.get('train_loss', float(r.train_loss[-1])),
                      'val_loss': r.done.get('val_loss', float(r.val_loss[-1])), 'wall_time': r.done.get('wall_time'),
                      'geometry_share': r.done.get('geometry_share'), 'note': '; '.join(r.notes)})
     for path, reason in skipped:
@@ -85,39 +118,59 @@ def runs_table(runs, skipped):
     return rows
 
 
-def trajectory_rows(cells, q_key, k_key, warn):
-    """One row per (depth, init, layer): the seed-mean PR_Q and PR_K trajectories, summarised."""
+def keep_of(cfg):
+    """What a controlled run's reshaping kept: 'fro' or 'spec' (absent from older config.json: fro); '' for none."""
+    return cfg.get('control_keep', 'fro') if cfg.get('control', 'none') != 'none' else ''
+
+
+def decays(cfg):
+    """Whether weight decay acts on W_Q and W_K in a run."""
+    return bool(cfg.get('decay_qk', True)) and (cfg.get('weight_decay') or 0) > 0
+
+
+def window_start(runs, lens, window, from_iter):
+    """The first iteration a window keeps: ALL from 0, FROM_WARMUP from --from_iter, else the runs' warmup_iters.
+    The learned part starts after iteration 0, where W - W(0) = 0 and its PR is 0 by convention, not measured."""
+    start = 0 if window == ALL else from_iter if from_iter is not None else max(r.cfg.get('warmup_iters', 0)
+                                                                              for r in runs)
+    return max(start, 1) if lens == 'learned' else start
+
+
+def trajectory_rows(cells, lens, window, from_iter, warn):
+    """One row per (depth, init, layer): the seed-mean PR_Q and PR_K trajectories of a lens over the records of a
+    window, summarised; (b) counts the records after iteration 0 (where tied init has PR_Q = PR_K exactly)."""
     rows = []
     for (depth, init), runs in cells.items():
         try:
-            iters, Q = seed_stack(runs, q_key)
-            K = seed_stack(runs, k_key)[1]
+            iters, Q = seed_stack(runs, LENSES[lens].q)
+            K = seed_stack(runs, LENSES[lens].k)[1]
         except Skip as e:
             warn(f'trajectories L{depth} {init}: {e}')
             continue
-        Q, K = Q.mean(0), K.mean(0)   # (T, n_layer) seed means
-        after = iters > 0
-        for layer in range(depth):
-            q, k = Q[:, layer], K[:, layer]
-            if not (np.isfinite(q).all() and np.isfinite(k).all()):
-                continue  # not logged (an older run, or token-level metrics off)
-            gap = q - k
-            rows.append({'n_layer': depth, 'qk_init': init, 'layer': layer, 'n_seeds': len(runs),
-                         'iter_start': int(iters[0]), 'iter_end': int(iters[-1]),
-                         'pr_q_start': q[0], 'pr_q_end': q[-1], 'pr_q_change': q[-1] - q[0],
-                         'pr_k_start': k[0], 'pr_k_end': k[-1], 'pr_k_change': k[-1] - k[0],
-                         'gap_end': gap[-1],
-                         'gap_min_after_0': float(gap[after].min()) if after.any() else float('nan'),
-                         'gap_positive_share': float((gap[after] > 0).mean()) if after.any() else float('nan'),
-                         'gap_positive_throughout': bool(after.any() and (gap[after] > 0).all()),
-                         'q_up_k_down': bool(q[-1] > q[0] and k[-1] < k[0])})
+        keep = iters >= window_start(runs, lens, window, from_iter)
+        iters, Q, K = iters[keep], Q.mean(0)[keep], K.mean(0)[keep]   # (T, n_layer) seed means
+        for layer in range(depth) if len(iters) > 1 else ():
+            if np.isfinite(Q[:, layer]).all() and np.isfinite(K[:, layer]).all():  # else not logged
+                rows.append({'n_layer': depth, 'qk_init': init, 'layer': layer, 'n_seeds': len(runs), 'window': window,
+                             **trajectory(iters, Q[:, layer], K[:, layer])})
     return rows
 
 
-def trajectory_summary(rows, variant, what):
+def trajectory(iters, q, k):
+    gap, after = q - k, iters > 0
+    return {'iter_start': int(iters[0]), 'iter_end': int(iters[-1]),
+            'pr_q_start': q[0], 'pr_q_end': q[-1], 'pr_q_change': q[-1] - q[0],
+            'pr_k_start': k[0], 'pr_k_end': k[-1], 'pr_k_change': k[-1] - k[0], 'gap_end': gap[-1],
+            'gap_min_after_0': float(gap[after].min()) if after.any() else float('nan'),
+            'gap_positive_share': float((gap[after] > 0).mean()) if after.any() else float('nan'),
+            'gap_positive_throughout': bool(after.any() and (gap[after] > 0).all()),
+            'q_up_k_down': bool(q[-1] > q[0] and k[-1] < k[0])}
+
+
+def trajectory_summary(rows, lens, window):
     n = len(rows)
     count = lambda pred: sum(1 for r in rows if pred(r))
-    return {'variant': variant or 'full', 'measure': what, 'trajectories': n,
+    return {'variant': lens, 'measure': LENSES[lens].what, 'window': window, 'trajectories': n,
             'gap_positive_throughout': count(lambda r: r['gap_positive_throughout']),
             'q_up_k_down': count(lambda r: r['q_up_k_down']),
             'q_up': count(lambda r: r['pr_q_change'] > 0), 'k_down': count(lambda r: r['pr_k_change'] < 0),
@@ -125,46 +178,93 @@ def trajectory_summary(rows, variant, what):
             'gap_end_positive': count(lambda r: r['gap_end'] > 0)}
 
 
-def link_of_run(run):
-    """Per link: the Spearman correlation over logged iterations, per layer, then the mean over layers."""
-    out = {}
-    for name, (x, y) in LINKS.items():
-        X, Y = run.metric(x), run.metric(y)
-        rhos = [stats.spearman(X[:, layer], Y[:, layer]) for layer in range(run.n_layer)]
-        out[name] = float(np.nanmean(rhos)) if np.isfinite(rhos).any() else float('nan')
-    return out
+def link_of_run(run, lens, start):
+    """The within-run links over the logged iterations from start on: per layer, the Spearman correlations of
+    LINKS (the lens' PR_K and PR_QK), the partial correlations with entropy given log ||W_QK||_2 (layer mean of
+    the heads' spectral norms) and the Spearman of entropy with that scale; then the mean over layers."""
+    keep = run.geom_iters >= start
+    m = {role: run.metric(key)[keep] for role, key in (('pr_k', LENSES[lens].k), ('pr_qk', LENSES[lens].qk),
+                                                      ('entropy', 'entropy'))}
+    scale = np.log(run.metric('qk_spec_norm')[keep])
+    per_layer = defaultdict(list)
+    for layer in range(run.n_layer):
+        col = {role: v[:, layer] for role, v in m.items()}
+        for name, (x, y) in LINKS.items():
+            per_layer[name].append(stats.spearman(col[x], col[y]))
+        for x in ('pr_k', 'pr_qk'):
+            per_layer[f'{x}~entropy|scale'].append(stats.partial(col[x], col['entropy'], scale[:, layer]))
+        per_layer['scale~entropy'].append(stats.spearman(scale[:, layer], col['entropy']))
+    return {name: mean_or_nan(v) for name, v in per_layer.items()}
 
 
-def attention_link_tables(cells):
-    """(per-run rows, per-configuration rows with a pooled row last)."""
+def mean_or_nan(values):
+    values = np.asarray(values, dtype=float)
+    return float(np.nanmean(values)) if np.isfinite(values).any() else float('nan')
+
+
+def attention_link_tables(cells, link_of):
+    """(per-run rows, per-configuration rows with a pooled row last) of the links link_of(run) gives."""
     run_rows, config_rows, pooled = [], [], defaultdict(list)
     for (depth, init), runs in cells.items():
         per = defaultdict(list)
         for r in runs:
-            link = link_of_run(r)
+            link = link_of(r)
             run_rows.append({'n_layer': depth, 'qk_init': init, 'seed': r.seed, 'run': r.path, **link})
             for name, v in link.items():
                 per[name].append(v)
                 pooled[name].append(v)
-        config_rows.append(link_row({'n_layer': depth, 'qk_init': init}, per))
+        config_rows.append(summarise({'n_layer': depth, 'qk_init': init}, per))
     if run_rows:
-        config_rows.append(link_row({'n_layer': 'pooled', 'qk_init': 'all'}, pooled))
+        config_rows.append(summarise({'n_layer': 'pooled', 'qk_init': 'all'}, pooled))
     return run_rows, config_rows
 
 
-def link_row(head, values):
+def summarise(head, values):
+    """head, then n_runs and per statistic its mean over runs with the bootstrap interval (name, name_lo, name_hi)."""
     row = dict(head)
-    for name in LINKS:
-        s = stats.mean_ci(values[name])
+    for name, v in values.items():
+        s = stats.mean_ci(v)
         row['n_runs'] = s['n']
         row.update({f'{name}': s['mean'], f'{name}_lo': s['lo'], f'{name}_hi': s['hi']})
     return row
 
 
-def control_rows(runs, target):
-    """Per (setting, depth, init, seed) of the control experiment with control_target = target: final
-    entropy, PRs and validation loss of none, shrink and freeze, and the differences against none."""
-    labels = {kind: control.control_label({'control': kind, 'control_target': target}) for kind in CONTROL_KINDS}
+def across_heads(run, lens):
+    """Per record, across its (layer, head) pairs: shape_stats of entropy, the logit scale log ||W_QK^h||_2 and
+    the lens' per-head PR_K and PR_QK; None when the run did not log them."""
+    keys = ('entropy_heads', 'qk_spec_norm_heads', LENSES[lens].k_heads, LENSES[lens].qk_heads)
+    if not all(key in run.heads for key in keys):
+        return None
+    H, S, K, QK = (run.heads[key] for key in keys)            # (records, n_layer, n_head)
+    S = np.log(S)
+    return [shape_stats(H[t].ravel(), S[t].ravel(), K[t].ravel(), QK[t].ravel()) for t in range(len(H))]
+
+
+def shape_of_run(run, lens, start, memo):
+    """Scale against shape in one run over its records from start on: {ACROSS: the across_heads statistics, mean
+    over the records; OVER_TIME: the same over the records of each layer (its link_of_run), mean over layers}."""
+    per_record = cached(memo, ('across', run.path, lens), lambda: across_heads(run, lens))
+    if per_record is None:
+        return None
+    kept = [s for s, it in zip(per_record, run.geom_iters) if it >= start]
+    over_time = cached(memo, ('link', run.path, lens, start), lambda: link_of_run(run, lens, start))
+    return {ACROSS: {n: mean_or_nan([s[n] for s in kept]) for n in SHAPE_STATS},
+            OVER_TIME: {n: over_time[n] for n in SHAPE_STATS}}
+
+
+def shape_stats(entropy, scale, pr_k, pr_qk):
+    return {'pr_k~entropy': stats.spearman(pr_k, entropy), 'pr_k~entropy|scale': stats.partial(pr_k, entropy, scale),
+            'pr_qk~entropy': stats.spearman(pr_qk, entropy),
+            'pr_qk~entropy|scale': stats.partial(pr_qk, entropy, scale),
+            'scale~entropy': stats.spearman(scale, entropy)}
+
+
+def control_rows(runs, target, keep):
+    """Per (setting, depth, init, seed) of the control experiment with control_target = target and
+    control_keep = keep: final entropy, PRs, logit scale and validation loss of none, shrink and freeze, and the
+    differences against none."""
+    labels = {kind: control.control_label({'control': kind, 'control_target': target, 'control_keep': keep})
+              for kind in CONTROL_KINDS}
     controlled = [r for r in runs if r.control != 'none' and r.label in labels.values()]
     cells = sorted({(r.setting, r.n_layer, r.qk_init) for r in controlled},
                    key=lambda c: (c[0], c[1], init_order(c[2])))
@@ -174,7 +274,7 @@ def control_rows(runs, target):
         seeds = sorted({r.seed for r in runs if (r.setting, r.n_layer, r.qk_init) == (setting, depth, init)
                         and r.label in labels.values()})
         for seed in seeds:
-            row = {'target': target, 'setting': setting, 'n_layer': depth, 'qk_init': init, 'seed': seed}
+            row = {'target': target, 'keep': keep, 'setting': setting, 'n_layer': depth, 'qk_init': init, 'seed': seed}
             for kind in CONTROL_KINDS:
                 r = index.get((setting, depth, init, labels[kind], seed))
                 row.update({f'{metric}_{kind}': final_value(r, metric) for metric in CONTROL_METRICS})
@@ -195,47 +295,136 @@ def final_value(run, metric):
     return float(run.val_loss[-1]) if metric == 'val_loss' else run.final(metric)
 
 
-def control_effect_rows(rows, target):
-    """Per (control, metric): the paired differences against none, summarised (stats.paired_effect)."""
+def control_effect_rows(rows):
+    """Per (target, keep, control, metric): the paired differences against none, summarised (stats.paired_effect)."""
     out = []
-    for kind in ('shrink', 'freeze'):
-        for metric in CONTROL_METRICS:
-            d = [r[f'd_{metric}_{kind}'] for r in rows if r[f'd_{metric}_{kind}'] is not None]
-            if not d:
-                continue
+    for target, keep in dict.fromkeys((r['target'], r['keep']) for r in rows):
+        group = [r for r in rows if (r['target'], r['keep']) == (target, keep)]
+        for kind, metric in ((kind, metric) for kind in ('shrink', 'freeze') for metric in CONTROL_METRICS):
+            d = [r[f'd_{metric}_{kind}'] for r in group if r[f'd_{metric}_{kind}'] is not None]
             role = 'pr_controlled' if metric == f'pr_{target}' else metric
-            out.append({'target': target, 'contrast': f'{kind} - none', 'metric': metric,
-                        **stats.paired_effect(d, PREDICTED.get((role, kind)))})
+            if d:
+                out.append({'target': target, 'keep': keep, 'contrast': f'{kind} - none', 'metric': metric,
+                            **stats.paired_effect(d, PREDICTED.get((role, kind)))})
     return out
 
 
-TIMELINE_KEYS = ('pr_q', 'pr_k', 'pr_q_head', 'pr_k_head', 'pr_qk', 'entropy', 'entropy_norm')
+TIMELINE_KEYS = ('pr_q', 'pr_k', 'pr_q_head', 'pr_k_head', 'pr_qk', 'pr_dq', 'pr_dk', 'qk_spec_norm', 'entropy',
+                 'entropy_norm')
 
 
 def timeline_rows(runs):
     """Which quantity moves when: means over runs (of layer means) at every iteration that all runs of a
-    group logged. Groups are (setting, depth, init, control, target), plus every uncontrolled run of a
+    group logged. Groups are (setting, depth, init, control label), plus every uncontrolled run of a
     setting pooled (n_layer and qk_init 'all'); the numbers behind fig3 (left) and fig5."""
     groups = defaultdict(list)
     for r in runs:
         if r.has_geometry:
-            groups[(r.setting, r.n_layer, r.qk_init, r.control, r.target)].append(r)
+            groups[(r.setting, r.n_layer, r.qk_init, r.label)].append(r)
             if r.control == 'none':
-                groups[(r.setting, 'all', 'all', 'none', '')].append(r)
-    order = lambda g: (g[0], g[1] != 'all', str(g[1]), init_order(g[2]), CONTROL_KINDS.index(g[3]), g[4])
+                groups[(r.setting, 'all', 'all', '')].append(r)
+    kind = lambda label: CONTROL_KINDS.index(label.split('-')[0] if label else 'none')
+    order = lambda g: (g[0], g[1] != 'all', str(g[1]), init_order(g[2]), kind(g[3]), g[3])
     rows = []
-    for (setting, depth, init, control, target) in sorted(groups, key=order):
-        group = groups[(setting, depth, init, control, target)]
+    for (setting, depth, init, label) in sorted(groups, key=order):
+        group = groups[(setting, depth, init, label)]
         keys = [k for k in TIMELINE_KEYS if all(k in r.layers for r in group)]
         try:  # (runs, iterations) per key: each run's mean over its layers, so every run weighs the same
             stacks = {k: seed_stack(group, k, layer_mean=True) for k in keys}
         except Skip:
             continue  # no iteration logged by every run of the group: nothing to average
         for i, it in enumerate(stacks[keys[0]][0] if keys else []):
-            rows.append({'setting': setting, 'n_layer': depth, 'qk_init': init, 'control': control,
-                         'control_target': target, 'n_runs': len(group), 'iter': int(it),
+            rows.append({'setting': setting, 'n_layer': depth, 'qk_init': init, 'control': group[0].control,
+                         'control_target': group[0].target, 'control_keep': keep_of(group[0].cfg),
+                         'n_runs': len(group), 'iter': int(it),
                          **{k: float(v[:, i].mean()) for k, (_, v) in stacks.items()}})
     return rows
+
+
+# ----------------------------------------------------------------------------- lenses and windows: the views
+# Every claim is measured in several ways (DESIGN.md, "Claims and lenses"). A view is one way: a lens, a window of
+# records and a set of runs (the main setting A, or the main setting of the runs with or without weight decay
+# on W_Q, W_K); it holds what the claims need: the trajectory summary (a, b), the pooled within-run links (c) and
+# the pooled scale against shape (c2).
+
+def study_tables(runs, from_iter, warn):
+    """The rows of every table of the weight study and the views behind the claims, from the loaded runs."""
+    cells = study_cells(runs)
+    memo, views = {}, {}
+    for lens, window, decay in VIEWS + [(lens, window, d) for d in decay_settings(runs) for lens, window in
+                                        (('whole', ALL), ('head', ALL))]:
+        setting = decay_settings(runs)[decay] if decay is not None else 'A'
+        views[(lens, window, decay)] = view(study_cells(runs, setting), lens, window, from_iter, memo, warn)
+    traj = {lens: [r for window in WINDOWS for r in views[(lens, window, None)]['rows']] for lens in LENSES}
+    whole = views[('whole', ALL, None)]
+    ctl_rows = [row for target in ('k', 'q') for keep in ('fro', 'spec') for row in control_rows(runs, target, keep)]
+    decay_of = {r.setting: decays(r.cfg) for r in runs}
+    return {'cells': cells, 'views': views, 'traj': traj,
+            'summaries': [v['summary'] for (_, _, decay), v in views.items() if decay is None],
+            'summary': whole['summary'] if whole['summary']['trajectories'] else None,
+            'link_runs': whole['link_runs'], 'link_rows': whole['link_rows'], 'ctl_rows': ctl_rows,
+            'effects': control_effect_rows(ctl_rows),
+            'effects_by_decay': {d: control_effect_rows([r for r in ctl_rows if decay_of[r['setting']] == d])
+                                 for d in decay_settings(runs)},
+            'scale_shape_runs': shape_rows(cells, from_iter, memo), 'timeline': timeline_rows(runs)}
+
+
+def decay_settings(runs):
+    """{False: setting, True: setting}: the setting with the most uncontrolled runs without and with weight
+    decay on W_Q, W_K, when the runs hold both; else {}."""
+    found = {}
+    for d in (False, True):
+        counts = Counter(r.setting for r in runs if r.control == 'none' and r.has_geometry and decays(r.cfg) == d)
+        if counts:
+            found[d] = min(counts, key=lambda s: (-counts[s], s))
+    return found if len(found) == 2 else {}
+
+
+def view(cells, lens, window, from_iter, memo, warn):
+    """One view: trajectory rows and summary, the within-run links (per run, per configuration, pooled) and the
+    pooled scale against shape of the runs in cells, measured in a lens over a window. memo keeps each run's
+    links and shapes (views share runs)."""
+    runs = [r for rs in cells.values() for r in rs]
+    start = {r.path: window_start(rs, lens, window, from_iter) for rs in cells.values() for r in rs}
+    link_of = lambda r: cached(memo, ('link', r.path, lens, start[r.path]), lambda: link_of_run(r, lens, start[r.path]))
+    rows = trajectory_rows(cells, lens, window, from_iter, warn)
+    link_runs, link_rows = attention_link_tables(cells, link_of)
+    shapes = [shape_of_run(r, lens, start[r.path], memo) for r in runs]
+    shapes = [s[ACROSS] for s in shapes if s]
+    keys = [k for k in (LENSES[lens].q, LENSES[lens].k) if not any(k in r.layers for r in runs)]
+    keys += [k for k in (LENSES[lens].k_heads,) if k and not any(k in r.heads for r in runs)]
+    return {'rows': rows, 'summary': trajectory_summary(rows, lens, window), 'link_runs': link_runs,
+            'link_rows': link_rows, 'shape': summarise({}, {n: [s[n] for s in shapes] for n in SHAPE_STATS})
+            if shapes else None, 'missing': keys, 'start': sorted(set(start.values()))}
+
+
+def cached(memo, key, compute):
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
+def shape_rows(cells, from_iter, memo):
+    """scale_shape_runs: per uncontrolled run of setting A, lens with per-head values, window and scope."""
+    rows = []
+    for lens, window in ((lens, window) for lens in LENSES if LENSES[lens].k_heads for window in WINDOWS):
+        for runs in cells.values():
+            start = window_start(runs, lens, window, from_iter)
+            for r in runs:
+                shape = shape_of_run(r, lens, start, memo)
+                rows += [{'run': r.path, 'n_layer': r.n_layer, 'qk_init': r.qk_init, 'seed': r.seed, 'lens': lens,
+                          'window': window, 'iter_start': start, 'scope': scope, **values}
+                         for scope, values in (shape or {}).items()]
+    return rows
+
+
+def scale_shape_table(rows):
+    """scale_shape: per (lens, window, scope), each statistic's mean over runs with its bootstrap interval."""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r['lens'], r['window'], r['scope'])].append(r)
+    return [summarise({'lens': lens, 'window': window, 'scope': scope}, {n: [r[n] for r in rs] for n in SHAPE_STATS})
+            for (lens, window, scope), rs in groups.items()]
 
 
 def missing_runs(plans):
@@ -300,7 +489,7 @@ def confound_notes(runs, cells, traj_rows):
     return notes
 
 
-def setting_notes(runs, settings):
+def setting_notes(runs, settings, decay_settings):
     """What the training setups B, C, ... change against A, and what they are used for."""
     notes = []
     base = settings.get('A', {})
@@ -309,27 +498,34 @@ def setting_notes(runs, settings):
             continue
         diff = ', '.join(f'{k}={s[k]} (A: {base.get(k)})' for k in SETTING_KEYS if s[k] != base.get(k))
         n = sum(1 for r in runs if r.setting == letter)
+        use = ('the robustness map\'s weight-decay columns and ' if letter in decay_settings.values() else '') + \
+            f'the control baselines of setting {letter}'
         notes.append(f'setting {letter} ({n} run(s)) differs from A in {diff}: its uncontrolled runs are left out of '
-                     f'the trajectory and attention tables and serve only as control baselines in setting {letter}.')
+                     f'the trajectory and attention tables and serve only {use}.')
     return notes
 
 
 # ----------------------------------------------------------------------------- the analysis
 
-def analyze(paths, out=None, pdf=False, figures=True, log=print):
+def analyze(paths, out=None, pdf=False, figures=True, log=print, from_iter=None):
     """Everything: load the runs under paths, write tables, figures and REPORT.md to out. Returns a dict
     with the claims, the files written, the warnings and what is missing. Raises Skip when no run
-    folder is found. Everything is written into a staging folder first and moved into out at the end."""
+    folder is found. Everything is written into a staging folder first and moved into out at the end.
+    from_iter: where the 'from warm-up' window starts; None: at each run's warmup_iters."""
     warnings, warn = collector(log)
     run_dirs, plans = discover(paths, warn)
     runs, skipped, settings = load_runs(run_dirs, warn)
     out = out or os.path.join(paths[0], 'analysis')
-    res = study_tables(runs, warn)
+    with one_thread():
+        res = study_tables(runs, from_iter, warn)
     # the report, with the token-level results written earlier into out by `tokens` and `pretrained`
-    res.update(paths=list(paths), out=out, n_found=len(run_dirs), runs=runs, skipped=skipped,
-               token=token_results(out), final_logs=FINAL_LOGS, short=[r.path for r in runs if r.too_short])
-    res.update(claims=report.claims(res), confounds=confound_notes(runs, res['cells'], res['traj']['']),
-               setting_notes=setting_notes(runs, settings), missing=missing_runs(plans), warnings=warnings)
+    res.update(paths=list(paths), out=out, n_found=len(run_dirs), runs=runs, skipped=skipped, from_iter=from_iter,
+               token=token_results(out), final_logs=FINAL_LOGS, short=[r.path for r in runs if r.too_short],
+               decays=decay_settings(runs), scale_shape=scale_shape_table(res['scale_shape_runs']))
+    res['claims'] = report.claims(res)
+    res.update(map=report.robustness_map(res), warnings=warnings,
+               confounds=confound_notes(runs, res['cells'], res['traj']['whole']),
+               setting_notes=setting_notes(runs, settings, res['decays']), missing=missing_runs(plans))
     with staging(out) as staged:
         tables = write_tables(res, runs, skipped, staged)
         written, figure_notes = plots.draw_figures(res, runs, staged, pdf, log, warn) if figures else ([], [])
@@ -340,30 +536,27 @@ def analyze(paths, out=None, pdf=False, figures=True, log=print):
     return res
 
 
-def study_tables(runs, warn):
-    """The rows of every table of the weight study, computed from the loaded runs."""
-    cells = study_cells(runs)
-    traj = {suffix: trajectory_rows(cells, q_key, k_key, warn) for suffix, (q_key, k_key, _) in VARIANTS.items()}
-    summaries = [trajectory_summary(traj[suffix], suffix.strip('_'), what)
-                 for suffix, (_, _, what) in VARIANTS.items() if traj[suffix]]
-    link_runs, link_rows = attention_link_tables(cells)
-    ctl_rows = {target: control_rows(runs, target) for target in ('k', 'q')}
-    effects = [e for target in ('k', 'q') for e in control_effect_rows(ctl_rows[target], target)]
-    return {'cells': cells, 'traj': traj, 'summaries': summaries,
-            'summary': summaries[0] if summaries and summaries[0]['variant'] == 'full' else None,
-            'link_runs': link_runs, 'link_rows': link_rows, 'ctl_rows': ctl_rows, 'effects': effects,
-            'timeline': timeline_rows(runs)}
+@contextmanager
+def one_thread():
+    """Torch on one thread: the analysis' matrices are tiny, and several threads on a busy machine spin-wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def write_tables(res, runs, skipped, out):
     """Every table that has rows, as .csv and .md in out; returns the paths written."""
     tables = [('runs', runs_table(runs, skipped))]
-    tables += [('trajectories' + suffix, rows) for suffix, rows in res['traj'].items()]
+    tables += [('trajectories' + LENSES[lens].table, rows) for lens, rows in res['traj'].items()]
     tables += [('trajectory_summary', res['summaries'])]
     if res['link_rows']:
         tables += [('attention_link_runs', res['link_runs']), ('attention_link', res['link_rows'])]
-    tables += [('control', res['ctl_rows']['k'] + res['ctl_rows']['q']), ('control_effects', res['effects']),
-               ('timeline', res['timeline'])]
+    tables += [('scale_shape_runs', res['scale_shape_runs']), ('scale_shape', res['scale_shape']),
+               ('robustness_map', [{k: v for k, v in row.items() if k != 'key'} for row in res['map']]),
+               ('control', res['ctl_rows']), ('control_effects', res['effects']), ('timeline', res['timeline'])]
     return [path for stem, rows in tables if rows for path in write_table(rows, out, stem)]
 
 
@@ -388,12 +581,17 @@ def runs_command(argv):
     """python analyze.py [runs] DIR [DIR ...] [--out OUT] [--pdf] [--no_figures]"""
     p = folders_parser('analyze.py', 'Tables, figures and the claims report (REPORT.md) from run folders '
                        'written by train.py.')
+    p.add_argument('--from_iter', type=int, default=None, help="where the 'from warm-up' window starts (claims (a), "
+                   "(b), the robustness map); default: each run's warmup_iters from config.json")
     args = p.parse_args(argv)
     if not folders_exist(args.dirs):
         return 2
+    if args.from_iter is not None and args.from_iter < 0:
+        print(f'error: --from_iter={args.from_iter}: an iteration is 0 or more', file=sys.stderr)
+        return 2
     t0 = time.time()
     try:
-        res = analyze(args.dirs, args.out, args.pdf, not args.no_figures)
+        res = analyze(args.dirs, args.out, args.pdf, not args.no_figures, from_iter=args.from_iter)
     except Skip as e:
         print(f'error: {e}; pass the out_dir of train.py (or a folder above it)', file=sys.stderr)
         return 2
@@ -408,7 +606,7 @@ def runs_command(argv):
     if res['short']:
         print(f'note: {report.short_note(res)}; the verdicts below are plumbing checks')
     for c in res['claims']:
-        print(f'{report.claim_label(c):<4} {c["verdict"]:<14} {report.clip(c["value"], 100)}')
+        print(f'({c["key"]})'.ljust(18) + f'{c["verdict"]:<14} {report.clip(c["value"], 90)}')
     print(f'wrote {len(res["files"])} files to {res["out"]} in {time.time() - t0:.1f}s: '
           f'{len(res["tables"]) // 2} tables (csv, md), {len(res["figures"])} figure files, REPORT.md')
     return 0

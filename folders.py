@@ -259,11 +259,11 @@ def load_runs(run_dirs, warn):
     return used, skipped, {v: dict(k) for k, v in letters.items()}
 
 
-def study_cells(runs):
-    """{(depth, init): [runs by seed]} of the uncontrolled runs with geometry, in the main setting A."""
+def study_cells(runs, setting='A'):
+    """{(depth, init): [runs by seed]} of the uncontrolled runs with geometry in a setting (the main one, A)."""
     cells = defaultdict(list)
     for r in runs:
-        if r.control == 'none' and r.setting == 'A' and r.has_geometry:
+        if r.control == 'none' and r.setting == setting and r.has_geometry:
             cells[(r.n_layer, r.qk_init)].append(r)
     order = sorted(cells, key=lambda cell: (cell[0], init_order(cell[1])))
     return {cell: sorted(cells[cell], key=lambda r: r.seed) for cell in order}
@@ -298,16 +298,16 @@ def seed_stack(runs, key, layer_mean=False):
 # ----------------------------------------------------------------------------- tables
 
 def fmt(v):
-    """A cell for Markdown: 4 significant digits for floats, blank for None."""
+    """A cell for Markdown: 4 significant digits for floats, blank for None, '|' escaped (||W_QK||_2, x|scale)."""
     if v is None:
         return ''
     if isinstance(v, float):
         return 'nan' if v != v else f'{v:.4g}'
-    return str(v)
+    return str(v).replace('|', '\\|')
 
 
 def markdown_table(rows, columns):
-    lines = ['| ' + ' | '.join(columns) + ' |', '|' + ' --- |' * len(columns)]
+    lines = ['| ' + ' | '.join(fmt(c) for c in columns) + ' |', '|' + ' --- |' * len(columns)]
     lines += ['| ' + ' | '.join(fmt(row.get(c)) for c in columns) + ' |' for row in rows]
     return '\n'.join(lines) + '\n'
 

@@ -7,6 +7,7 @@ tokens.py's). Object-oriented matplotlib (Figure, no pyplot state), headless; wr
     fig3_entropy_and_pr     entropy over training; PR_K and PR_QK against entropy
     fig4_spectra            singular values of W_Q, W_K and W_QK at the first and the last snapshot
     fig5_control_k (_q)     the control experiment, a row per control setup
+    fig8_scale_shape        entropy against the logit scale log ||W_QK||_2, coloured by PR_K
 """
 import io
 import os
@@ -28,15 +29,17 @@ matplotlib.rcParams['axes.formatter.useoffset'] = False   # axes read '1e-6+2.04
 
 
 def draw_figures(res, runs, out, pdf, log, warn):
-    """fig1..fig5 in out: (paths written, notes on the figures skipped and why)."""
-    cells, ctl_rows = res['cells'], res['ctl_rows']
+    """fig1..fig5 and fig8 in out: (paths written, notes on the figures skipped and why)."""
+    cells = res['cells']
+    ctl_rows = {target: [r for r in res['ctl_rows'] if r['target'] == target] for target in ('k', 'q')}
     plots = [('fig1_pr_over_training', lambda: plot_pr_over_training(cells)),
              ('fig2_pr_gap', lambda: plot_pr_gap(cells)),
              ('fig3_entropy_and_pr', lambda: plot_entropy_and_pr(cells)),
              ('fig4_spectra', lambda: plot_spectra(cells, warn)),
-             ('fig5_control_k', lambda: plot_control(runs, ctl_rows['k'], 'k'))]
+             ('fig5_control_k', lambda: plot_control(runs, ctl_rows['k'], 'k')),
+             ('fig8_scale_shape', lambda: plot_scale_shape(cells))]
     if ctl_rows['q']:
-        plots.append(('fig5_control_q', lambda: plot_control(runs, ctl_rows['q'], 'q')))
+        plots.insert(5, ('fig5_control_q', lambda: plot_control(runs, ctl_rows['q'], 'q')))
     written, notes = [], []
     for stem, make in plots:
         try:
@@ -234,21 +237,22 @@ def draw_spectra(axes, run, snaps):
 
 
 def plot_control(runs, rows, target):
-    """Figure 5, a row per control setup (training setting, depth, init): PR of the controlled projection and
-    attention entropy over training for none, shrink and freeze (seed mean, min-max band), and the per-seed
-    paired entropy differences with the mean and its bootstrap interval."""
+    """Figure 5, a row per control setup (training setting, depth, init, control_keep): PR of the controlled
+    projection and attention entropy over training for none, shrink and freeze (seed mean, min-max band), and the
+    per-seed paired entropy differences with the mean and its bootstrap interval."""
     if not rows:
         raise Skip(f'no controlled runs (control_target={target})')
-    cells = sorted({(r['setting'], r['n_layer'], r['qk_init']) for r in rows},
-                   key=lambda c: (c[0], c[1], init_order(c[2])))
-    labels = {kind: control.control_label({'control': kind, 'control_target': target}) for kind in CONTROL_KINDS}
+    setup = lambda r: (r['setting'], r['n_layer'], r['qk_init'], r['keep'])
+    cells = sorted({setup(r) for r in rows}, key=lambda c: (c[0], c[1], init_order(c[2]), c[3]))
     fig = Figure(layout='constrained', figsize=(15, 4.3 * len(cells)))
-    for axes, cell in zip(fig.subplots(len(cells), 3, squeeze=False), cells):
-        groups = {kind: [r for r in runs if (r.setting, r.n_layer, r.qk_init) == cell and r.label == labels[kind]
+    for axes, (setting, depth, init, keep) in zip(fig.subplots(len(cells), 3, squeeze=False), cells):
+        label = lambda kind: control.control_label({'control': kind, 'control_target': target, 'control_keep': keep})
+        groups = {kind: [r for r in runs if (r.setting, r.n_layer, r.qk_init, r.label) == (setting, depth, init,
+                                                                                          label(kind))
                          and r.has_geometry] for kind in CONTROL_KINDS}
         draw_control_curves(axes[0], axes[1], groups, target)
-        draw_control_effects(axes[2], [r for r in rows if (r['setting'], r['n_layer'], r['qk_init']) == cell])
-        axes[0].set_title(f'setting {cell[0]}, L{cell[1]} {cell[2]}: ' + axes[0].get_title(), fontsize=9)
+        draw_control_effects(axes[2], [r for r in rows if setup(r) == (setting, depth, init, keep)])
+        axes[0].set_title(f'setting {setting}, L{depth} {init}, keep {keep}: ' + axes[0].get_title(), fontsize=9)
     fig.suptitle(f'control experiment (control_target={target})')
     return fig
 
@@ -292,3 +296,50 @@ def draw_control_effects(ax, rows):
     ax.set_xlim(-0.5, 1.6)
     ax.set_ylabel('paired final entropy difference (nats)')
     ax.set_title(f'per seed, mean and {stats.LEVEL:.0%} bootstrap interval', fontsize=9)
+
+
+def plot_scale_shape(cells):
+    """Figure 8: attention entropy against the logit scale log10 ||W_QK^h||_2, a point per (run, layer, head,
+    record from the end of warm-up on), coloured by the head's PR_K; left all uncontrolled runs, right the
+    same points binned by scale, the mean PR_K of each bin's low- and high-entropy halves (shape beyond scale)."""
+    points = [scale_shape_points(r) for rs in cells.values() for r in rs]
+    points = [p for p in points if p is not None]
+    if not points:
+        raise Skip('no per-head entropy, PR_K and qk_spec_norm logged')
+    scale, ent, pr_k = (np.concatenate(v) for v in zip(*points))
+    fig = Figure(layout='constrained', figsize=(13, 4.6))
+    ax, ax_bins = fig.subplots(1, 2)
+    order = np.argsort(pr_k)[::-1]   # low PR_K drawn last, on top
+    sc = ax.scatter(scale[order], ent[order], c=pr_k[order], s=5, cmap='viridis', alpha=0.7, lw=0)
+    fig.colorbar(sc, ax=ax, label='PR_K of the head')
+    ax.set_xlabel('log10 ||W_QK^h||_2 (logit scale)')
+    ax.set_ylabel('attention entropy of the head (nats)')
+    ax.set_title(f'{len(scale)} (run, layer, head, record) points from the end of warm-up on', fontsize=9)
+    edges = np.quantile(scale, np.linspace(0, 1, 9))
+    bins = np.clip(np.searchsorted(edges, scale, side='right') - 1, 0, 7)
+    for half, style in ((0, 'o-'), (1, 's--')):
+        mids, means = [], []
+        for b in range(8):
+            inside = bins == b
+            if inside.sum() >= 4:
+                high = ent[inside] >= np.median(ent[inside])
+                mids.append(scale[inside].mean())
+                means.append(pr_k[inside][high if half else ~high].mean())
+        ax_bins.plot(mids, means, style, label=('higher' if half else 'lower') + '-entropy half of the bin')
+    ax_bins.set_xlabel('log10 ||W_QK^h||_2 (8 bins of equal count)')
+    ax_bins.set_ylabel('mean PR_K')
+    ax_bins.set_title('at the same logit scale, does the higher-entropy half have the larger PR_K?', fontsize=9)
+    ax_bins.legend(fontsize=8)
+    fig.suptitle('attention entropy against the logit scale, coloured by the key spectrum\'s shape')
+    return fig
+
+
+def scale_shape_points(run):
+    """(log10 scale, entropy, PR_K) per (layer, head, record from warm-up on) of a run, or None if not logged."""
+    keys = ('qk_spec_norm_heads', 'entropy_heads', 'pr_k_heads')
+    if not all(k in run.heads for k in keys):
+        return None
+    keep = run.geom_iters >= run.cfg.get('warmup_iters', 0)
+    scale, ent, pr_k = (run.heads[k][keep].ravel() for k in keys)
+    ok = (scale > 0) & np.isfinite(ent) & np.isfinite(pr_k)
+    return np.log10(scale[ok]), ent[ok], pr_k[ok]

@@ -18,8 +18,18 @@ ALPHA = 0.05               # sign-test and permutation-test threshold
 SHARE_HOLDS = 0.90         # share-of-trajectories claims hold at or above this share ...
 SHARE_FAILS = 0.50         # ... and do not hold at or below this one
 LINK_MODELS = 2            # "visible in several models": at least this many (and at least half of them)
+SHAPE_MARGIN = 0.1         # (c2): a partial correlation below this is a negligible link beyond the scale
 # token level (claims f1, f2): where each source's tables live in the analysis folder
 TOKEN_SOURCES = {'tokens': 'our checkpoints', 'pretrained': 'pretrained models'}
+# the ways a claim is measured (analyze.py computes a view for each): windows of records, scopes of scale/shape
+ALL, FROM_WARMUP = 'all records', 'from warm-up'
+ACROSS, OVER_TIME = 'across heads, per checkpoint', 'within runs, over time, per layer'
+# the robustness map: its columns, and the claims' own lens (the claims table's), which the later columns vary
+LENS_COLUMNS = {'whole-matrix weight PR': 'whole', 'per-head weight PR': 'head', 'token-level PR': 'tok',
+                'learned part W - W(0)': 'learned'}
+WARMUP_COLUMN, SPEC_COLUMN = 'from warm-up on', 'control_keep=spec (top singular value held)'
+DECAY_COLUMNS = {'no decay on W_Q, W_K': False, 'decay on W_Q, W_K': True}
+MAIN_LENS = {'a': 'whole', 'b': 'whole', 'c': 'whole', 'c2': 'head'}
 
 
 # ----------------------------------------------------------------------------- verdict rules
@@ -33,6 +43,14 @@ EFFECT_RULE = (f'holds if the mean paired difference has the predicted sign, its
 LINK_RULE = (f'each correlation holds if its mean over runs is > 0 with a {LEVEL:.0%} bootstrap interval (over '
              f'runs) above 0, does not hold if the interval is below 0, else mixed; the claim holds if both '
              f'hold, does not hold if both do not, else mixed')
+C2_RULE = (f'per checkpoint (record), across its (layer, head) pairs, the partial correlation of entropy with PR_K '
+           f'(per head) given log ||W_QK^h||_2 (what is left of each once a linear fit on the log logit scale is '
+           f'taken out); per run the mean over its checkpoints; holds if the mean over runs has its {LEVEL:.0%} '
+           f'bootstrap interval (over runs) above +{SHAPE_MARGIN}, does not hold if the interval lies below '
+           f'+{SHAPE_MARGIN} (at most a negligible link, or a negative one, once the scale is held fixed), else mixed')
+LESS_TRAINED_RULE = (f'a softer-attention verdict (e) also says whether the model is less trained: it is when the '
+                     f'paired final val_loss difference (controlled - none) has its {LEVEL:.0%} bootstrap interval '
+                     f'above 0')
 TREND_RULE = (f'per (model, layer) checkpoint series, Spearman of tok_pr_q - tok_pr_k with log(1 + step) over the '
               f'early checkpoints (log step at or below the median of the series) and over the late ones (at or '
               f'above it); the rise holds if the early mean over series is > 0 with a {LEVEL:.0%} bootstrap '
@@ -84,11 +102,17 @@ def models_verdict(count, total):
 # ----------------------------------------------------------------------------- claims
 
 def claims(res):
-    """The claims of the study as report rows: claim, statistic, value, verdict, rule; from the analysis result
-    res (analyze.analyze), whose 'token' holds the token-level tables found, for the rows (f1) and (f2)."""
-    rows = share_claims(res['summary'])
-    rows.append(link_claim(res['link_rows'][-1] if res['link_rows'] else None))
-    rows += effect_claims(res['effects'], res['final_logs'])
+    """The claims of the study as report rows (key, claim, statistic, value, verdict, rule; qualifier and
+    plumbing where they apply), from the analysis result res (analyze.analyze): its views for (a)-(c2), its
+    control effects for (d), (e), and its 'token' tables found for (f1), (f2)."""
+    views, rows = res['views'], []
+    for key in ('a', 'b'):
+        rows.append(share_claim(key, views[('whole', ALL, None)]))
+        rows.append(share_claim(key, views[('whole', FROM_WARMUP, None)], res['from_iter']))
+    rows.append(link_claim(views[('whole', ALL, None)]))
+    rows.append(shape_claim(views[('head', ALL, None)]))
+    for key in ('d', 'e'):
+        rows += [effect_claim(key, res['effects'], keep, res['final_logs']) for keep in ('fro', 'spec')]
     for row in rows if res['short'] else ():   # the weight study's claims, all from these runs
         row['plumbing'] = row['verdict'] != NOT_MEASURED
     for prefix in TOKEN_SOURCES:
@@ -96,54 +120,135 @@ def claims(res):
     return rows
 
 
-def share_claims(summary):
-    """(a) and (b): shares of the trajectories of a trajectory_summary row."""
-    n = summary['trajectories'] if summary else 0
-    rows = []
-    for claim, key, stat in (
-            ('(a) PR_Q grows and PR_K falls over training', 'q_up_k_down',
-             'share of (depth, init, layer) trajectories (seed means) with PR_Q(end) > PR_Q(0) and PR_K(end) < PR_K(0)'),
-            ('(b) PR_Q - PR_K > 0 along every trajectory', 'gap_positive_throughout',
-             'share of trajectories with PR_Q - PR_K > 0 at every logged iteration after 0')):
-        c = summary[key] if summary else 0
-        rows.append({'claim': claim, 'statistic': stat, 'value': f'{c}/{n} = {c / n:.0%}' if n else 'no trajectories',
-                     'verdict': share_verdict(c, n), 'rule': SHARE_RULE})
-    return rows
+def not_logged(view):
+    return f'{", ".join(view["missing"])} not logged in these runs' if view['missing'] else 'no trajectories'
 
 
-def link_claim(pooled):
-    """(c): the pooled row of the attention_link table."""
+def share_claim(key, view, from_iter=0):
+    """(a) or (b) in one view: the share of its trajectories with Q up and K down, or the gap > 0 throughout."""
+    summary, window = view['summary'], view['summary']['window']
+    start = f'from iteration {", ".join(map(str, view["start"]))} on' + \
+        (' (--from_iter)' if from_iter is not None else ' (warmup_iters)')
+    claim, stat = {'a': ('(a) PR_Q grows and PR_K falls over training', 'q_up_k_down'),
+                   'b': ('(b) PR_Q - PR_K > 0 along every trajectory', 'gap_positive_throughout')}[key]
+    n, c = summary['trajectories'], summary[stat]
+    what = {'a': 'PR_Q(end) > PR_Q(start) and PR_K(end) < PR_K(start)',
+            'b': 'PR_Q - PR_K > 0 at every logged iteration after 0'}[key]
+    return {'key': key if window == ALL else f'{key}-warmup',
+            'claim': claim + ('' if window == ALL else ' [from warm-up on]'),
+            'statistic': f'share of (depth, init, layer) trajectories (seed means) with {what}; '
+                         f'{summary["measure"]}, ' + ('all records' if window == ALL else f'the records {start}'),
+            'value': f'{c}/{n} = {c / n:.0%}' if n else not_logged(view), 'short': f'{c}/{n}' if n else not_logged(view),
+            'verdict': share_verdict(c, n), 'rule': SHARE_RULE}
+
+
+def link_claim(view):
+    """(c) in one view: its pooled within-run links."""
     claim = '(c) falling PR_K goes with a narrower QK^T spectrum and lower attention entropy'
-    if not pooled:
-        return {'claim': claim, 'statistic': 'within-run Spearman PR_K~PR_QK and PR_K~entropy', 'value': 'no runs',
-                'verdict': NOT_MEASURED, 'rule': LINK_RULE}
+    pooled = view['link_rows'][-1] if view['link_rows'] else None
+    row = {'key': 'c', 'claim': claim, 'rule': LINK_RULE, 'statistic': 'within-run Spearman over logged '
+           'iterations (per layer, mean over layers), mean over the uncontrolled runs'}
     parts, values = [], []
-    for name in ('pr_k~pr_qk', 'pr_k~entropy'):
+    for name in ('pr_k~pr_qk', 'pr_k~entropy') if pooled else ():
         m, lo, hi = pooled[name], pooled[f'{name}_lo'], pooled[f'{name}_hi']
         parts.append(interval_verdict(m, lo, hi, +1))
-        values.append(f'{name}: {m:.2f} [{lo:.2f}, {hi:.2f}] ({parts[-1]})')
-    return {'claim': claim, 'statistic': f'within-run Spearman over logged iterations (per layer, mean over layers), '
-                                         f'mean over {pooled["n_runs"]} uncontrolled runs',
-            'value': '; '.join(values), 'verdict': combine_verdicts(parts), 'rule': LINK_RULE}
+        values.append(f'{name}: {num(m)} [{num(lo)}, {num(hi)}] ({parts[-1]})')
+    if not parts or all(p == NOT_MEASURED for p in parts):
+        return {**row, 'value': not_logged(view), 'short': not_logged(view), 'verdict': NOT_MEASURED}
+    row['statistic'] = row['statistic'].replace('the uncontrolled', f'{pooled["n_runs"]} uncontrolled')
+    return {**row, 'value': '; '.join(values), 'verdict': combine_verdicts(parts),
+            'short': ', '.join(v.split(' [')[0] for v in values)}
 
 
-def effect_claims(effects, final_logs):
-    """(d) and (e): the paired entropy effects of the control experiment (control_effects rows, target k)."""
+def shape_claim(view):
+    """(c2) in one view: its pooled partial correlation across heads, per checkpoint."""
+    row = {'key': 'c2', 'claim': '(c2) the key spectrum\'s shape tracks entropy beyond the logit scale',
+           'statistic': 'per checkpoint across (layer, head) pairs: partial correlation of entropy with PR_K given '
+                        'log ||W_QK^h||_2, mean over checkpoints, then over runs', 'rule': C2_RULE}
+    s = view['shape']
+    m = s['pr_k~entropy|scale'] if s else float('nan')
+    if not np.isfinite(m):
+        reason = not_logged(view) if view['missing'] else 'no checkpoint with 4 or more heads that vary'
+        return {**row, 'value': reason, 'short': reason, 'verdict': NOT_MEASURED}
+    lo, hi = s['pr_k~entropy|scale_lo'], s['pr_k~entropy|scale_hi']
+    verdict = HOLDS if lo > SHAPE_MARGIN else FAILS if hi < SHAPE_MARGIN else MIXED
+    if not np.isfinite(lo):   # one run: no interval
+        verdict = MIXED
+    return {**row, 'verdict': verdict, 'short': f'{m:+.2f} [{num(lo)}, {num(hi)}]',
+            'value': f'partial {m:+.2f} [{num(lo)}, {num(hi)}] over {s["n_runs"]} runs; without holding the scale '
+                     f'Spearman {num(s["pr_k~entropy"])}; entropy ~ log scale {num(s["scale~entropy"])}; PR_QK '
+                     f'partial {num(s["pr_qk~entropy|scale"])}'}
+
+
+def effect_claim(key, effects, keep, final_logs):
+    """(d) or (e) for one control_keep: the paired entropy effect of the control experiment (target k), with the
+    paired changes of the logit scale and of val_loss; (e), softer attention, also says whether the model is
+    less trained."""
+    kind, sign, word = {'d': ('shrink', -1, 'lower'), 'e': ('freeze', +1, 'higher')}[key]
+    find = lambda metric: next((e for e in effects if (e['target'], e['keep'], e['contrast'], e['metric']) ==
+                                ('k', keep, f'{kind} - none', metric)), None)
+    claim = {'d': '(d) shrinking the key spectrum sharpens attention',
+             'e': '(e) freezing the key spectrum softens attention'}[key]
+    row = {'key': key if keep == 'fro' else f'{key}-{keep}', 'claim': claim + ('' if keep == 'fro' else
+                                                                                ' [control_keep=spec]'),
+           'statistic': f'final attention entropy (mean of the last {final_logs} logs and of layers), {kind} - none '
+                        f'paired by seed; predicted {word}', 'value': f'no {kind}/none pairs',
+           'short': f'no {kind}/none pairs with control_keep={keep}', 'verdict': NOT_MEASURED, 'rule': EFFECT_RULE}
+    e, scale, loss = find('entropy'), find('qk_spec_norm'), find('val_loss')
+    if e is None:
+        return row
+    row['short'] = f'{signed(e["mean"])} [{signed(e["ci_lo"])}, {signed(e["ci_hi"])}], {e["n_predicted"]}/{e["n"]}'
+    row['value'] = (f'mean {signed(e["mean"])} [{signed(e["ci_lo"])}, {signed(e["ci_hi"])}], {e["n_predicted"]}/'
+                    f'{e["n"]} {word}, sign test p = {e["sign_p"]:.3g}, directional confidence {e["confidence"]:.2f}'
+                    + (f'; qk_spec_norm {signed(scale["mean"])}' if scale else '')
+                    + (f'; val_loss {signed(loss["mean"])} [{signed(loss["ci_lo"])}, {signed(loss["ci_hi"])}]'
+                       if loss else ''))
+    row['verdict'] = interval_verdict(e['mean'], e['ci_lo'], e['ci_hi'], sign, e['sign_p'])
+    if key == 'e' and loss:
+        trained = 'the model is also less trained' if loss['ci_lo'] > 0 else 'the model is not less trained'
+        row['qualifier'] = f'{trained} (val_loss {signed(loss["mean"])} [{signed(loss["ci_lo"])}, ' \
+                           f'{signed(loss["ci_hi"])}])'
+        row['also'] = LESS_TRAINED_RULE
+    return row
+
+
+# ----------------------------------------------------------------------------- the robustness map
+
+def robustness_map(res):
+    """One row per claim (a)-(e) and (c2), one column per way of measuring it (LENS_COLUMNS, then the claim's
+    own lens from warm-up on, without and with weight decay on W_Q, W_K, and with control_keep=spec); each cell
+    'verdict (statistic)', or '-' with the reason where the column does not apply."""
+    columns = [*LENS_COLUMNS, WARMUP_COLUMN, *DECAY_COLUMNS, SPEC_COLUMN]
     rows = []
-    for claim, kind, sign, word in (('(d) shrinking the key spectrum sharpens attention', 'shrink', -1, 'lower'),
-                                    ('(e) freezing the key spectrum softens attention', 'freeze', +1, 'higher')):
-        e = next((e for e in effects if e['target'] == 'k' and e['contrast'] == f'{kind} - none'
-                  and e['metric'] == 'entropy'), None)
-        row = {'claim': claim, 'statistic': f'final attention entropy (mean of the last {final_logs} logs and of '
-                                            f'layers), {kind} - none paired by seed; predicted {word}',
-               'value': f'no {kind}/none pairs', 'verdict': NOT_MEASURED, 'rule': EFFECT_RULE}
-        if e is not None:
-            row['value'] = (f'mean {signed(e["mean"])} [{signed(e["ci_lo"])}, {signed(e["ci_hi"])}], '
-                            f'{e["n_predicted"]}/{e["n"]} {word}, sign test p = {e["sign_p"]:.3g}, directional '
-                            f'confidence {e["confidence"]:.2f}')
-            row['verdict'] = interval_verdict(e['mean'], e['ci_lo'], e['ci_hi'], sign, e['sign_p'])
-        rows.append(row)
+    for key in ('a', 'b', 'c', 'c2', 'd', 'e'):
+        cells = {column: map_cell(res, key, column) for column in columns}
+        name = next(c['claim'] for c in res['claims'] if c['key'] == key)
+        rows.append({'key': key, 'claim': name, **cells})
     return rows
+
+
+def map_cell(res, key, column):
+    if column in DECAY_COLUMNS and not res['decays']:
+        return '- (needs runs with and without decay)'
+    if key in ('d', 'e'):
+        if column == SPEC_COLUMN:
+            return cell(effect_claim(key, res['effects'], 'spec', res['final_logs']))
+        if column in DECAY_COLUMNS:
+            return cell(effect_claim(key, res['effects_by_decay'][DECAY_COLUMNS[column]], 'fro', res['final_logs']))
+        return '- (final entropy: no PR lens)'
+    if column == SPEC_COLUMN:
+        return '- (uncontrolled runs)'
+    if key == 'c2' and LENS_COLUMNS.get(column) == 'whole':
+        return '- (no per-head PR)'
+    lens = LENS_COLUMNS.get(column, MAIN_LENS[key])
+    view = res['views'][(lens, FROM_WARMUP if column == WARMUP_COLUMN else ALL, DECAY_COLUMNS.get(column))]
+    claim = {'a': share_claim, 'b': share_claim}.get(key)
+    found = claim(key, view) if claim else link_claim(view) if key == 'c' else shape_claim(view)
+    return cell(found)
+
+
+def cell(claim):
+    return f'{claim["verdict"]} ({claim["short"]})'
 
 
 def claim_label(row):
@@ -160,7 +265,7 @@ def token_claims(prefix, trend, link):
     source, command = TOKEN_SOURCES[prefix], f'python analyze.py {prefix} ...'
     series = [r for r in trend if in_claims(r)]
     usable = [r for r in series if np.isfinite(r['rho_early']) and np.isfinite(r['rho_late'])]
-    f1 = {'claim': f'(f1) token-level PR_Q - PR_K rises early and decays later [{source}]',
+    f1 = {'key': f'f1-{prefix}', 'claim': f'(f1) token-level PR_Q - PR_K rises early and decays later [{source}]',
           'statistic': 'per (model, layer) series of checkpoints: Spearman of tok_pr_q - tok_pr_k with log(1 + step) '
                        'over the early and the late checkpoints (split at the median log step), mean over series',
           'rule': TREND_RULE}
@@ -180,7 +285,7 @@ def token_claims(prefix, trend, link):
                        f"{len(usable)}")
     finals = [r for r in link if r['last'] and in_claims(r) and np.isfinite(r['rho'])]
     visible = [r for r in finals if r['rho'] > 0 and r['p'] < ALPHA]
-    f2 = {'claim': f'(f2) token-level interaction rank tracks attention entropy [{source}]',
+    f2 = {'key': f'f2-{prefix}', 'claim': f'(f2) token-level interaction rank tracks attention entropy [{source}]',
           'statistic': 'per model at its last checkpoint: Spearman of tok_pr_qk with entropy across (layer, head) '
                        'pairs, one-sided permutation test', 'verdict': models_verdict(len(visible), len(finals)),
           'rule': TOKEN_LINK_RULE}
@@ -203,6 +308,11 @@ def series_of(row):
 
 # ----------------------------------------------------------------------------- REPORT.md
 
+def num(v):
+    """A correlation for the report: +0.42, or n/a where it is undefined (a constant series)."""
+    return f'{v:+.2f}' if np.isfinite(v) else 'n/a'
+
+
 def signed(v, decimals=4):
     """v with its sign to `decimals` places, or in scientific notation where that would show only zeros: an
     effect of 2e-8 reads +2.00e-08, never +0.0000."""
@@ -217,20 +327,17 @@ def clip(text, width):
 
 
 def write_report(path, ctx):
-    """REPORT.md from the analysis result ctx (analyze.analyze): claims and rules first, then the tables behind
-    them, the notes, what is missing and every warning."""
-    L = header(ctx) + claims_section(ctx)
+    """REPORT.md from the analysis result ctx (analyze.analyze): claims and rules first, the robustness map, then
+    the tables behind them, the notes, what is missing and every warning."""
+    L = header(ctx) + claims_section(ctx) + map_section(ctx) + shape_section(ctx)
     L += ['## Trajectory summary', '',
           markdown_table(ctx['summaries'], list(ctx['summaries'][0]) if ctx['summaries'] else ['variant']),
           '## Attention link', '',
-          markdown_table(ctx['link_rows'], list(ctx['link_rows'][0]) if ctx['link_rows'] else ['n_layer']),
-          '## Control experiment', '']
-    if ctx['effects']:
-        L.append('control_target=q (if shown) is the mirror experiment: listed for comparison, no verdict.\n')
-        L.append(markdown_table(ctx['effects'], list(ctx['effects'][0])))
-    else:
-        L += ['No controlled runs.', '']
-    L += token_report(ctx['out'], ctx['token'])
+          'Within-run correlations over the logged iterations, per layer, mean over layers (whole-matrix PRs); '
+          '|scale: the partial correlation with log ||W_QK||_2 held fixed; scale~entropy: Spearman of the logit '
+          'scale with entropy. Two series that both trend over training correlate whatever links them.', '',
+          markdown_table(ctx['link_rows'], list(ctx['link_rows'][0]) if ctx['link_rows'] else ['n_layer'])]
+    L += control_section(ctx) + token_report(ctx['out'], ctx['token'])
     L += ['## Notes: known confounds', ''] + [f'- {n}' for n in ctx['confounds']] + ['']
     if ctx['setting_notes']:
         L += ['## Notes: training setups', ''] + [f'- {n}' for n in ctx['setting_notes']] + ['']
@@ -247,6 +354,51 @@ def write_report(path, ctx):
     L += [''] + [f'![{os.path.basename(p)}]({os.path.basename(p)})' for p in ctx['figures'] if p.endswith('.png')]
     with open(path, 'w') as f:
         f.write('\n'.join(L) + '\n')
+
+
+def map_section(ctx):
+    columns = [c for c in ctx['map'][0] if c not in ('key', 'claim')] if ctx['map'] else []
+    return ['## Robustness map', '',
+            'Which conclusion survives which way of measuring. Each cell is the claim\'s verdict by its rule above, '
+            'with its statistic, measured one other way: the four PR columns over all records; then the claim\'s '
+            'own lens (whole-matrix for (a)-(c), per-head for (c2)) from the end of warm-up on, on the runs without '
+            'and with weight decay on W_Q, W_K (the main setting of each), and (d), (e) with control_keep=spec. '
+            'The learned part starts after iteration 0, where W - W(0) = 0. "-": the column does not apply, and why.',
+            '', markdown_table(ctx['map'], ['claim'] + columns)]
+
+
+def shape_section(ctx):
+    rows = ctx['scale_shape']
+    L = ['## Scale against shape', '',
+         'Attention entropy falls as the logits grow whatever the spectrum\'s shape, so each link between a PR and '
+         'entropy is also given with the logit scale held fixed: |scale is the partial correlation given log '
+         '||W_QK^h||_2, scale~entropy the Spearman of the scale with entropy. Across heads at one checkpoint every '
+         'head has trained as long; within runs over time (per layer, as in attention_link), entropy, PR_K and the '
+         'scale all trend, and two trending series correlate whatever links them: those rows are for comparison '
+         'only, and (c2) uses the across-head ones. Per-run values: scale_shape_runs.', '']
+    names = [c for c in (rows[0] if rows else {}) if '~' in c and not c.endswith(('_lo', '_hi'))]
+    shown = [{**{k: r[k] for k in ('lens', 'window', 'scope', 'n_runs')},
+              **{n: f'{num(r[n])} [{num(r[n + "_lo"])}, {num(r[n + "_hi"])}]' for n in names}} for r in rows]
+    return L + ([markdown_table(shown, ['lens', 'window', 'scope', 'n_runs'] + names)] if rows else
+                ['No per-head values logged: not measured.', ''])
+
+
+def control_section(ctx):
+    L = ['## Control experiment', '']
+    if not ctx['effects']:
+        return L + ['No controlled runs.', '']
+    scale = {(e['keep'], e['contrast'].split()[0]): signed(e['mean']) for e in ctx['effects']
+             if e['target'] == 'k' and e['metric'] == 'qk_spec_norm'}
+    change = lambda keep: ', '.join(f'{kind} {scale[(keep, kind)]}' for kind in ('shrink', 'freeze')
+                                    if (keep, kind) in scale) or 'not measured'
+    L += ['Which verdicts separate shape from scale: control_keep=fro keeps ||W_K||_F, so narrowing the spectrum '
+          'raises its top singular value and with it the largest logits; (d) and (e) move shape and scale together '
+          f'(change in qk_spec_norm, controlled - none: {change("fro")}). control_keep=spec keeps the top singular '
+          'value, so the rows marked [control_keep=spec] are the verdicts that separate shape from scale (change in '
+          f'qk_spec_norm: {change("spec")}; W_Q still learns, so ||W_QK||_2 is not held exactly). '
+          'control_target=q (if shown) is the mirror experiment: listed for comparison, no verdict.', '',
+          markdown_table(ctx['effects'], list(ctx['effects'][0]))]
+    return L
 
 
 def header(ctx):
@@ -272,12 +424,13 @@ def short_note(ctx):
 
 def claims_section(ctx):
     """The claims table (a verdict on too-short runs marked as a plumbing check) and the rules behind it."""
-    shown = [{**c, 'verdict': c['verdict'] + (' (plumbing check)' if c.get('plumbing') else '')}
-             for c in ctx['claims']]
+    shown = [{**c, 'verdict': c['verdict'] + (f'; {c["qualifier"]}' if c.get('qualifier') else '')
+              + (' (plumbing check)' if c.get('plumbing') else '')} for c in ctx['claims']]
     L = ['## Claims', '', markdown_table(shown, ['claim', 'statistic', 'value', 'verdict']), '### Verdict rules', '']
     for rule in dict.fromkeys(c['rule'] for c in ctx['claims'] if c['rule'] != '-'):
         which = ', '.join(dict.fromkeys(claim_label(c) for c in ctx['claims'] if c['rule'] == rule))
         L.append(f'- {which}: {rule}.')
+    L += [f'- {rule}.' for rule in dict.fromkeys(c['also'] for c in ctx['claims'] if c.get('also'))]
     L += ['', f'Intervals are {LEVEL:.0%} percentile bootstrap intervals of the mean ({N_BOOT} resamples, seed '
               f'{BOOT_SEED}); the sign test is exact and one-sided, exact zeros dropped; the directional '
               f'confidence is the share of bootstrap means with the predicted sign; Spearman uses average ranks '

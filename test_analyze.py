@@ -36,8 +36,23 @@ def make_study(write_run, root, effect=1, depths=(2,), inits=('normal', 'tied'),
     return root
 
 
-def verdicts(result):
-    return {c['claim'][1]: c['verdict'] for c in result['claims']}
+def verdicts(result, every=False):
+    """{claim key: verdict}; without every, only (a)-(e) over all records with control_keep=fro, and 'f' for
+    the token-level rows (the verdict of the last)."""
+    found = {c['key']: c['verdict'] for c in result['claims']}
+    if every:
+        return found
+    short = {k: v for k, v in found.items() if k in ('a', 'b', 'c', 'd', 'e')}
+    return {**short, 'f': next(v for k, v in reversed(found.items()) if k.startswith('f'))}
+
+
+def claim(result, key):
+    return next(c for c in result['claims'] if c['key'] == key)
+
+
+def map_cell(result, key, column):
+    """The robustness map's cell of a claim (by key) and a column."""
+    return next(row for row in result['map'] if row['key'] == key)[column]
 
 
 def edit_records(run_dir, edit):
@@ -92,6 +107,20 @@ def test_spearman_known_values():
     assert stats.spearman([1, 2, np.nan, 3, 4], [1, 2, 9, 3, 4]) == pytest.approx(1.0)  # NaN pairs dropped
 
 
+def test_partial_drops_missing_values_and_holds_the_control_fixed():
+    rng = np.random.default_rng(0)
+    z, u = rng.normal(size=40), rng.normal(size=40)
+    x, y = z + 0.1 * u, z + 0.1 * rng.normal(size=40)          # linked only through z
+    assert stats.spearman(x, y) > 0.9 and abs(stats.partial(x, y, z)) < 0.35
+    assert stats.partial(u, u + 0.01 * z, z) > 0.99             # linked beyond z
+    x_gap, y_gap = x.copy(), y.copy()
+    x_gap[3], y_gap[7] = np.nan, np.inf                         # a triple with a NaN or Inf is left out
+    keep = np.ones(40, bool)
+    keep[[3, 7]] = False
+    assert stats.partial(x_gap, y_gap, z) == pytest.approx(stats.partial(x[keep], y[keep], z[keep]), abs=1e-12)
+    assert math.isnan(stats.partial([1, 2, 3], [3, 1, 2], [0, 1, 0]))   # fewer than 4 triples
+
+
 def test_bootstrap_constant_and_seeded():
     lo, hi = stats.bootstrap_ci([0.3] * 5)
     assert lo == pytest.approx(0.3, rel=1e-12) and hi == pytest.approx(0.3, rel=1e-12)
@@ -129,6 +158,7 @@ def test_planted_effect_holds(tmp_path, synthetic_study):
     res = run_analysis(synthetic_study(str(tmp_path)))
     assert verdicts(res) == {'a': 'holds', 'b': 'holds', 'c': 'holds', 'd': 'holds', 'e': 'holds',
                              'f': 'not measured'}
+    assert verdicts(res, every=True)['a-warmup'] == verdicts(res, every=True)['b-warmup'] == 'holds'
     # the control none runs (depth 3) are uncontrolled runs too: 2 layers x 2 inits + 3 layers x 1 init
     assert res['summary']['trajectories'] == 2 * 2 + 3
     text = open(os.path.join(res['out'], 'REPORT.md')).read()
@@ -157,7 +187,7 @@ def test_trajectory_table_values(tmp_path, write_run):
     for seed in (1, 2):
         write_run(str(tmp_path), f'L2_normal_s{seed}', seed=seed)
     res = run_analysis(tmp_path)
-    rows = analyze.trajectory_rows(res['cells'], 'pr_q', 'pr_k', print)
+    rows = analyze.trajectory_rows(res['cells'], 'whole', analyze.ALL, None, print)
     assert [(r['n_layer'], r['layer']) for r in rows] == [(2, 0), (2, 1)]
     runs = res['cells'][(2, 'normal')]
     want = np.mean([r.metric('pr_q')[-1, 1] - r.metric('pr_k')[-1, 1] for r in runs])
@@ -263,7 +293,7 @@ def test_fig5_draws_each_control_setup_in_its_own_row(tmp_path, write_run):
     assert not one['figure_notes'] and not both['figure_notes']
     with Image.open(tmp_path / 'one' / 'fig5_control_k.png') as a, Image.open(tmp_path / 'both' / 'fig5_control_k.png') as b:
         assert b.size[1] > 1.8 * a.size[1]     # a row per setup
-    assert {(r['setting'], r['n_layer']) for r in both['ctl_rows']['k']} == {('A', 2), ('B', 3)}
+    assert {(r['setting'], r['n_layer']) for r in both['ctl_rows']} == {('A', 2), ('B', 3)}
 
 
 def test_timeline_is_the_mean_over_runs_of_layer_means(tmp_path, write_run, log_iters):
@@ -298,6 +328,131 @@ def test_absent_data_skips_a_figure_with_a_note(tmp_path, write_run):
     assert 'fig5_control_k' in notes and 'fig4_spectra' in notes
     assert os.path.exists(os.path.join(res['out'], 'fig1_pr_over_training.png'))
     assert 'figure skipped: fig5_control_k' in open(os.path.join(res['out'], 'REPORT.md')).read()
+
+
+# ----------------------------------------------------------------------------- lenses, scale against shape, control_keep
+
+def plant_heads(run_dir, kind, seed):
+    """Per-head values in every record of a written run, with log ||W_QK^h||_2 = z ~ N(0, 1) per (layer, head)
+    and u ~ N(0, 1) the shape: 'scale': PR_K falls with z and entropy follows z alone (PR_K correlates with
+    entropy only through the scale); 'shape': z independent of both, entropy follows PR_K; 'both'."""
+    rng = np.random.default_rng(seed)
+
+    def edit(row):
+        for layer in row['layers']:
+            n = len(layer['entropy_heads'])
+            z, u = rng.normal(size=n), rng.normal(size=n)
+            pr_k = 4 + u if kind == 'shape' else 4 - z + 0.5 * u
+            ent = {'scale': 2 - 0.5 * z, 'shape': 2 + 0.3 * u, 'both': 2 - 0.5 * z + 0.3 * u}[kind]
+            layer.update(qk_spec_norm_heads=np.exp(z).tolist(), pr_k_heads=pr_k.tolist(),
+                         pr_qk_heads=(pr_k / 2 + rng.normal(0, 0.1, n)).tolist(),
+                         entropy_heads=(ent + rng.normal(0, 0.02, n)).tolist())
+    edit_records(run_dir, edit)
+
+
+@pytest.mark.parametrize('kind, verdict', [('scale', 'does not hold'), ('shape', 'holds'), ('both', 'holds')])
+def test_c2_separates_the_spectrum_s_shape_from_the_logit_scale(tmp_path, write_run, kind, verdict):
+    for init in ('normal', 'tied'):
+        for seed in (1, 2, 3):
+            run = write_run(str(tmp_path / 'runs'), f'L4_{init}_s{seed}', n_layer=4, n_head=8, n_embd=16, qk_init=init,
+                            seed=seed)
+            plant_heads(run, kind, seed + 10 * (init == 'tied'))
+    res = run_analysis(tmp_path / 'runs')
+    assert claim(res, 'c2')['verdict'] == verdict
+    pooled = next(r for r in res['scale_shape'] if r['lens'] == 'head' and r['window'] == 'all records'
+                  and r['scope'] == 'across heads, per checkpoint')
+    if kind != 'shape':   # the raw correlation is there either way: only the partial one tells them apart
+        assert pooled['pr_k~entropy'] > 0.5
+    assert (pooled['pr_k~entropy|scale'] > 0.5) == (kind != 'scale')
+    text = open(os.path.join(res['out'], 'REPORT.md')).read()
+    assert report.C2_RULE in text and 'two trending series correlate' in text
+    assert {'pr_k~entropy|scale', 'pr_qk~entropy|scale', 'scale~entropy'} <= set(res['link_rows'][-1])
+
+
+def test_each_lens_reads_its_own_keys(tmp_path, write_run, log_iters):
+    root = str(tmp_path / 'runs')
+    runs = [write_run(root, f'L2_normal_s{seed}', seed=seed) for seed in (1, 2, 3)]
+    progress = {it: math.log1p(it) / math.log1p(log_iters[-1]) for it in log_iters}
+    for run in runs:   # the whole-matrix PR_Q falls, as in the cpu study; per head and token level are planted up
+        edit_records(run, lambda row: [layer.update(pr_q=4 - 2 * progress[row['iter']]) for layer in row['layers']])
+    res = run_analysis(root)
+    assert map_cell(res, 'a', 'whole-matrix weight PR').startswith('does not hold (0/2')
+    assert map_cell(res, 'a', 'per-head weight PR').startswith('holds (2/2')
+    assert map_cell(res, 'a', 'token-level PR').startswith('holds (2/2')
+    assert map_cell(res, 'a', 'learned part W - W(0)').startswith('not measured') and \
+        'pr_dq' in map_cell(res, 'a', 'learned part W - W(0)')
+    assert map_cell(res, 'c2', 'whole-matrix weight PR').startswith('-')      # no per-head value in that lens
+    for run in runs:   # the learned part: 0 at iteration 0 by definition, then Q up and K down
+        edit_records(run, lambda row: [layer.update(
+            pr_dq=3 + 2 * progress[row['iter']] if row['iter'] else 0.0,
+            pr_dk=3 - 2 * progress[row['iter']] if row['iter'] else 0.0) for layer in row['layers']])
+    res = run_analysis(root)
+    assert map_cell(res, 'a', 'learned part W - W(0)').startswith('holds (2/2')
+    learned = [r for r in folders.read_table(os.path.join(res['out'], 'trajectories_learned.csv'))
+               if r['window'] == 'all records']
+    assert {r['iter_start'] for r in learned} == {1}          # iteration 0 (W = W(0)) is no measurement
+
+
+def test_from_warmup_leaves_the_records_before_it_out(tmp_path, write_run):
+    root = str(tmp_path / 'runs')
+    for seed in (1, 2, 3):   # PR_Q - PR_K < 0 at the records inside the warm-up (1 <= iteration < 10), > 0 after
+        run = write_run(root, f'L2_normal_s{seed}', seed=seed, warmup_iters=10)
+        edit_records(run, lambda row: [layer.update(pr_q=layer['pr_k'] - 1) for layer in row['layers']
+                                       if 0 < row['iter'] < 10])
+    res = run_analysis(root)
+    assert claim(res, 'b')['verdict'] == 'does not hold' and claim(res, 'b-warmup')['verdict'] == 'holds'
+    assert map_cell(res, 'b', 'from warm-up on').startswith('holds')
+    warm = [r for r in folders.read_table(os.path.join(res['out'], 'trajectories.csv')) if r['window'] != 'all records']
+    assert {r['iter_start'] for r in warm} == {16}             # the first record at or after warmup_iters
+    assert analyze.main([root, '--from_iter=50', '--no_figures']) == 0
+    warm = [r for r in folders.read_table(os.path.join(root, 'analysis', 'trajectories.csv'))
+            if r['window'] != 'all records']
+    assert {r['iter_start'] for r in warm} == {50}
+    assert 'from iteration 50' in open(os.path.join(root, 'analysis', 'REPORT.md')).read()
+
+
+def test_control_keep_gets_verdicts_of_its_own_and_softer_attention_names_the_loss(tmp_path, synthetic_study,
+                                                                                   write_run):
+    root = synthetic_study(str(tmp_path / 'runs'), seeds=(1, 2))
+    res = run_analysis(root)
+    assert claim(res, 'd-spec')['verdict'] == claim(res, 'e-spec')['verdict'] == 'not measured'
+    for seed in (1, 2, 3, 4, 5):
+        for kind in ('shrink', 'freeze'):
+            write_run(os.path.join(root, 'control'), f'L3_normal_{kind}-k-spec_s{seed}', n_layer=3, seed=seed,
+                      control=kind, control_keep='spec')
+    res = run_analysis(root)
+    v = verdicts(res, every=True)
+    assert v['d'] == v['d-spec'] == v['e'] == v['e-spec'] == 'holds'
+    assert 'not less trained' in claim(res, 'e')['qualifier']       # the paired val_loss difference is 0
+    metrics = {(e['keep'], e['metric']) for e in res['effects'] if e['contrast'] == 'freeze - none'}
+    assert {('fro', 'qk_spec_norm'), ('fro', 'val_loss'), ('spec', 'qk_spec_norm'), ('spec', 'entropy')} <= metrics
+    for seed in (1, 2, 3, 4, 5):   # freezing now costs validation loss
+        freeze = os.path.join(root, 'control', f'L3_normal_freeze-k_s{seed}')
+        edit_records(freeze, lambda row: row.update(val_loss=row['val_loss'] + 0.02 + 0.001 * seed))
+    res = run_analysis(root)
+    assert 'also less trained' in claim(res, 'e')['qualifier'] and '+0.02' in claim(res, 'e')['qualifier']
+    text = open(os.path.join(res['out'], 'REPORT.md')).read()
+    assert 'separate shape from scale' in text and 'also less trained' in text
+    assert map_cell(res, 'd', 'control_keep=spec (top singular value held)').startswith('holds')
+    assert map_cell(res, 'a', 'control_keep=spec (top singular value held)').startswith('-')
+
+
+def test_robustness_map_splits_by_weight_decay_when_both_are_given(tmp_path, write_run):
+    root = str(tmp_path / 'runs')
+    for seed in (1, 2, 3):
+        write_run(root, f'L2_normal_s{seed}', seed=seed)
+    res = run_analysis(root)
+    assert map_cell(res, 'a', 'no decay on W_Q, W_K').startswith('-')
+    text = open(os.path.join(res['out'], 'REPORT.md')).read()
+    assert text.index('## Claims') < text.index('## Robustness map') < text.index('## Trajectory summary')
+    for seed in (1, 2, 3):
+        write_run(os.path.join(root, 'nodecay'), f'L2_normal_s{seed}', seed=seed, decay_qk=False, effect=-1) if seed < 3 else None
+    res = run_analysis(root)
+    assert map_cell(res, 'a', 'decay on W_Q, W_K').startswith('holds (2/2')
+    assert map_cell(res, 'a', 'no decay on W_Q, W_K').startswith('does not hold (0/2')
+    assert map_cell(res, 'a', 'whole-matrix weight PR').startswith('holds (2/2')   # the main setting: decay on
+    keys = [row['key'] for row in res['map']]
+    assert keys == ['a', 'b', 'c', 'c2', 'd', 'e']
 
 
 # ----------------------------------------------------------------------------- bad input, short runs, figures
@@ -388,9 +543,9 @@ def test_short_runs_get_plumbing_checks_not_verdicts(tmp_path, synthetic_study):
 
 
 def test_effects_below_the_precision_shown_are_in_scientific_notation():
-    effect = {'target': 'k', 'contrast': 'freeze - none', 'metric': 'entropy', 'n': 5, 'mean': 2.1e-8,
+    effect = {'target': 'k', 'keep': 'fro', 'contrast': 'freeze - none', 'metric': 'entropy', 'n': 5, 'mean': 2.1e-8,
               'ci_lo': 1.2e-8, 'ci_hi': 3.3e-8, 'n_predicted': 5, 'sign_p': 1 / 32, 'confidence': 1.0}
-    e = next(c for c in report.effect_claims([effect], 3) if c['claim'].startswith('(e)'))
+    e = report.effect_claim('e', [effect], 'fro', 3)
     assert '+2.10e-08 [+1.20e-08, +3.30e-08]' in e['value'] and '0.0000' not in e['value']
     assert report.signed(0.25) == '+0.2500' and report.signed(-3e-5) == '-3.00e-05' and report.signed(0.0) == '0'
 
@@ -408,7 +563,7 @@ def test_figures_have_no_offset_notation_and_fig1_a_readable_legend(tmp_path, sy
         edit_records(os.path.join(root, 'control', name), lambda row: [
             layer.update(entropy=2.04477 + 1e-6 * layer['entropy']) for layer in row['layers']])
     res = run_analysis(root)
-    assert offsets(plots.plot_control(res['runs'], res['ctl_rows']['k'], 'k')) == []
+    assert offsets(plots.plot_control(res['runs'], [r for r in res['ctl_rows'] if r['target'] == 'k'], 'k')) == []
     fig = plots.plot_pr_over_training(res['cells'])
     assert len(fig.legends) == 1                                  # one legend for the figure, not one panel
     assert min(t.get_fontsize() for t in fig.legends[0].get_texts()) >= 8
