@@ -581,12 +581,27 @@ def test_control_none_is_bit_identical_to_no_control_code(tmp_path, monkeypatch,
     assert without_wall_clock(with_code) == without_wall_clock(without)
 
 
-def test_controlled_run_killed_and_resumed_matches_uninterrupted(tmp_path, train_run, without_wall_clock, args_for, run_train):
+def test_control_keep_reaches_train_py(tmp_path, train_run):
+    """Both keeps hit the same PR targets; spec leaves the largest logits smaller than fro does (shrinking the
+    PR at a fixed Frobenius norm raises the top singular value), so the runs differ in qk_spec_norm."""
+    runs = {keep: train_run('--control=shrink', '--shrink_iters=8', '--shrink_to=0.3', f'--control_keep={keep}',
+                            f'--run_name={keep}')[1] for keep in ('fro', 'spec')}
+    for fro_row, spec_row in zip(runs['fro'], runs['spec']):
+        for a, b in zip(fro_row['layers'], spec_row['layers']):
+            assert a['ctl_target_pr'] == pytest.approx(b['ctl_target_pr'], rel=1e-9)
+    last = {keep: rows[-1]['layers'] for keep, rows in runs.items()}
+    assert all(s['qk_spec_norm'] < f['qk_spec_norm'] for f, s in zip(last['fro'], last['spec']))
+    assert torch.load(tmp_path / 'out' / 'spec' / 'ckpt.pt', weights_only=True)['control']['keep'] == 'spec'
+
+
+@pytest.mark.parametrize('keep', ['fro', 'spec'])
+def test_controlled_run_killed_and_resumed_matches_uninterrupted(tmp_path, train_run, without_wall_clock, args_for,
+                                                                 run_train, keep):
     import train
     train_run()  # writes the text
     text = str(tmp_path / 'src' / 'corpus.txt')
-    ref_dir, ref = train_run('--control=shrink', '--shrink_iters=16', '--run_name=ref')
-    args = args_for(tmp_path, text, 'killed', '--control=shrink', '--shrink_iters=16')
+    ref_dir, ref = train_run('--control=shrink', '--shrink_iters=16', f'--control_keep={keep}', '--run_name=ref')
+    args = args_for(tmp_path, text, 'killed', '--control=shrink', '--shrink_iters=16', f'--control_keep={keep}')
     assert run_train(args, 'record', 16).returncode == -9
     assert run_train(args).returncode == 0
     rows = train.read_metrics(str(tmp_path / 'out' / 'killed' / 'metrics.jsonl'))
