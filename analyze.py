@@ -637,7 +637,8 @@ def print_token_result(res, dirs=None):
         hint = '`python analyze.py ' + ' '.join(map(shlex.quote, [*dirs] + ([] if default else [f'--out={out}']))) + '`'
     print(f'wrote {len(res["files"])} files to {out}; {hint} puts claims (f1), (f2) into its REPORT.md')
     if res.get('report_removed'):
-        print(f'(the REPORT.md there reported the earlier token tables: removed until that command writes it again)')
+        print('(the REPORT.md there was written before these token tables: removed until that command writes it '
+              'again)')
 
 
 def tokens_command(argv):
