@@ -349,12 +349,10 @@ def timeline_rows(runs):
 
 def study_tables(runs, from_iter, warn):
     """The rows of every table of the weight study and the views behind the claims, from the loaded runs."""
-    cells = study_cells(runs)
-    memo, views = {}, {}
-    for lens, window, decay in VIEWS + [(lens, window, d) for d in decay_settings(runs) for lens, window in
-                                        (('whole', ALL), ('head', ALL))]:
-        setting = decay_settings(runs)[decay] if decay is not None else 'A'
-        views[(lens, window, decay)] = view(study_cells(runs, setting), lens, window, from_iter, memo, warn)
+    cells, memo, decay = study_cells(runs), {}, decay_settings(runs)
+    wanted = VIEWS + [(lens, ALL, d) for d in decay for lens in ('whole', 'head')]   # the map's weight-decay columns
+    views = {(lens, window, d): view(study_cells(runs, decay.get(d, 'A')), lens, window, from_iter, memo, warn)
+             for lens, window, d in wanted}
     traj = {lens: [r for window in WINDOWS for r in views[(lens, window, None)]['rows']] for lens in LENSES}
     whole = views[('whole', ALL, None)]
     ctl_rows = [row for target in ('k', 'q') for keep in ('fro', 'spec') for row in control_rows(runs, target, keep)]
@@ -365,7 +363,7 @@ def study_tables(runs, from_iter, warn):
             'link_runs': whole['link_runs'], 'link_rows': whole['link_rows'], 'ctl_rows': ctl_rows,
             'effects': control_effect_rows(ctl_rows),
             'effects_by_decay': {d: control_effect_rows([r for r in ctl_rows if decay_of[r['setting']] == d])
-                                 for d in decay_settings(runs)},
+                                 for d in decay},
             'scale_shape_runs': shape_rows(cells, from_iter, memo), 'timeline': timeline_rows(runs)}
 
 
@@ -386,7 +384,8 @@ def view(cells, lens, window, from_iter, memo, warn):
     links and shapes (views share runs)."""
     runs = [r for rs in cells.values() for r in rs]
     start = {r.path: window_start(rs, lens, window, from_iter) for rs in cells.values() for r in rs}
-    link_of = lambda r: cached(memo, ('link', r.path, lens, start[r.path]), lambda: link_of_run(r, lens, start[r.path]))
+    link_of = lambda r: cached(memo, ('link', r.path, lens, start[r.path]),
+                               lambda: link_of_run(r, lens, start[r.path]))
     rows = trajectory_rows(cells, lens, window, from_iter, warn)
     link_runs, link_rows = attention_link_tables(cells, link_of)
     shapes = [shape_of_run(r, lens, start[r.path], memo) for r in runs]
@@ -676,7 +675,8 @@ def pretrained_command(argv):
                                     t for fam in tokens.FAMILIES.values() for t in fam.model_types) + '.')
     p.add_argument('--model', required=True, help='a local folder or a HF name (from the cache, else the hub)')
     p.add_argument('--revisions', default='', help='comma-separated revisions (a local folder MODEL/REVISION is '
-                   'used if there), or a preset: ' + ', '.join(tokens.REVISION_PRESETS) + '; default: the default revision')
+                   'used if there), or a preset: ' + ', '.join(tokens.REVISION_PRESETS) + '; default: the default '
+                   'revision')
     p.add_argument('--text', default='', help=f'UTF-8 text to sample (first {tokens.SAMPLE_CHARS} characters); '
                    f'default {os.path.normpath(tokens.SAMPLE_FILE)}')
     p.add_argument('--rope', default='after', choices=('after', 'before', 'both'),

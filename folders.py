@@ -52,7 +52,7 @@ class Run:
     geom_iters: np.ndarray   # the logged iterations that carry geometry ("layers")
     layers: dict             # per-layer scalar metric -> (len(geom_iters), n_layer) float64
     notes: list = field(default_factory=list)
-    heads: dict = field(default_factory=dict)   # per-head metric (a list per layer) -> (len(geom_iters), n_layer, n_head)
+    heads: dict = field(default_factory=dict)   # per-head metric -> (len(geom_iters), n_layer, n_head)
     setting: str = 'A'       # which training setup (SETTING_KEYS) it shares with others; set by load_runs
 
     n_layer = property(lambda self: int(self.cfg['n_layer']))

@@ -138,7 +138,8 @@ def share_claim(key, view, from_iter=0):
             'claim': claim + ('' if window == ALL else ' [from warm-up on]'),
             'statistic': f'share of (depth, init, layer) trajectories (seed means) with {what}; '
                          f'{summary["measure"]}, ' + ('all records' if window == ALL else f'the records {start}'),
-            'value': f'{c}/{n} = {c / n:.0%}' if n else not_logged(view), 'short': f'{c}/{n}' if n else not_logged(view),
+            'value': f'{c}/{n} = {c / n:.0%}' if n else not_logged(view),
+            'short': f'{c}/{n}' if n else not_logged(view),
             'verdict': share_verdict(c, n), 'rule': SHARE_RULE}
 
 

@@ -1,6 +1,7 @@
-"""Tests of the token-level analysis (tokens.py, through analyze.py's commands): the trend and link statistics on planted checkpoint series,
-`analyze.py tokens` on a real tiny run against what train.py logged, and the pretrained-family adapters against
-each model's own weights and attention (tiny random models built from configs: nothing is downloaded)."""
+"""Tests of the token-level analysis (tokens.py, through analyze.py's commands): the trend and link statistics on
+planted checkpoint series, `analyze.py tokens` on a real tiny run against what train.py logged, and the
+pretrained-family adapters against each model's own weights and attention (tiny random models built from configs:
+nothing is downloaded)."""
 import itertools
 import json
 import math
