@@ -42,8 +42,9 @@ for step in $STEPS; do
     esac
 done
 [ -f "$DATA_FILE" ] || die "DATA_FILE=$DATA_FILE does not exist; set DATA_FILE to a UTF-8 text (no download here)"
-NGPU=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null) ||
-    die "cannot import torch with PYTHON=$PYTHON"
+TORCH=$("$PYTHON" -c 'import torch as t; n = t.cuda.device_count(); print(n, f"torch {t.__version__}, CUDA '\
+'{t.version.cuda}, {n} GPUs")' 2>/dev/null) || die "cannot import torch with PYTHON=$PYTHON"
+NGPU=${TORCH%% *}
 [ "$NGPU" -gt 0 ] || [ "$SMALL" = 1 ] ||
     die "torch sees no CUDA GPU here, and the paper sizes would take hours on CPU; SMALL=1 checks every step on CPU"
 for dir in "$LOG" "$RUNS"; do  # earlier measurements are never overwritten
@@ -73,8 +74,9 @@ run_step() {  # run_step NAME LOGFILE COMMAND...: its output to LOGFILE; sets ST
     fi
     return "$STEP_RC"
 }
-done_value() {  # done_value RUN_DIR KEY: a number from the run's done.json
-    "$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1] + "/done.json"))[sys.argv[2]])' "$1" "$2"
+done_values() {  # done_values RUN_DIR KEY...: those values of the run's done.json, on one line
+    "$PYTHON" -c 'import json, sys; d = json.load(open(sys.argv[1] + "/done.json"))
+print(*(d[k] for k in sys.argv[2:]))' "$@"
 }
 sweep() {  # sweep NAME PRESET [VAR=VALUE...]: the command of a sweep into $RUNS/NAME, in SWEEP (timeout runs it)
     SWEEP=(env OUT="$RUNS/$1" PRESET="$2" DATA_FILE="$DATA_FILE" "${@:3}" bash "$REPO/sweep.sh")
@@ -82,7 +84,7 @@ sweep() {  # sweep NAME PRESET [VAR=VALUE...]: the command of a sweep into $RUNS
 
 # ----------------------------------------------------------------------------- the machine
 {
-    "$PYTHON" -c 'import torch as t; print(f"torch {t.__version__}, CUDA {t.version.cuda}, {t.cuda.device_count()} GPUs")'
+    echo "${TORCH#* }"
     nvidia-smi 2>/dev/null || echo "no nvidia-smi; $(nproc 2>/dev/null || echo '?') CPU cores"
     git -C "$REPO" log -1 --format='commit %H' 2>/dev/null
 } > "$LOG/machine.txt"
@@ -100,10 +102,10 @@ step_paper() {  # L6: the study's mean depth
     local run=$RUNS/paper/L6_normal_s1
     sweep paper "$PRESET" JOBS=1 ANALYZE=0 DEPTHS=6 INITS=normal SEEDS=1 CONTROL_SEEDS=
     run_step "2 paper run" paper.log "${SWEEP[@]}" || return
-    PAPER_S=$(done_value "$run" wall_time)
-    say "2 paper run $(basename "$run") (PRESET=$PRESET, $(done_value "$run" iter) iterations): ok in" \
-        "$(minutes "$STEP_S") for the whole process, $(minutes "$PAPER_S") training;" \
-        "val loss $(done_value "$run" val_loss)"
+    local iters val_loss
+    read -r PAPER_S iters val_loss < <(done_values "$run" wall_time iter val_loss)
+    say "2 paper run $(basename "$run") (PRESET=$PRESET, $iters iterations): ok in $(minutes "$STEP_S") for the" \
+        "whole process, $(minutes "$PAPER_S") training; val loss $val_loss"
 }
 step_bench() {
     run_step "3 bench" bench.log "$PYTHON" "$REPO/bench.py" "${BENCH[@]}" --data_file="$DATA_FILE" || return

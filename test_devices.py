@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -163,8 +164,18 @@ def gpu_check(tmp_path, synthetic_text):
     base = {k: v for k, v in os.environ.items() if k not in SWEEP_VARS}
     base.update(SMALL='1', DATA_FILE=str(text), LOG=str(tmp_path / 'log'), RUNS=str(tmp_path / 'runs'),
                 QKGEOM_CACHE=str(tmp_path / 'cache'), PYTHON=sys.executable, CUDA_VISIBLE_DEVICES='')
-    return lambda **env: subprocess.run(['bash', os.path.join(HERE, 'gpu_check.sh')], env={**base, **env},
-                                        cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
+
+    def run(**env):  # in its own process group, so that a timeout stops every run and worker it started
+        proc = subprocess.Popen(['bash', os.path.join(HERE, 'gpu_check.sh')], env={**base, **env}, cwd=str(tmp_path),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run
 
 
 def done_runs(folder):

@@ -35,9 +35,17 @@ def make_env(tmp_path, text, **grid):
     return env
 
 
-def sweep(env, *args, timeout=300, **overrides):
-    return subprocess.run(['bash', os.path.join(HERE, 'sweep.sh'), *args], env={**env, **overrides}, cwd=HERE,
-                          capture_output=True, text=True, timeout=timeout)
+def sweep(env, *args, timeout=600, **overrides):
+    """bash sweep.sh ARGS in its own process group: a timeout stops its workers and runs too (none is orphaned)."""
+    proc = subprocess.Popen(['bash', os.path.join(HERE, 'sweep.sh'), *args], env={**env, **overrides}, cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def run_list(out):
