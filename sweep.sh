@@ -34,8 +34,8 @@ paper)  # train.py's defaults, sized for one GPU; nanoGPT quotes ~3 min on an A1
                  --eval_interval=250 --geom_interval=250 --eval_iters=20 --shrink_iters=2000)
     SLURM=(--gres=gpu:1 --cpus-per-task=4 --mem=16G --time=4:00:00)
     default_data='' ;;
-cpu)    # 57 runs (36 study + 25 control, 4 shared): time NOT YET MEASURED with the control_keep=spec arm (the
-        # 47 runs before it took 29.8 min with JOBS=2 on 2 idle CPU cores, measured: README)
+cpu)    # 57 runs (36 study + 25 control, 4 shared): 61 min with JOBS=2 on 2 CPU cores busy with other work
+        # (results/cpu-wikitext103/README.md); the 47 runs before the spec arm took 29.8 min on idle cores
     PRESET_ARGS=(--n_embd=64 --n_head=4 --block_size=64 --batch_size=16 --max_iters=2000
                  --eval_interval=200 --geom_interval=200 --eval_iters=10 --shrink_to=0.2 --shrink_iters=400)
     SLURM=(--cpus-per-task=1 --mem=2G --time=1:00:00)
