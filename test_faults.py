@@ -247,6 +247,9 @@ def test_nan_loss_is_caught_before_geometry(setup, args_for, run_train):
 INTERRUPT_ENCODING = r"""
 import os, signal, sys
 import train
+# a shell that starts this in the background (CI can) leaves SIGINT ignored, and Python then installs no
+# KeyboardInterrupt handler; a terminal's Ctrl-C reaches a process whose SIGINT is not ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 encode_to = train.encode_to
 def interrupted(chunks, table, path):
     n = encode_to(chunks, table, path)
