@@ -45,6 +45,11 @@ machine is shared, and single runs vary by 10% or more):
   took 10.8% of wall time with 1 thread (as the sweep runs it) and 14.6% with 2, about 2.5 ms per step
   against a 15-25 ms step: at, not under, the 10% we aimed for. At n_embd 128 it is about 7 ms against a
   160 ms step (4%); the training step grows about as C^2.
+- Fixed per-run cost (`python bench.py --fixed_cost`; whole processes of 150 iterations at n_layer 4, n_embd 128,
+  4 heads, block 128, batch 32; 3 interleaved pairs, load average 1.7-3.8): train.py with default logging
+  42.4 s, a plain process of the same model with no evaluation, logging or checkpoints 34.0 s: x1.23 wall,
+  x1.24 CPU time. Outside the loop (imports, data, set-up, exit) 2.9 s against 2.7 s; the rest is train.py's
+  records (losses at 0 and 150, geometry at the early log-spaced records, snapshots, model checkpoints).
 - Data encoding (`python bench.py --encode`): 31 M characters/s (a 160 MB synthetic WikiText-shaped file,
   train.prepare_data), so the full WikiText-103 (540 M characters) encodes in well under a minute; a cache
   hit costs one SHA-256 of the source.
