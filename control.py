@@ -192,11 +192,13 @@ def _check_keep(keep):
 
 def control_label(cfg):
     """The control part of a run's name and of analyze.py's group labels: '' for none, else e.g. 'shrink-k',
-    with '-spec' when the top singular value is kept instead of the Frobenius norm ('freeze-k-spec')."""
+    with '-spec' when the top singular value is kept instead of the Frobenius norm ('freeze-k-spec'), and
+    shrink_to after shrink ('shrink0.1-k')."""
     if cfg.get('control', 'none') in ('none', None):
         return ''
     keep = '-spec' if _keep(cfg) == 'spec' else ''
-    return f"{cfg['control']}-{cfg.get('control_target', 'k')}{keep}"
+    dose = f"{cfg['shrink_to']:g}" if cfg['control'] == 'shrink' else ''   # shrink0.1-k: the dose is in the name
+    return f"{cfg['control']}{dose}-{cfg.get('control_target', 'k')}{keep}"
 
 
 def check_settings(cfg, n_layer):

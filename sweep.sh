@@ -9,13 +9,16 @@
 #   BACKEND=slurm bash sweep.sh            # a Slurm job array, then the analysis as a dependent job
 #
 # Environment (default in brackets; a grid variable set to "" leaves that part out):
-#   PRESET      paper | cpu | smoke [paper]
+#   PRESET      paper | cpu | ladder | smoke [paper]
 #   OUT         where the run folders go [out/$PRESET]; per-run console output in $OUT/logs/NAME.log
 #   DATA_FILE   text to train on ['' = WikiText-103 for paper; ../shared/data/wikitext-103/wiki.test.raw,
 #               next to this repository, for cpu and smoke]
 #   JOBS        runs at once [local: the number of visible GPUs, else of CPU cores; slurm: 8]
 #   DEPTHS [4 6 8]  INITS [normal orthogonal tied]  SEEDS [1 2 3 4]            the study
 #   CONTROL_DEPTH [4]  CONTROL_SEEDS [1 2 3 4 5]  CONTROL_KEEPS [fro spec]            the control experiment
+#   SHRINK_TOS [0.2 0.14 0.1]   the shrink doses (shrink_to), each with every keep
+#   WIDTHS [32 64 128 256 384]  LADDER_SEEDS [1 2 3]  LONG_ITERS [8000]  LRS [3e-4 3e-3]
+#   CONTROL_WIDTH [256]         the regime ladder (PRESET=ladder)
 #   MIRROR      1: every control run also with control_target=q (the mirror), for both keeps [0]
 #   RUN_LIST    a file of runs to do instead of the grid, one per line: NAME --key=value ... (as $OUT/runs.txt)
 #   ANALYZE     1: run analyze.py on $OUT at the end; 0: do not [1]
@@ -37,8 +40,14 @@ paper)  # train.py's defaults, sized for one GPU; nanoGPT quotes ~3 min on an A1
 cpu)    # 57 runs (36 study + 25 control, 4 shared): 61 min with JOBS=2 on 2 CPU cores busy with other work
         # (results/cpu-wikitext103/README.md); the 47 runs before the spec arm took 29.8 min on idle cores
     PRESET_ARGS=(--n_embd=64 --n_head=4 --block_size=64 --batch_size=16 --max_iters=2000
-                 --eval_interval=200 --geom_interval=200 --eval_iters=10 --shrink_to=0.2 --shrink_iters=400)
+                 --eval_interval=200 --geom_interval=200 --eval_iters=10 --shrink_iters=400)
     SLURM=(--cpus-per-task=1 --mem=2G --time=1:00:00)
+    default_data=../shared/data/wikitext-103/wiki.test.raw ;;
+ladder) # the cpu preset's batch, context and schedule at widths 32 to 384 (the paper preset's model shape),
+        # 4x longer, lr x1/3 and x3, and the freeze control at width 256: see the grid below
+    PRESET_ARGS=(--n_layer=4 --qk_init=normal --block_size=64 --batch_size=16 --max_iters=2000
+                 --eval_interval=200 --geom_interval=200 --eval_iters=10 --shrink_iters=400)
+    SLURM=(--cpus-per-task=1 --mem=4G --time=4:00:00)
     default_data=../shared/data/wikitext-103/wiki.test.raw ;;
 smoke)  # a few iterations of a tiny model per run: the whole grid in minutes, for the tests
     PRESET_ARGS=(--n_embd=16 --n_head=2 --block_size=16 --batch_size=4 --max_iters=6 --warmup_iters=2
@@ -46,7 +55,7 @@ smoke)  # a few iterations of a tiny model per run: the whole grid in minutes, f
                  --model_ckpts=3 --shrink_iters=4)
     SLURM=(--cpus-per-task=1 --mem=1G --time=0:10:00)
     default_data=../shared/data/wikitext-103/wiki.test.raw ;;
-*)  echo "sweep.sh: unknown PRESET=$PRESET; use paper, cpu or smoke" >&2; exit 2 ;;
+*)  echo "sweep.sh: unknown PRESET=$PRESET; use paper, cpu, ladder or smoke" >&2; exit 2 ;;
 esac
 
 # ----------------------------------------------------------------------------- settings
@@ -63,6 +72,12 @@ SEEDS=${SEEDS-1 2 3 4}
 CONTROL_DEPTH=${CONTROL_DEPTH:-4}
 CONTROL_SEEDS=${CONTROL_SEEDS-1 2 3 4 5}
 CONTROL_KEEPS=${CONTROL_KEEPS-fro spec}
+SHRINK_TOS=${SHRINK_TOS-0.2 0.14 0.1}
+WIDTHS=${WIDTHS-32 64 128 256 384}
+LADDER_SEEDS=${LADDER_SEEDS-1 2 3}
+LONG_ITERS=${LONG_ITERS-8000}
+LRS=${LRS-3e-4 3e-3}
+CONTROL_WIDTH=${CONTROL_WIDTH-256}
 MIRROR=${MIRROR:-0}
 PYTHON=${PYTHON:-$(command -v python >/dev/null 2>&1 && echo python || echo python3)}
 EXTRA=("$@")
@@ -88,7 +103,30 @@ fi
 # ----------------------------------------------------------------------------- the grid
 # the one place the study's grid is written: analyze.py reads the planned runs from $OUT/runs.txt
 GRID=()      # the per-run --key=value settings, in the order they are run (no spaces inside a value)
-if [ -z "${RUN_LIST:-}" ]; then
+heads_of() {  # the ladder's head count: 4 heads (head size growing with width) until head size 64, the
+    # paper preset's, is reached; wider models add heads of 64 (384: 6 heads of 64, the paper's shape)
+    [ "$1" -le 256 ] && echo 4 || echo $(($1 / 64))
+}
+if [ -z "${RUN_LIST:-}" ] && [ "$PRESET" = ladder ]; then
+    # the regime ladder, seed outermost and the slowest runs first within a seed; every run named by its point
+    for seed in $LADDER_SEEDS; do
+        for width in $(echo $WIDTHS | tr ' ' '\n' | sort -rn); do
+            w="--n_embd=$width --n_head=$(heads_of "$width")"
+            [ "$width" = "$CONTROL_WIDTH" ] && for keep in $CONTROL_KEEPS; do
+                GRID+=("$w --control=freeze --control_keep=$keep --run_name=w${width}_freeze-k-${keep}_s$seed --seed=$seed")
+            done
+            GRID+=("$w --run_name=w${width}_s$seed --seed=$seed")
+        done
+        for iters in $LONG_ITERS; do
+            GRID+=("--n_embd=128 --n_head=4 --max_iters=$iters --run_name=w128_it${iters}_s$seed --seed=$seed")
+        done
+        for lr in $LRS; do  # the whole schedule scales: min_lr stays lr / 10
+            min_lr=$(awk -v x="$lr" 'BEGIN { printf "%g", x / 10 }')
+            GRID+=("--n_embd=64 --n_head=4 --lr=$lr --min_lr=$min_lr --run_name=w64_lr${lr}_s$seed --seed=$seed")
+        done
+    done
+    n_study=${#GRID[@]}
+elif [ -z "${RUN_LIST:-}" ]; then
     # the study: depth x qk_init x seed; seed outermost, so a sweep stopped early has every setting
     for seed in $SEEDS; do for depth in $DEPTHS; do for init in $INITS; do
         GRID+=("--n_layer=$depth --qk_init=$init --seed=$seed")
@@ -102,11 +140,11 @@ if [ -z "${RUN_LIST:-}" ]; then
     [ "$MIRROR" = 1 ] && targets='k q'
     for seed in $CONTROL_SEEDS; do
         GRID+=("--n_layer=$CONTROL_DEPTH --qk_init=normal --seed=$seed")
-        for target in $targets; do for keep in $CONTROL_KEEPS; do for control in shrink freeze; do
-            args="--n_layer=$CONTROL_DEPTH --qk_init=normal --control=$control --control_target=$target"
-            [ "$keep" = fro ] || args="$args --control_keep=$keep"  # fro: train.py's default, as before
-            GRID+=("$args --seed=$seed")
-        done; done; done
+        for target in $targets; do for keep in $CONTROL_KEEPS; do
+            args="--n_layer=$CONTROL_DEPTH --qk_init=normal --control_target=$target --control_keep=$keep"
+            for dose in $SHRINK_TOS; do GRID+=("$args --control=shrink --shrink_to=$dose --seed=$seed"); done
+            GRID+=("$args --control=freeze --seed=$seed")
+        done; done
     done
 fi
 
@@ -144,6 +182,7 @@ elif [ "${#GRID[@]}" -gt 0 ]; then
     done <<< "$grid_names"
     [ "$i" = "${#GRID[@]}" ] || die "train.py --print_run_names gave $i names for ${#GRID[@]} runs"
     what="$n_study study + $((${#GRID[@]} - n_study)) control, $shared in both"
+    [ "$PRESET" = ladder ] && what="the regime ladder"
 fi
 N=${#NAMES[@]}
 [ "$N" -gt 0 ] || die "the grid is empty (DEPTHS, INITS, SEEDS and CONTROL_SEEDS are all empty?)"

@@ -65,10 +65,10 @@ def metric_iters(run_dir):
 
 # ----------------------------------------------------------------------------- end to end
 
-SMALL_GRID = dict(DEPTHS='4 6', INITS='normal tied', SEEDS='1', CONTROL_SEEDS='1')
+SMALL_GRID = dict(DEPTHS='4 6', INITS='normal tied', SEEDS='1', CONTROL_SEEDS='1', SHRINK_TOS='0.2')
 SMALL_RUNS = {'L4_normal_s1', 'L4_tied_s1', 'L6_normal_s1', 'L6_tied_s1',  # the study
-              'L4_normal_shrink-k_s1', 'L4_normal_freeze-k_s1',           # control; its none run is L4_normal_s1
-              'L4_normal_shrink-k-spec_s1', 'L4_normal_freeze-k-spec_s1'}
+              'L4_normal_shrink0.2-k_s1', 'L4_normal_freeze-k_s1',        # control; its none run is L4_normal_s1
+              'L4_normal_shrink0.2-k-spec_s1', 'L4_normal_freeze-k-spec_s1'}
 
 
 @pytest.fixture(scope='module')
@@ -264,19 +264,22 @@ def test_the_full_grid_shares_the_control_baseline_with_the_study(sweep_env):
     assert not os.path.exists(sweep_env['OUT'])  # a dry run writes nothing (runs.txt is a real sweep's plan)
     names = [re.search(r'--run_name=(\S+)', c).group(1) for c in cmds]
     study = {f'L{d}_{i}_s{s}' for d in (4, 6, 8) for i in ('normal', 'orthogonal', 'tied') for s in (1, 2, 3, 4)}
-    control = {f'L4_normal{c}_s{s}' for c in ('', '_shrink-k', '_freeze-k', '_shrink-k-spec', '_freeze-k-spec')
+    doses = ('0.2', '0.14', '0.1')
+    control = {f'L4_normal{c}_s{s}' for c in ('', '_freeze-k', '_freeze-k-spec', *(f'_shrink{d}-k{k}' for d in doses
+                                                                                  for k in ('', '-spec')))
                for s in range(1, 6)}
-    assert len(names) == len(set(names)) == 57 and set(names) == study | control  # L4_normal_s1..4 in both
+    assert len(names) == len(set(names)) == 77 and set(names) == study | control  # L4_normal_s1..4 in both
     assert all(c.endswith('--lr=2e-3') for c in cmds)  # extra arguments last, so they win
-    assert all('--control=shrink --control_target=k --seed' in c for c in cmds if '_shrink-k_' in c)
-    assert all('--control=freeze --control_target=k --control_keep=spec' in c for c in cmds if '_freeze-k-spec_' in c)
+    assert all('--control=shrink --shrink_to=0.1 --seed' in c for c in cmds if '_shrink0.1-k_' in c)
+    assert all('--control_keep=spec --control=freeze' in c for c in cmds if '_freeze-k-spec_' in c)
     mirror, _ = dry_commands(sweep_env, MIRROR='1')  # both keeps mirrored
-    assert len(mirror) == 77 and sum('--control_target=q' in c for c in mirror) == 20
-    assert sum(bool(re.search(r'--run_name=L4_normal_(shrink|freeze)-q-spec_s\d', c)) for c in mirror) == 10
+    assert len(mirror) == 117 and sum('--control_target=q' in c for c in mirror) == 40
+    assert sum(bool(re.search(r'--run_name=L4_normal_(shrink[0-9.]+|freeze)-q-spec_s\d', c)) for c in mirror) == 20
     deeper, _ = dry_commands(sweep_env, CONTROL_DEPTH='6')
-    assert len(deeper) == 57 and sum(bool(re.search(r'--run_name=L6_normal_s\d', c)) for c in deeper) == 5
+    assert len(deeper) == 77 and sum(bool(re.search(r'--run_name=L6_normal_s\d', c)) for c in deeper) == 5
     assert len(dry_commands(sweep_env, CONTROL_SEEDS='')[0]) == 36
-    assert len(dry_commands(sweep_env, CONTROL_KEEPS='fro')[0]) == 47  # the control experiment before spec
+    assert len(dry_commands(sweep_env, CONTROL_KEEPS='fro')[0]) == 57
+    assert len(dry_commands(sweep_env, SHRINK_TOS='0.2')[0]) == 57
 
 
 def test_train_py_names_the_whole_grid_in_one_call(sweep_env, tmp_path):
@@ -289,7 +292,8 @@ def test_train_py_names_the_whole_grid_in_one_call(sweep_env, tmp_path):
     # a name is what train.py makes of the run's whole command line: the extra arguments included
     cmds, _ = dry_commands(sweep_env, '--control_keep=spec', DEPTHS='', CONTROL_SEEDS='1')
     names = {re.search(r'--run_name=(\S+)', c).group(1) for c in cmds}
-    assert names == {'L4_normal_s1', 'L4_normal_shrink-k-spec_s1', 'L4_normal_freeze-k-spec_s1'}
+    assert names == {'L4_normal_s1', 'L4_normal_shrink0.2-k-spec_s1', 'L4_normal_shrink0.14-k-spec_s1',
+                     'L4_normal_shrink0.1-k-spec_s1', 'L4_normal_freeze-k-spec_s1'}
 
 
 def test_a_bad_grid_value_stops_the_sweep_before_anything_is_written(sweep_env):

@@ -21,7 +21,7 @@ def test_overrides_take_the_type_of_the_default(tmp_path, text_file, tiny_config
     assert cfg['lr'] == 3e-4 and cfg['decay_qk'] is False and cfg['qk_init'] == 'tied' and cfg['max_iters'] == 7
     assert cfg['run_name'] == 'L2_tied_s1'
     assert train.get_config(['--weight_decay=0'])['weight_decay'] == 0.0  # an int is fine for a float
-    assert train.get_config(['--control=shrink', '--seed=3'])['run_name'] == 'L4_normal_shrink-k_s3'
+    assert train.get_config(['--control=shrink', '--seed=3'])['run_name'] == 'L4_normal_shrink0.5-k_s3'
 
 
 def test_unknown_key_names_the_closest_known_key():
@@ -52,8 +52,8 @@ def test_run_names_come_from_the_settings_and_control_label():
     """default_run_name is the one source of run names; its control part is control.control_label."""
     names = [train.get_config(args)['run_name'] for args in (
         [], ['--control=shrink'], ['--control=freeze', '--control_keep=spec', '--seed=3'],
-        ['--n_layer=6', '--qk_init=tied', '--control=shrink', '--control_target=q'])]
-    assert names == ['L4_normal_s1', 'L4_normal_shrink-k_s1', 'L4_normal_freeze-k-spec_s3', 'L6_tied_shrink-q_s1']
+        ['--n_layer=6', '--qk_init=tied', '--control=shrink', '--control_target=q', '--shrink_to=0.1'])]
+    assert names == ['L4_normal_s1', 'L4_normal_shrink0.5-k_s1', 'L4_normal_freeze-k-spec_s3', 'L6_tied_shrink0.1-q_s1']
 
 
 def test_print_run_names_reads_argument_lists_from_stdin(tmp_path):
@@ -174,6 +174,23 @@ def test_encode_decode_round_trip_and_cache_reuse(tmp_path, text_file, tiny_conf
     stamp = os.path.getmtime(os.path.join(folder, 'train.bin'))
     assert train.prepare_data(cfg)[2] == meta and os.path.getmtime(os.path.join(folder, 'train.bin')) == stamp
     assert os.listdir(os.path.dirname(text_file)) == ['corpus.txt']  # nothing written beside the source
+
+
+def test_a_new_encoder_version_builds_a_new_cache(tmp_path, text_file, tiny_config, monkeypatch):
+    """The cache key holds the encoder version: other encoding code never reuses a cache, and a run's
+    config.json names the key, the vocabulary size and the number of encoded characters."""
+    cfg = tiny_config(tmp_path, text_file)
+    first = train.prepare_data(cfg)[2]
+    monkeypatch.setattr(train, 'ENCODER_VERSION', train.ENCODER_VERSION + 1)
+    second = train.prepare_data(cfg)[2]
+    assert first['cache_key'] != second['cache_key'] and second['encoder_version'] == train.ENCODER_VERSION
+    root = train.cache_root(cfg)
+    assert {first['cache_key'], second['cache_key']} <= set(os.listdir(root))
+    monkeypatch.undo()
+    run_dir = train.train(tiny_config(tmp_path, text_file, '--max_iters=2'))
+    saved = json.load(open(os.path.join(run_dir, 'config.json')))
+    assert saved['data_cache'] == first['cache_key'] and saved['vocab_size'] == first['vocab_size']
+    assert saved['n_chars'] == first['n_train'] + first['n_val'] == len(open(text_file, newline='').read())
 
 
 def test_rare_characters_map_to_unknown(tmp_path):

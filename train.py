@@ -58,7 +58,7 @@ import geometry
 # config: module globals, overridden by an optional config file and then --key=value
 # I/O
 out_dir = 'out'            # runs go to out_dir/run_name/
-run_name = ''              # '' = from the settings, e.g. L4_normal_s1 or L4_normal_shrink-k_s1
+run_name = ''              # '' = from the settings, e.g. L4_normal_s1 or L4_normal_shrink0.2-k_s1
 overwrite = False          # start over even if the run folder holds a finished or partial run
 eval_interval = 250        # estimate train/val loss (and log a record) every this many iterations
 eval_iters = 20            # batches per loss estimate
@@ -253,7 +253,7 @@ def get_config(argv):
 
 
 def default_run_name(cfg):
-    """The one source of run names: L4_normal_s1, L4_normal_shrink-k_s1, L4_normal_freeze-k-spec_s3."""
+    """The one source of run names: L4_normal_s1, L4_normal_shrink0.2-k_s1, L4_normal_freeze-k-spec_s3."""
     label = spectrum_control.control_label(cfg)
     return f"L{cfg['n_layer']}_{cfg['qk_init']}{'_' + label if label else ''}_s{cfg['seed']}"
 
@@ -360,7 +360,7 @@ def digest_of(paths, memo):
 
 
 def text_chunks(path, size=1 << 25):
-    with open(path, encoding='utf-8') as f:
+    with open(path, encoding='utf-8', newline='') as f:  # newline='': '\r' stays, as in a --data_file text
         try:
             yield from iter(lambda: f.read(size), '')
         except UnicodeDecodeError as e:
@@ -397,6 +397,9 @@ def encode_to(chunks, table, path):
 
 
 BINS = ('train.bin', 'val.bin')
+# part of every cache's key: bump it with any change to how the text is read, the vocabulary built or the
+# characters encoded, so that a cache made by other encoding code is never reused
+ENCODER_VERSION = 1
 
 
 def encode_dataset(train_chunks, val_chunks, min_count, out_dir, source):
@@ -406,7 +409,8 @@ def encode_dataset(train_chunks, val_chunks, min_count, out_dir, source):
     table[kept] = np.arange(1, len(kept) + 1, dtype=np.uint16)
     n_train, train_sha = encode_to(train_chunks(), table, os.path.join(out_dir, 'train.bin'))
     n_val, val_sha = encode_to(val_chunks(), table, os.path.join(out_dir, 'val.bin'))
-    meta = dict(source, vocab_size=len(kept) + 1, chars=''.join(map(chr, kept)), min_char_count=min_count,
+    meta = dict(source, encoder_version=ENCODER_VERSION, vocab_size=len(kept) + 1, chars=''.join(map(chr, kept)),
+                min_char_count=min_count,
                 n_train=n_train, n_val=n_val, n_unknown_train=int(counts.sum() - counts[kept].sum()),
                 train_sha256=train_sha, val_sha256=val_sha)
     with open(os.path.join(out_dir, 'meta.json'), 'w') as f:
@@ -484,11 +488,13 @@ def prepare_data(cfg):
         remove_stale_builds(cache_root(cfg))
     where = hashlib.sha1(json.dumps([os.path.abspath(p) for p in sources]).encode()).hexdigest()[:16]
     digest = digest_of(sources, os.path.join(cache_root(cfg), '.sources', f'{where}.json'))
-    folder = os.path.join(cache_root(cfg), f"{name}-{digest[:16]}-min{cfg['min_char_count']}")
+    key = f"{name}-{digest[:16]}-min{cfg['min_char_count']}-enc{ENCODER_VERSION}"
+    folder = os.path.join(cache_root(cfg), key)
     if not os.path.isfile(os.path.join(folder, 'meta.json')):
         build_cache(folder, train_chunks, val_chunks, cfg,
                     dict(source=[os.path.abspath(p) for p in sources], sha256=digest))
     train, val, meta = load_cache(folder, digest)
+    meta['cache_key'] = key
     if len(train) < 2 * cfg['block_size'] + 2 or len(val) < cfg['block_size'] + 2:
         raise ConfigError(f"{', '.join(sources)}: {len(train)} training and {len(val)} validation characters, "
                           f"too short for block_size={cfg['block_size']} (the 10% validation part needs more than "
@@ -545,8 +551,8 @@ def load_cache(folder, digest):
     try:
         with open(os.path.join(folder, 'meta.json')) as f:
             meta = json.load(f)
-        ok = meta['sha256'] == digest and [os.path.getsize(os.path.join(folder, n)) for n in BINS] == [
-            2 * meta['n_train'], 2 * meta['n_val']]
+        ok = meta['sha256'] == digest and meta['encoder_version'] == ENCODER_VERSION and [
+            os.path.getsize(os.path.join(folder, n)) for n in BINS] == [2 * meta['n_train'], 2 * meta['n_val']]
     except (OSError, ValueError, KeyError, TypeError):
         ok = False
     if not ok:
@@ -1099,6 +1105,7 @@ def open_run_files(run, resuming):
         print(f'resuming {run.dir} from iteration {run.start}', flush=True)
     write_json(dict(cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
                     git_commit=git_commit(), vocab_size=run.meta['vocab_size'], data_sha256=run.meta['sha256'],
+                    n_chars=run.meta['n_train'] + run.meta['n_val'], data_cache=run.meta['cache_key'],
                     n_params=sum(p.numel() for p in run.model.parameters())),
                os.path.join(run.dir, 'config.json'))
     path = os.path.join(run.dir, 'metrics.jsonl')
@@ -1136,7 +1143,8 @@ def checkpoint(run, it):
         os.fsync(run.metrics.fileno())
     atomic_save({'model': run.model.state_dict(), 'optimizer': run.optimizer.state_dict(), 'iter': it,
                  'elapsed': run.elapsed + time.time() - run.t_start, 'config': run.cfg,
-                 'rng': rng_state(run.data_gen), 'data_sha256': run.meta['sha256'], 'control': run.ctl,
+                 'rng': rng_state(run.data_gen), 'data_sha256': run.meta['sha256'],
+                 'data_cache': run.meta['cache_key'], 'control': run.ctl,
                  'w0': run.w0},
                 run.ckpt_path)
 
@@ -1308,7 +1316,8 @@ def load_checkpoint(path, cfg, meta, model, optimizer, data_gen, w0):
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
         changed = [k for k in ckpt['config'] if k not in RESUMABLE_CHANGES and ckpt['config'][k] != cfg.get(k)]
-        changed += ['the training text'] if ckpt['data_sha256'] != meta['sha256'] else []
+        changed += ['the training text or its encoding'] if (ckpt['data_sha256'], ckpt.get('data_cache')) != (
+            meta['sha256'], meta['cache_key']) else []
     except Exception as e:  # a truncated or foreign file
         raise ConfigError(f'cannot resume from {path}, it is corrupt ({type(e).__name__}: {str(e)[:200]}); '
                           f'pass --overwrite=True to start the run over') from None
