@@ -259,12 +259,13 @@ def shape_stats(entropy, scale, pr_k, pr_qk):
             'scale~entropy': stats.spearman(scale, entropy)}
 
 
-def control_rows(runs, target, keep):
-    """Per (setting, depth, init, seed) of the control experiment with control_target = target and
-    control_keep = keep: final entropy, PRs, logit scale and validation loss of none, shrink and freeze, and the
-    differences against none."""
-    labels = {kind: control.control_label({'control': kind, 'control_target': target, 'control_keep': keep})
-              for kind in CONTROL_KINDS}
+def control_rows(runs, target, keep, dose):
+    """Per (setting, depth, init, seed) of the control experiment with control_target = target,
+    control_keep = keep and shrink_to = dose (None: no shrink runs): final entropy, PRs, logit scale and
+    validation loss of none, shrink and freeze, and the differences against none."""
+    labels = {kind: control.control_label({'control': kind, 'control_target': target, 'control_keep': keep,
+                                           'shrink_to': dose}) for kind in CONTROL_KINDS
+              if kind != 'shrink' or dose is not None}
     controlled = [r for r in runs if r.control != 'none' and r.label in labels.values()]
     cells = sorted({(r.setting, r.n_layer, r.qk_init) for r in controlled},
                    key=lambda c: (c[0], c[1], init_order(c[2])))
@@ -274,9 +275,10 @@ def control_rows(runs, target, keep):
         seeds = sorted({r.seed for r in runs if (r.setting, r.n_layer, r.qk_init) == (setting, depth, init)
                         and r.label in labels.values()})
         for seed in seeds:
-            row = {'target': target, 'keep': keep, 'setting': setting, 'n_layer': depth, 'qk_init': init, 'seed': seed}
+            row = {'target': target, 'keep': keep, 'shrink_to': dose, 'setting': setting, 'n_layer': depth,
+                   'qk_init': init, 'seed': seed}
             for kind in CONTROL_KINDS:
-                r = index.get((setting, depth, init, labels[kind], seed))
+                r = index.get((setting, depth, init, labels.get(kind), seed))
                 row.update({f'{metric}_{kind}': final_value(r, metric) for metric in CONTROL_METRICS})
             row.update({f'd_{metric}_{kind}': difference(row[f'{metric}_{kind}'], row[f'{metric}_none'])
                         for kind in ('shrink', 'freeze') for metric in CONTROL_METRICS})
@@ -296,15 +298,18 @@ def final_value(run, metric):
 
 
 def control_effect_rows(rows):
-    """Per (target, keep, control, metric): the paired differences against none, summarised (stats.paired_effect)."""
+    """Per (target, keep, shrink_to, control, metric): the paired differences against none, summarised
+    (stats.paired_effect)."""
     out = []
-    for target, keep in dict.fromkeys((r['target'], r['keep']) for r in rows):
-        group = [r for r in rows if (r['target'], r['keep']) == (target, keep)]
+    for setup in dict.fromkeys((r['target'], r['keep'], r['shrink_to']) for r in rows):
+        target, keep, dose = setup
+        group = [r for r in rows if (r['target'], r['keep'], r['shrink_to']) == setup]
         for kind, metric in ((kind, metric) for kind in ('shrink', 'freeze') for metric in CONTROL_METRICS):
             d = [r[f'd_{metric}_{kind}'] for r in group if r[f'd_{metric}_{kind}'] is not None]
             role = 'pr_controlled' if metric == f'pr_{target}' else metric
             if d:
-                out.append({'target': target, 'keep': keep, 'contrast': f'{kind} - none', 'metric': metric,
+                out.append({'target': target, 'keep': keep, 'shrink_to': dose, 'contrast': f'{kind} - none',
+                            'metric': metric,
                             **stats.paired_effect(d, PREDICTED.get((role, kind)))})
     return out
 
@@ -323,7 +328,7 @@ def timeline_rows(runs):
             groups[(r.setting, r.n_layer, r.qk_init, r.label)].append(r)
             if r.control == 'none':
                 groups[(r.setting, 'all', 'all', '')].append(r)
-    kind = lambda label: CONTROL_KINDS.index(label.split('-')[0] if label else 'none')
+    kind = lambda label: CONTROL_KINDS.index(label.split('-')[0].rstrip('0123456789.') if label else 'none')
     order = lambda g: (g[0], g[1] != 'all', str(g[1]), init_order(g[2]), kind(g[3]), g[3])
     rows = []
     for (setting, depth, init, label) in sorted(groups, key=order):
@@ -355,7 +360,9 @@ def study_tables(runs, from_iter, warn):
              for lens, window, d in wanted}
     traj = {lens: [r for window in WINDOWS for r in views[(lens, window, None)]['rows']] for lens in LENSES}
     whole = views[('whole', ALL, None)]
-    ctl_rows = [row for target in ('k', 'q') for keep in ('fro', 'spec') for row in control_rows(runs, target, keep)]
+    doses = sorted({r.cfg['shrink_to'] for r in runs if r.control == 'shrink'}) or [None]
+    ctl_rows = [row for target in ('k', 'q') for keep in ('fro', 'spec') for dose in doses
+                for row in control_rows(runs, target, keep, dose)]
     decay_of = {r.setting: decays(r.cfg) for r in runs}
     return {'cells': cells, 'views': views, 'traj': traj,
             'summaries': [v['summary'] for (_, _, decay), v in views.items() if decay is None],

@@ -242,16 +242,17 @@ def plot_control(runs, rows, target):
     per-seed paired entropy differences with the mean and its bootstrap interval."""
     if not rows:
         raise Skip(f'no controlled runs (control_target={target})')
-    setup = lambda r: (r['setting'], r['n_layer'], r['qk_init'], r['keep'])
-    cells = sorted({setup(r) for r in rows}, key=lambda c: (c[0], c[1], init_order(c[2]), c[3]))
+    setup = lambda r: (r['setting'], r['n_layer'], r['qk_init'], r['keep'], r['shrink_to'])
+    cells = sorted({setup(r) for r in rows}, key=lambda c: (c[0], c[1], init_order(c[2]), c[3], c[4] or 0))
     fig = Figure(layout='constrained', figsize=(15, 4.3 * len(cells)))
-    for axes, (setting, depth, init, keep) in zip(fig.subplots(len(cells), 3, squeeze=False), cells):
-        label = lambda kind: control.control_label({'control': kind, 'control_target': target, 'control_keep': keep})
+    for axes, (setting, depth, init, keep, dose) in zip(fig.subplots(len(cells), 3, squeeze=False), cells):
+        label = lambda kind: control.control_label({'control': kind, 'control_target': target, 'control_keep': keep,
+                                                    'shrink_to': dose}) if kind != 'shrink' or dose else None
         groups = {kind: [r for r in runs if (r.setting, r.n_layer, r.qk_init, r.label) == (setting, depth, init,
                                                                                           label(kind))
                          and r.has_geometry] for kind in CONTROL_KINDS}
         draw_control_curves(axes[0], axes[1], groups, target)
-        draw_control_effects(axes[2], [r for r in rows if setup(r) == (setting, depth, init, keep)])
+        draw_control_effects(axes[2], [r for r in rows if setup(r) == (setting, depth, init, keep, dose)])
         axes[0].set_title(f'setting {setting}, L{depth} {init}, keep {keep}: ' + axes[0].get_title(), fontsize=9)
     fig.suptitle(f'control experiment (control_target={target})')
     return fig
