@@ -57,8 +57,9 @@ import report
 import stats
 import tokens
 from report import ACROSS, ALL, FROM_WARMUP, OVER_TIME
-from folders import (CONTROL_KINDS, FINAL_LOGS, SETTING_KEYS, Skip, collector, discover, find_run_dirs, init_order,
-                     load_runs, moved, publish, read_table, seed_stack, staging, study_cells, write_table)
+from folders import (CONTROL_KINDS, FINAL_LOGS, SETTING_KEYS, OutError, Skip, check_out, collector, discover,
+                     find_run_dirs, init_order, load_runs, moved, publish, read_table, seed_stack, staging, study_cells,
+                     write_table)
 
 # -----------------------------------------------------------------------------
 # what the tables measure (the verdict rules are report.py's; the study's grid is sweep.sh's, read from runs.txt)
@@ -97,9 +98,11 @@ VIEWS = [(lens, window, None) for window in WINDOWS for lens in LENSES]   # deca
 LINKS = {'pr_k~entropy': ('pr_k', 'entropy'), 'pr_k~pr_qk': ('pr_k', 'pr_qk'), 'pr_qk~entropy': ('pr_qk', 'entropy')}
 # scale against shape: the statistics of shape_stats, at each checkpoint across heads and within runs over time
 SHAPE_STATS = ('pr_k~entropy', 'pr_k~entropy|scale', 'pr_qk~entropy', 'pr_qk~entropy|scale', 'scale~entropy')
-# the files `runs` writes into its --out folder (stale ones from an earlier analysis are removed)
-RUNS_OUTPUTS = re.compile(r'(runs|trajectories\w*|trajectory_summary|attention_link\w*|control|control_effects|timeline'
-                          r'|scale_shape\w*|robustness\w*)\.(csv|md)|fig[1-58]_\w+\.(png|pdf)')
+# the files `runs` writes into its --out folder: a folder holding one of these that analyze.py did not write is refused
+RUNS_OUTPUTS = re.compile(r'(runs|trajectories(_head|_tok|_learned)?|trajectory_summary|attention_link(_runs)?|control'
+                          r'|control_effects|timeline|scale_shape(_runs)?|robustness_map)\.(csv|md)|REPORT\.md|'
+                          r'fig(1_pr_over_training|2_pr_gap|3_entropy_and_pr|4_spectra|5_control_[kq]|8_scale_shape)'
+                          r'\.(png|pdf)')
 
 
 # ----------------------------------------------------------------------------- tables
@@ -515,13 +518,15 @@ def setting_notes(runs, settings, decay_settings):
 
 def analyze(paths, out=None, pdf=False, figures=True, log=print, from_iter=None):
     """Everything: load the runs under paths, write tables, figures and REPORT.md to out. Returns a dict
-    with the claims, the files written, the warnings and what is missing. Raises Skip when no run
-    folder is found. Everything is written into a staging folder first and moved into out at the end.
+    with the claims, the files written, the warnings and what is missing. Raises Skip when no run folder is
+    found, OutError when out must not or cannot be written (folders.check_out). Everything is written into a
+    staging folder first and moved into out at the end, replacing only files analyze.py wrote (folders.publish).
     from_iter: where the 'from warm-up' window starts; None: at each run's warmup_iters."""
     warnings, warn = collector(log)
+    out = out or os.path.join(paths[0], 'analysis')
+    check_out(out, RUNS_OUTPUTS)
     run_dirs, plans = discover(paths, warn)
     runs, skipped, settings = load_runs(run_dirs, warn)
-    out = out or os.path.join(paths[0], 'analysis')
     with one_thread():
         res = study_tables(runs, from_iter, warn)
     # the report, with the token-level results written earlier into out by `tokens` and `pretrained`
@@ -537,7 +542,7 @@ def analyze(paths, out=None, pdf=False, figures=True, log=print, from_iter=None)
         written, figure_notes = plots.draw_figures(res, runs, staged, pdf, log, warn) if figures else ([], [])
         res.update(tables=moved(tables, out), figures=moved(written, out), figure_notes=figure_notes)
         report.write_report(os.path.join(staged, 'REPORT.md'), res)
-        publish(staged, out, RUNS_OUTPUTS)
+        publish(staged, out, 'runs')
     res['files'] = res['tables'] + res['figures'] + [os.path.join(out, 'REPORT.md')]
     return res
 
@@ -577,10 +582,14 @@ def folders_parser(prog, description):
 
 
 def folders_exist(dirs):
-    absent = [d for d in dirs if not os.path.isdir(d)]
-    if absent:
-        print(f'error: {", ".join(absent)}: no such folder', file=sys.stderr)
-    return not absent
+    """Whether every dir is a folder; else one line naming the files and the missing ones."""
+    files = [d for d in dirs if os.path.exists(d) and not os.path.isdir(d)]
+    absent = [d for d in dirs if not os.path.exists(d)]
+    problems = [f'{", ".join(files)}: a file, not a folder (pass the run folder that holds it, or a folder above '
+                f'it)'] * bool(files) + [f'{", ".join(absent)}: no such folder'] * bool(absent)
+    if problems:
+        print(f'error: {"; ".join(problems)}', file=sys.stderr)
+    return not problems
 
 
 def runs_command(argv):
@@ -600,6 +609,9 @@ def runs_command(argv):
         res = analyze(args.dirs, args.out, args.pdf, not args.no_figures, from_iter=args.from_iter)
     except Skip as e:
         print(f'error: {e}; pass the out_dir of train.py (or a folder above it)', file=sys.stderr)
+        return 2
+    except OutError as e:
+        print(f'error: {e}', file=sys.stderr)
         return 2
     print(f'{res["n_found"]} run folders found: {len(res["runs"])} used, {len(res["skipped"])} skipped')
     for path, reason in res['skipped']:
@@ -662,9 +674,12 @@ def tokens_command(argv):
     t0 = time.time()
     try:
         res = tokens.analyze_tokens(args.dirs, args.out, args.data_file, args.data_dir, args.cache_dir, args.device,
-                             args.pdf, not args.no_figures)
+                                    args.pdf, not args.no_figures)
     except Skip as e:
         print(f'error: {e}; pass the out_dir of train.py (or a folder above it)', file=sys.stderr)
+        return 2
+    except OutError as e:
+        print(f'error: {e}', file=sys.stderr)
         return 2
     if not res['measured']:
         print(f'error: none of the {res["n_found"]} run folders could be measured (reasons above)', file=sys.stderr)
@@ -702,7 +717,7 @@ def pretrained_command(argv):
     try:
         res = tokens.analyze_pretrained(args.model, list(revisions), args.text, args.out, args.rope, args.n_seqs,
                                  args.seq_len, args.device, args.pdf, not args.no_figures)
-    except (ImportError, ValueError, OSError) as e:  # OSError: a checkpoint neither local nor downloadable
+    except (ImportError, ValueError, OSError, OutError) as e:  # OSError: a checkpoint neither local nor downloadable
         print(f'error: {e}', file=sys.stderr)
         return 2
     print(f'{args.model}: {len(revisions)} checkpoint(s) in {time.time() - t0:.1f}s')

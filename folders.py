@@ -11,7 +11,9 @@ Run folders in, tables out: the I/O every analysis shares (analyze.py, tokens.py
 - Tables: every table is written as .csv and .md; an analysis is written into a staging folder and moved into
   its output folder at the end, so a REPORT.md never sits beside the tables of another analysis.
 """
+import contextlib
 import csv
+import errno
 import json
 import math
 import os
@@ -349,29 +351,110 @@ def read_table(path):
         return [{k: parse_cell(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
+# ----------------------------------------------------------------------------- output folders
+# An output folder may hold files of its user's beside an analysis: analyze.py records the files each analysis
+# (kind: runs, tokens, pretrained) wrote in MANIFEST and replaces or removes only those.
+
+MANIFEST = '.analyze.json'
+
+
+class OutError(Exception):
+    """An output folder that cannot or must not be written, as one line for the user."""
+
+
+def read_manifest(out):
+    """{kind: [file names]} of what analyses wrote into out; {} when none did."""
+    path = os.path.join(out, MANIFEST)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        if not (isinstance(manifest, dict) and all(isinstance(v, list) for v in manifest.values())):
+            raise ValueError('not a JSON object of lists')
+    except (OSError, ValueError):
+        raise OutError(f'{path} (the list of files analyze.py wrote there) is unreadable; remove it and the files '
+                       f'of the earlier analysis, or pass another --out') from None
+    return manifest
+
+
+def write_manifest(out, manifest):
+    path = os.path.join(out, MANIFEST)
+    with open(path + '.tmp', 'w') as f:
+        json.dump({kind: sorted(names) for kind, names in manifest.items() if names}, f, indent=1)
+    os.replace(path + '.tmp', path)
+
+
+def foreign_files(out, names):
+    shown = ', '.join(names[:4]) + (f' and {len(names) - 4} more' if len(names) > 4 else '')
+    return (f'{out} holds {shown}, not written by analyze.py: an analysis would overwrite them; move them away or '
+            f'pass another --out')
+
+
+def check_out(out, names):
+    """OutError when out must not receive an analysis: a file, the root of the file system, a run folder, or a
+    folder holding files named as the analysis names its own (names, a regex) that analyze.py did not write."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise OutError(f'--out={out} is a file, not a folder; pass a folder for the analysis')
+    real = os.path.realpath(out)
+    if os.path.dirname(real) == real:
+        raise OutError(f'--out={out} is the root of the file system; pass a folder of its own, e.g. --out=analysis')
+    if os.path.exists(os.path.join(out, 'config.json')):
+        raise OutError(f'the output folder {out} is a run folder (it holds config.json); pass another --out')
+    if os.path.isdir(out):
+        ours = {n for kind in read_manifest(out).values() for n in kind}
+        foreign = sorted(n for n in os.listdir(out) if names.fullmatch(n) and n not in ours)
+        if foreign:
+            raise OutError(foreign_files(out, foreign))
+
+
+def write_error(out, e):
+    """The one line for an OSError while writing into out."""
+    fix = {errno.ENOSPC: 'free some disk space', errno.EDQUOT: 'free some disk space (quota)',
+           errno.EROFS: 'the file system is read-only', errno.EACCES: 'make it writable',
+           errno.EPERM: 'make it writable'}.get(e.errno)
+    return f'cannot write into {out} ({e.strerror or e}): {fix + " or " if fix else ""}pass another --out'
+
+
 @contextmanager
 def staging(out):
     """A fresh hidden folder inside out to write an analysis into (publish moves it into out); removed on the
-    way out, so a crash halfway leaves out as it was."""
-    os.makedirs(out, exist_ok=True)
-    staged = tempfile.mkdtemp(prefix='.staging-', dir=out)
+    way out, so a crash halfway leaves out as it was. An OSError while writing becomes an OutError."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        staged = tempfile.mkdtemp(prefix='.staging-', dir=out)
+    except OSError as e:
+        raise OutError(write_error(out, e)) from None
     try:
         yield staged
+    except OSError as e:
+        raise OutError(write_error(out, e)) from None
     finally:
         shutil.rmtree(staged, ignore_errors=True)
 
 
-def publish(staged, out, owned):
-    """Move the files written into staged into out. First REPORT.md goes, and every file of the same kind of
-    analysis (owned, a regex) from an earlier one that was not written again, so that a report never sits beside
-    tables of another analysis; a new REPORT.md comes last. Returns whether an old REPORT.md was removed."""
+def publish(staged, out, kind):
+    """Move the files written into staged into out and record them in its manifest under kind. Only files the
+    manifest lists go: those of the same kind of analysis from an earlier one that were not written again, and
+    an earlier REPORT.md (a report never sits beside tables of another analysis; a new REPORT.md comes last).
+    A file of the same name as a new one that analyze.py did not write stops it (OutError) before anything
+    moves. Returns whether an old REPORT.md was removed."""
+    manifest = read_manifest(out)
+    ours = {n for names in manifest.values() for n in names}
     new = sorted(os.listdir(staged), key=lambda name: name == 'REPORT.md')
-    old_report = os.path.isfile(os.path.join(out, 'REPORT.md'))
-    for name in os.listdir(out):
-        if name == 'REPORT.md' or (owned.fullmatch(name) and name not in new):
+    foreign = [n for n in new if os.path.lexists(os.path.join(out, n)) and n not in ours]
+    if foreign:
+        raise OutError(foreign_files(out, foreign))
+    stale = {n for n in manifest.get(kind, []) if n not in new} | ({'REPORT.md'} & ours)
+    write_manifest(out, {**manifest, kind: set(manifest.get(kind, [])) | set(new)})   # lists all until moved
+    old_report = os.path.isfile(os.path.join(out, 'REPORT.md')) and 'REPORT.md' in ours
+    for name in stale - set(new):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(out, name))
     for name in new:
         os.replace(os.path.join(staged, name), os.path.join(out, name))
+    kept = {k: [n for n in names if n not in stale or n in new] for k, names in manifest.items() if k != kind}
+    write_manifest(out, {**kept, kind: new})
     return old_report and 'REPORT.md' not in new
 
 

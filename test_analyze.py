@@ -1,5 +1,6 @@
 """Tests of analyze.py: the statistics against known values, and the whole analysis on synthetic run
 folders (written directly, in train.py's format) with planted, opposite and no effects."""
+import errno
 import json
 import math
 import os
@@ -510,7 +511,83 @@ def test_a_report_never_sits_beside_the_tables_of_another_analysis(tmp_path, syn
     with pytest.raises(ZeroDivisionError):
         run_analysis(tmp_path / 'other', out=str(out), figures=True)
     assert {name: (out / name).read_bytes() for name in before} == before   # nothing half-written
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith('.')) == []
+    assert [p.name for p in out.iterdir() if p.name.startswith('.staging')] == []
+
+
+FOREIGN = ('fig1_draft.png', 'fig3_my_plot.pdf', 'attention_link_v2.csv', 'robustness_notes.md')
+
+
+def test_only_files_analyze_wrote_are_replaced_or_removed(tmp_path, synthetic_study, write_run, capsys):
+    out = tmp_path / 'out'
+    out.mkdir()
+    for name in FOREIGN:
+        (out / name).write_text(f'the user\'s {name}')
+    study = synthetic_study(str(tmp_path / 'study'), seeds=(1, 2), control_seeds=(1, 2))
+    assert analyze.main([study, f'--out={out}', '--pdf']) == 0
+    assert (out / 'control.csv').exists() and (out / 'fig5_control_k.pdf').exists()
+    write_run(str(tmp_path / 'plain'), 'L2_normal_s1')
+    assert analyze.main([str(tmp_path / 'plain'), f'--out={out}']) == 0
+    assert not (out / 'control.csv').exists() and not (out / 'fig5_control_k.png').exists()   # ours, stale: gone
+    assert all((out / name).read_text() == f'the user\'s {name}' for name in FOREIGN)      # theirs: kept
+    # a folder holding a REPORT.md, control.csv and timeline.md that analyze.py did not write: refused, untouched
+    theirs = tmp_path / 'theirs'
+    theirs.mkdir()
+    for name in ('REPORT.md', 'control.csv', 'timeline.md'):
+        (theirs / name).write_text('mine')
+    capsys.readouterr()
+    assert analyze.main([study, f'--out={theirs}', '--no_figures']) == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'REPORT.md' in err and 'not written by analyze.py' in err
+    assert sorted(os.listdir(theirs)) == ['REPORT.md', 'control.csv', 'timeline.md']
+    assert all((theirs / name).read_text() == 'mine' for name in os.listdir(theirs))
+
+
+def test_out_that_is_a_run_folder_or_the_root_is_refused(tmp_path, write_run, capsys):
+    root = str(tmp_path / 'runs')
+    write_run(root, 'L2_normal_s1')
+    run = write_run(root, 'analysis', seed=2)                  # a run named analysis: the default --out
+    before = sorted(os.listdir(run))
+    assert analyze.main([root, '--no_figures']) == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and f'{run} is a run folder' in err and '--out' in err
+    assert sorted(os.listdir(run)) == before
+    assert analyze.main([root, f'--out={os.path.join(root, "L2_normal_s1")}', '--no_figures']) == 2
+    assert 'is a run folder' in capsys.readouterr().err
+    assert analyze.main([root, '--out=/', '--no_figures']) == 2
+    assert 'root of the file system' in capsys.readouterr().err
+    assert analyze.main([root, f'--out={tmp_path / "res"}', '--no_figures']) == 0   # elsewhere: both runs used
+    assert '2 run folders found: 2 used' in capsys.readouterr().out
+
+
+def test_out_that_is_a_file_read_only_or_full_is_one_line(tmp_path, write_run, capsys, monkeypatch):
+    root = str(tmp_path / 'runs')
+    write_run(root, 'L2_normal_s1')
+    (tmp_path / 'a_file').write_text('x')
+    assert analyze.main([root, f'--out={tmp_path / "a_file"}', '--no_figures']) == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'is a file, not a folder' in err
+    assert analyze.main([os.path.join(root, 'L2_normal_s1', 'config.json')]) == 2   # a file as a run folder
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'a file, not a folder' in err and 'no such folder' not in err
+    out = tmp_path / 'out'
+    assert analyze.main([root, f'--out={out}', '--no_figures']) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for code, words in ((errno.EROFS, 'read-only'), (errno.EACCES, 'make it writable')):
+        def refuse(*args, **kw):
+            raise OSError(code, os.strerror(code))
+        with monkeypatch.context() as m:
+            m.setattr(folders.tempfile, 'mkdtemp', refuse)
+            capsys.readouterr()
+            assert analyze.main([root, f'--out={out}', '--no_figures']) == 2
+            err = capsys.readouterr().err
+            assert err.count('\n') == 1 and words in err and 'disk space' not in err
+    def full(rows, out, stem, columns=None):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(analyze, 'write_table', full)
+    assert analyze.main([root, f'--out={out}', '--no_figures']) == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'free some disk space' in err and str(out) in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before     # nothing already written is lost
 
 
 def test_odd_folders_and_repeated_records_are_named(tmp_path, write_run):

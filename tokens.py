@@ -81,9 +81,9 @@ SAMPLE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'sh
                            'wiki.test.raw')
 SAMPLE_CHARS = 100_000        # of SAMPLE_FILE or --text: far more than n_seqs x seq_len tokens need
 FIG_ROWS = 4                  # configurations (or models) per figure file: more rows make every label unreadable
-# the files each subcommand writes into its --out folder (stale ones from an earlier run of it are removed)
-TOKENS_OUTPUTS = re.compile(r'tokens(_\w+)?\.(csv|md)|fig6_tokens(_\d+)?\.(png|pdf)')
-PRETRAINED_OUTPUTS = re.compile(r'pretrained(_\w+)?\.(csv|md)|fig7_pretrained(_\d+)?\.(png|pdf)')
+# the files each subcommand writes into its --out folder: a folder holding one that analyze.py did not write is refused
+TOKENS_OUTPUTS = re.compile(r'tokens(_heads|_trend|_link|_summary|_runs)?\.(csv|md)|fig6_tokens(_\d+)?\.(png|pdf)')
+PRETRAINED_OUTPUTS = re.compile(r'pretrained(_heads|_trend|_link|_summary)?\.(csv|md)|fig7_pretrained(_\d+)?\.(png|pdf)')
 
 
 def default_device():
@@ -613,8 +613,9 @@ def analyze_tokens(paths, out=None, data_file='', data_dir='', cache_dir='', dev
     <first path>/analysis). Returns a dict with the rows, files and warnings; Skip when no run folder is found.
     Runs that cannot be measured (no checkpoints, data not found) are skipped with a warning."""
     warnings, warn = folders.collector(log)
-    run_dirs = folders.discover(paths, warn)[0]
     out = out or os.path.join(paths[0], 'analysis')
+    folders.check_out(out, TOKENS_OUTPUTS)
+    run_dirs = folders.discover(paths, warn)[0]
     layer_rows, head_rows, batches, measured, labels = [], [], {}, [], {}
     for path in run_dirs:
         try:
@@ -640,7 +641,7 @@ def analyze_tokens(paths, out=None, data_file='', data_dir='', cache_dir='', dev
                                         'token-level contrast and entropy over checkpoints, our runs (mean over seeds)',
                                         pdf)
         result.update(files=folders.moved(files, out), claims=report.token_claims('tokens', trend, link),
-                      report_removed=folders.publish(staged, out, TOKENS_OUTPUTS))
+                      report_removed=folders.publish(staged, out, 'tokens'))
     return result
 
 
@@ -677,6 +678,7 @@ def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rop
     pretrained[_heads|_trend|_link|_summary] in out (rows of the same model and rope written earlier are
     replaced; other models are kept) and fig7_pretrained. Returns a dict like analyze_tokens."""
     transformers = import_transformers()
+    folders.check_out(out, PRETRAINED_OUTPUTS)
     text, where = sample_text(text)
     tokenizer = transformers.AutoTokenizer.from_pretrained(**checkpoint_source(name, revisions[0]))
     ids = text_windows(tokenizer, text, n_seqs, seq_len)
@@ -696,4 +698,4 @@ def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rop
                                         'contrast and entropy over checkpoints, pretrained models', pdf)
         return {'out': out, 'text': where, 'ids': ids, 'layer_rows': layer_rows, 'head_rows': head_rows,
                 'files': folders.moved(files, out), 'claims': report.token_claims('pretrained', trend, link),
-                'warnings': [], 'report_removed': folders.publish(staged, out, PRETRAINED_OUTPUTS)}
+                'warnings': [], 'report_removed': folders.publish(staged, out, 'pretrained')}
