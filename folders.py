@@ -1,8 +1,8 @@
 """
 Run folders in, tables out: the I/O every analysis shares (analyze.py, tokens.py, figures.py).
 
-- Finding runs: a run folder is any folder holding a config.json; sweep.sh's runs.txt (the planned runs) is
-  found beside them. Odd folders (metrics.jsonl without config.json, symbolic links) are named, not followed.
+- Finding runs: a run folder is any folder holding a config.json (hidden, or inside another run's folder, too);
+  sweep.sh's runs.txt (the planned runs) is found beside them. Odd folders (metrics.jsonl without config.json, symbolic links) are named, not followed.
 - Loading a run: config.json, done.json (a run without it is unfinished and skipped) and metrics.jsonl through
   train.read_metrics, the one tolerant reader. A record with a value that is not a finite number is left out
   with a note naming its iteration and key; a run keeps the rest.
@@ -81,31 +81,44 @@ class Run:
         return float(np.nanmean(v)) if np.isfinite(v).any() else float('nan')
 
 
+RUN_PARTS = ('snapshots', 'models')   # what train.py writes inside a run folder: never a run of its own
+
+
 def walk_folders(paths, warn=None):
-    """(run folders, plans) under paths: every folder that holds a config.json (a run folder holds no further
-    runs; one reached twice counts once) and every runs.txt outside them (sweep.sh's plan). With warn, a folder
-    with metrics.jsonl but no config.json and a symbolic link to a folder (not followed) are named."""
+    """(run folders, plans) under paths: every folder that holds a config.json (a run nested inside another run's
+    folder too; one reached twice counts once) and every runs.txt outside them (sweep.sh's plan). Hidden folders
+    are searched only when they are run folders themselves (a run named .seed2), not .git or a staging folder.
+    With warn, a folder with metrics.jsonl but no config.json and a symbolic link to a folder (not followed) are
+    named."""
     warn = warn or (lambda msg: None)
     found, plans = [], []
     for top in paths:
         for root, dirs, files in os.walk(top):
-            if 'config.json' in files:
+            run = 'config.json' in files
+            if run:
                 found.append(os.path.normpath(root))
-                dirs[:] = []
-                continue
-            if 'metrics.jsonl' in files:
+            elif 'metrics.jsonl' in files:
                 warn(f'skipped {root}: it holds metrics.jsonl but no config.json (a run folder train.py did not '
                      f'finish setting up, or a copy missing it)')
             for d in [d for d in dirs if os.path.islink(os.path.join(root, d))]:
                 warn(f'skipped {os.path.join(root, d)}: a symbolic link to {os.path.realpath(os.path.join(root, d))},'
                      f' not followed; pass that folder itself')
-            dirs[:] = sorted(d for d in dirs if not d.startswith('.') and not os.path.islink(os.path.join(root, d)))
-            if 'runs.txt' in files:
+            dirs[:] = sorted(d for d in dirs if searched(os.path.join(root, d), run))
+            if 'runs.txt' in files and not run:
                 plans.append(os.path.normpath(os.path.join(root, 'runs.txt')))
     unique = {}
     for path in found:
         unique.setdefault(os.path.realpath(path), path)
     return sorted(unique.values()), list(dict.fromkeys(plans))
+
+
+def searched(path, in_run):
+    """Whether walk_folders looks inside a folder: not a symbolic link, not a run's snapshots/ or models/, not
+    hidden unless it is a run folder."""
+    name = os.path.basename(path)
+    if os.path.islink(path) or (in_run and name in RUN_PARTS):
+        return False
+    return not name.startswith('.') or os.path.isfile(os.path.join(path, 'config.json'))
 
 
 def find_run_dirs(paths):

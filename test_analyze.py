@@ -610,6 +610,18 @@ def test_odd_folders_and_repeated_records_are_named(tmp_path, write_run):
     assert len(res['runs']) == 2
 
 
+def test_hidden_and_nested_runs_are_found(tmp_path, write_run, capsys):
+    root = tmp_path / 'runs'
+    outer = write_run(str(root), 'L2_normal_s1')
+    hidden = write_run(str(root), '.seed2', seed=2)                       # train.py accepts the name
+    nested = write_run(os.path.join(outer, 'more'), 'L2_normal_s3', seed=3)   # --out_dir inside a run's folder
+    os.makedirs(root / '.git' / 'x')
+    (root / '.git' / 'x' / 'config.json').write_text('{"n_layer": 2}')   # not a run: hidden, not searched
+    assert analyze.main([str(root), '--no_figures']) == 0
+    assert '3 run folders found: 3 used, 0 skipped' in capsys.readouterr().out
+    assert sorted(folders.find_run_dirs([str(root)])) == sorted([outer, hidden, nested])
+
+
 def test_short_runs_get_plumbing_checks_not_verdicts(tmp_path, synthetic_study):
     # warm-up to iteration 64 leaves one record after it (100): too short for any verdict
     res = run_analysis(synthetic_study(str(tmp_path / 'short'), seeds=(1, 2), control_seeds=(1, 2, 3),
