@@ -31,10 +31,12 @@ import train
 
 CONTROL_KINDS = ('none', 'shrink', 'freeze')
 FINAL_LOGS = 3             # a run's "final" entropy or PR: mean over its last FINAL_LOGS logged iterations
-# config keys that make two runs comparable (same training setup); the grid axes and bookkeeping are left out
+# config keys that make two runs comparable (same training setup); the grid axes, the control settings and
+# bookkeeping are left out. The data is compared by content (data_sha256, and the data cache key without the
+# text's file name: digest, min_char_count, encoder version), never by how data_file's path is spelled
 SETTING_KEYS = ('n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'batch_size', 'grad_accum', 'max_iters',
                 'lr', 'min_lr', 'warmup_iters', 'lr_decay_iters', 'weight_decay', 'decay_qk', 'beta1', 'beta2',
-                'grad_clip', 'data_file', 'data_sha256', 'min_char_count', 'eval_windows')
+                'grad_clip', 'data_sha256', 'data_cache', 'min_char_count', 'eval_windows')
 
 
 class Skip(Exception):
@@ -238,7 +240,12 @@ def per_head(geo, keys, note):
 
 
 def setting_of(cfg):
-    return tuple((k, json.dumps(cfg.get(k))) for k in SETTING_KEYS)
+    """The training setup of a run: its SETTING_KEYS values, data_cache without the text's name (the cache key
+    is NAME-DIGEST-minN-encV, NAME the file name of data_file)."""
+    values = dict(cfg)
+    if isinstance(cfg.get('data_cache'), str):
+        values['data_cache'] = '-'.join(cfg['data_cache'].rsplit('-', 3)[1:])
+    return tuple((k, json.dumps(values.get(k))) for k in SETTING_KEYS)
 
 
 def load_runs(run_dirs, warn):

@@ -263,6 +263,30 @@ def test_other_settings_are_kept_apart(tmp_path, write_run):
     assert any('lr=0.0003' in n for n in res['setting_notes'])
 
 
+def test_settings_compare_the_data_by_content_and_ignore_the_control_settings(tmp_path, write_run):
+    root = str(tmp_path)
+    data = dict(data_sha256='ab' * 32, data_cache='wiki.test.raw-0123456789abcdef-min10-enc1')
+    spellings = ('../shared/wiki.test.raw', '/tmp/x/../shared/wiki.test.raw', 'copy/wiki_test.txt')
+    for seed, spelled in enumerate(spellings, 1):   # one study started from three working directories
+        write_run(root, f'L2_normal_s{seed}', seed=seed, data_file=spelled,
+                  **dict(data, data_cache=data['data_cache'].replace('wiki.test.raw', os.path.basename(spelled))))
+    controls = [dict(control='shrink', shrink_to=0.1), dict(control='shrink', shrink_to=0.2, shrink_iters=50),
+                dict(control='freeze', control_keep='spec'), dict(control='freeze', control_target='q'),
+                dict(control='shrink', shrink_to=0.14, control_scope='layer', control_layers='0')]
+    for i, ctl in enumerate(controls):
+        write_run(os.path.join(root, 'control'), f'c{i}', seed=1, **data, **ctl)
+    write_run(os.path.join(root, 'other'), 'L2_normal_s1', data_sha256='cd' * 32,
+              data_cache='wiki.test.raw-fedcba9876543210-min10-enc1')          # other text: another setting
+    write_run(os.path.join(root, 'enc'), 'L2_normal_s1', **dict(data, data_cache=data['data_cache'][:-1] + '2'))
+    res = run_analysis(tmp_path)
+    assert not res['skipped']
+    by_setting = {os.path.relpath(r.path, root): r.setting for r in res['runs']}
+    assert {by_setting[f'L2_normal_s{seed}'] for seed in (1, 2, 3)} == {'A'}
+    assert {by_setting[f'control/c{i}'] for i in range(len(controls))} == {'A'}
+    assert len({'A', by_setting['other/L2_normal_s1'], by_setting['enc/L2_normal_s1']}) == 3
+    assert len(res['cells'][(2, 'normal')]) == 3
+
+
 def test_every_figure_is_written(tmp_path, write_run, synthetic_study):
     root = synthetic_study(str(tmp_path / 'runs'), seeds=(1, 2), control_seeds=(1, 2))
     write_run(os.path.join(root, 'mirror'), 'L3_normal_shrink-q_s1', n_layer=3, seed=1, control='shrink',
