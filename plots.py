@@ -308,6 +308,8 @@ def plot_scale_shape(cells):
     if not points:
         raise Skip('no per-head entropy, PR_K and qk_spec_norm logged')
     scale, ent, pr_k = (np.concatenate(v) for v in zip(*points))
+    if len(scale) == 0:
+        raise Skip('no record from the end of warm-up (warmup_iters) on: the runs end before it')
     fig = Figure(layout='constrained', figsize=(13, 4.6))
     ax, ax_bins = fig.subplots(1, 2)
     order = np.argsort(pr_k)[::-1]   # low PR_K drawn last, on top

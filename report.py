@@ -121,7 +121,10 @@ def claims(res):
 
 
 def not_logged(view):
-    return f'{", ".join(view["missing"])} not logged in these runs' if view['missing'] else 'no trajectories'
+    if view['missing']:
+        return f'{", ".join(view["missing"])} not logged in these runs'
+    start = ', '.join(map(str, view['start']))
+    return f'no trajectories (fewer than 2 records from iteration {start} on)' if view['start'] else 'no trajectories'
 
 
 def share_claim(key, view, from_iter=0):

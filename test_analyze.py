@@ -657,6 +657,19 @@ def test_short_runs_get_plumbing_checks_not_verdicts(tmp_path, synthetic_study):
     assert 'too short for verdicts' not in text and 'plumbing check' not in text
 
 
+def test_runs_that_end_before_warm_up_are_analysed(tmp_path, write_run, capsys):
+    # two runs of 12 iterations with warm-up to 100 (train.py's default): nothing from warm-up on
+    root = str(tmp_path / 'runs')
+    for seed in (1, 2):
+        write_run(root, f'L2_normal_s{seed}', seed=seed, iters=(0, 1, 2, 4, 8, 12), warmup_iters=100)
+    assert analyze.main([root]) == 0
+    text = capsys.readouterr().out
+    assert 'fig8_scale_shape skipped: no record from the end of warm-up' in text
+    assert 'fewer than 2 records from iteration 100 on' in text
+    report_text = open(os.path.join(root, 'analysis', 'REPORT.md')).read()
+    assert 'figure skipped: fig8_scale_shape' in report_text and 'fig1_pr_over_training.png' in report_text
+
+
 def test_effects_below_the_precision_shown_are_in_scientific_notation():
     effect = {'target': 'k', 'keep': 'fro', 'contrast': 'freeze - none', 'metric': 'entropy', 'n': 5, 'mean': 2.1e-8,
               'ci_lo': 1.2e-8, 'ci_hi': 3.3e-8, 'n_predicted': 5, 'sign_p': 1 / 32, 'confidence': 1.0}
