@@ -58,8 +58,8 @@ import stats
 import tokens
 from report import ACROSS, ALL, FROM_WARMUP, OVER_TIME
 from folders import (CONTROL_KINDS, FINAL_LOGS, SETTING_KEYS, OutError, Skip, check_out, collector, discover,
-                     find_run_dirs, init_order, load_runs, moved, publish, read_table, seed_stack, staging, study_cells,
-                     write_table)
+                     find_run_dirs, init_order, load_runs, moved, publish, read_table, run_identity, seed_stack, staging,
+                     study_cells, write_table)
 
 # -----------------------------------------------------------------------------
 # what the tables measure (the verdict rules are report.py's; the study's grid is sweep.sh's, read from runs.txt)
@@ -455,15 +455,47 @@ def missing_runs(plans):
 # ---- the token-level tables (tokens.py writes them; the report reads them back)
 
 
-def token_results(out):
+def token_results(out, runs, warn):
     """{prefix: (trend rows, link rows, summary rows)} of the token-level tables found in out (written by
-    `tokens` and `pretrained`), for the report."""
+    `tokens` and `pretrained`), for the report. Rows of our checkpoints count only for the runs they were made
+    from (tokens_runs: name and config.json, done.json digests): those of other or changed runs are left out, and
+    runs without them are named, each with a warning."""
     found = {}
     for prefix in report.TOKEN_SOURCES:
         paths = [os.path.join(out, f'{prefix}_{kind}.csv') for kind in ('trend', 'link', 'summary')]
         if all(os.path.isfile(p) for p in paths):
             found[prefix] = tuple(read_table(p) for p in paths)
+    if 'tokens' in found:
+        models = token_models(out, runs, warn)
+        found['tokens'] = tuple([r for r in rows if r['model'] in models] for rows in found['tokens'])
+        if not found['tokens'][0]:
+            del found['tokens']
     return found
+
+
+def token_models(out, runs, warn):
+    """The models (run folders as `tokens` named them) of out's token tables that are runs of this analysis."""
+    command = f'`python analyze.py tokens RUN_FOLDERS --out={shlex.quote(out)}`'
+    path = os.path.join(out, 'tokens_runs.csv')
+    if not os.path.isfile(path):
+        warn(f'the token tables in {out} do not name the runs they were made from (tokens_runs.csv): left out of '
+             f'(f1), (f2); {command} writes them again')
+        return set()
+    made_from = read_table(path)
+    ours = {tuple(run_identity(r.path).values()) for r in runs}
+    identity = lambda row: (row['run'], row['config_sha256'], row['done_sha256'] or '')
+    models = {row['model'] for row in made_from if identity(row) in ours}
+    others = [row['run'] for row in made_from if identity(row) not in ours]
+    if others:
+        warn(f'the token tables in {out} hold {len(others)} run(s) not among these runs, or trained again since '
+             f'(e.g. {others[0]}): left out of (f1), (f2)')
+    measured = {identity(row) for row in made_from}
+    lacking = [r.path for r in runs if tokens.model_checkpoints(r.path)
+               and tuple(run_identity(r.path).values()) not in measured]
+    if lacking:
+        warn(f'{len(lacking)} of these runs have model checkpoints but no token tables in {out} (e.g. {lacking[0]}): '
+             f'(f1), (f2) use the {len(models)} run(s) measured; {command} measures them all')
+    return models
 
 
 # ----------------------------------------------------------------------------- notes for the report
@@ -531,7 +563,7 @@ def analyze(paths, out=None, pdf=False, figures=True, log=print, from_iter=None)
         res = study_tables(runs, from_iter, warn)
     # the report, with the token-level results written earlier into out by `tokens` and `pretrained`
     res.update(paths=list(paths), out=out, n_found=len(run_dirs), runs=runs, skipped=skipped, from_iter=from_iter,
-               token=token_results(out), final_logs=FINAL_LOGS, short=[r.path for r in runs if r.too_short],
+               token=token_results(out, runs, warn), final_logs=FINAL_LOGS, short=[r.path for r in runs if r.too_short],
                decays=decay_settings(runs), scale_shape=scale_shape_table(res['scale_shape_runs']))
     res['claims'] = report.claims(res)
     res.update(map=report.robustness_map(res), warnings=warnings,

@@ -14,6 +14,7 @@ Run folders in, tables out: the I/O every analysis shares (analyze.py, tokens.py
 import contextlib
 import csv
 import errno
+import hashlib
 import json
 import math
 import os
@@ -189,6 +190,21 @@ def load_run(path):
     return run
 
 
+def run_identity(path):
+    """What tells one run from another whatever its folder is called or where it lies: its name and the SHA-256
+    of its config.json and done.json ('' while unfinished). A run trained again has another done.json."""
+    return {'run': os.path.basename(os.path.normpath(path)),
+            'config_sha256': file_sha256(os.path.join(path, 'config.json')),
+            'done_sha256': file_sha256(os.path.join(path, 'done.json'))}
+
+
+def file_sha256(path):
+    if not os.path.isfile(path):
+        return ''
+    with open(path, 'rb') as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def finite(v):
     return type(v) in (int, float) and math.isfinite(v)
 
@@ -347,7 +363,8 @@ def write_table(rows, out, stem, columns=None):
     return [csv_path, md_path]
 
 
-TEXT_COLUMNS = {'model', 'family', 'rope', 'revision', 'qk_init', 'control', 'target'}
+TEXT_COLUMNS = {'model', 'family', 'rope', 'revision', 'qk_init', 'control', 'target', 'run', 'config_sha256',
+                'done_sha256'}
 
 
 def parse_cell(key, text):

@@ -197,6 +197,35 @@ def test_the_printed_hint_is_the_exact_command(tiny_run, tmp_path, capsys, monke
     shutil.rmtree(root / 'out' / 'analysis')                  # the module's run folder as it was
 
 
+def test_token_tables_count_only_for_the_runs_they_were_made_from(tiny_run, tmp_path, write_run):
+    _, run_dir, _ = tiny_run
+    study, out = tmp_path / 'A', tmp_path / 'X'
+    copy = study / os.path.basename(run_dir)
+    shutil.copytree(run_dir, copy)
+    assert analyze.main(['tokens', str(study), f'--out={out}', '--device=cpu', '--no_figures']) == 0
+    analysis = lambda *dirs: analyze.analyze([str(d) for d in dirs], out=str(out), figures=False, log=lambda m: None)
+    f2 = lambda res: next(c for c in res['claims'] if c['key'] == 'f2-tokens')
+    token_warnings = lambda res: [w for w in res['warnings'] if 'token tables' in w]
+    res = analysis(study)                                       # the runs they were made from: they count
+    assert not f2(res)['value'].startswith('no tokens tables') and token_warnings(res) == []
+    write_run(str(tmp_path / 'B'), 'L2_normal_s1')
+    res = analysis(tmp_path / 'B')                              # another analysis' runs: left out, with a warning
+    assert f2(res)['verdict'] == 'not measured' and f2(res)['value'].startswith('no tokens tables')
+    assert any('1 run(s) not among these runs' in w and copy.name in w for w in token_warnings(res))
+    assert '### our checkpoints' not in (out / 'REPORT.md').read_text()
+    added = write_run(str(study), 'L2_normal_s9', seed=9)       # a run added after `tokens` ran: named
+    os.makedirs(os.path.join(added, 'models'))
+    open(os.path.join(added, 'models', 'model_0000000.pt'), 'wb').close()
+    res = analysis(study)
+    assert not f2(res)['value'].startswith('no tokens tables')
+    assert any('1 of these runs have model checkpoints but no token tables' in w and added in w
+               for w in token_warnings(res))
+    done = json.loads((copy / 'done.json').read_text())         # the run trained again: its tables no longer count
+    (copy / 'done.json').write_text(json.dumps(dict(done, wall_time=done['wall_time'] + 1)))
+    res = analysis(study)
+    assert f2(res)['verdict'] == 'not measured' and any('trained again' in w for w in token_warnings(res))
+
+
 def test_fig6_keeps_every_row_readable(tmp_path):
     layer_rows, head_rows = [], []
     for i in range(10):                                         # ten configurations: three files, four rows at most

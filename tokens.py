@@ -625,7 +625,7 @@ def analyze_tokens(paths, out=None, data_file='', data_dir='', cache_dir='', dev
             continue
         layer_rows += rows[0]
         head_rows += rows[1]
-        measured.append(path)
+        measured.append({'model': path, **folders.run_identity(path)})
         labels[path] = folders.group_label(folders.read_json(os.path.join(path, 'config.json')))
         done = os.path.exists(os.path.join(path, 'done.json'))
         log(f'{path}: {len(rows[2])} checkpoints (iterations {", ".join(str(i) for i, _ in rows[2])})'
@@ -636,6 +636,7 @@ def analyze_tokens(paths, out=None, data_file='', data_dir='', cache_dir='', dev
         return result
     with folders.staging(out) as staged:
         files, trend, link = write_token_tables(layer_rows, head_rows, staged, 'tokens')
+        files += folders.write_table(measured, staged, 'tokens_runs')   # which runs: the report uses only these
         if figures:
             files += save_token_figures(layer_rows, head_rows, lambda r: labels[r['model']], staged, 'fig6_tokens',
                                         'token-level contrast and entropy over checkpoints, our runs (mean over seeds)',
