@@ -89,9 +89,9 @@ def plot_pr_over_training(cells):
         if depth != depths[-1]:
             ax.set_xlabel('')  # the axes are shared: name them once, on the bottom row
     handles, labels = axes[-1][0].get_legend_handles_labels()   # the deepest panel has every layer
-    fig.legend(handles, labels, loc='outside right upper', fontsize=9, title='solid PR_Q\ndashed PR_K',
-               title_fontsize=9)
-    fig.suptitle('PR_Q and PR_K over training (seed mean, min-max band)')
+    fig.legend(handles, labels, loc='outside right center', fontsize=9, title='solid PR_Q\ndashed PR_K',
+               title_fontsize=9)   # centred beside the panels: at the top it would cover the title
+    fig.suptitle('PR_Q and PR_K over training' + ('\n' if len(inits) == 1 else ' ') + '(seed mean, min-max band)')
     return fig
 
 
@@ -162,10 +162,13 @@ def plot_entropy_and_pr(cells):
 
 
 def representative_runs(cells):
-    """Per init, the lowest-seed run at the middle depth found; its middle layer is the one shown."""
+    """Per init, the runs that may stand for it in fig4, in order: by seed at the middle depth found, then at the
+    other depths, nearest first (the next one is used where a run's snapshots cannot be read)."""
     depths = sorted({d for d, _ in cells})
-    depth = depths[len(depths) // 2]
-    return [(init, runs[0]) for (d, init), runs in cells.items() if d == depth]
+    middle = depths[len(depths) // 2]
+    order = sorted(cells, key=lambda cell: (abs(cell[0] - middle), cell[0]))
+    inits = sorted({i for _, i in cells}, key=init_order)
+    return [(init, [r for cell in order if cell[1] == init for r in cells[cell]]) for init in inits]
 
 
 def snapshot_files(run):
@@ -189,21 +192,30 @@ def read_snapshot(run, it, path, layer):
     return q, k, n_head
 
 
+def first_and_last_snapshot(run, warn):
+    """[(iteration, (W_Q, W_K, n_head))] of a run's middle layer at its first and last snapshot; None (with a
+    warning when they are unreadable) where it has none to show."""
+    files = snapshot_files(run)
+    if not files:
+        return None
+    try:
+        return [(it, read_snapshot(run, it, path, run.n_layer // 2)) for it, path in (files[0], files[-1])]
+    except Skip as e:
+        warn(f'{e}; left out of fig4')
+        return None
+
+
 def plot_spectra(cells, warn=print):
     """Figure 4: singular values of W_Q, W_K and W_QK (head mean of each rank) at the first and the last
     snapshot, for the middle layer of one representative run per init. Reads two snapshots per run; a run
-    whose snapshot cannot be read is left out with a warning."""
+    whose snapshot cannot be read is left out with a warning and the next run of its init stands in."""
     reps = []
-    for init, run in representative_runs(cells) if cells else []:
-        files = snapshot_files(run)
-        try:
-            snaps = [(it, read_snapshot(run, it, path, run.n_layer // 2)) for it, path in (files[0], files[-1])]
-        except IndexError:
-            continue  # no snapshots
-        except Skip as e:
-            warn(f'{e}; left out of fig4')
-            continue
-        reps.append((run, snaps))
+    for init, candidates in representative_runs(cells) if cells else []:
+        for run in candidates:
+            snaps = first_and_last_snapshot(run, warn)
+            if snaps:
+                reps.append((run, snaps))
+                break
     if not reps:
         raise Skip('no readable Q/K snapshots in the uncontrolled runs')
     fig = Figure(layout='constrained', figsize=(13, 3.3 * len(reps)))

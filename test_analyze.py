@@ -521,6 +521,19 @@ def test_a_damaged_snapshot_is_left_out_and_the_analysis_completes(tmp_path, wri
     assert any('iteration 100' in w for w in res['warnings'])
 
 
+def test_a_damaged_snapshot_of_the_one_representative_run_leaves_fig4_to_the_next(tmp_path, write_run):
+    root = str(tmp_path / 'runs')
+    for seed in (1, 2):
+        write_run(root, f'L2_normal_s{seed}', seed=seed)         # one init: L2_normal_s1 stands for it
+    damaged = os.path.join(root, 'L2_normal_s1', 'snapshots', 'qk_0000100.npz')
+    with open(damaged, 'r+b') as f:
+        f.truncate(os.path.getsize(damaged) // 2)
+    warnings = []
+    fig = plots.plot_spectra(run_analysis(root)['cells'], warnings.append)
+    assert any('L2_normal_s1' in w and 'iteration 100' in w for w in warnings)
+    assert 'L2_normal_s2' in fig.axes[0].get_title()
+
+
 def test_a_report_never_sits_beside_the_tables_of_another_analysis(tmp_path, synthetic_study, write_run,
                                                                      monkeypatch):
     out = tmp_path / 'out'
@@ -695,6 +708,11 @@ def test_figures_have_no_offset_notation_and_fig1_a_readable_legend(tmp_path, sy
     fig = plots.plot_pr_over_training(res['cells'])
     assert len(fig.legends) == 1                                  # one legend for the figure, not one panel
     assert min(t.get_fontsize() for t in fig.legends[0].get_texts()) >= 8
+    one = plots.plot_pr_over_training({(2, 'normal'): res['cells'][(2, 'normal')]})   # a single panel
+    canvas = FigureCanvasAgg(one)
+    canvas.draw()
+    title, legend = (a.get_window_extent(canvas.get_renderer()) for a in (one._suptitle, one.legends[0]))
+    assert not title.overlaps(legend) and title.x0 >= 0 and title.x1 <= one.bbox.x1   # the title reads whole
 
 
 # ----------------------------------------------------------------------------- command line

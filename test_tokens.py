@@ -226,6 +226,16 @@ def test_token_tables_count_only_for_the_runs_they_were_made_from(tiny_run, tmp_
     assert f2(res)['verdict'] == 'not measured' and any('trained again' in w for w in token_warnings(res))
 
 
+def test_fig6_says_not_measured_where_a_series_is_too_short():
+    layer_rows, head_rows = synthetic_series('run0', lambda x: x, link=1, seed=0)
+    short = [r for r in layer_rows if r['step'] in (0, 4)]        # two checkpoints: no Spearman of any half
+    fig = tokens.plot_token_contrast(short, [h for h in head_rows if h['step'] in (0, 4)], lambda r: r['model'], 't')
+    title = fig.axes[0].get_title()
+    assert 'nan' not in title and 'early not measured' in title and 'late not measured' in title
+    fig = tokens.plot_token_contrast(layer_rows, head_rows, lambda r: r['model'], 't')
+    assert re.search(r'early [+-]\d\.\d\d, late [+-]\d\.\d\d', fig.axes[0].get_title())
+
+
 def test_fig6_keeps_every_row_readable(tmp_path):
     layer_rows, head_rows = [], []
     for i in range(10):                                         # ten configurations: three files, four rows at most

@@ -573,12 +573,22 @@ def draw_series(ax_c, ax_h, label, rows):
     ax_c.axhline(0, color='k', lw=0.8)
     ax_c.set_title(label, fontsize=9, fontweight='bold')
     ax_h.set_title('attention entropy', fontsize=9)
-    if len(steps) > 1:   # the trend statistics of the contrast (token_trend_rows), means over layers and seeds
-        trend = token_trend_rows(rows)
-        mean = lambda key: np.mean([v for t in trend if np.isfinite(v := t[key])] or [np.nan])
-        ax_c.set_title(f'{label}\ncontrast ~ log step, Spearman: all {mean("rho_all"):+.2f}, early '
-                       f'{mean("rho_early"):+.2f}, late {mean("rho_late"):+.2f}; median peak at step '
-                       f'{np.median([t["peak_step"] for t in trend]):g}', fontsize=8)
+    if len(steps) > 1:
+        ax_c.set_title(f'{label}\n{trend_title(token_trend_rows(rows))}', fontsize=8)
+
+
+def trend_title(trend):
+    """The trend statistics of the contrast (token_trend_rows), means over layers and seeds, for a figure title;
+    a Spearman over fewer than 3 checkpoints is not measured, and says so."""
+    parts = []
+    for name in ('all', 'early', 'late'):
+        v = nanmean([t[f'rho_{name}'] for t in trend])
+        parts.append(f'{name} {v:+.2f}' if np.isfinite(v) else f'{name} not measured')
+    text = 'contrast ~ log step, Spearman: ' + ', '.join(parts)
+    if any(p.endswith('not measured') for p in parts):
+        text += ' (fewer than 3 checkpoints)'
+    peaks = [t['peak_step'] for t in trend if t['peak_step'] is not None]
+    return text + (f'; median peak at step {np.median(peaks):g}' if peaks else '')
 
 
 # ----------------------------------------------------------------------------- the two analyses
