@@ -522,7 +522,8 @@ def confound_notes(runs, cells, traj_rows):
                          'tends to lower every PR; at step 0, ' + '; '.join(parts) + '.')
     if traj_rows:
         both = sum(1 for r in traj_rows if r['pr_q_change'] < 0 and r['pr_k_change'] < 0)
-        notes.append(f'{both}/{len(traj_rows)} trajectories end with both PR_Q and PR_K below their start.')
+        notes.append(f'{both}/{len(traj_rows)} (depth, init, layer) trajectories (seed means, all records) end with '
+                     f'both PR_Q and PR_K below their start.')
     lrs = Counter((r.cfg.get('lr'), r.cfg.get('warmup_iters'), r.cfg.get('max_iters')) for r in runs)
     notes.append('learning rate, warm-up and length change how fast both PRs move: '
                  + '; '.join(f'lr {a}, warmup_iters {b}, max_iters {c} in {n} run(s)' for (a, b, c), n in
@@ -564,10 +565,11 @@ def analyze(paths, out=None, pdf=False, figures=True, log=print, from_iter=None)
     # the report, with the token-level results written earlier into out by `tokens` and `pretrained`
     res.update(paths=list(paths), out=out, n_found=len(run_dirs), runs=runs, skipped=skipped, from_iter=from_iter,
                token=token_results(out, runs, warn), final_logs=FINAL_LOGS, short=[r.path for r in runs if r.too_short],
-               decays=decay_settings(runs), scale_shape=scale_shape_table(res['scale_shape_runs']))
+               decays=decay_settings(runs), scale_shape=scale_shape_table(res['scale_shape_runs']),
+               few_seeds=bool(res['cells']) and max(map(len, res['cells'].values())) < report.MIN_SEEDS)
     res['claims'] = report.claims(res)
     res.update(map=report.robustness_map(res), warnings=warnings,
-               confounds=confound_notes(runs, res['cells'], res['traj']['whole']),
+               confounds=confound_notes(runs, res['cells'], [r for r in res['traj']['whole'] if r['window'] == ALL]),
                setting_notes=setting_notes(runs, settings, res['decays']), missing=missing_runs(plans))
     with staging(out) as staged:
         tables = write_tables(res, runs, skipped, staged)
@@ -655,6 +657,8 @@ def runs_command(argv):
     print_missing(res['missing'])
     if res['short']:
         print(f'note: {report.short_note(res)}; the verdicts below are plumbing checks')
+    elif res['few_seeds']:
+        print(f'note: small sample: {report.small_note(res)}')
     for c in res['claims']:
         print(f'({c["key"]})'.ljust(18) + f'{c["verdict"]:<14} {report.clip(c["value"], 90)}')
     print(f'wrote {len(res["files"])} files to {res["out"]} in {time.time() - t0:.1f}s: '

@@ -19,6 +19,7 @@ SHARE_HOLDS = 0.90         # share-of-trajectories claims hold at or above this 
 SHARE_FAILS = 0.50         # ... and do not hold at or below this one
 LINK_MODELS = 2            # "visible in several models": at least this many (and at least half of them)
 SHAPE_MARGIN = 0.1         # (c2): a partial correlation below this is a negligible link beyond the scale
+MIN_SEEDS = 3              # (a)-(c2) from fewer seeds than this in every configuration: a small sample, marked so
 # token level (claims f1, f2): where each source's tables live in the analysis folder
 TOKEN_SOURCES = {'tokens': 'our checkpoints', 'pretrained': 'pretrained models'}
 # the ways a claim is measured (analyze.py computes a view for each): windows of records, scopes of scale/shape
@@ -115,6 +116,8 @@ def claims(res):
         rows += [effect_claim(key, res['effects'], keep, res['final_logs']) for keep in ('fro', 'spec')]
     for row in rows if res['short'] else ():   # the weight study's claims, all from these runs
         row['plumbing'] = row['verdict'] != NOT_MEASURED
+    for row in rows if res['few_seeds'] and not res['short'] else ():   # those of the uncontrolled runs
+        row['small'] = row['verdict'] != NOT_MEASURED and row['key'].split('-')[0] in ('a', 'b', 'c', 'c2')
     for prefix in TOKEN_SOURCES:
         rows += token_claims(prefix, *res['token'].get(prefix, ([], []))[:2])
     return rows
@@ -412,11 +415,23 @@ def header(ctx):
          f'none is typed by hand.', '',
          f'Runs: {ctx["n_found"]} run folders found, {len(ctx["runs"])} used, {len(ctx["skipped"])} skipped; '
          f'{sum(len(v) for v in ctx["cells"].values())} uncontrolled runs in {len(ctx["cells"])} (depth, init) '
-         f'configurations give {ctx["summary"]["trajectories"] if ctx["summary"] else 0} layer trajectories.', '']
+         f'configurations give {ctx["summary"]["trajectories"] if ctx["summary"] else 0} (depth, init, layer) '
+         f'trajectories (seed means).', '']
     if ctx['short']:
         L += [f'**Plumbing check, not results: {short_note(ctx)}.** The verdicts marked (plumbing check) show that '
               f'the analysis runs end to end; they say nothing about the claims.', '']
+    elif ctx['few_seeds']:
+        L += [f'**Small sample, not results: {small_note(ctx)}.** The verdicts marked (small sample) apply the rules '
+              f'to these runs; they say little about the claims.', '']
     return L
+
+
+def small_note(ctx):
+    """Why (a)-(c2) rest on too few runs, in a sentence (REPORT.md and the console)."""
+    n = sum(len(v) for v in ctx['cells'].values())
+    return (f'every (depth, init) configuration has fewer than {MIN_SEEDS} seeds ({n} uncontrolled run(s) in '
+            f'{len(ctx["cells"])} configuration(s)): the trajectories of (a), (b) and the links of (c), (c2) do not '
+            f'vary over seeds')
 
 
 def short_note(ctx):
@@ -429,7 +444,8 @@ def short_note(ctx):
 def claims_section(ctx):
     """The claims table (a verdict on too-short runs marked as a plumbing check) and the rules behind it."""
     shown = [{**c, 'verdict': c['verdict'] + (f'; {c["qualifier"]}' if c.get('qualifier') else '')
-              + (' (plumbing check)' if c.get('plumbing') else '')} for c in ctx['claims']]
+              + (' (plumbing check)' if c.get('plumbing') else '') + (' (small sample)' if c.get('small') else '')}
+             for c in ctx['claims']]
     L = ['## Claims', '', markdown_table(shown, ['claim', 'statistic', 'value', 'verdict']), '### Verdict rules', '']
     for rule in dict.fromkeys(c['rule'] for c in ctx['claims'] if c['rule'] != '-'):
         which = ', '.join(dict.fromkeys(claim_label(c) for c in ctx['claims'] if c['rule'] == rule))

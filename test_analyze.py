@@ -683,6 +683,22 @@ def test_runs_that_end_before_warm_up_are_analysed(tmp_path, write_run, capsys):
     assert 'figure skipped: fig8_scale_shape' in report_text and 'fig1_pr_over_training.png' in report_text
 
 
+def test_one_run_gets_the_small_sample_note_and_the_notes_count_as_the_tables(tmp_path, write_run, capsys):
+    root = str(tmp_path / 'one')
+    write_run(root, 'L4_normal_s1', n_layer=4, effect=-1)      # one run: (a) and (b) do not hold
+    assert analyze.main([root, '--no_figures']) == 0
+    assert 'note: small sample: every (depth, init) configuration has fewer than 3 seeds' in capsys.readouterr().out
+    text = open(os.path.join(root, 'analysis', 'REPORT.md')).read()
+    assert '**Small sample, not results:' in text
+    claims = text.split('## Claims')[1].split('###')[0]
+    assert claims.count('does not hold (small sample)') >= 4 and 'plumbing check' not in claims
+    assert '4 (depth, init, layer) trajectories (seed means)' in text
+    assert '/4 (depth, init, layer) trajectories (seed means, all records) end with both' in text
+    res = run_analysis(make_study(write_run, str(tmp_path / 'three'), seeds=(1, 2, 3), control_seeds=()))
+    text = open(os.path.join(res['out'], 'REPORT.md')).read()
+    assert 'small sample' not in text.lower()
+
+
 def test_effects_below_the_precision_shown_are_in_scientific_notation():
     effect = {'target': 'k', 'keep': 'fro', 'contrast': 'freeze - none', 'metric': 'entropy', 'n': 5, 'mean': 2.1e-8,
               'ci_lo': 1.2e-8, 'ci_hi': 3.3e-8, 'n_predicted': 5, 'sign_p': 1 / 32, 'confidence': 1.0}
