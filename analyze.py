@@ -58,8 +58,8 @@ import stats
 import tokens
 from report import ACROSS, ALL, FROM_WARMUP, OVER_TIME
 from folders import (CONTROL_KINDS, FINAL_LOGS, SETTING_KEYS, OutError, Skip, check_out, collector, discover,
-                     find_run_dirs, init_order, load_runs, moved, publish, read_table, run_identity, seed_stack, staging,
-                     study_cells, write_table)
+                     find_run_dirs, init_order, load_runs, moved, publish, read_table, run_identity, seed_stack,
+                     staging, study_cells, write_table)
 
 # -----------------------------------------------------------------------------
 # what the tables measure (the verdict rules are report.py's; the study's grid is sweep.sh's, read from runs.txt)
@@ -736,7 +736,7 @@ def pretrained_command(argv):
                    'used if there), or a preset: ' + ', '.join(tokens.REVISION_PRESETS) + '; default: the default '
                    'revision')
     p.add_argument('--text', default='', help=f'UTF-8 text to sample (first {tokens.SAMPLE_CHARS} characters); '
-                   f'default {os.path.normpath(tokens.SAMPLE_FILE)}')
+                   f"default wiki.test.raw in train.py's data_dir ({os.path.normpath(tokens.default_text())})")
     p.add_argument('--rope', default='after', choices=('after', 'before', 'both'),
                    help='rotary families: q and k after the rotary embedding (as attention uses them), before it '
                         '(as projected), or both')

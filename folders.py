@@ -1,15 +1,18 @@
 """
-Run folders in, tables out: the I/O every analysis shares (analyze.py, tokens.py, figures.py).
+Run folders in, tables out: the I/O every analysis shares (analyze.py, tokens.py, plots.py).
 
 - Finding runs: a run folder is any folder holding a config.json (hidden, or inside another run's folder, too);
-  sweep.sh's runs.txt (the planned runs) is found beside them. Odd folders (metrics.jsonl without config.json, symbolic links) are named, not followed.
+  sweep.sh's runs.txt (the planned runs) is found beside them. Odd folders (metrics.jsonl without config.json,
+  symbolic links) are named, not followed.
 - Loading a run: config.json, done.json (a run without it is unfinished and skipped) and metrics.jsonl through
   train.read_metrics, the one tolerant reader. A record with a value that is not a finite number is left out
   with a note naming its iteration and key; a run keeps the rest.
 - Grouping: runs share a training setup (SETTING_KEYS: A = that of most uncontrolled runs, then B, C, ...);
   within one, a run is (depth, qk_init, control label, seed), the control label being control.control_label.
 - Tables: every table is written as .csv and .md; an analysis is written into a staging folder and moved into
-  its output folder at the end, so a REPORT.md never sits beside the tables of another analysis.
+  its output folder at the end, so a REPORT.md never sits beside the tables of another analysis. The output
+  folder's MANIFEST lists what each analysis wrote there: only those files are replaced or removed, and a
+  folder holding files of the same names that analyze.py did not write is refused (check_out).
 """
 import contextlib
 import csv

@@ -10,6 +10,7 @@ import re
 import shlex
 import shutil
 import string
+import subprocess
 import sys
 
 import numpy as np
@@ -405,6 +406,26 @@ def test_pretrained_without_transformers_says_how_to_install(monkeypatch, tmp_pa
     monkeypatch.setitem(sys.modules, 'transformers', None)   # import transformers now fails
     assert analyze.main(['pretrained', '--model=gpt2', f'--out={tmp_path}']) == 2
     assert 'pip install transformers' in capsys.readouterr().err
+
+
+def test_the_sample_text_defaults_to_wikitext_test_in_train_s_data_dir(tf, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)                                # a clone with no data beside it
+    where = os.path.join('data', 'wikitext-103-raw', 'wiki.test.raw')
+    assert analyze.main(['pretrained', '--model=gpt2', f'--out={tmp_path / "res"}']) == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and where in err and '--text=FILE' in err and 'shared' not in err
+    os.makedirs(os.path.dirname(where))
+    with open(where, 'w', encoding='utf-8') as f:
+        f.write('some text ' * 20_000)
+    text, said = tokens.sample_text()
+    assert len(text) == tokens.SAMPLE_CHARS and where in said
+
+
+def test_tokens_py_help_prints_the_usage():
+    done = subprocess.run([sys.executable, 'tokens.py', '--help'], cwd=os.path.dirname(os.path.abspath(__file__)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith('usage:') and '--data_file' in done.stdout
+    assert 'shared' not in done.stdout
 
 
 def char_tokenizer(tf, folder=None, special=False):

@@ -2,13 +2,14 @@
 Token-level analysis of checkpoints: query/key geometry measured on activations, not weights. Each checkpoint
 runs a fixed input; geometry.token_geometry turns its query and key vectors into token-level PRs (tok_pr_q,
 tok_pr_k, per head too), the interaction rank of the logits (tok_pr_qk) and the attention entropy. The
-quantity followed over checkpoints is the paired contrast tok_pr_q - tok_pr_k. Run it through folders.py:
+quantity followed over checkpoints is the paired contrast tok_pr_q - tok_pr_k. Run it through analyze.py
+(`python tokens.py ARGS` is `python analyze.py tokens ARGS`; `python tokens.py --help` lists the options):
 
-    python folders.py tokens out/                          # our runs: every models/model_*.pt -> out/analysis/
-    python folders.py tokens out/ --data_file=moved/wiki.test.raw   # the training text has moved
-    python folders.py pretrained --model=EleutherAI/pythia-160m --revisions=pythia   # a checkpoint series
-    python folders.py pretrained --model=gpt2 --out=out/analysis   # one checkpoint
-    python folders.py out/                                 # REPORT.md, now with claims (f1), (f2)
+    python analyze.py tokens out/                          # our runs: every models/model_*.pt -> out/analysis/
+    python analyze.py tokens out/ --data_file=moved/wiki.test.raw   # the training text has moved
+    python analyze.py pretrained --model=EleutherAI/pythia-160m --revisions=pythia   # a checkpoint series
+    python analyze.py pretrained --model=gpt2 --out=out/analysis   # one checkpoint
+    python analyze.py out/                                 # REPORT.md, now with claims (f1), (f2)
 
 Our checkpoints (`tokens`). Every model checkpoint in a run's models/ (weights_only) runs the run's fixed
 evaluation batch, rebuilt as train.py builds it (train.prepare_data on its config.json, then eval_windows
@@ -23,10 +24,11 @@ loaded with AutoModel.from_pretrained(..., attn_implementation='eager') in float
 from the HF cache/hub. --revisions takes a comma-separated list or the preset `pythia` (REVISION_PRESETS: step0,
 step1, 2, 4, ..., 512, then step1000, 2000, ..., 128000 and step143000). A revision's training step is the N of
 stepN, else its position in the list. The text is --text=FILE, else the first SAMPLE_CHARS characters of
-../shared/data/wikitext-103/wiki.test.raw; it is cut into --n_seqs consecutive windows of --seq_len tokens,
-each with the special tokens the tokenizer adds by default (BOS for OPT and Llama, [CLS]/[SEP] for BERT, none
-for GPT-2 and Pythia), never padded. Rows are added to the pretrained* tables in --out: rows of the same model
-are replaced, other models kept, so one folder collects several families.
+wiki.test.raw in train.py's data_dir (default_text: WikiText-103's test split, which train.py downloads there
+with the dataset; without it, one line says where to put it); it is cut into --n_seqs consecutive windows of
+--seq_len tokens, each with the special tokens the tokenizer adds by default (BOS for OPT and Llama, [CLS]/[SEP]
+for BERT, none for GPT-2 and Pythia), never padded. Rows are added to the pretrained* tables in --out: rows of
+the same model are replaced, other models kept, so one folder collects several families.
 
 One adapter per family in FAMILIES (a new family is one line there); any other architecture is an error
 naming the supported model types. Queries and keys are caught by forward hooks on the projections:
@@ -49,9 +51,10 @@ and the late ones (split at the series' median log step, both halves inclusive; 
 monotonicity score (mean sign of successive differences), and where the contrast peaks. Per checkpoint
 (*_link): Spearman of tok_pr_qk with entropy across its (layer, head) pairs, one-sided permutation test.
 *_summary: one row per series. Files: tokens.csv / pretrained.csv (series, step, layer), *_heads, *_trend,
-*_link, *_summary (.csv and .md), fig6_tokens.png (our runs; fig6_tokens_2.png, ... past FIG_ROWS
-configurations) and fig7_pretrained.png. The claims (f1) and
-(f2) and their rules are folders.py's: `python folders.py out/` reads these tables from its output folder.
+*_link, *_summary (.csv and .md), tokens_runs (the runs measured: name, SHA-256 of config.json and done.json;
+the report uses the token tables only for those runs), fig6_tokens.png (our runs; fig6_tokens_2.png, ... past
+FIG_ROWS configurations) and fig7_pretrained.png. The claims (f1) and (f2) and their rules are report.py's:
+`python analyze.py out/` reads these tables from its output folder.
 """
 import json
 import math
@@ -77,13 +80,12 @@ from folders import Skip
 from stats import permutation_p, spearman
 
 SERIES_COLUMNS = ('model', 'family', 'rope', 'n_layer', 'qk_init', 'control', 'target', 'seed')
-SAMPLE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'shared', 'data', 'wikitext-103',
-                           'wiki.test.raw')
-SAMPLE_CHARS = 100_000        # of SAMPLE_FILE or --text: far more than n_seqs x seq_len tokens need
+SAMPLE_CHARS = 100_000        # of the sample text (--text, default_text): far more than n_seqs x seq_len tokens need
 FIG_ROWS = 4                  # configurations (or models) per figure file: more rows make every label unreadable
 # the files each subcommand writes into its --out folder: a folder holding one that analyze.py did not write is refused
 TOKENS_OUTPUTS = re.compile(r'tokens(_heads|_trend|_link|_summary|_runs)?\.(csv|md)|fig6_tokens(_\d+)?\.(png|pdf)')
-PRETRAINED_OUTPUTS = re.compile(r'pretrained(_heads|_trend|_link|_summary)?\.(csv|md)|fig7_pretrained(_\d+)?\.(png|pdf)')
+PRETRAINED_OUTPUTS = re.compile(r'pretrained(_heads|_trend|_link|_summary)?\.(csv|md)'
+                                r'|fig7_pretrained(_\d+)?\.(png|pdf)')
 
 
 def default_device():
@@ -232,15 +234,21 @@ def load_pretrained(name, revision=None, device='cpu'):
     return model.to(device).eval()
 
 
+def default_text():
+    """The sample text when --text is not given: WikiText-103's test split in train.py's data_dir."""
+    return os.path.join(train.get_config([])['data_dir'], 'wiki.test.raw')
+
+
 def sample_text(path=''):
-    """(text, where it came from): the first SAMPLE_CHARS characters of path, else of SAMPLE_FILE; ValueError
-    naming both when neither is there."""
+    """(text, where it came from): the first SAMPLE_CHARS characters of path, else of default_text(); ValueError
+    naming the file and the way out when it is not there."""
     if path and not os.path.isfile(path):
         raise ValueError(f'--text={path}: no such file')
-    path = path or SAMPLE_FILE
+    path = path or default_text()
     if not os.path.isfile(path):
-        raise ValueError(f'no text to run the model on: pass --text=FILE (UTF-8), or put WikiText-103 test text at '
-                         f'{os.path.normpath(SAMPLE_FILE)}')
+        raise ValueError(f'no text to run the model on: {path} (WikiText-103\'s test split, which `python train.py` '
+                         f'downloads into its data_dir) is not there; put wiki.test.raw from wikitext-103-raw-v1.zip '
+                         f'there, or pass --text=FILE (any UTF-8 text)')
     with open(path, encoding='utf-8', errors='replace') as f:
         return f.read(SAMPLE_CHARS), f'first {SAMPLE_CHARS} characters of {os.path.normpath(path)}'
 
@@ -710,3 +718,8 @@ def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rop
         return {'out': out, 'text': where, 'ids': ids, 'layer_rows': layer_rows, 'head_rows': head_rows,
                 'files': folders.moved(files, out), 'claims': report.token_claims('pretrained', trend, link),
                 'warnings': [], 'report_removed': folders.publish(staged, out, 'pretrained')}
+
+
+if __name__ == '__main__':
+    import analyze   # the command line lives there (it imports this module)
+    sys.exit(analyze.main(sys.argv[1:] if sys.argv[1:2] == ['pretrained'] else ['tokens', *sys.argv[1:]]))
