@@ -16,7 +16,10 @@ weight-study tables; the rest is split by job:
 A run folder is any folder holding a config.json (folders.py says how runs are read, checked and grouped);
 unfinished or corrupt runs are skipped and bad records left out, each with a warning naming it. The runs a
 sweep planned are read from the runs.txt that sweep.sh writes into its output folder; those without done.json
-are listed as missing. Written to --out (default <first dir>/analysis/), each table as .csv and .md:
+are listed as missing. Written to --out (default <first dir>/analysis/), each table as .csv and .md; the
+folder's .analyze.json lists what each analysis wrote, and only those files are replaced or removed (other
+files stay; an --out that is a file, a run folder or /, or holds files of these names that analyze.py did not
+write, is refused with one line):
 
     REPORT.md                      the claims (statistic, value, verdict, rule), the robustness map, the tables below
     runs                           final losses and wall time, one row per run
@@ -36,7 +39,8 @@ the learned part W - W(0); report.py holds the rules.
 `tokens` and `pretrained` (tokens.py, whose docstring has the details) write tokens* / pretrained* tables and
 fig6 / fig7 into their --out folder; `runs` (the default subcommand: `python analyze.py out/` is
 `python analyze.py runs out/`) reads those tables from its --out folder into REPORT.md (claims f1, f2), so run
-it after them.
+it after them. Token tables of our checkpoints count only for the runs they were made from (tokens_runs):
+rows of other or retrained runs are left out, and runs without them named, each with a warning.
 """
 import argparse
 import os
