@@ -430,8 +430,8 @@ def small_note(ctx):
     """Why (a)-(c2) rest on too few runs, in a sentence (REPORT.md and the console)."""
     n = sum(len(v) for v in ctx['cells'].values())
     return (f'every (depth, init) configuration has fewer than {MIN_SEEDS} seeds ({n} uncontrolled run(s) in '
-            f'{len(ctx["cells"])} configuration(s)): the trajectories of (a), (b) and the links of (c), (c2) do not '
-            f'vary over seeds')
+            f'{len(ctx["cells"])} configuration(s)): the trajectories of (a), (b) and the links of (c), (c2) rest on '
+            f'one or two runs each')
 
 
 def short_note(ctx):
