@@ -6,6 +6,7 @@ weight-study tables; the rest is split by job:
     folders.py   finding and loading run folders, writing tables      plots.py    fig1-fig5, fig8
     stats.py     the statistics (numpy only)                          report.py   claims, verdict rules, REPORT.md
     tokens.py    the token-level analysis of checkpoints (ours and pretrained), fig6 and fig7
+    regime.py    the statistics per regime point (runs that share every setting but the seed), their trends, fig9
 
     python analyze.py out/                           # every run folder under out/ -> out/analysis/
     python analyze.py out/ more_runs/ --out=results --pdf
@@ -27,7 +28,8 @@ are listed as missing. Written to --out (default <first dir>/analysis/), each ta
     robustness_map                 claims x ways of measuring them, a verdict per cell
     control, control_effects       the control experiment per control_keep: per seed, and paired differences
     timeline                       PRs, scale and entropy over training, mean over the runs of each group
-    fig1..fig5, fig8 *.png (--pdf: also .pdf)
+    regime, regime_trend           with two or more regime points: each statistic per point and its trend (regime.py)
+    fig1..fig5, fig8, fig9 *.png (--pdf: also .pdf)
 
 Claims (a) and (b) are measured over all records and from the end of warm-up on (--from_iter, default each
 run's warmup_iters), in four lenses (LENSES): whole-matrix and per-head weight PR, token-level PR, and the PR of
@@ -53,6 +55,7 @@ import torch
 
 import control
 import plots
+import regime
 import report
 import stats
 import tokens
@@ -99,7 +102,7 @@ LINKS = {'pr_k~entropy': ('pr_k', 'entropy'), 'pr_k~pr_qk': ('pr_k', 'pr_qk'), '
 SHAPE_STATS = ('pr_k~entropy', 'pr_k~entropy|scale', 'pr_qk~entropy', 'pr_qk~entropy|scale', 'scale~entropy')
 # the files `runs` writes into its --out folder (stale ones from an earlier analysis are removed)
 RUNS_OUTPUTS = re.compile(r'(runs|trajectories\w*|trajectory_summary|attention_link\w*|control|control_effects|timeline'
-                          r'|scale_shape\w*|robustness\w*)\.(csv|md)|fig[1-58]_\w+\.(png|pdf)')
+                          r'|scale_shape\w*|robustness\w*|regime\w*)\.(csv|md)|fig[1-589]_\w+\.(png|pdf)')
 
 
 # ----------------------------------------------------------------------------- tables
@@ -522,13 +525,16 @@ def analyze(paths, out=None, pdf=False, figures=True, log=print, from_iter=None)
                token=token_results(out), final_logs=FINAL_LOGS, short=[r.path for r in runs if r.too_short],
                decays=decay_settings(runs), scale_shape=scale_shape_table(res['scale_shape_runs']))
     res['claims'] = report.claims(res)
+    res['regime'] = regime.regime(runs, from_iter)   # None with fewer than two regime points
     res.update(map=report.robustness_map(res), warnings=warnings,
                confounds=confound_notes(runs, res['cells'], res['traj']['whole']),
                setting_notes=setting_notes(runs, settings, res['decays']), missing=missing_runs(plans))
     with staging(out) as staged:
-        tables = write_tables(res, runs, skipped, staged)
+        tables = write_tables(res, runs, skipped, staged) + regime.write_tables(res['regime'], staged)
         written, figure_notes = plots.draw_figures(res, runs, staged, pdf, log, warn) if figures else ([], [])
-        res.update(tables=moved(tables, out), figures=moved(written, out), figure_notes=figure_notes)
+        fig9, fig9_notes = regime.draw_figures(res['regime'], staged, pdf) if figures else ([], [])
+        res.update(tables=moved(tables, out), figures=moved(written + fig9, out),
+                   figure_notes=figure_notes + fig9_notes)
         report.write_report(os.path.join(staged, 'REPORT.md'), res)
         publish(staged, out, RUNS_OUTPUTS)
     res['files'] = res['tables'] + res['figures'] + [os.path.join(out, 'REPORT.md')]
