@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 import stats
 from folders import FINAL_LOGS, SETTING_KEYS, markdown_table, write_table
@@ -42,8 +43,11 @@ from plots import save_figure
 
 # every setting but the seed: runs that share them are seeds of one regime point
 POINT_KEYS = ('n_layer', 'qk_init') + tuple(k for k in SETTING_KEYS if k not in ('n_layer', 'qk_init'))
-AXIS_ORDER = ('n_embd', 'max_iters', 'lr', 'n_layer', 'qk_init')   # which of two settings that follow each other
-POSITIONS = ('all', 'first', 'middle', 'last')                      # is the axis: the earlier here, then POINT_KEYS
+# settings that are an axis of their own whenever they vary, in this order; any other varying setting is an axis
+# unless it follows one (n_head with n_embd, min_lr with lr). A partial ladder (width 128 done only at 8000 iterations)
+# would otherwise make max_iters follow n_embd and put that point on the width line.
+AXES = ('n_embd', 'max_iters', 'lr', 'n_layer', 'qk_init', 'weight_decay', 'decay_qk')
+POSITIONS = ('all', 'first', 'middle', 'last')
 OVERFIT_GAP = 0.05         # nats: a point whose mean final val_loss - train_loss exceeds this overfits
 ROWS_PER_FIGURE = 4        # statistics (rows of panels) per fig9 file
 
@@ -78,11 +82,12 @@ CONTROL_STATS = {'d_entropy': Stat('final entropy, controlled - none paired by s
 TREND_RULE = (f'a line is the points that differ only in one setting (an axis); the trend is the least-squares slope '
               f'of the point means (means over seeds) against log2 of the setting, per doubling; its {stats.LEVEL:.0%} '
               f'interval is the percentile interval of the slopes refitted on {stats.N_BOOT} resamples of the seeds '
-              f'within each point; up or down when the interval excludes 0, else no clear trend. A statistic changes '
-              f'sign inside the ladder when its point means along a line lie on both sides of its reference (0; one '
-              f'half for shares; {OVERFIT_GAP} for train_val_gap): clearly when one point\'s interval lies wholly '
-              f'above it and another\'s wholly below, else in the means only. Trends are fitted between the smallest '
-              f'and the largest value measured on each line and are not projected beyond them')
+              f'within each point (none where a point has one seed); up or down when the interval excludes 0, else no '
+              f'clear trend. A statistic changes sign inside the ladder when its point means along a line lie on both '
+              f'sides of its reference (0; one half for shares; {OVERFIT_GAP} for train_val_gap): clearly when one '
+              f'point\'s interval lies wholly above it and another\'s wholly below, else in the means only. Trends are '
+              f'fitted between the smallest and the largest value measured on each line and are not projected beyond '
+              f'them')
 
 
 @dataclass
@@ -205,11 +210,10 @@ def find_points(runs):
             groups[point_key(r.cfg)].append(r)
     settings = {key: dict(key) for key in groups}
     varying = [k for k in POINT_KEYS if len({s[k] for s in settings.values()}) > 1]
-    order = sorted(varying, key=lambda k: (AXIS_ORDER.index(k) if k in AXIS_ORDER else len(AXIS_ORDER),
-                                           POINT_KEYS.index(k)))
+    order = sorted(varying, key=lambda k: (AXES.index(k) if k in AXES else len(AXES), POINT_KEYS.index(k)))
     axes, derived = [], {}
     for k in order:
-        leader = next((a for a in axes if follows(settings.values(), k, a)), None)
+        leader = None if k in AXES else next((a for a in axes if follows(settings.values(), k, a)), None)
         if leader:
             derived[k] = leader
         else:
@@ -318,11 +322,14 @@ def fit_trend(xs, samples, ref):
     samples = [samples[i][np.isfinite(samples[i])] for i in keep]
     x = np.log2(xs) if (xs > 0).all() else xs
     means = np.array([s.mean() for s in samples])
-    boot = np.stack([stats.bootstrap_means(s, seed=stats.BOOT_SEED + i) for i, s in enumerate(samples)], axis=1)
-    lo, hi = np.percentile(slope(x, boot), [50 * (1 - stats.LEVEL), 50 * (1 + stats.LEVEL)])
+    lo = hi = float('nan')   # a point with one seed has no spread to resample: no interval
+    if min(len(s) for s in samples) > 1:
+        boot = np.stack([stats.bootstrap_means(s, seed=stats.BOOT_SEED + i) for i, s in enumerate(samples)], axis=1)
+        lo, hi = np.percentile(slope(x, boot), [50 * (1 - stats.LEVEL), 50 * (1 + stats.LEVEL)])
     out = {'n_points': len(keep), 'x_from': xs.min(), 'x_to': xs.max(), 'per': 'doubling' if (xs > 0).all() else
            'unit', 'slope': float(slope(x, means)), 'lo': float(lo), 'hi': float(hi)}
-    out['trend'] = 'up' if lo > 0 else 'down' if hi < 0 else 'no clear trend'
+    out['trend'] = ('up' if lo > 0 else 'down' if hi < 0 else 'no clear trend') if np.isfinite(lo) else \
+        'no interval (one seed at a point)'
     out['crosses'] = crossing(samples, means, ref)
     return out
 
@@ -391,33 +398,40 @@ def draw_figures(reg, out, pdf):
     written = []
     for i in range(0, len(names), ROWS_PER_FIGURE):
         chunk = names[i:i + ROWS_PER_FIGURE]
-        fig = Figure(layout='constrained', figsize=(5.2 * len(axes), 3.2 * len(chunk)))
-        for row, name in zip(fig.subplots(len(chunk), len(axes), squeeze=False), chunk):
-            for k, (ax, axis) in enumerate(zip(row, axes)):
-                draw_panel(ax, reg, name, axis, legend=k == 0)
-        fig.suptitle(f'the regime ladder: each statistic per point (mean over seeds, {stats.LEVEL:.0%} bootstrap '
-                     f'interval), by layer position', fontsize=10)
+        fig = Figure(layout='constrained', figsize=(4.6 * len(axes) + 1.6, 3.0 * len(chunk)))
+        grid = fig.subplots(len(chunk), len(axes), squeeze=False)
+        for row, name in zip(grid, chunk):
+            for ax, axis in zip(row, axes):
+                draw_panel(ax, reg, name, axis)
+        for ax, axis in zip(grid[0], axes):   # which line is which, where an axis has several
+            shown = lines(reg['points'], reg['axes'], axis)
+            if len(shown) > 1:
+                ax.legend([Line2D([], [], color='0.3', ls=LINE_STYLES[k % len(LINE_STYLES)]) for k in
+                           range(len(shown))], [', '.join(f'{a}={v}' for a, v in f) for f, _ in shown], fontsize=6)
+        fig.legend([Line2D([], [], color=c, marker=m, ms=4) for c, m in POSITION_STYLE.values()],
+                   [f'{pos} layer{"s" if pos in ("all", "middle") else ""}' for pos in POSITION_STYLE],
+                   loc='outside right upper', fontsize=8, title='layer position', title_fontsize=8)
+        fig.suptitle(f'each statistic per regime point: mean over seeds with its {stats.LEVEL:.0%} bootstrap interval '
+                     f'(none with one seed), by layer position', fontsize=10)
         stem = 'fig9_regime' + (f'_{i // ROWS_PER_FIGURE + 1}' if i else '')
         written += save_figure(fig, out, stem, pdf)
     return written, []
 
 
-def draw_panel(ax, reg, name, axis, legend):
-    """One statistic against one axis: every line along it, every layer position."""
-    shown = lines(reg['points'], reg['axes'], axis)
-    for k, (fixed, line) in enumerate(shown):
+def draw_panel(ax, reg, name, axis):
+    """One statistic against one axis: every line along it (a line style each), every layer position (a colour
+    each, shifted a little sideways so that the intervals do not hide each other)."""
+    for k, (_, line) in enumerate(lines(reg['points'], reg['axes'], axis)):
         xs = np.array([p.coords[axis] for p in line], dtype=float)
         for j, pos in enumerate(POSITIONS):
             found = [summary(p.values[(name, pos)]) if (name, pos) in p.values else None for p in line]
             if not any(s and s['n'] for s in found):
                 continue
             m, lo, hi = (np.array([s[key] if s else np.nan for s in found]) for key in ('mean', 'lo', 'hi'))
-            x = xs * 2 ** (0.04 * (j - 1.5)) if (xs > 0).all() else xs + 0.01 * (j - 1.5) * np.ptp(xs)
-            err = np.nan_to_num(np.stack([m - lo, hi - m]))   # one seed: no interval
+            x = xs * 2 ** (0.03 * (j - 1.5)) if (xs > 0).all() else xs + 0.01 * (j - 1.5) * np.ptp(xs)
             color, marker = POSITION_STYLE[pos]
-            where = ', '.join(f'{a}={v}' for a, v in fixed)
-            ax.errorbar(x, m, yerr=err, color=color, marker=marker, ls=LINE_STYLES[k % len(LINE_STYLES)], ms=4,
-                        capsize=2, lw=1, label=pos + (f' ({where})' if len(shown) > 1 and where else ''))
+            ax.errorbar(x, m, yerr=np.nan_to_num(np.stack([m - lo, hi - m])), color=color, marker=marker, ms=4,
+                        ls=LINE_STYLES[k % len(LINE_STYLES)], capsize=2, lw=1)
     ref = reg['stats'][name].ref
     if ref is not None:
         ax.axhline(ref, color='0.6', lw=0.8, ls=':')
@@ -429,8 +443,6 @@ def draw_panel(ax, reg, name, axis, legend):
         ax.minorticks_off()
     ax.set_xlabel(axis + (' (log2 axis)' if all(v > 0 for v in values) else ''))
     ax.set_title(name, fontsize=9)
-    if legend:
-        ax.legend(fontsize=6)
 
 
 # ----------------------------------------------------------------------------- REPORT.md
@@ -458,8 +470,10 @@ def report_lines(reg, figures=()):
                                                                                        else '') + '. '
           f'Each statistic is computed per run (per layer, then over the layers of each position: all, the first, '
           f'the ones between, the last) and averaged over the seeds of its point, with the {stats.LEVEL:.0%} '
-          f'bootstrap interval over seeds. The table shows all layers; regime.md has every position, '
-          f'regime_trend.md every trend, fig9 the positions apart.', '']
+          f'bootstrap interval over seeds (none with one seed). (c2) by position pools the (layer, head) pairs of '
+          f'the position\'s layers: n_head pairs per checkpoint in the first and the last layer, a noisy partial '
+          f'correlation with few heads. The table shows all layers; regime.md has every position, regime_trend.md '
+          f'every trend, fig9 the positions apart.', '']
     L += point_table(reg) + [f'- {n}: {s.what}' for n, s in reg['stats'].items()] + ['']
     over = [r['point'] for r in reg['rows'] if r['note']]
     L += [f'Overfitting (mean final val_loss - train_loss above {OVERFIT_GAP} nats): '

@@ -75,7 +75,7 @@ def plant_run(root, name, n_embd, seed, n_head=4, max_iters=2000, lr=1e-3, contr
     on = control != 'none'
     with open(os.path.join(path, 'metrics.jsonl'), 'w') as fh:
         for it in iters:
-            f = min(1.0, it / (0.85 * max_iters))
+            f = min(1.0, it / (0.7 * max_iters))   # the last 3 records (FINAL_LOGS) at the planted end, from 8 records on
             layers = [layer_rec(i, f, n_embd, n_head, gap, head_gap if i == n_layer - 1 else 0.0,
                                 D_ENTROPY[keep] * f * on, -0.3 * f * on, rng) for i in range(n_layer)]
             fh.write(json.dumps({'iter': int(it), 'tokens': int(it) * 1024, 'lr': lr, 'train_loss': 3 - f,
@@ -217,3 +217,24 @@ def test_one_regime_point_writes_no_regime_table(tmp_path):
     assert not any(n.startswith(('regime', 'fig9')) for n in os.listdir(tmp_path / 'out'))
     assert 'one regime point' in open(tmp_path / 'out' / 'REPORT.md').read()
     assert res['regime'] is None
+
+
+def test_a_point_with_one_seed_gives_means_but_no_interval(tmp_path):
+    root = plant_ladder(str(tmp_path), seeds=(1,), widths=(32, 64, 128), n_records=8)
+    runs = folders.load_runs(folders.find_run_dirs([root]), lambda msg: None)[0]
+    reg = regime.regime(runs)
+    t = trend(reg, 'gap_end', 'n_embd')
+    assert t['slope'] == pytest.approx(GAP_SLOPE, abs=1e-9) and t['trend'] == 'no interval (one seed at a point)'
+    assert math.isnan(t['lo']) and math.isnan(value(reg, 'gap_end', n_embd=32, lr=1e-3)['lo'])
+    assert '| gap_end | +0.03 | +0.03 |' in '\n'.join(regime.report_lines(reg))
+
+
+def test_a_partial_ladder_keeps_the_long_runs_off_the_width_line(tmp_path):
+    # width 128 done only at 8000 iterations: max_iters has one value per width, yet it is an axis, not a follower
+    root = plant_ladder(str(tmp_path), seeds=(1, 2), widths=(32, 64), n_records=8)
+    runs = folders.load_runs(folders.find_run_dirs([root]), lambda msg: None)[0]
+    reg = regime.regime(runs)
+    assert reg['axes'] == ['n_embd', 'max_iters', 'lr'] and reg['derived'] == {'min_lr': 'lr'}
+    width = trend(reg, 'gap_end', 'n_embd')
+    assert (width['x_from'], width['x_to']) == (32, 64) and width['slope'] == pytest.approx(GAP_SLOPE, abs=1e-9)
+    assert not any(t['axis'] == 'max_iters' for t in reg['trends'])
