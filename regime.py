@@ -56,7 +56,6 @@ ROWS_PER_FIGURE = 4        # statistics (rows of panels) per fig9 file
 class Stat:
     what: str                # how the report describes it
     ref: float = 0.0         # crossing this level inside the ladder counts as a change of sign (None: not tested)
-    layered: bool = True     # also given by layer position
     signed: bool = True      # shown with its sign (shares and losses are not)
 
 
@@ -72,13 +71,13 @@ STATS = {
     'c2_pr_k~entropy|scale': Stat('claim (c2): per checkpoint across (layer, head) pairs, partial correlation of '
                                   'PR_K per head with entropy given log ||W_QK^h||_2, mean over checkpoints'),
     'c2_scale~entropy': Stat('per checkpoint across (layer, head) pairs, Spearman of log ||W_QK^h||_2 with entropy'),
-    'val_loss': Stat('final validation loss', None, False, False),
-    'train_val_gap': Stat(f'final val_loss - train_loss (overfits above {OVERFIT_GAP})', OVERFIT_GAP, False),
+    'val_loss': Stat('final validation loss', None, signed=False),
+    'train_val_gap': Stat(f'final val_loss - train_loss (overfits above {OVERFIT_GAP})', OVERFIT_GAP),
 }
 CONTROL_STATS = {'d_entropy': Stat('final entropy, controlled - none paired by seed ((e) for freeze, (d) for '
                                    'shrink)'),
                  'd_qk_spec_norm': Stat('final qk_spec_norm, controlled - none paired by seed'),
-                 'd_val_loss': Stat('final val_loss, controlled - none paired by seed', 0.0, False)}
+                 'd_val_loss': Stat('final val_loss, controlled - none paired by seed')}
 TREND_RULE = (f'a line is the points that differ only in one setting (an axis); the trend is the least-squares slope '
               f'of the point means (means over seeds) against log2 of the setting, per doubling; its {stats.LEVEL:.0%} '
               f'interval is the percentile interval of the slopes refitted on {stats.N_BOOT} resamples of the seeds '
@@ -273,10 +272,10 @@ def fill_values(points, from_iter):
     return found
 
 
-def summary(values, seed=stats.BOOT_SEED):
+def summary(values):
     """{'mean', 'lo', 'hi', 'n'} of the finite per-seed values (the interval: bootstrap over seeds)."""
     v = values[np.isfinite(values)]
-    lo, hi = stats.bootstrap_ci(v, seed=seed)
+    lo, hi = stats.bootstrap_ci(v)
     return {'mean': float(v.mean()) if len(v) else float('nan'), 'lo': lo, 'hi': hi, 'n': len(v)}
 
 

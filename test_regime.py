@@ -75,7 +75,7 @@ def plant_run(root, name, n_embd, seed, n_head=4, max_iters=2000, lr=1e-3, contr
     on = control != 'none'
     with open(os.path.join(path, 'metrics.jsonl'), 'w') as fh:
         for it in iters:
-            f = min(1.0, it / (0.7 * max_iters))   # the last 3 records (FINAL_LOGS) at the planted end, from 8 records on
+            f = min(1.0, it / (0.7 * max_iters))   # the last FINAL_LOGS records at the planted end
             layers = [layer_rec(i, f, n_embd, n_head, gap, head_gap if i == n_layer - 1 else 0.0,
                                 D_ENTROPY[keep] * f * on, -0.3 * f * on, rng) for i in range(n_layer)]
             fh.write(json.dumps({'iter': int(it), 'tokens': int(it) * 1024, 'lr': lr, 'train_loss': 3 - f,
@@ -188,12 +188,14 @@ def test_claim_statistics_match_the_claims_report(ladder):
 
 
 def test_analyze_writes_the_regime_table_trends_fig9_and_report_section(ladder, tmp_path):
+    # timed in CPU seconds of this process, which a busy machine inflates far less than wall time
     root = ladder[0]
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()
     analyze.analyze([root], out=str(tmp_path / 'out'), log=lambda msg: None)
-    took = time.time() - t0
-    print(f'analysis of the planted ladder (30 runs, 4 layers, 25 records, figures): {took:.1f}s')
-    assert took < 60
+    cpu = time.process_time() - c0
+    print(f'analysis of the planted ladder (30 runs, 4 layers, 25 records, figures): {cpu:.1f} s CPU, '
+          f'{time.time() - t0:.1f} s wall')
+    assert cpu < 60
     names = set(os.listdir(tmp_path / 'out'))
     assert {'regime.csv', 'regime.md', 'regime_trend.csv', 'regime_trend.md', 'fig9_regime.png'} <= names
     rows = folders.read_table(str(tmp_path / 'out' / 'regime.csv'))
