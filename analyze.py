@@ -532,9 +532,8 @@ def analyze(paths, out=None, pdf=False, figures=True, log=print, from_iter=None)
     with staging(out) as staged:
         tables = write_tables(res, runs, skipped, staged) + regime.write_tables(res['regime'], staged)
         written, figure_notes = plots.draw_figures(res, runs, staged, pdf, log, warn) if figures else ([], [])
-        fig9, fig9_notes = regime.draw_figures(res['regime'], staged, pdf) if figures else ([], [])
-        res.update(tables=moved(tables, out), figures=moved(written + fig9, out),
-                   figure_notes=figure_notes + fig9_notes)
+        written += regime.draw_figures(res['regime'], staged, pdf) if figures else []
+        res.update(tables=moved(tables, out), figures=moved(written, out), figure_notes=figure_notes)
         report.write_report(os.path.join(staged, 'REPORT.md'), res)
         publish(staged, out, RUNS_OUTPUTS)
     res['files'] = res['tables'] + res['figures'] + [os.path.join(out, 'REPORT.md')]

@@ -387,13 +387,13 @@ LINE_STYLES = ('-', '--', ':', '-.')
 def draw_figures(reg, out, pdf):
     """fig9_regime.png (then _2, _3, ...: ROWS_PER_FIGURE statistics each): each statistic against each numeric
     axis with a line of points, a curve per layer position and line, point means with their intervals over seeds.
-    Returns (paths written, notes on what was not drawn)."""
+    Returns the paths written (none without a line of points: the report's trends section says so)."""
     if reg is None:
-        return [], []
+        return []
     axes = [a for a in reg['axes'] if any(t['axis'] == a for t in reg['trends'])]
     names = [n for n in reg['stats'] if any(t['statistic'] == n and t['axis'] in axes for t in reg['trends'])]
     if not names:
-        return [], ['fig9_regime: no axis has two or more points that differ only in it']
+        return []
     written = []
     for i in range(0, len(names), ROWS_PER_FIGURE):
         chunk = names[i:i + ROWS_PER_FIGURE]
@@ -414,7 +414,7 @@ def draw_figures(reg, out, pdf):
                      f'(none with one seed), by layer position', fontsize=10)
         stem = 'fig9_regime' + (f'_{i // ROWS_PER_FIGURE + 1}' if i else '')
         written += save_figure(fig, out, stem, pdf)
-    return written, []
+    return written
 
 
 def draw_panel(ax, reg, name, axis):
