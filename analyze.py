@@ -6,6 +6,7 @@ weight-study tables; the rest is split by job:
     folders.py   finding and loading run folders, writing tables      plots.py    fig1-fig5, fig8
     stats.py     the statistics (numpy only)                          report.py   claims, verdict rules, REPORT.md
     tokens.py    the token-level analysis of checkpoints (ours and pretrained), fig6 and fig7
+    regime.py    the statistics per regime point (runs that share every setting but the seed), their trends, fig9
 
     python analyze.py out/                           # every run folder under out/ -> out/analysis/
     python analyze.py out/ more_runs/ --out=results --pdf
@@ -30,7 +31,8 @@ write, is refused with one line):
     robustness_map                 claims x ways of measuring them, a verdict per cell
     control, control_effects       the control experiment per control_keep: per seed, and paired differences
     timeline                       PRs, scale and entropy over training, mean over the runs of each group
-    fig1..fig5, fig8 *.png (--pdf: also .pdf)
+    regime, regime_trend           with two or more regime points: each statistic per point and its trend (regime.py)
+    fig1..fig5, fig8, fig9 *.png (--pdf: also .pdf)
 
 Claims (a) and (b) are measured over all records and from the end of warm-up on (--from_iter, default each
 run's warmup_iters), in four lenses (LENSES): whole-matrix and per-head weight PR, token-level PR, and the PR of
@@ -57,6 +59,7 @@ import torch
 
 import control
 import plots
+import regime
 import report
 import stats
 import tokens
@@ -104,9 +107,9 @@ LINKS = {'pr_k~entropy': ('pr_k', 'entropy'), 'pr_k~pr_qk': ('pr_k', 'pr_qk'), '
 SHAPE_STATS = ('pr_k~entropy', 'pr_k~entropy|scale', 'pr_qk~entropy', 'pr_qk~entropy|scale', 'scale~entropy')
 # the files `runs` writes into its --out folder: a folder holding one of these that analyze.py did not write is refused
 RUNS_OUTPUTS = re.compile(r'(runs|trajectories(_head|_tok|_learned)?|trajectory_summary|attention_link(_runs)?|control'
-                          r'|control_effects|timeline|scale_shape(_runs)?|robustness_map)\.(csv|md)|REPORT\.md|'
-                          r'fig(1_pr_over_training|2_pr_gap|3_entropy_and_pr|4_spectra|5_control_[kq]|8_scale_shape)'
-                          r'\.(png|pdf)')
+                          r'|control_effects|timeline|scale_shape(_runs)?|robustness_map|regime(_trend)?)\.(csv|md)|'
+                          r'REPORT\.md|fig(1_pr_over_training|2_pr_gap|3_entropy_and_pr|4_spectra|5_control_[kq]'
+                          r'|8_scale_shape|9_regime(_\d+)?)\.(png|pdf)')
 
 
 # ----------------------------------------------------------------------------- tables
@@ -572,12 +575,14 @@ def analyze(paths, out=None, pdf=False, figures=True, log=print, from_iter=None)
                decays=decay_settings(runs), scale_shape=scale_shape_table(res['scale_shape_runs']),
                few_seeds=bool(res['cells']) and max(map(len, res['cells'].values())) < report.MIN_SEEDS)
     res['claims'] = report.claims(res)
+    res['regime'] = regime.regime(runs, from_iter)   # None with fewer than two regime points
     res.update(map=report.robustness_map(res), warnings=warnings,
                confounds=confound_notes(runs, res['cells'], [r for r in res['traj']['whole'] if r['window'] == ALL]),
                setting_notes=setting_notes(runs, settings, res['decays']), missing=missing_runs(plans))
     with staging(out) as staged:
-        tables = write_tables(res, runs, skipped, staged)
+        tables = write_tables(res, runs, skipped, staged) + regime.write_tables(res['regime'], staged)
         written, figure_notes = plots.draw_figures(res, runs, staged, pdf, log, warn) if figures else ([], [])
+        written += regime.draw_figures(res['regime'], staged, pdf) if figures else []
         res.update(tables=moved(tables, out), figures=moved(written, out), figure_notes=figure_notes)
         report.write_report(os.path.join(staged, 'REPORT.md'), res)
         publish(staged, out, 'runs')

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+import regime
 from folders import markdown_table
 from stats import BOOT_SEED, LEVEL, N_BOOT, N_PERM, mean_ci
 
@@ -344,7 +345,8 @@ def write_report(path, ctx):
           '|scale: the partial correlation with log ||W_QK||_2 held fixed; scale~entropy: Spearman of the logit '
           'scale with entropy. Two series that both trend over training correlate whatever links them.', '',
           markdown_table(ctx['link_rows'], list(ctx['link_rows'][0]) if ctx['link_rows'] else ['n_layer'])]
-    L += control_section(ctx) + token_report(ctx['out'], ctx['token'])
+    L += control_section(ctx) + regime.report_lines(ctx['regime'], ctx['figures'])
+    L += token_report(ctx['out'], ctx['token'])
     L += ['## Notes: known confounds', ''] + [f'- {n}' for n in ctx['confounds']] + ['']
     if ctx['setting_notes']:
         L += ['## Notes: training setups', ''] + [f'- {n}' for n in ctx['setting_notes']] + ['']
