@@ -51,7 +51,7 @@ machine is shared, and single runs vary by 10% or more):
   x1.24 CPU time. Outside the loop (imports, data, set-up, exit) 2.9 s against 2.7 s; the rest is train.py's
   records (losses at 0 and 150, geometry at the early log-spaced records, snapshots, model checkpoints).
 - Data encoding (`python bench.py --encode`): 31 M characters/s (a 160 MB synthetic WikiText-shaped file,
-  train.prepare_data), so the full WikiText-103 (540 M characters) encodes in well under a minute; a cache
+  prepare.prepare_data), so the full WikiText-103 (540 M characters) encodes in well under a minute; a cache
   hit costs one SHA-256 of the source.
 """
 import argparse
@@ -71,7 +71,9 @@ import torch
 
 import control
 import geometry
+import prepare
 import train
+from configurator import Stop
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 SHARED_TEXT = os.path.join(REPO, '..', 'shared', 'data', 'wikitext-103', 'wiki.test.raw')
@@ -107,7 +109,7 @@ def median_ms(ts):
 
 def load_data(args):
     """The encoded training text of a train.py argument list (through train.py's cache), and its vocabulary."""
-    data, _, meta = train.prepare_data(train.get_config(args))
+    data, _, meta = prepare.prepare_data(train.get_config(args))
     return data, meta['vocab_size']
 
 
@@ -240,7 +242,7 @@ def bench_jobs(jobs, args, iters, device):
     """K train.py processes at once on one device, for each K in jobs; returns the table's rows."""
     args = [*args, f'--max_iters={iters}', f'--device={device}']
     cfg = train.get_config(args)
-    train.prepare_data(cfg)   # the cache is built once here, not raced by K processes
+    prepare.prepare_data(cfg)   # the cache is built once here, not raced by K processes
     tokens_per_iter = cfg['batch_size'] * cfg['grad_accum'] * cfg['block_size']
     ncpu = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
     print(f"train.py at {size_of(cfg)}, {iters} iterations per process on {device}, --threads=CPUs/K as sweep.sh "
@@ -285,7 +287,7 @@ def bench_fixed_cost(args, iters, repeats):
     printed as it ends. Also the CPU seconds of each process, which a busy machine inflates less than wall
     time. On the CPU: the plain loop has no device code."""
     args = [*LOOP_SIZE, *args, f'--max_iters={iters}', '--device=cpu']
-    data, _, _ = train.prepare_data(train.get_config(args))   # a warm cache for both
+    data, _, _ = prepare.prepare_data(train.get_config(args))   # a warm cache for both
     cache = os.path.dirname(os.path.abspath(data.filename))
     loop_s, cpu_s = {'train.py': [], 'plain': []}, {'train.py': [], 'plain': []}
     with tempfile.TemporaryDirectory() as out:
@@ -388,7 +390,7 @@ def bench_control(widths, repeats=7):
 
 def bench_encode(text_file, mb, repeats=1):
     """Characters per second of encoding a text of about mb megabytes (text_file repeated) into an empty
-    cache with train.prepare_data, and the time of a cache hit (one SHA-256 of the source)."""
+    cache with prepare.prepare_data, and the time of a cache hit (one SHA-256 of the source)."""
     with tempfile.TemporaryDirectory() as tmp:
         src, cache = os.path.join(tmp, 'text.txt'), os.path.join(tmp, 'cache')
         text = open(text_file, encoding='utf-8').read()
@@ -401,9 +403,9 @@ def bench_encode(text_file, mb, repeats=1):
 
         def miss():   # emptying the cache first (a few ms) makes every call a miss
             shutil.rmtree(cache, ignore_errors=True)
-            _, _, meta = train.prepare_data(train.get_config(args))
+            _, _, meta = prepare.prepare_data(train.get_config(args))
             chars.append(meta['n_train'] + meta['n_val'])
-        ts = timings({'miss': miss, 'hit': lambda: train.prepare_data(train.get_config(args))}, repeats,
+        ts = timings({'miss': miss, 'hit': lambda: prepare.prepare_data(train.get_config(args))}, repeats,
                      warmup=False)
     rate, hit = chars[0] / statistics.median(ts['miss']), statistics.median(ts['hit'])
     print(f"encoding {chars[0] / 1e6:.1f} M characters ({size_mb:.0f} MB): "
@@ -497,6 +499,6 @@ def main(argv):
 if __name__ == '__main__':
     try:
         main(sys.argv[1:])
-    except (BenchError, train.ConfigError) as e:
-        print(f'bench.py: error: {e.msg if isinstance(e, train.ConfigError) else e}', file=sys.stderr)
+    except (BenchError, Stop) as e:
+        print(f'bench.py: error: {e.msg if isinstance(e, Stop) else e}', file=sys.stderr)
         sys.exit(2)

@@ -39,8 +39,8 @@ def make_tiny_config(tmp_path, text_file, *extra):
 
 
 def read_records(run_dir):
-    import train
-    return train.read_metrics(os.path.join(run_dir, 'metrics.jsonl'))
+    import runfolder
+    return runfolder.read_metrics(os.path.join(run_dir, 'metrics.jsonl'))
 
 
 def drop_wall_clock(rows):
@@ -50,10 +50,10 @@ def drop_wall_clock(rows):
 # argv: point iteration train-args...; dies (or signals itself) at that point of that iteration
 WRAPPER = r'''
 import os, signal, sys
-import train
+import runfolder, train
 point, at, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
-print_record, atomic_save = train.print_record, train.atomic_save
+print_record, atomic_save = train.print_record, runfolder.atomic_save
 
 def after_record(row, *rest):
     print_record(row, *rest)
@@ -77,7 +77,7 @@ def during_save(obj, path):
         die()
     atomic_save(obj, path)
 
-train.print_record, train.atomic_save = after_record, during_save
+train.print_record, runfolder.atomic_save = after_record, during_save
 train.train(train.get_config(args))
 '''
 
@@ -85,7 +85,7 @@ train.train(train.get_config(args))
 def run_train_process(args, point=None, at=0):
     """train.py ARGS in a subprocess; with point, killed or signalled there (see WRAPPER)."""
     cmd = [sys.executable, '-c', WRAPPER, point, str(at), *args] if point else [sys.executable, 'train.py', *args]
-    return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=600)
 
 
 def tiny_args(tmp_path, text_file, name, *extra):
@@ -120,10 +120,10 @@ def make_run(root, name, *, n_layer=2, qk_init='normal', seed=1, control='none',
     path = os.path.join(root, name)
     os.makedirs(path)
     config = dict(out_dir=root, run_name=name, n_layer=n_layer, n_head=n_head, n_embd=n_embd, qk_init=qk_init,
-                  seed=seed, control=control, control_target=control_target, control_scope='head', shrink_to=0.5,
-                  max_iters=iters[-1], lr=1e-3, warmup_iters=10, weight_decay=0.1, decay_qk=True, block_size=32,
-                  batch_size=8, eval_windows=4, data_file='corpus.txt', torch='test', device='cpu', git_commit=None,
-                  vocab_size=50, n_params=1000)
+                  seed=seed, control=control, control_target=control_target, control_scope='head', control_keep='fro',
+                  shrink_to=0.5, max_iters=iters[-1], lr=1e-3, warmup_iters=10, weight_decay=0.1, decay_qk=True,
+                  block_size=32, batch_size=8, eval_windows=4, data_file='corpus.txt', torch='test', device='cpu',
+                  git_commit=None, vocab_size=50, n_params=1000)
     config.update(cfg)
     with open(os.path.join(path, 'config.json'), 'w') as f:
         json.dump(config, f)

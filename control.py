@@ -35,7 +35,6 @@ and merges control.report(state)[layer] into each layer's record in metrics.json
 
 A library with no command line; `python bench.py --control` measures its speed.
 """
-import difflib
 import warnings
 
 import torch
@@ -72,7 +71,9 @@ def _pr_of_power(logx, keep, log_alpha):
 
 
 def _control(s, target, rtol, control_keep='fro'):
-    """control_spectrum on float64 s (..., n), target (...); also returns the reachable PR range."""
+    """The transform of the module docstring on float64 spectra s (..., n) >= 0, batched: s' = c * s^alpha with
+    PR(s') = target (...), clamped to the reachable range; values <= rtol * max(s) count as zero and stay as
+    they are; a flat spectrum comes back unchanged with alpha = 1. Returns (s', alpha, pr_min, pr_max)."""
     keep_top = control_keep == 'spec'
     keep, logx, pr_min, pr_max = _reach(s, rtol)
     goal = torch.minimum(torch.maximum(target, pr_min), pr_max)   # out of reach: the nearest reachable PR
@@ -95,37 +96,6 @@ def _control(s, target, rtol, control_keep='fro'):
         c = (kept_sq / (xa ** 2).sum(-1, keepdim=True).clamp(min=torch.finfo(s.dtype).tiny)).sqrt()
     s_new = torch.where(keep & ~leave[..., None], c * xa, s)
     return s_new, alpha, pr_min, pr_max
-
-
-def _spectra(s, rtol):
-    s = torch.as_tensor(s).detach().to(torch.float64)
-    if s.ndim < 1 or not torch.isfinite(s).all() or (s < 0).any():
-        raise ValueError(f'expected finite nonnegative singular values (..., n), got shape {tuple(s.shape)}')
-    return s, s.shape[-1] * torch.finfo(torch.float64).eps if rtol is None else rtol
-
-
-def control_spectrum(s, target_pr, rtol=None, keep='fro'):
-    """s' = c * s^alpha with PR(s') = target_pr, for spectra s (..., n) >= 0, and c such that
-    sum s'^2 = sum s^2 (keep='fro') or max(s') = max(s) (keep='spec').
-
-    target_pr: a number or a tensor (...). Values <= rtol * max(s) (default n * float64 eps) count as
-    zero and are returned as they are. A target outside reachable_pr(s) is clamped to it (silently:
-    apply warns); a flat spectrum comes back unchanged with alpha = 1. Returns (s_new float64 (..., n),
-    alpha: a float for 1-D s, else a tensor (...)).
-    """
-    s, rtol = _spectra(s, rtol)
-    _check_keep(keep)
-    target = torch.as_tensor(target_pr, dtype=torch.float64).expand(s.shape[:-1])
-    s_new, alpha = _control(s, target, rtol, keep)[:2]
-    return s_new, alpha.item() if alpha.ndim == 0 else alpha
-
-
-def reachable_pr(s, rtol=None):
-    """(pr_min, pr_max): the PR range that s^alpha covers, from (nearly) the top value's multiplicity
-    at alpha = 1e13 up to the number of nonzero values at alpha -> 0. Floats for 1-D s, else tensors."""
-    s, rtol = _spectra(s, rtol)
-    pr_min, pr_max = _reach(s, rtol)[2:]
-    return (pr_min.item(), pr_max.item()) if s.ndim == 1 else (pr_min, pr_max)
 
 
 # ----------------------------------------------------------------------------- the schedules
@@ -170,44 +140,27 @@ def parse_layers(text, n_layer):
     return layers
 
 
+KINDS = ('none', 'shrink', 'freeze')   # control: the baseline and the two schedules
 KEEPS = ('fro', 'spec')   # control_keep: what the reshaping holds fixed (the module docstring says why)
-
-
-def _keep(cfg):
-    """cfg's control_keep; a cfg from before it existed (an old config.json) kept the Frobenius norm."""
-    return cfg.get('control_keep', 'fro')
-
-
-def _check_keep(keep):
-    """ValueError unless keep is one of KEEPS, with the closest one for a near miss ('spectral')."""
-    if keep in KEEPS:
-        return
-    text = str(keep).strip().lower()
-    near = [k for k in KEEPS if text.startswith(k) or (text and k.startswith(text))]
-    near = near or difflib.get_close_matches(text, KEEPS, n=1, cutoff=0.5)
-    hint = f'; did you mean {near[0]}?' if near else ''
-    raise ValueError(f"control_keep={keep!r} is not one of fro (keep the Frobenius norm), spec (keep the top "
-                     f"singular value){hint}")
 
 
 def control_label(cfg):
     """The control part of a run's name and of analyze.py's group labels: '' for none, else e.g. 'shrink-k',
     with '-spec' when the top singular value is kept instead of the Frobenius norm ('freeze-k-spec'), and
     shrink_to after shrink ('shrink0.1-k')."""
-    if cfg.get('control', 'none') in ('none', None):
+    if cfg['control'] == 'none':
         return ''
-    keep = '-spec' if _keep(cfg) == 'spec' else ''
+    keep = '-spec' if cfg['control_keep'] == 'spec' else ''
     dose = f"{cfg['shrink_to']:g}" if cfg['control'] == 'shrink' else ''   # shrink0.1-k: the dose is in the name
-    return f"{cfg['control']}{dose}-{cfg.get('control_target', 'k')}{keep}"
+    return f"{cfg['control']}{dose}-{cfg['control_target']}{keep}"
 
 
 def check_settings(cfg, n_layer):
     """The controlled layers of an n_layer model, or a ValueError naming the control setting that cannot
-    work (train.py checks with this before training and shows it as a config error). A cfg without
-    control_keep (a config.json from before it existed) means fro."""
-    _check_keep(_keep(cfg))
-    if cfg['control'] not in ('none', 'shrink', 'freeze'):
-        raise ValueError(f"control={cfg['control']!r} is not one of none, shrink, freeze")
+    work (train.py checks with this before training and shows it as a config error)."""
+    for key, valid in (('control', KINDS), ('control_keep', KEEPS)):
+        if cfg[key] not in valid:
+            raise ValueError(f"{key}={cfg[key]!r} is not one of {', '.join(valid)}")
     if cfg['control_target'] not in ('k', 'q') or cfg['control_scope'] not in ('head', 'layer'):
         raise ValueError('control_target must be k or q, and control_scope head or layer')
     if cfg['control'] == 'shrink' and (cfg['shrink_to'] <= 0 or cfg['shrink_iters'] < 0):
@@ -234,8 +187,8 @@ def record(cfg, qk_weights):
     pr0 = [geometry.matrix_pr(_blocks(qk_weights[i][side], cfg['control_scope'], cfg['n_head'])).tolist()
            for i in layers]
     return {'control': cfg['control'], 'target': cfg['control_target'], 'scope': cfg['control_scope'],
-            'keep': _keep(cfg), 'n_head': cfg['n_head'], 'n_layer': len(qk_weights), 'layers': layers, 'pr0': pr0,
-            'target_pr': target_pr(pr0, cfg, 0) if layers else [], 'pr': [list(p) for p in pr0],
+            'keep': cfg['control_keep'], 'n_head': cfg['n_head'], 'n_layer': len(qk_weights), 'layers': layers,
+            'pr0': pr0, 'target_pr': target_pr(pr0, cfg, 0) if layers else [], 'pr': [list(p) for p in pr0],
             'step': 0, 'warned': False}
 
 
@@ -245,11 +198,11 @@ def apply(state, cfg, qk_weights, step):
     target and the reached PR (of the weight as written, in its own dtype) in the state."""
     if not state['layers'] or step % cfg['control_interval']:
         return
-    keep = state.get('keep', 'fro')   # a checkpoint from before control_keep existed kept the Frobenius norm
+    keep = state['keep']
     for name, was, now in (('control', state['control'], cfg['control']),
                            ('control_target', state['target'], cfg['control_target']),
                            ('control_scope', state['scope'], cfg['control_scope']),
-                           ('control_keep', keep, _keep(cfg))):
+                           ('control_keep', keep, cfg['control_keep'])):
         if was != now:
             raise ValueError(f"the control state was recorded with {name}={was!r}, not {now!r}")
     side = 1 if state['target'] == 'k' else 0

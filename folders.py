@@ -5,7 +5,7 @@ Run folders in, tables out: the I/O every analysis shares (analyze.py, tokens.py
   sweep.sh's runs.txt (the planned runs) is found beside them. Odd folders (metrics.jsonl without config.json,
   symbolic links) are named, not followed.
 - Loading a run: config.json, done.json (a run without it is unfinished and skipped) and metrics.jsonl through
-  train.read_metrics, the one tolerant reader. A record with a value that is not a finite number is left out
+  runfolder.read_metrics, the one tolerant reader. A record with a value that is not a finite number is left out
   with a note naming its iteration and key; a run keeps the rest.
 - Grouping: runs share a training setup (SETTING_KEYS: A = that of most uncontrolled runs, then B, C, ...);
   within one, a run is (depth, qk_init, control label, seed), the control label being control.control_label.
@@ -31,7 +31,7 @@ from functools import reduce
 import numpy as np
 
 import control
-import train
+import runfolder
 
 CONTROL_KINDS = ('none', 'shrink', 'freeze')
 FINAL_LOGS = 3             # a run's "final" entropy or PR: mean over its last FINAL_LOGS logged iterations
@@ -175,7 +175,7 @@ def load_run(path):
     if not os.path.isfile(os.path.join(path, 'metrics.jsonl')):
         raise Skip('no metrics.jsonl')
     notes = []  # a line that is not a record is left out, with a note naming it (a cut last line: silently)
-    recs = usable_records(train.read_metrics(os.path.join(path, 'metrics.jsonl'), notes.append), cfg['n_layer'],
+    recs = usable_records(runfolder.read_metrics(os.path.join(path, 'metrics.jsonl'), notes.append), cfg['n_layer'],
                           notes.append)
     if not recs:
         raise Skip('metrics.jsonl holds no usable records')
@@ -311,8 +311,8 @@ def study_cells(runs, setting='A'):
 
 
 def init_order(name):
-    inits = list(train.QK_INITS)
-    return inits.index(name) if name in inits else len(inits)
+    """qk_init names sort alphabetically: normal, orthogonal, tied."""
+    return name
 
 
 def target_of(cfg):

@@ -21,6 +21,7 @@ from PIL import Image
 
 import control
 import geometry
+import runfolder
 import stats
 from folders import CONTROL_KINDS, Skip, init_order, seed_stack
 
@@ -173,10 +174,7 @@ def representative_runs(cells):
 
 def snapshot_files(run):
     """[(iteration, path)] of the Q/K snapshots train.py wrote in a run's snapshots/, by iteration."""
-    folder = os.path.join(run.path, 'snapshots')
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    return sorted((int(n[3:-4]), os.path.join(folder, n)) for n in names
-                  if n.startswith('qk_') and n.endswith('.npz') and n[3:-4].isdigit())
+    return runfolder.listing(run.path, 'snapshots')
 
 
 def read_snapshot(run, it, path, layer):

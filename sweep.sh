@@ -231,8 +231,8 @@ train_cmd() {
 }
 # encode the data once, before any run (workers would each do it), and check the shared settings
 prepare_data() {
-    "$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); import train
-train.prepare_data(train.get_config(sys.argv[2:]))' "$REPO" "${PRESET_ARGS[@]}" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} \
+    "$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); import prepare, train
+prepare.prepare_data(train.get_config(sys.argv[2:]))' "$REPO" "${PRESET_ARGS[@]}" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} \
         --out_dir="$OUT" ${EXTRA[@]+"${EXTRA[@]}"} && return
     [ -n "${stopping:-}" ] && { echo "stopped by SIG$stopping before any run started"; exit 130; }
     die "the data or the settings above are not usable (nothing was run)"

@@ -10,6 +10,32 @@ import torch
 
 import control
 import geometry
+import runfolder
+
+
+def control_spectrum(s, target_pr, rtol=None, keep='fro'):
+    """control._control on one spectrum s (n,) or a batch (..., n), target a number or a tensor (...), as a
+    user would call the transform: returns (s' float64, alpha: a float for 1-D s, else a tensor)."""
+    s, rtol = spectra(s, rtol)
+    if keep not in control.KEEPS:
+        raise ValueError(f'control_keep={keep!r} is not one of fro, spec')
+    target = torch.as_tensor(target_pr, dtype=torch.float64).expand(s.shape[:-1])
+    s_new, alpha = control._control(s, target, rtol, keep)[:2]
+    return s_new, alpha.item() if alpha.ndim == 0 else alpha
+
+
+def reachable_pr(s, rtol=None):
+    """(pr_min, pr_max) that s^alpha covers: floats for 1-D s, else tensors."""
+    s, rtol = spectra(s, rtol)
+    pr_min, pr_max = control._reach(s, rtol)[2:]
+    return (pr_min.item(), pr_max.item()) if s.ndim == 1 else (pr_min, pr_max)
+
+
+def spectra(s, rtol):
+    s = torch.as_tensor(s).detach().to(torch.float64)
+    if s.ndim < 1 or not torch.isfinite(s).all() or (s < 0).any():
+        raise ValueError(f'expected finite nonnegative singular values (..., n), got shape {tuple(s.shape)}')
+    return s, s.shape[-1] * torch.finfo(torch.float64).eps if rtol is None else rtol
 
 
 def ctl_cfg(**overrides):
@@ -62,10 +88,10 @@ def random_spectrum(seed):
 def test_transform_hits_target_keeps_norm_and_is_a_power(seed):
     s = random_spectrum(seed)
     g = torch.Generator().manual_seed(10_000 + seed)
-    pr_min, pr_max = control.reachable_pr(s)
+    pr_min, pr_max = reachable_pr(s)
     # shrinking and growing targets, inside the reachable range (the ends are tested on their own)
     target = pr_min + (pr_max - pr_min) * (0.02 + 0.96 * torch.rand(1, generator=g, dtype=torch.float64).item())
-    s_new, alpha = control.control_spectrum(s, target)
+    s_new, alpha = control_spectrum(s, target)
     assert abs(pr(s_new) - target) <= 1e-6 * target
     assert abs((s_new ** 2).sum() - (s ** 2).sum()) <= 1e-9 * (s ** 2).sum()
     assert torch.equal(s_new[s == 0], s[s == 0])   # zeros stay zero
@@ -78,41 +104,41 @@ def test_transform_hits_target_keeps_norm_and_is_a_power(seed):
 def test_transform_batched_matches_one_at_a_time():
     S = torch.rand(6, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     targets = torch.linspace(1.5, 9.0, 6, dtype=torch.float64)
-    batch, alphas = control.control_spectrum(S, targets)
+    batch, alphas = control_spectrum(S, targets)
     for s, t, row, a in zip(S, targets, batch, alphas):
-        one, alpha = control.control_spectrum(s, t.item())
+        one, alpha = control_spectrum(s, t.item())
         assert torch.allclose(one, row, rtol=1e-12) and abs(alpha - a.item()) <= 1e-12 * alpha
 
 
 def test_target_equal_to_current_pr_changes_nothing():
     s = torch.rand(20, dtype=torch.float64).sort(descending=True).values
-    s_new, alpha = control.control_spectrum(s, pr(s))
+    s_new, alpha = control_spectrum(s, pr(s))
     assert abs(alpha - 1) < 1e-9 and torch.allclose(s_new, s, rtol=1e-9)
 
 
 def test_out_of_reach_targets_clamp_to_rank_and_top_multiplicity():
     s = torch.tensor([3.0, 2.0, 1.0, 0.0, 0.0], dtype=torch.float64)
-    assert control.reachable_pr(s)[1] == 3.0   # rank-deficient: the reachable maximum is the rank
-    high, _ = control.control_spectrum(s, 10.0)
+    assert reachable_pr(s)[1] == 3.0   # rank-deficient: the reachable maximum is the rank
+    high, _ = control_spectrum(s, 10.0)
     assert abs(pr(high) - 3.0) < 1e-9 and torch.allclose(high[:3], high[0].expand(3)) and torch.all(high[3:] == 0)
-    low, _ = control.control_spectrum(s, 0.5)     # below 1: no spectrum has it
+    low, _ = control_spectrum(s, 0.5)     # below 1: no spectrum has it
     assert abs(pr(low) - 1.0) < 1e-9 and abs((low ** 2).sum() - 14.0) < 1e-9
     tied = torch.tensor([2.0, 2.0, 1.0, 0.5], dtype=torch.float64)
-    low, _ = control.control_spectrum(tied, 1.2)  # the top value twice: PR >= 2
+    low, _ = control_spectrum(tied, 1.2)  # the top value twice: PR >= 2
     assert abs(pr(low) - 2.0) < 1e-9
 
 
 @pytest.mark.parametrize('s', [torch.ones(8), torch.tensor([2.0, 2.0, 2.0, 0.0]), torch.zeros(5)])
 @pytest.mark.parametrize('target', [0.5, 2.5, 100.0])
 def test_flat_spectrum_is_left_as_it_is(s, target):
-    s_new, alpha = control.control_spectrum(s, target)
+    s_new, alpha = control_spectrum(s, target)
     assert torch.equal(s_new, s.double()) and alpha == 1.0
 
 
 def test_transform_rejects_negative_or_nan_spectra():
     for bad in ([1.0, -0.5], [1.0, float('nan')]):
         with pytest.raises(ValueError, match='nonnegative'):
-            control.control_spectrum(torch.tensor(bad), 1.5)
+            control_spectrum(torch.tensor(bad), 1.5)
 
 
 # ----------------------------------------------------------------------------- control_keep: fro or spec
@@ -142,10 +168,10 @@ def np_control(s, target, keep):
 @pytest.mark.parametrize('seed', range(40))
 def test_keep_preserves_its_quantity_hits_the_target_and_matches_numpy(seed, keep):
     s = random_spectrum(seed)
-    pr_min, pr_max = control.reachable_pr(s)
+    pr_min, pr_max = reachable_pr(s)
     frac = 0.02 + 0.96 * torch.rand(1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).item()
     target = pr_min + (pr_max - pr_min) * frac
-    s_new, _ = control.control_spectrum(s, target, keep=keep)
+    s_new, _ = control_spectrum(s, target, keep=keep)
     assert abs(pr(s_new) - target) <= 1e-6 * target
     if keep == 'fro':
         assert abs((s_new ** 2).sum() - (s ** 2).sum()) <= 1e-10 * (s ** 2).sum()
@@ -155,18 +181,12 @@ def test_keep_preserves_its_quantity_hits_the_target_and_matches_numpy(seed, kee
     assert torch.allclose(s_new, ref, rtol=1e-8, atol=1e-12 * s.max().item())
 
 
-def test_fro_is_the_default_and_a_cfg_without_control_keep_means_fro():
+def test_fro_is_the_default():
+    import train
     s = random_spectrum(1)
-    assert torch.equal(control.control_spectrum(s, 3.0)[0], control.control_spectrum(s, 3.0, keep='fro')[0])
-    qk, twin = make_qk(seed=4), make_qk(seed=4)
-    old = ctl_cfg()
-    del old['control_keep']   # a config.json from before control_keep existed
-    state, state_old = control.record(ctl_cfg(), qk), control.record(old, twin)
-    assert state['keep'] == state_old['keep'] == 'fro'
-    control.apply(state, ctl_cfg(), qk, 3)
-    del state_old['keep']     # ... and its checkpoint
-    control.apply(state_old, old, twin, 3)
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(qk, twin))
+    assert torch.equal(control._control(s, torch.tensor(3.0, dtype=torch.float64), 1e-12)[0],
+                       control._control(s, torch.tensor(3.0, dtype=torch.float64), 1e-12, 'fro')[0])
+    assert train.get_config([])['control_keep'] == 'fro'
 
 
 def _planted(C=24, seed=0):
@@ -209,14 +229,17 @@ def test_apply_spec_keeps_each_blocks_top_singular_value_and_only_the_scale_diff
 
 
 def test_control_keep_is_checked_with_a_hint_and_a_resume_must_keep_it():
+    import train
     qk = make_qk()
-    with pytest.raises(ValueError, match=r"control_keep='spectral' is not one of fro .*did you mean spec\?"):
+    with pytest.raises(ValueError, match=r"control_keep='spectral' is not one of fro, spec"):
         control.check_settings(ctl_cfg(control_keep='spectral'), 3)
-    with pytest.raises(ValueError, match='did you mean fro'):
+    with pytest.raises(ValueError, match="control_keep='frobenius'"):
         control.record(ctl_cfg(control_keep='frobenius'), qk)
-    with pytest.raises(ValueError, match='control_keep') as info:
-        control.control_spectrum(torch.rand(5), 2.0, keep='max')
-    assert 'did you mean' not in str(info.value)
+    for text, near in (('spectral', 'spec'), ('frobenius', 'fro'), ('SPEC', 'spec')):  # the configurator's hint
+        with pytest.raises(SystemExit, match=f'control_keep={text!r} is not one of fro, spec; did you mean {near}\\?'):
+            train.get_config([f'--control_keep={text}'])
+    with pytest.raises(SystemExit, match="control_keep='max' is not one of fro, spec$"):
+        train.get_config(['--control_keep=max'])
     state = control.record(ctl_cfg(control_keep='spec'), qk)
     assert state['keep'] == 'spec'
     with pytest.raises(ValueError, match="recorded with control_keep='spec', not 'fro'"):
@@ -516,7 +539,7 @@ def train_run(tmp_path, synthetic_text, tiny_config):
             text.parent.mkdir()
             text.write_text(synthetic_text(40_000), encoding='utf-8')
         run_dir = train.train(tiny_config(tmp_path, str(text), '--max_iters=24', *extra))
-        return run_dir, train.read_metrics(os.path.join(run_dir, 'metrics.jsonl'))
+        return run_dir, runfolder.read_metrics(os.path.join(run_dir, 'metrics.jsonl'))
     return run
 
 
@@ -556,8 +579,7 @@ def test_shrink_in_training_never_exceeds_the_schedule(tmp_path, train_run):
 
 
 def test_control_in_training_never_touches_the_other_projection(tmp_path, monkeypatch, train_run):
-    import train
-    apply = train.spectrum_control.apply
+    apply = control.apply
     touched = []
 
     def watched(state, cfg, qk_weights, step):
@@ -567,16 +589,15 @@ def test_control_in_training_never_touches_the_other_projection(tmp_path, monkey
         assert all(torch.equal(b, wq) for b, (wq, _) in zip(before, qk_weights))
         touched.append(any(not torch.equal(b, wk) for b, (_, wk) in zip(k_before, qk_weights)))
 
-    monkeypatch.setattr(train.spectrum_control, 'apply', watched)
+    monkeypatch.setattr(control, 'apply', watched)
     train_run('--control=freeze')
     assert len(touched) == 24 and all(touched)  # W_K was reset at every step, W_Q never
 
 
 def test_control_none_is_bit_identical_to_no_control_code(tmp_path, monkeypatch, train_run, without_wall_clock):
-    import train
     _, with_code = train_run('--run_name=none')
-    monkeypatch.setattr(train.spectrum_control, 'apply', lambda *a: None)
-    monkeypatch.setattr(train.spectrum_control, 'report', lambda state: [{}] * state['n_layer'])
+    monkeypatch.setattr(control, 'apply', lambda *a: None)
+    monkeypatch.setattr(control, 'report', lambda state: [{}] * state['n_layer'])
     _, without = train_run('--run_name=bare')
     assert without_wall_clock(with_code) == without_wall_clock(without)
 
@@ -597,12 +618,11 @@ def test_control_keep_reaches_train_py(tmp_path, train_run):
 @pytest.mark.parametrize('keep', ['fro', 'spec'])
 def test_controlled_run_killed_and_resumed_matches_uninterrupted(tmp_path, train_run, without_wall_clock, args_for,
                                                                  run_train, keep):
-    import train
     train_run()  # writes the text
     text = str(tmp_path / 'src' / 'corpus.txt')
     ref_dir, ref = train_run('--control=shrink', '--shrink_iters=16', f'--control_keep={keep}', '--run_name=ref')
     args = args_for(tmp_path, text, 'killed', '--control=shrink', '--shrink_iters=16', f'--control_keep={keep}')
     assert run_train(args, 'record', 16).returncode == -9
     assert run_train(args).returncode == 0
-    rows = train.read_metrics(str(tmp_path / 'out' / 'killed' / 'metrics.jsonl'))
+    rows = runfolder.read_metrics(str(tmp_path / 'out' / 'killed' / 'metrics.jsonl'))
     assert without_wall_clock(rows) == without_wall_clock(ref)

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+import prepare
+import runfolder
 import train
+from configurator import Stop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -86,7 +89,7 @@ def test_external_sigterm_mid_run(setup, args_for):
     assert proc.returncode == 128 + signal.SIGTERM, err
     it = torch.load(tmp_path / 'out' / 'term' / 'ckpt.pt', weights_only=True)['iter']
     assert it >= 8 and f'at iteration {it}' in out
-    assert all(r['iter'] <= it for r in train.read_metrics(str(metrics)))
+    assert all(r['iter'] <= it for r in runfolder.read_metrics(str(metrics)))
 
 
 def test_nan_loss_stops_keeps_the_last_good_checkpoint(setup, monkeypatch, records, args_for):
@@ -122,6 +125,25 @@ def test_corrupt_or_mismatched_checkpoint_is_named(setup, args_for):
     assert train.train(train.get_config(args + ['--overwrite=True'])) == run_dir
 
 
+def test_a_checkpoint_of_another_version_is_refused_in_one_line(setup, args_for):
+    """A ckpt.pt without what this train.py writes (here W(0); or a setting it did not have) is refused
+    naming what it lacks, not resumed with a silent default."""
+    tmp_path, text_file = setup
+    args = args_for(tmp_path, text_file, 'old', '--max_iters=8')
+    run_dir = train.train(train.get_config(args))
+    os.remove(os.path.join(run_dir, 'done.json'))
+    path = os.path.join(run_dir, 'ckpt.pt')
+    ckpt = torch.load(path, weights_only=True)
+    del ckpt['config']['control_keep']
+    torch.save(ckpt, path)
+    with pytest.raises(Stop, match=r'ckpt.pt lacks the setting control_keep: another version of train.py wrote it'):
+        train.train(train.get_config(args))
+    del ckpt['w0']
+    torch.save(ckpt, path)
+    with pytest.raises(Stop, match=r'ckpt.pt lacks w0: another version of train.py wrote it.*--overwrite=True'):
+        train.train(train.get_config(args))
+
+
 def test_checkpoint_of_another_text_is_refused(setup, synthetic_text, args_for):
     """Resuming on another training text is refused."""
     tmp_path, text_file = setup
@@ -129,7 +151,7 @@ def test_checkpoint_of_another_text_is_refused(setup, synthetic_text, args_for):
     os.remove(os.path.join(run_dir, 'done.json'))
     other = tmp_path / 'src' / 'other.txt'
     other.write_text(synthetic_text(40_000, seed=1))
-    with pytest.raises(SystemExit, match='other settings \\(the training text\\)'):
+    with pytest.raises(SystemExit, match='other settings \\(the training text or its encoding\\)'):
         train.train(train.get_config(args_for(tmp_path, str(other), 'text')))
 
 
@@ -137,11 +159,11 @@ def test_cache_whose_meta_names_another_source_is_refused(setup, args_for):
     """A cache whose meta.json names another source is refused."""
     tmp_path, text_file = setup
     cfg = train.get_config(args_for(tmp_path, text_file, 'x'))
-    folder = os.path.dirname(train.prepare_data(cfg)[0].filename)
+    folder = os.path.dirname(prepare.prepare_data(cfg)[0].filename)
     meta = json.load(open(os.path.join(folder, 'meta.json')))
     json.dump(dict(meta, sha256='0' * 64), open(os.path.join(folder, 'meta.json'), 'w'))
     with pytest.raises(SystemExit, match=f'{folder} is corrupt or was built from a different file'):
-        train.prepare_data(cfg)
+        prepare.prepare_data(cfg)
 
 
 def free_port():
@@ -211,18 +233,19 @@ def test_a_second_process_on_the_same_run_is_refused_naming_the_holder(setup, ar
     holder = subprocess.Popen([sys.executable, '-c', 'import fcntl, sys, time; f = open(sys.argv[1], "a+"); '
                                'fcntl.flock(f, fcntl.LOCK_EX); f.truncate(0); '
                                'f.write("%d" % __import__("os").getpid()); '
-                               'f.flush(); print("held", flush=True); time.sleep(60)', str(run_dir / train.LOCK_FILE)],
+                               'f.flush(); print("held", flush=True); time.sleep(60)',
+                               str(run_dir / runfolder.LOCK_FILE)],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == 'held\n'
-        with pytest.raises(train.ConfigError, match=f'another train.py .*PID {holder.pid}.*{run_dir}'):
+        with pytest.raises(Stop, match=f'another train.py .*PID {holder.pid}.*{run_dir}'):
             train.train(cfg)
     finally:
         holder.kill()
         holder.wait()
-    assert os.listdir(run_dir) == [train.LOCK_FILE]  # the refused process wrote nothing
+    assert os.listdir(run_dir) == [runfolder.LOCK_FILE]  # the refused process wrote nothing
     assert train.train(cfg) == str(run_dir)  # the lock died with its holder
-    with open(run_dir / train.LOCK_FILE) as f:  # and the finished run holds none
+    with open(run_dir / runfolder.LOCK_FILE) as f:  # and the finished run holds none
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
@@ -238,24 +261,24 @@ def test_nan_loss_is_caught_before_geometry(setup, args_for, run_train):
     if (run_dir / 'ckpt.pt').exists():
         ckpt = torch.load(run_dir / 'ckpt.pt', weights_only=True)
         assert all(torch.isfinite(v).all() for v in ckpt['model'].values())
-    assert all(np.isfinite(r.get('val_loss', 0)) for r in train.read_metrics(str(run_dir / 'metrics.jsonl')))
+    assert all(np.isfinite(r.get('val_loss', 0)) for r in runfolder.read_metrics(str(run_dir / 'metrics.jsonl')))
     names = os.listdir(run_dir / 'snapshots')
-    last = max(r['iter'] for r in train.read_metrics(str(run_dir / 'metrics.jsonl')))
+    last = max(r['iter'] for r in runfolder.read_metrics(str(run_dir / 'metrics.jsonl')))
     assert all(int(n[3:10]) <= last for n in names)  # no snapshot of the blown-up weights
 
 
 INTERRUPT_ENCODING = r"""
 import os, signal, sys
-import train
+import prepare, train
 # a shell that starts this in the background (CI can) leaves SIGINT ignored, and Python then installs no
 # KeyboardInterrupt handler; a terminal's Ctrl-C reaches a process whose SIGINT is not ignored
 signal.signal(signal.SIGINT, signal.default_int_handler)
-encode_to = train.encode_to
+encode_to = prepare.encode_to
 def interrupted(chunks, table, path):
     n = encode_to(chunks, table, path)
     os.kill(os.getpid(), getattr(signal, sys.argv[1]))
     return n
-train.encode_to = interrupted
+prepare.encode_to = interrupted
 train.main(sys.argv[2:])
 """
 

@@ -24,6 +24,7 @@ import folders
 import geometry
 import report
 import stats
+import runfolder
 import tokens
 import train
 
@@ -153,7 +154,7 @@ def test_tokens_match_the_metrics_logged_in_training(tiny_run, capsys):
     out = root / 'analysis_match'
     assert analyze.main(['tokens', str(root / 'out'), f'--out={out}', '--device=cpu']) == 0
     assert '1 of 1 runs measured' in capsys.readouterr().out
-    logged = {r['iter']: r['layers'] for r in train.read_metrics(os.path.join(run_dir, 'metrics.jsonl'))}
+    logged = {r['iter']: r['layers'] for r in runfolder.read_metrics(os.path.join(run_dir, 'metrics.jsonl'))}
     rows = folders.read_table(out / 'tokens.csv')
     ckpts = sorted(int(name[len('model_'):-len('.pt')]) for name in os.listdir(os.path.join(run_dir, 'models')))
     assert len(ckpts) == 4 and ckpts[0] == 0 and ckpts[-1] == 16

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 import geometry
+import prepare
+import runfolder
 import train
+from configurator import Stop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -74,7 +77,7 @@ def test_print_run_names_reads_argument_lists_from_stdin(tmp_path):
 @pytest.mark.parametrize('name', ['../v', '/tmp/abs', '.', '..', 'a/b', '  ', 'a\\0b'.replace('\\0', chr(0))])
 def test_run_name_cannot_leave_out_dir(name):
     """Issue 13.1: a run name with a separator, '.', '..', an absolute path or no visible character is refused."""
-    with pytest.raises(train.ConfigError, match='run_name'):
+    with pytest.raises(Stop, match='run_name'):
         train.get_config([f'--run_name={name}'])
 
 
@@ -88,7 +91,7 @@ def test_run_name_cannot_leave_out_dir(name):
                                       ('--seed=4294967296', 'seed'), ('--eval_windows=0', 'eval_windows')])
 def test_numeric_settings_out_of_range_are_refused_before_training(arg, key):
     """Issue 13.8: every numeric setting is range-checked in get_config, naming the key (no traceback later)."""
-    with pytest.raises(train.ConfigError, match=f'^error: {key}='):
+    with pytest.raises(Stop, match=f'^error: {key}='):
         train.get_config([arg])
 
 
@@ -98,7 +101,7 @@ def test_numeric_settings_out_of_range_are_refused_before_training(arg, key):
                                        ('--dataset=wikitext', 'wikitext103')])
 def test_choice_settings_get_a_did_you_mean_hint(arg, hint):
     """Issue 13.8: a misspelt choice names the closest valid one, as an unknown key does."""
-    with pytest.raises(train.ConfigError, match=f'not one of .*did you mean {hint}\\?'):
+    with pytest.raises(Stop, match=f'not one of .*did you mean {hint}\\?'):
         train.get_config([arg])
 
 
@@ -114,7 +117,7 @@ def test_malformed_config_files_are_named(tmp_path, name, text, words):
     that sets no known key and invalid UTF-8 each give one line naming the file."""
     path = tmp_path / name
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    with pytest.raises(train.ConfigError, match=words) as e:
+    with pytest.raises(Stop, match=words) as e:
         train.get_config([str(path)])
     assert str(path) in e.value.msg and '\n' not in e.value.msg
 
@@ -145,34 +148,40 @@ def test_config_file_then_command_line(tmp_path):
 
 def test_read_metrics_drops_a_cut_last_line_and_names_any_other_bad_one(tmp_path):
     """A kill mid-write leaves a cut last line: dropped silently. Any other bad line (not JSON, not UTF-8,
-    not a record) raises ConfigError naming file and line, or with warn is reported and skipped."""
+    not a record) stops with one line naming file and line, or with warn is reported and skipped."""
     path = tmp_path / 'metrics.jsonl'
     good = [json.dumps({'iter': i, 'val_loss': 1.0}) for i in range(3)]
     path.write_text('\n'.join(good) + '\n{"iter": 3, "val_lo')
-    assert [r['iter'] for r in train.read_metrics(str(path))] == [0, 1, 2]
-    assert train.read_metrics(str(tmp_path / 'absent.jsonl')) == []
+    assert [r['iter'] for r in runfolder.read_metrics(str(path))] == [0, 1, 2]
+    assert runfolder.read_metrics(str(tmp_path / 'absent.jsonl')) == []
     for bad in (b'{"iter": 1, "val', b'\xff\xfe{"iter": 1}', b'[1, 2]', b'{"iter": "one"}'):
         path.write_bytes(b'\n'.join([good[0].encode(), bad, good[2].encode()]) + b'\n')
-        with pytest.raises(train.ConfigError, match=f'{path} line 2 '):
-            train.read_metrics(str(path))
+        with pytest.raises(Stop, match=f'{path} line 2 '):
+            runfolder.read_metrics(str(path))
         warnings = []
-        assert [r['iter'] for r in train.read_metrics(str(path), warn=warnings.append)] == [0, 2]
+        assert [r['iter'] for r in runfolder.read_metrics(str(path), warn=warnings.append)] == [0, 2]
         assert len(warnings) == 1 and f'{path} line 2' in warnings[0]
 
 
 # ----------------------------------------------------------------------------- data
 
+def decode(ids, meta):
+    """Token ids back to text: id 0 (unknown) as U+FFFD, id i as meta['chars'][i - 1]."""
+    chars = '\ufffd' + meta['chars']
+    return ''.join(chars[i] for i in ids)
+
+
 def test_encode_decode_round_trip_and_cache_reuse(tmp_path, text_file, tiny_config):
     """Encoding round-trips through decode; a second call reuses the cache untouched and writes nothing
     beside the source."""
     cfg = tiny_config(tmp_path, text_file)
-    tr, va, meta = train.prepare_data(cfg)
+    tr, va, meta = prepare.prepare_data(cfg)
     text = open(text_file, encoding='utf-8').read()
     cut = int(0.9 * len(text))
-    assert train.decode(tr, meta) == text[:cut] and train.decode(va, meta) == text[cut:]
+    assert decode(tr, meta) == text[:cut] and decode(va, meta) == text[cut:]
     folder = os.path.dirname(tr.filename)
     stamp = os.path.getmtime(os.path.join(folder, 'train.bin'))
-    assert train.prepare_data(cfg)[2] == meta and os.path.getmtime(os.path.join(folder, 'train.bin')) == stamp
+    assert prepare.prepare_data(cfg)[2] == meta and os.path.getmtime(os.path.join(folder, 'train.bin')) == stamp
     assert os.listdir(os.path.dirname(text_file)) == ['corpus.txt']  # nothing written beside the source
 
 
@@ -180,11 +189,11 @@ def test_a_new_encoder_version_builds_a_new_cache(tmp_path, text_file, tiny_conf
     """The cache key holds the encoder version: other encoding code never reuses a cache, and a run's
     config.json names the key, the vocabulary size and the number of encoded characters."""
     cfg = tiny_config(tmp_path, text_file)
-    first = train.prepare_data(cfg)[2]
-    monkeypatch.setattr(train, 'ENCODER_VERSION', train.ENCODER_VERSION + 1)
-    second = train.prepare_data(cfg)[2]
-    assert first['cache_key'] != second['cache_key'] and second['encoder_version'] == train.ENCODER_VERSION
-    root = train.cache_root(cfg)
+    first = prepare.prepare_data(cfg)[2]
+    monkeypatch.setattr(prepare, 'ENCODER_VERSION', prepare.ENCODER_VERSION + 1)
+    second = prepare.prepare_data(cfg)[2]
+    assert first['cache_key'] != second['cache_key'] and second['encoder_version'] == prepare.ENCODER_VERSION
+    root = prepare.cache_root(cfg)
     assert {first['cache_key'], second['cache_key']} <= set(os.listdir(root))
     monkeypatch.undo()
     run_dir = train.train(tiny_config(tmp_path, text_file, '--max_iters=2'))
@@ -199,7 +208,7 @@ def test_rare_characters_map_to_unknown(tmp_path):
     path.write_text('ab' * 500 + 'é' + 'ab' * 100 + 'é' + 'ab' * 10, encoding='utf-8')
     cfg = train.get_config([f'--data_file={path}', f'--cache_dir={tmp_path / "c"}', '--min_char_count=2',
                             '--block_size=8'])
-    tr, va, meta = train.prepare_data(cfg)
+    tr, va, meta = prepare.prepare_data(cfg)
     assert meta['chars'] == 'ab' and meta['vocab_size'] == 3  # 'é' occurs once in train: unknown (id 0)
     assert (np.asarray(tr) == 0).sum() == 1 and meta['n_unknown_train'] == 1
 
@@ -210,19 +219,19 @@ def test_missing_dataset_offline_says_what_to_do(tmp_path):
     cfg = train.get_config([f'--data_dir={tmp_path / "wt"}', '--data_url=http://127.0.0.1:9/wt.zip',
                             f'--cache_dir={tmp_path / "c"}'])
     with pytest.raises(SystemExit, match='(?s)downloading http://127.0.0.1:9/wt.zip failed.*--data_file'):
-        train.prepare_data(cfg)
+        prepare.prepare_data(cfg)
     assert not os.path.exists(tmp_path / 'wt' / 'wiki.train.raw')
 
 
 def test_corrupt_cache_is_named(tmp_path, text_file, tiny_config):
     """A cache file of the wrong length is named, with the fix."""
     cfg = tiny_config(tmp_path, text_file)
-    tr, _, _ = train.prepare_data(cfg)
+    tr, _, _ = prepare.prepare_data(cfg)
     folder = os.path.dirname(tr.filename)
     with open(os.path.join(folder, 'val.bin'), 'ab') as f:
         f.write(b'xx')
     with pytest.raises(SystemExit, match='corrupt or was built from a different file; delete'):
-        train.prepare_data(cfg)
+        prepare.prepare_data(cfg)
 
 
 def test_text_shorter_than_a_block_is_refused(tmp_path):
@@ -230,7 +239,7 @@ def test_text_shorter_than_a_block_is_refused(tmp_path):
     path = tmp_path / 'short.txt'
     path.write_text('hello world ' * 10)
     with pytest.raises(SystemExit, match='too short for block_size'):
-        train.prepare_data(train.get_config([f'--data_file={path}', '--block_size=64',
+        prepare.prepare_data(train.get_config([f'--data_file={path}', '--block_size=64',
                                              f'--cache_dir={tmp_path / "c"}']))
 
 
@@ -239,8 +248,8 @@ def test_empty_or_tiny_text_says_it_is_too_short(tmp_path, text):
     """Issue 13.10: an empty text is too short, not a corrupt cache (whose advice looped)."""
     path = tmp_path / 'empty.txt'
     path.write_text(text)
-    with pytest.raises(train.ConfigError, match='too short'):
-        train.prepare_data(train.get_config([f'--data_file={path}', f'--cache_dir={tmp_path / "c"}']))
+    with pytest.raises(Stop, match='too short'):
+        prepare.prepare_data(train.get_config([f'--data_file={path}', f'--cache_dir={tmp_path / "c"}']))
 
 
 def test_invalid_utf8_text_is_named_and_leaves_no_building_folder(tmp_path, synthetic_text):
@@ -248,8 +257,8 @@ def test_invalid_utf8_text_is_named_and_leaves_no_building_folder(tmp_path, synt
     half-built cache folder is removed."""
     path = tmp_path / 'latin1.txt'
     path.write_bytes(synthetic_text(5000).encode() + b'caf\xe9 ' + synthetic_text(5000).encode())
-    with pytest.raises(train.ConfigError, match=f'{path} is not UTF-8 text .*byte 5003'):
-        train.prepare_data(train.get_config([f'--data_file={path}', f'--cache_dir={tmp_path / "c"}']))
+    with pytest.raises(Stop, match=f'{path} is not UTF-8 text .*byte 5003'):
+        prepare.prepare_data(train.get_config([f'--data_file={path}', f'--cache_dir={tmp_path / "c"}']))
     assert [n for n in os.listdir(tmp_path / 'c') if n.startswith('.building')] == []
 
 
@@ -263,14 +272,14 @@ def test_stale_building_folders_are_removed_at_the_next_start(tmp_path, text_fil
     for folder in (stale, live):
         folder.mkdir(parents=True)
         (folder / 'train.bin').write_bytes(b'x' * 100)
-    train.prepare_data(tiny_config(tmp_path, text_file))
+    prepare.prepare_data(tiny_config(tmp_path, text_file))
     assert not stale.exists() and live.exists()
 
 
 def test_same_length_garbage_in_the_cache_is_caught_by_its_checksum(tmp_path, text_file, tiny_config):
     """Issue 13.10: meta.json holds checksums of train.bin and val.bin, checked when the cache is opened."""
     cfg = tiny_config(tmp_path, text_file)
-    tr, _, meta = train.prepare_data(cfg)
+    tr, _, meta = prepare.prepare_data(cfg)
     assert len(meta['train_sha256']) == 64 and len(meta['val_sha256']) == 64
     path = tr.filename
     size = os.path.getsize(path)
@@ -278,21 +287,21 @@ def test_same_length_garbage_in_the_cache_is_caught_by_its_checksum(tmp_path, te
         f.seek(size // 2)
         f.write(b'\xff\xff' * 8)
     assert os.path.getsize(path) == size
-    with pytest.raises(train.ConfigError, match='train.bin.*checksum.*delete'):
-        train.prepare_data(cfg)
+    with pytest.raises(Stop, match='train.bin.*checksum.*delete'):
+        prepare.prepare_data(cfg)
 
 
 def test_an_unchanged_text_and_cache_are_not_hashed_again(tmp_path, text_file, tiny_config, monkeypatch):
     """Issue 16: the source text and the cache are hashed once; a later start checks their size and mtime."""
     cfg = tiny_config(tmp_path, text_file)
-    train.prepare_data(cfg)
+    prepare.prepare_data(cfg)
     hashed = []
-    sha = train.sha256_of
-    monkeypatch.setattr(train, 'sha256_of', lambda paths: hashed.append(list(paths)) or sha(paths))
-    train.prepare_data(cfg)
+    sha = prepare.sha256_of
+    monkeypatch.setattr(prepare, 'sha256_of', lambda paths: hashed.append(list(paths)) or sha(paths))
+    prepare.prepare_data(cfg)
     assert hashed == []
     os.utime(text_file, ns=(1, 1))  # the text may have changed: hash it again
-    train.prepare_data(cfg)
+    prepare.prepare_data(cfg)
     assert hashed == [[text_file]]
 
 
@@ -387,7 +396,7 @@ def test_run_folder_must_lie_inside_out_dir(tmp_path, text_file, tiny_config):
     (outside / 'metrics.jsonl').write_text('{"iter": 0}\n')
     (tmp_path / 'out').mkdir()
     os.symlink(outside, tmp_path / 'out' / 'link')
-    with pytest.raises(train.ConfigError, match='outside out_dir'):
+    with pytest.raises(Stop, match='outside out_dir'):
         train.train(tiny_config(tmp_path, text_file, '--run_name=link'))
     assert os.listdir(outside) == ['metrics.jsonl']
 
@@ -399,7 +408,7 @@ def test_start_over_deletes_only_what_train_py_wrote(tmp_path, text_file, tiny_c
     (foreign / 'snapshots').mkdir(parents=True)
     for name in ('metrics.jsonl', 'snapshots/qk_0000000.npz', 'notes.txt'):
         (foreign / name).write_text('precious')
-    with pytest.raises(train.ConfigError, match='not written by train.py'):
+    with pytest.raises(Stop, match='not written by train.py'):
         train.train(tiny_config(tmp_path, text_file, '--run_name=mine', '--overwrite=True'))
     assert (foreign / 'metrics.jsonl').read_text() == 'precious'
     run_dir = train.train(tiny_config(tmp_path, text_file, '--run_name=own', '--max_iters=2'))
@@ -429,7 +438,7 @@ def test_same_config_and_seed_give_identical_metrics(tmp_path, text_file, tiny_c
     # the evaluation windows do not depend on the seed: eval_batch is the same whatever the seed and the
     # global RNG state, and each run's logged step-0 eval_loss is its step-0 model's loss on that batch
     cfg_a, cfg_c = (tiny_config(tmp_path, text_file, f'--seed={s}') for s in (1, 2))
-    _, val, meta = train.prepare_data(cfg_a)
+    _, val, meta = prepare.prepare_data(cfg_a)
     batches = []
     for cfg in (cfg_a, cfg_c):
         torch.manual_seed(cfg['seed'])
@@ -464,3 +473,37 @@ def test_decay_qk_moves_wq_and_wk_out_of_the_weight_decay_group(tmp_path, text_f
     n_layer = 2
     assert groups['False'][0] == groups['True'][0] - 2 * n_layer
     assert groups['False'][1] == groups['True'][1] + 2 * n_layer
+
+
+def test_no_host_reads_between_records(tmp_path, text_file, tiny_config, monkeypatch):
+    """The training step leaves its loss and the stop flags on the device: train.py reads no float or bool
+    tensor back to the host (Tensor.item, float(), bool(), tolist(), numpy()) in train_step, control_step or the
+    loop; read_flags reads them once at each record or checkpoint iteration."""
+    here = os.path.abspath(train.__file__)
+    reads, flag_reads = [], []
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1)  # train.py's own reads (torch's optimizer reads its CPU step counts)
+            if os.path.abspath(caller.f_code.co_filename) == here and (self.dtype.is_floating_point
+                                                                        or self.dtype == torch.bool):
+                frame, inside = caller, []
+                while frame:
+                    if os.path.abspath(frame.f_code.co_filename) == here:
+                        inside.append(frame.f_code.co_name)
+                    frame = frame.f_back
+                if inside and (inside[0] == 'loop' or {'train_step', 'control_step'} & set(inside)):
+                    reads.append((name, inside[0]))
+            return original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    for name in ('item', 'tolist', 'numpy', '__bool__', '__float__', '__int__'):
+        counted(name)
+    read_flags = train.read_flags
+    monkeypatch.setattr(train, 'read_flags', lambda run, it: flag_reads.append(it) or read_flags(run, it))
+    train.train(tiny_config(tmp_path, text_file, '--max_iters=40', '--eval_interval=20', '--geom_interval=0',
+                            '--ckpt_interval=20', '--model_ckpts=0'))
+    assert reads == []
+    assert flag_reads == [0, 20, 40]  # 40 steps, 3 reads: the records at 0, 20, 40 (and the checkpoint at 20)

@@ -12,7 +12,7 @@ quantity followed over checkpoints is the paired contrast tok_pr_q - tok_pr_k. R
     python analyze.py out/                                 # REPORT.md, now with claims (f1), (f2)
 
 Our checkpoints (`tokens`). Every model checkpoint in a run's models/ (weights_only) runs the run's fixed
-evaluation batch, rebuilt as train.py builds it (train.prepare_data on its config.json, then eval_windows
+evaluation batch, rebuilt as train.py builds it (prepare.prepare_data on its config.json, then eval_windows
 windows drawn from train.EVAL_SEED), so a checkpoint's numbers equal those logged in metrics.jsonl at that
 iteration (test_tokens.py checks them to 1e-6). A text that is not where config.json says skips the run with a
 message naming the override (--data_file; --data_dir for WikiText-103 runs; --cache_dir for the cache); a text
@@ -74,6 +74,8 @@ from matplotlib.ticker import MaxNLocator
 import folders
 import geometry
 import plots
+import prepare
+import runfolder
 import report
 import train  # the trainer's own data and model code: the evaluation batch is rebuilt with it
 from folders import Skip
@@ -96,13 +98,7 @@ def default_device():
 
 def model_checkpoints(run_dir):
     """[(iteration, path)] of the model checkpoints train.py saved in run_dir/models/, by iteration."""
-    folder = os.path.join(run_dir, 'models')
-    found = []
-    for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        stem = name[len('model_'):-len('.pt')]
-        if name.startswith('model_') and name.endswith('.pt') and stem.isdigit():
-            found.append((int(stem), os.path.join(folder, name)))
-    return sorted(found)
+    return runfolder.listing(run_dir, 'models')
 
 
 def evaluation_batch(cfg, data_file='', data_dir='', cache_dir=''):
@@ -118,12 +114,12 @@ def evaluation_batch(cfg, data_file='', data_dir='', cache_dir=''):
     else:
         missing = [n for n in ('wiki.train.raw', 'wiki.valid.raw')
                    if not os.path.isfile(os.path.join(cfg.get('data_dir', ''), n))]
-        if missing:  # train.prepare_data would try to download: not here
+        if missing:  # prepare.prepare_data would try to download: not here
             raise Skip(f"its dataset {cfg.get('dataset')} is not in data_dir={cfg.get('data_dir')} (config.json: "
                        f"no {', '.join(missing)}); pass --data_dir=FOLDER holding them")
     try:
-        _, val, meta = train.prepare_data(cfg)
-    except SystemExit as e:  # train.ConfigError: a message for the user
+        _, val, meta = prepare.prepare_data(cfg)
+    except SystemExit as e:  # configurator.Stop: a message for the user
         raise Skip(str(e).removeprefix('error: ')) from None
     if cfg.get('data_sha256') and meta['sha256'] != cfg['data_sha256']:
         raise Skip(f"the text found ({', '.join(meta['source'])}) is not the one the run was trained on (its "
