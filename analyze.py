@@ -464,7 +464,7 @@ def dose_rows(effects, rows):
 def dose_fits(rows):
     """control_dose_fit: per (setting, depth, init, target, keep) with 2 or more shrink doses, across its shrink arms
     x seeds: the slope of d_entropy on the change in the controlled projection's per-head PR, and the fit of
-    d_entropy on that change and d_log_qk_spec_norm together; coefficients with intervals from a bootstrap over
+    d_entropy on that change and d_log_qk_spec_norm together; coefficients with jackknife-t intervals over
     seeds (stats.fit_groups: the arms of one seed share its baseline)."""
     out = []
     for key in dict.fromkeys(tuple(r[k] for k in ARM[:5]) for r in rows if r['control'] == 'shrink'):

@@ -73,8 +73,8 @@ DOSE_RULE = (f'the dose that decides is the strongest shrink (smallest shrink_to
              f'dose does (a null result from a weak manipulation says little). On that dose: ' + EFFECT_RULE)
 FIT_RULE = (f'across the shrink doses x seeds of one keep, least-squares fits of the paired entropy change on the '
             f'change in per-head PR_K (the slope), and on it together with the change in log qk_spec_norm; '
-            f'{LEVEL:.0%} intervals from {N_BOOT} bootstrap resamples of whole seeds (the arms of a seed share its '
-            f'baseline). The entropy effect follows the PR_K change once the logit scale is accounted for when the '
+            f'{LEVEL:.0%} intervals from a jackknife that leaves out one seed at a time (the arms of a seed share its '
+            f'baseline), with Student\'s t on seeds - 1 degrees of freedom. The entropy effect follows the PR_K change once the logit scale is accounted for when the '
             f'joint fit\'s PR_K coefficient has its interval above 0 (less PR_K, lower entropy), goes against it when '
             f'the interval is below 0, else undecided')
 LESS_TRAINED_RULE = (f'a softer-attention verdict (e) also says whether the model is less trained: it is when the '

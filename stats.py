@@ -11,9 +11,10 @@ reproducible to the last digit.
   linearly on z, which would read as shape beyond scale where there is none.
 - Percentile bootstrap interval of a mean (N_BOOT resamples), exact one-sided sign test, one-sided permutation
   test of a positive Spearman correlation (N_PERM shuffles).
-- Least-squares fit of y on [1, X] with percentile intervals from a cluster bootstrap: whole groups (seeds) are
-  resampled, since the arms of one seed share its baseline run and are not independent.
+- Least-squares fit of y on [1, X] with jackknife-t intervals over groups (seeds): the arms of one seed share its
+  baseline run and are not independent, so a seed is left out whole.
 """
+import functools
 import math
 
 import numpy as np
@@ -131,35 +132,40 @@ def permutation_p(x, y, n_perm=N_PERM, seed=BOOT_SEED):
     return float((1 + (null >= rho - 1e-12).sum()) / (1 + n_perm))
 
 
-def fit_groups(y, X, groups, level=LEVEL, n_boot=N_BOOT, seed=BOOT_SEED):
-    """Least-squares fit of y (n,) on [1, X] (X (n, k)) and percentile intervals of each coefficient from n_boot
-    resamples of whole groups (groups (n,): rows of one group are drawn together, with replacement). Rows with a
-    NaN are dropped. Returns {'coef', 'lo', 'hi'} (arrays of k + 1: the intercept first), NaN where the design is
-    rank-deficient; a resample whose design is rank-deficient is left out, and the intervals are NaN when more
-    than half are (or when there are fewer than 2 groups)."""
+def fit_groups(y, X, groups, level=LEVEL):
+    """Least-squares fit of y (n,) on [1, X] (X (n,) or (n, k)) with an interval for each coefficient from a
+    delete-one-group jackknife: the fit is repeated leaving out each group (a seed: its rows share a baseline run and
+    go together), se^2 = (G - 1) / G * sum (coef_-g - their mean)^2, interval coef -/+ t * se with Student's t on
+    G - 1 degrees of freedom. With a handful of seeds a percentile bootstrap of groups gives intervals narrower than
+    their level (84% coverage at 95%, 5 seeds, in a planted check), the jackknife-t close to it (95%). Rows with a
+    NaN are dropped. Returns {'coef', 'lo', 'hi'}, arrays of k + 1 (the intercept first): NaN coefficients when the
+    design is rank-deficient, NaN intervals with fewer than 3 groups or a rank-deficient leave-one-out design."""
     y, X = np.asarray(y, dtype=float), np.asarray(X, dtype=float).reshape(len(y), -1)
     ok = np.isfinite(y) & np.isfinite(X).all(1)
-    y, X, groups = y[ok], X[ok], np.asarray(groups)[ok]
-    A = np.column_stack([np.ones(len(y)), X])
-    nan = np.full(A.shape[1], np.nan)
-    names, index = np.unique(groups, return_inverse=True)
-    full = weighted_fits(A, y, np.ones((1, len(y))))
-    coef = full[0] if len(full) else nan
-    if len(names) < 2:
+    A, y, groups = np.column_stack([np.ones(ok.sum()), X[ok]]), y[ok], np.asarray(groups)[ok]
+    coef, nan = least_squares(A, y), np.full(A.shape[1], np.nan)
+    names = np.unique(groups)
+    if len(names) < 3:
         return {'coef': coef, 'lo': nan, 'hi': nan}
-    draws = np.random.default_rng(seed).integers(0, len(names), size=(n_boot, len(names)))
-    counts = np.stack([np.bincount(d, minlength=len(names)) for d in draws])   # (n_boot, groups)
-    boot = weighted_fits(A, y, counts[:, index])
-    if len(boot) < n_boot / 2:
-        return {'coef': coef, 'lo': nan, 'hi': nan}
-    lo, hi = np.percentile(boot, [50 * (1 - level), 50 * (1 + level)], axis=0)
-    return {'coef': coef, 'lo': lo, 'hi': hi}
+    jack = np.array([least_squares(A[groups != g], y[groups != g]) for g in names])
+    se = np.sqrt((len(names) - 1) / len(names) * ((jack - jack.mean(0)) ** 2).sum(0))
+    t = t_quantile(0.5 + level / 2, len(names) - 1)
+    return {'coef': coef, 'lo': coef - t * se, 'hi': coef + t * se}
 
 
-def weighted_fits(A, y, W):
-    """The least-squares coefficients of y on A with row weights W (n_fits, n), one fit per row of W, from the
-    normal equations; fits whose weighted design is rank-deficient (condition number above 1e10) are left out."""
-    AtA = np.einsum('bn,ni,nj->bij', W, A, A)
-    Aty = np.einsum('bn,ni,n->bi', W, A, y)
-    good = np.linalg.cond(AtA) < 1e10
-    return np.linalg.solve(AtA[good], Aty[good][..., None])[..., 0]
+def least_squares(A, y):
+    """The least-squares coefficients of y on the columns of A; NaN when A is rank-deficient."""
+    if np.linalg.matrix_rank(A) < A.shape[1]:
+        return np.full(A.shape[1], np.nan)
+    return np.linalg.lstsq(A, y, rcond=None)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def t_quantile(p, df):
+    """The p-quantile (0.5 <= p < 1) of Student's t with df degrees of freedom: its density integrated on a fine
+    grid (trapezoids; about 1e-6 off), then inverted by interpolation."""
+    x = np.linspace(0, 100, 200001)
+    pdf = np.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi) * \
+        (1 + x ** 2 / df) ** (-(df + 1) / 2)
+    cdf = 0.5 + np.concatenate([[0], np.cumsum((pdf[1:] + pdf[:-1]) / 2 * np.diff(x))])
+    return float(np.interp(p, cdf, x))
