@@ -25,7 +25,7 @@ are listed as missing. Written to --out (default <first dir>/analysis/), each ta
     link_tests                     claim (c): per head, entropy with PR_K and PR_QK across the (layer, head) pairs of
                                    a run, levels at each checkpoint and changes between consecutive records
     attention_link[_runs]          within-run correlations of PR_K, PR_QK and entropy over training, of levels and of
-                                   changes between records, per layer (descriptive: trends correlate whatever links them)
+                                   changes between records, per layer (descriptive: trends correlate, linked or not)
     scale_shape[_runs]             entropy against PR_K, PR_QK and the logit scale (Pearson, raw and partial given
                                    log ||W_QK^h||_2): across heads and over time
     robustness_map                 claims x ways of measuring them, a verdict per cell
@@ -452,7 +452,8 @@ def dose_rows(effects, rows):
                                             and r[f'{pr}_none'] is not None])}
         for column, metric in DOSE_METRICS.items():
             e = found.get(metric or pr, {})
-            row.update({f'd_{column}': e.get('mean'), f'd_{column}_lo': e.get('ci_lo'), f'd_{column}_hi': e.get('ci_hi')})
+            row.update({f'd_{column}': e.get('mean'), f'd_{column}_lo': e.get('ci_lo'),
+                        f'd_{column}_hi': e.get('ci_hi')})
         row['well_below'] = report.well_below(found.get('pr_ctl_head_rel'))
         e = found.get('entropy')
         row.update(entropy_predicted=e and e['n_predicted'], sign_p=e and e['sign_p'],

@@ -108,8 +108,9 @@ def layer_record(pr_q, pr_k, pr_qk, entropy, n_head, offsets=None):
            'pr_qk_heads': heads(pr_qk, qk_off), 'qk_spec_norm': 0.03, 'qk_fro_norm': 0.05,
            'qk_spec_norm_heads': heads(0.03), 'qk_fro_norm_heads': heads(0.05), 'erank_q': pr_q * 1.5,
            'erank_k': pr_k * 1.5, 'srank_q': 3.0, 'srank_k': 3.0, 'erank_qk': pr_qk * 1.5, 'tok_pr_q': pr_q - 1,
-           'tok_pr_k': pr_k - 1, 'tok_pr_q_head': pr_q / 3, 'tok_pr_k_head': pr_k / 3, 'tok_pr_q_heads': heads(pr_q / 3),
-           'tok_pr_k_heads': heads(pr_k / 3, k_off), 'tok_pr_qk': pr_qk / 2, 'tok_pr_qk_heads': heads(pr_qk / 2, qk_off),
+           'tok_pr_k': pr_k - 1, 'tok_pr_q_head': pr_q / 3, 'tok_pr_k_head': pr_k / 3,
+           'tok_pr_q_heads': heads(pr_q / 3), 'tok_pr_k_heads': heads(pr_k / 3, k_off), 'tok_pr_qk': pr_qk / 2,
+           'tok_pr_qk_heads': heads(pr_qk / 2, qk_off),
            'entropy': entropy, 'entropy_norm': entropy / 3, 'entropy_heads': heads(entropy, e_off),
            'entropy_norm_heads': heads(entropy / 3, e_off / 3)}
     return {k: float(v) if isinstance(v, (float, np.floating)) else v for k, v in rec.items()}

@@ -50,9 +50,9 @@ WINDOW_NOTE = ('from the end of warm-up on (warmup_iters, or --from_iter): befor
 C_LINKS = ('pr_k~pr_qk', 'pr_k~entropy')    # the two links claim (c) states
 LINK_RULE = (f'per head, Spearman of PR_K with PR_QK and of PR_K with entropy (the claim\'s two links; PR_QK with '
              f'entropy is shown beside them) across the (layer, head) pairs of a run, in two scopes that two series '
-             f'trending over training cannot fake: levels at each checkpoint (every head has '
-             f'trained as long) and changes between consecutive records (a trend every head shares shifts every '
-             f'change alike); per run the mean over its checkpoints (steps), {WINDOW_NOTE}. Each of the four tests (two links x two scopes) '
+             f'trending over training cannot fake: levels at each checkpoint (every head has trained as long) and '
+             f'changes between consecutive records (a trend every head shares shifts every change alike); per run '
+             f'the mean over its checkpoints (steps), {WINDOW_NOTE}. Each of the four tests (two links x two scopes) '
              f'holds if the mean over runs has its {LEVEL:.0%} bootstrap interval (over runs) above +{LINK_MARGIN} '
              f'and more runs are positive than a one-sided sign test allows by chance (p < {ALPHA}), does not hold '
              f'if the interval lies below +{LINK_MARGIN} (at most a negligible link), else mixed; the claim holds if '
@@ -74,7 +74,8 @@ DOSE_RULE = (f'the dose that decides is the strongest shrink (smallest shrink_to
 FIT_RULE = (f'across the shrink doses x seeds of one keep, least-squares fits of the paired entropy change on the '
             f'change in per-head PR_K (the slope), and on it together with the change in log qk_spec_norm; '
             f'{LEVEL:.0%} intervals from a jackknife that leaves out one seed at a time (the arms of a seed share its '
-            f'baseline), with Student\'s t on seeds - 1 degrees of freedom. The entropy effect follows the PR_K change once the logit scale is accounted for when the '
+            f'baseline), with Student\'s t on seeds - 1 degrees of freedom. The entropy effect follows the PR_K '
+            f'change once the logit scale is accounted for when the '
             f'joint fit\'s PR_K coefficient has its interval above 0 (less PR_K, lower entropy), goes against it when '
             f'the interval is below 0, else undecided')
 LESS_TRAINED_RULE = (f'a softer-attention verdict (e) also says whether the model is less trained: it is when the '
@@ -220,8 +221,8 @@ def link_claim(view):
     claim = '(c) falling PR_K goes with a narrower QK^T spectrum and lower attention entropy'
     row = {'key': 'c', 'claim': claim, 'rule': LINK_RULE,
            'statistic': 'per head, Spearman of PR_K with PR_QK and with entropy across the (layer, head) pairs of '
-                        'each uncontrolled run, levels at each checkpoint and changes between consecutive records; mean '
-                        f'over checkpoints (steps), then over runs; {window_text(view)}'}
+                        'each uncontrolled run, levels at each checkpoint and changes between consecutive records; '
+                        f'mean over checkpoints (steps), then over runs; {window_text(view)}'}
     tests = [t for t in view['tests'] if t['link'] in C_LINKS]
     if not tests or all(t['verdict'] == NOT_MEASURED for t in tests):
         reason = not_logged(view) if view['missing'] else 'no run with per-head values that vary'
