@@ -26,13 +26,24 @@ write, is refused with one line):
     runs                           final losses and wall time, one row per run
     trajectories[_head|_tok|_learned]  PR_Q, PR_K per (depth, init, layer, window), seed means, in each lens
     trajectory_summary             per lens and window: how many trajectories keep PR_Q - PR_K > 0, have Q up, K down
-    attention_link[_runs]          within-run correlations of PR_K, PR_QK, entropy and log ||W_QK||_2 over training
-    scale_shape[_runs]             entropy against PR_K, PR_QK and the logit scale: across heads and over time
+    link_tests                     claim (c): per head, entropy with PR_K and PR_QK across the (layer, head) pairs of
+                                   a run, levels at each checkpoint and changes between consecutive records
+    attention_link[_runs]          within-run correlations of PR_K, PR_QK and entropy over training, of levels and of
+                                   changes between records, per layer (descriptive: trends correlate, linked or not)
+    scale_shape[_runs]             entropy against PR_K, PR_QK and the logit scale (Pearson, raw and partial given
+                                   log ||W_QK^h||_2): across heads and over time
     robustness_map                 claims x ways of measuring them, a verdict per cell
-    control, control_effects       the control experiment per control_keep: per seed, and paired differences
+    control, control_effects       the control experiment: per controlled run (an arm: control, dose shrink_to,
+                                   control_keep; and a seed) against the same-seed baseline, and paired differences
+    control_dose[_fit]             per arm the achieved change in per-head PR_K, qk_spec_norm, k_spec_norm and the
+                                   entropy effect; the entropy effect against the PR_K change across shrink doses
     timeline                       PRs, scale and entropy over training, mean over the runs of each group
     regime, regime_trend           with two or more regime points: each statistic per point and its trend (regime.py)
-    fig1..fig5, fig8, fig9 *.png (--pdf: also .pdf)
+    fig1..fig5, fig8, fig9, fig10 *.png (--pdf: also .pdf)
+
+k_spec_norm (q_spec_norm) is the top singular value of a head's block W_K^h (W_Q^h), mean over heads and layers, read
+from the run's snapshots/ (train.py does not log it); a run's final value of any metric is the mean over its last
+FINAL_LOGS records.
 
 Claims (a) and (b) are measured over all records and from the end of warm-up on (--from_iter, default each
 run's warmup_iters), in four lenses (LENSES): whole-matrix and per-head weight PR, token-level PR, and the PR of
@@ -57,13 +68,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import control
+import geometry
 import plots
 import regime
 import report
 import stats
 import tokens
-from report import ACROSS, ALL, FROM_WARMUP, OVER_TIME
+from report import ACROSS, ALL, CHANGES, FROM_WARMUP, NEAR_UNIFORM, OVER_TIME
 from folders import (CONTROL_KINDS, FINAL_LOGS, SETTING_KEYS, OutError, Skip, check_out, collector, discover,
                      find_run_dirs, init_order, load_runs, moved, publish, read_table, run_identity, seed_stack,
                      staging, study_cells, write_table)
@@ -71,10 +82,16 @@ from folders import (CONTROL_KINDS, FINAL_LOGS, SETTING_KEYS, OutError, Skip, ch
 # -----------------------------------------------------------------------------
 # what the tables measure (the verdict rules are report.py's; the study's grid is sweep.sh's, read from runs.txt)
 # predicted sign of (controlled - none) per (metric, control): shrink sharpens attention, freeze softens it;
-# shrink lowering the controlled PR (pr_k; pr_q in the mirror, control_target=q) is the manipulation check
+# shrink lowering the controlled PR (pr_k, pr_k_head; pr_q in the mirror, control_target=q) is the manipulation check
 PREDICTED = {('entropy', 'shrink'): -1, ('entropy', 'freeze'): +1,
              ('entropy_norm', 'shrink'): -1, ('entropy_norm', 'freeze'): +1, ('pr_controlled', 'shrink'): -1}
-CONTROL_METRICS = ('entropy', 'entropy_norm', 'pr_k', 'pr_q', 'pr_qk', 'qk_spec_norm', 'val_loss')
+SPEC_NORMS = ('k_spec_norm', 'q_spec_norm')      # from snapshots/ (see above)
+CONTROL_METRICS = ('entropy', 'entropy_norm', 'pr_k', 'pr_k_head', 'pr_q', 'pr_q_head', 'pr_qk', 'qk_spec_norm',
+                   *SPEC_NORMS, 'val_loss')
+# paired per seed beside CONTROL_METRICS: the log ratio of the logit scale, and the change of the controlled
+# projection's per-head PR relative to the baseline's (the achieved dose)
+EFFECT_METRICS = CONTROL_METRICS + ('log_qk_spec_norm', 'pr_ctl_head_rel')
+ARM = ('setting', 'n_layer', 'qk_init', 'target', 'keep', 'control', 'dose', 'arm')   # what a control arm is
 
 
 @dataclass(frozen=True)
@@ -101,15 +118,19 @@ LENSES = {
 }
 WINDOWS = (ALL, FROM_WARMUP)      # the windows of records a claim is measured over
 VIEWS = [(lens, window, None) for window in WINDOWS for lens in LENSES]   # decay None: the main setting A
-# the within-run correlations of the attention_link table: name -> (x, y), PR_K and PR_QK of the lens
+# the within-run correlations of the attention_link table: name -> (x, y), PR_K and PR_QK of the lens; each also
+# of the changes between consecutive records (dpr_k~dentropy)
 LINKS = {'pr_k~entropy': ('pr_k', 'entropy'), 'pr_k~pr_qk': ('pr_k', 'pr_qk'), 'pr_qk~entropy': ('pr_qk', 'entropy')}
-# scale against shape: the statistics of shape_stats, at each checkpoint across heads and within runs over time
+# claim (c) across the (layer, head) pairs of a run (Spearman of per-head values): name -> (x, y); the claim is judged
+# on its two links, PR_K with entropy and with PR_QK (report.C_LINKS); PR_QK with entropy is shown beside them
+HEAD_LINKS = {'pr_k~entropy': ('k', 'entropy'), 'pr_k~pr_qk': ('k', 'qk'), 'pr_qk~entropy': ('qk', 'entropy')}
+# scale against shape: the statistics of shape_stats (Pearson), at each checkpoint across heads and within runs
 SHAPE_STATS = ('pr_k~entropy', 'pr_k~entropy|scale', 'pr_qk~entropy', 'pr_qk~entropy|scale', 'scale~entropy')
 # the files `runs` writes into its --out folder: a folder holding one of these that analyze.py did not write is refused
-RUNS_OUTPUTS = re.compile(r'(runs|trajectories(_head|_tok|_learned)?|trajectory_summary|attention_link(_runs)?|control'
-                          r'|control_effects|timeline|scale_shape(_runs)?|robustness_map|regime(_trend)?)\.(csv|md)|'
-                          r'REPORT\.md|fig(1_pr_over_training|2_pr_gap|3_entropy_and_pr|4_spectra|5_control_[kq]'
-                          r'|8_scale_shape|9_regime(_\d+)?)\.(png|pdf)')
+RUNS_OUTPUTS = re.compile(r'(runs|trajectories(_head|_tok|_learned)?|trajectory_summary|attention_link(_runs)?|link_tests'
+                          r'|control(_effects|_dose|_dose_fit)?|timeline|scale_shape(_runs)?|robustness_map'
+                          r'|regime(_trend)?)\.(csv|md)|REPORT\.md|fig(1_pr_over_training|2_pr_gap|3_entropy_and_pr'
+                          r'|4_spectra|5_control_[kq](_\d+)?|8_scale_shape|9_regime(_\d+)?|10_dose_response)\.(png|pdf)')
 
 
 # ----------------------------------------------------------------------------- tables
@@ -189,21 +210,18 @@ def trajectory_summary(rows, lens, window):
 
 
 def link_of_run(run, lens, start):
-    """The within-run links over the logged iterations from start on: per layer, the Spearman correlations of
-    LINKS (the lens' PR_K and PR_QK), the partial correlations with entropy given log ||W_QK||_2 (layer mean of
-    the heads' spectral norms) and the Spearman of entropy with that scale; then the mean over layers."""
+    """The within-run links over the logged iterations from start on, per layer, mean over layers: the Spearman
+    correlations of LINKS (the lens' PR_K and PR_QK) of the levels, and of the changes between consecutive records
+    (dpr_k~dentropy, ...). Descriptive only: two series that trend, or slow down, together correlate in both."""
     keep = run.geom_iters >= start
     m = {role: run.metric(key)[keep] for role, key in (('pr_k', LENSES[lens].k), ('pr_qk', LENSES[lens].qk),
                                                       ('entropy', 'entropy'))}
-    scale = np.log(run.metric('qk_spec_norm')[keep])
     per_layer = defaultdict(list)
     for layer in range(run.n_layer):
         col = {role: v[:, layer] for role, v in m.items()}
         for name, (x, y) in LINKS.items():
             per_layer[name].append(stats.spearman(col[x], col[y]))
-        for x in ('pr_k', 'pr_qk'):
-            per_layer[f'{x}~entropy|scale'].append(stats.partial(col[x], col['entropy'], scale[:, layer]))
-        per_layer['scale~entropy'].append(stats.spearman(scale[:, layer], col['entropy']))
+            per_layer[f'd{x}~d{y}'].append(stats.spearman(np.diff(col[x]), np.diff(col[y])))
     return {name: mean_or_nan(v) for name, v in per_layer.items()}
 
 
@@ -230,14 +248,66 @@ def attention_link_tables(cells, link_of):
 
 
 def summarise(head, values):
-    """head, then n_runs and per statistic its mean over runs with the bootstrap interval (name, name_lo, name_hi)."""
-    row = dict(head)
+    """head, then n_runs (the most runs any statistic has) and per statistic its mean over runs with the bootstrap
+    interval (name, name_lo, name_hi)."""
+    row = {**head, 'n_runs': 0}
     for name, v in values.items():
         s = stats.mean_ci(v)
-        row['n_runs'] = s['n']
+        row['n_runs'] = max(row['n_runs'], s['n'])
         row.update({f'{name}': s['mean'], f'{name}_lo': s['lo'], f'{name}_hi': s['hi']})
     return row
 
+
+# ---- claim (c): across the (layer, head) pairs of a run, where a trend every head shares cannot make a link
+
+def head_links(run, lens):
+    """Per record, across the run's (layer, head) pairs, the Spearman correlations of HEAD_LINKS (entropy and the
+    lens' per-head PR_K and PR_QK); and per step between consecutive records, the same of their changes since the
+    record before. {ACROSS: (iterations, {link: values}), CHANGES: (iteration of each step's earlier record,
+    {link: values})}, or None when the run did not log them."""
+    keys = ('entropy_heads', LENSES[lens].k_heads, LENSES[lens].qk_heads)
+    if not all(key and key in run.heads for key in keys):
+        return None
+    v = dict(zip(('entropy', 'k', 'qk'), (run.heads[key].reshape(len(run.geom_iters), -1) for key in keys)))
+    d = {role: np.diff(values, axis=0) for role, values in v.items()}   # (records, layers x heads), (steps, ...)
+    corr = lambda m, x, y: [stats.spearman(a, b) for a, b in zip(m[x], m[y])]
+    return {ACROSS: (run.geom_iters, {name: corr(v, x, y) for name, (x, y) in HEAD_LINKS.items()}),
+            CHANGES: (run.geom_iters[:-1], {name: corr(d, x, y) for name, (x, y) in HEAD_LINKS.items()})}
+
+
+def head_links_of_run(run, lens, start, memo):
+    """{(scope, link): (mean over the run's records or steps from start on, how many are > 0, how many are finite)}
+    of head_links, or None."""
+    found = cached(memo, ('heads', run.path, lens), lambda: head_links(run, lens))
+    if found is None:
+        return None
+    out = {}
+    for scope, (its, links) in found.items():
+        for name, values in links.items():
+            v = np.asarray(values)[its >= start]
+            out[(scope, name)] = (mean_or_nan(v), int((v > 0).sum()), int(np.isfinite(v).sum()))
+    return out
+
+
+def link_test_rows(per_run, lens, window):
+    """link_tests of one view: per scope (ACROSS, CHANGES) and link, over the runs (per_run: head_links_of_run's),
+    the mean of the runs' means with its bootstrap interval, the runs with a positive mean and the sign test of
+    that count, the share of positive correlations over every record (step) of every run, and the verdict."""
+    rows = []
+    for scope, name in ((scope, name) for scope in (ACROSS, CHANGES) for name in HEAD_LINKS):
+        found = [r[(scope, name)] for r in per_run]
+        means = [m for m, _, _ in found if np.isfinite(m)]
+        s, positive, finite = stats.mean_ci(means), sum(p for _, p, _ in found), sum(n for _, _, n in found)
+        n_pos = sum(m > 0 for m in means)
+        row = {'lens': lens, 'window': window, 'scope': scope, 'link': name, 'n_runs': s['n'], 'mean': s['mean'],
+               'ci_lo': s['lo'], 'ci_hi': s['hi'], 'runs_positive': n_pos,
+               'sign_p': stats.sign_test_p(n_pos, sum(m != 0 for m in means)),
+               'share_positive': positive / finite if finite else float('nan')}
+        rows.append({**row, 'verdict': report.link_verdict(row)})
+    return rows
+
+
+# ---- scale against shape (c2): one correlation family, Pearson, raw and given the log logit scale
 
 def across_heads(run, lens):
     """Per record, across its (layer, head) pairs: shape_stats of entropy, the logit scale log ||W_QK^h||_2 and
@@ -250,49 +320,75 @@ def across_heads(run, lens):
     return [shape_stats(H[t].ravel(), S[t].ravel(), K[t].ravel(), QK[t].ravel()) for t in range(len(H))]
 
 
+def shape_over_time(run, lens, start):
+    """shape_stats within a run over its records from start on, per layer (the layer values of entropy, of the
+    lens' PR_K and PR_QK and the log of the heads' mean ||W_QK^h||_2), mean over layers."""
+    keep = run.geom_iters >= start
+    H, S, K, QK = (run.metric(key)[keep] for key in ('entropy', 'qk_spec_norm', LENSES[lens].k, LENSES[lens].qk))
+    per_layer = [shape_stats(H[:, i], np.log(S[:, i]), K[:, i], QK[:, i]) for i in range(run.n_layer)]
+    return {n: mean_or_nan([p[n] for p in per_layer]) for n in SHAPE_STATS}
+
+
 def shape_of_run(run, lens, start, memo):
     """Scale against shape in one run over its records from start on: {ACROSS: the across_heads statistics, mean
-    over the records; OVER_TIME: the same over the records of each layer (its link_of_run), mean over layers}."""
+    over the records; OVER_TIME: shape_over_time}."""
     per_record = cached(memo, ('across', run.path, lens), lambda: across_heads(run, lens))
     if per_record is None:
         return None
     kept = [s for s, it in zip(per_record, run.geom_iters) if it >= start]
-    over_time = cached(memo, ('link', run.path, lens, start), lambda: link_of_run(run, lens, start))
-    return {ACROSS: {n: mean_or_nan([s[n] for s in kept]) for n in SHAPE_STATS},
-            OVER_TIME: {n: over_time[n] for n in SHAPE_STATS}}
+    over_time = cached(memo, ('shape', run.path, lens, start), lambda: shape_over_time(run, lens, start))
+    return {ACROSS: {n: mean_or_nan([s[n] for s in kept]) for n in SHAPE_STATS}, OVER_TIME: over_time}
 
 
 def shape_stats(entropy, scale, pr_k, pr_qk):
-    return {'pr_k~entropy': stats.spearman(pr_k, entropy), 'pr_k~entropy|scale': stats.partial(pr_k, entropy, scale),
-            'pr_qk~entropy': stats.spearman(pr_qk, entropy),
+    """Pearson throughout (one family with the partials): entropy with PR_K and PR_QK, without and with the log
+    scale held fixed, and entropy with the log scale."""
+    return {'pr_k~entropy': stats.pearson(pr_k, entropy), 'pr_k~entropy|scale': stats.partial(pr_k, entropy, scale),
+            'pr_qk~entropy': stats.pearson(pr_qk, entropy),
             'pr_qk~entropy|scale': stats.partial(pr_qk, entropy, scale),
-            'scale~entropy': stats.spearman(scale, entropy)}
+            'scale~entropy': stats.pearson(scale, entropy)}
 
 
-def control_rows(runs, target, keep, dose):
-    """Per (setting, depth, init, seed) of the control experiment with control_target = target,
-    control_keep = keep and shrink_to = dose (None: no shrink runs): final entropy, PRs, logit scale and
-    validation loss of none, shrink and freeze, and the differences against none."""
-    labels = {kind: control.control_label({'control': kind, 'control_target': target, 'control_keep': keep,
-                                           'shrink_to': dose}) for kind in CONTROL_KINDS
-              if kind != 'shrink' or dose is not None}
-    controlled = [r for r in runs if r.control != 'none' and r.label in labels.values()]
-    cells = sorted({(r.setting, r.n_layer, r.qk_init) for r in controlled},
-                   key=lambda c: (c[0], c[1], init_order(c[2])))
-    index = {(r.setting, r.n_layer, r.qk_init, r.label, r.seed): r for r in runs}
-    rows = []
-    for setting, depth, init in cells:
-        seeds = sorted({r.seed for r in runs if (r.setting, r.n_layer, r.qk_init) == (setting, depth, init)
-                        and r.label in labels.values()})
-        for seed in seeds:
-            row = {'target': target, 'keep': keep, 'shrink_to': dose, 'setting': setting, 'n_layer': depth,
-                   'qk_init': init, 'seed': seed}
-            for kind in CONTROL_KINDS:
-                r = index.get((setting, depth, init, labels.get(kind), seed))
-                row.update({f'{metric}_{kind}': final_value(r, metric) for metric in CONTROL_METRICS})
-            row.update({f'd_{metric}_{kind}': difference(row[f'{metric}_{kind}'], row[f'{metric}_none'])
-                        for kind in ('shrink', 'freeze') for metric in CONTROL_METRICS})
-            rows.append(row)
+def near_uniform(runs, start):
+    """(records with near-uniform attention, records) over the runs' records from start on: a record is near uniform
+    when its layer-mean entropy_norm is at least NEAR_UNIFORM."""
+    norms = [r.metric('entropy_norm')[r.geom_iters >= start[r.path]].mean(axis=1) for r in runs]
+    return int(sum((v >= NEAR_UNIFORM).sum() for v in norms)), int(sum(len(v) for v in norms))
+
+
+def dose_of(cfg):
+    """A shrink run's dose, shrink_to; None for the other controls."""
+    return cfg['shrink_to'] if cfg.get('control') == 'shrink' else None
+
+
+def arm_order(r):
+    """Control arms in reading order: setting, depth, init, target, keep, then shrink from the weakest dose (largest
+    shrink_to) to the strongest, then freeze; seeds last."""
+    return (r.setting, r.n_layer, init_order(r.qk_init), r.target, keep_of(r.cfg), CONTROL_KINDS.index(r.control),
+            -(dose_of(r.cfg) or 0), r.seed)
+
+
+def control_rows(runs, warn):
+    """One row per controlled run (an arm, ARM, and a seed): its final values of CONTROL_METRICS, those of the
+    same-seed uncontrolled run of its setting, depth and init (the paired baseline; None without one) and the
+    differences d_*, with d_log_qk_spec_norm (log ratio) and d_pr_ctl_head_rel (the change of the controlled
+    projection's per-head PR relative to the baseline's: the achieved dose)."""
+    base = {(r.setting, r.n_layer, r.qk_init, r.seed): r for r in runs if r.control == 'none'}
+    norms, rows = {}, []
+    for r in sorted((r for r in runs if r.control != 'none'), key=arm_order):
+        b = base.get((r.setting, r.n_layer, r.qk_init, r.seed))
+        row = {'setting': r.setting, 'n_layer': r.n_layer, 'qk_init': r.qk_init, 'target': r.target,
+               'keep': keep_of(r.cfg), 'control': r.control, 'dose': dose_of(r.cfg), 'arm': r.label, 'seed': r.seed}
+        for metric in CONTROL_METRICS:
+            v, v0 = (final_value(run, metric, norms, warn) for run in (r, b))
+            row.update({metric: v, f'{metric}_none': v0, f'd_{metric}': difference(v, v0)})
+        ok = lambda *v: all(x is not None and x > 0 for x in v)
+        scale, scale0 = row['qk_spec_norm'], row['qk_spec_norm_none']
+        row['d_log_qk_spec_norm'] = float(np.log(scale / scale0)) if ok(scale, scale0) else None
+        pr = f'pr_{r.target}_head'
+        row['d_pr_ctl_head_rel'] = row[f'd_{pr}'] / row[f'{pr}_none'] if ok(row[f'{pr}_none']) and \
+            row[f'd_{pr}'] is not None else None
+        rows.append(row)
     return rows
 
 
@@ -300,27 +396,104 @@ def difference(a, b):
     return a - b if a is not None and b is not None else None
 
 
-def final_value(run, metric):
-    """A run's final value of a metric (Run.final; val_loss: the last logged), None without the run or geometry."""
+def final_value(run, metric, norms, warn):
+    """A run's final value of a metric (Run.final; val_loss: the last logged; SPEC_NORMS: from its snapshots, kept
+    in norms by run), None without the run or its geometry."""
     if run is None or (metric != 'val_loss' and not run.has_geometry):
         return None
+    if metric in SPEC_NORMS:
+        return cached(norms, run.path, lambda: spec_norms(run, warn))[metric]
     return float(run.val_loss[-1]) if metric == 'val_loss' else run.final(metric)
 
 
+def spec_norms(run, warn):
+    """{k_spec_norm, q_spec_norm}: the top singular value of each head's block of W_K, W_Q (geometry.singular_values
+    of geometry.split_heads), mean over heads and layers, then over the snapshots of the run's last FINAL_LOGS
+    records that are on disk; NaN without any. A snapshot that cannot be read is left out with a warning."""
+    on_disk = dict(plots.snapshot_files(run))
+    found = defaultdict(list)
+    for it in (it for it in run.geom_iters[-FINAL_LOGS:] if it in on_disk):
+        try:
+            q, k, n_head = (np.stack(w) for w in zip(*(plots.read_snapshot(run, it, on_disk[it], layer)
+                                                       for layer in range(run.n_layer))))
+        except Skip as e:
+            warn(f'{e}; left out of k_spec_norm and q_spec_norm')
+            continue
+        for name, W in (('k_spec_norm', k), ('q_spec_norm', q)):
+            tops = [geometry.singular_values(geometry.split_heads(w, int(n_head[0])))[:, 0] for w in W]
+            found[name].append(float(torch.stack(tops).mean()))
+    return {name: float(np.mean(found[name])) if found[name] else float('nan') for name in SPEC_NORMS}
+
+
 def control_effect_rows(rows):
-    """Per (target, keep, shrink_to, control, metric): the paired differences against none, summarised
-    (stats.paired_effect)."""
+    """Per arm and metric (EFFECT_METRICS): the paired differences against the baseline, summarised
+    (stats.paired_effect, with the predicted sign where there is one)."""
     out = []
-    for setup in dict.fromkeys((r['target'], r['keep'], r['shrink_to']) for r in rows):
-        target, keep, dose = setup
-        group = [r for r in rows if (r['target'], r['keep'], r['shrink_to']) == setup]
-        for kind, metric in ((kind, metric) for kind in ('shrink', 'freeze') for metric in CONTROL_METRICS):
-            d = [r[f'd_{metric}_{kind}'] for r in group if r[f'd_{metric}_{kind}'] is not None]
-            role = 'pr_controlled' if metric == f'pr_{target}' else metric
+    for arm in dict.fromkeys(tuple(r[k] for k in ARM) for r in rows):
+        head = dict(zip(ARM, arm))
+        group = [r for r in rows if tuple(r[k] for k in ARM) == arm]
+        for metric in EFFECT_METRICS:
+            d = [r[f'd_{metric}'] for r in group if r[f'd_{metric}'] is not None]
+            controlled = (f'pr_{head["target"]}', f'pr_{head["target"]}_head', 'pr_ctl_head_rel')
+            role = 'pr_controlled' if metric in controlled else metric
             if d:
-                out.append({'target': target, 'keep': keep, 'shrink_to': dose, 'contrast': f'{kind} - none',
-                            'metric': metric,
-                            **stats.paired_effect(d, PREDICTED.get((role, kind)))})
+                out.append({**head, 'metric': metric, **stats.paired_effect(d, PREDICTED.get((role, head['control'])))})
+    return out
+
+
+# ---- the dose response: the entropy effect against the achieved change in per-head PR of the controlled projection
+
+DOSE_METRICS = {'pr_head': None, 'pr_ctl_head_rel': 'pr_ctl_head_rel', 'qk_spec_norm': 'qk_spec_norm',
+                'k_spec_norm': 'k_spec_norm', 'entropy': 'entropy'}   # column -> effect metric (pr_head: the target's)
+
+
+def dose_rows(effects, rows):
+    """control_dose: one row per arm, from its effects: the baseline's final per-head PR of the controlled
+    projection, then per DOSE_METRICS the mean paired change with its seed interval, whether the PR is well below
+    the baseline (report.well_below) and the entropy effect's sign count, sign test and verdict (report.py's rule for
+    the arm's control)."""
+    out = []
+    for arm in dict.fromkeys(tuple(e[k] for k in ARM) for e in effects):
+        head = dict(zip(ARM, arm))
+        found = {e['metric']: e for e in effects if tuple(e[k] for k in ARM) == arm}
+        pr = f'pr_{head["target"]}_head'
+        row = {**head, 'n': found.get('entropy', {}).get('n'),
+               'pr_head_none': mean_or_nan([r[f'{pr}_none'] for r in rows if tuple(r[k] for k in ARM) == arm
+                                            and r[f'{pr}_none'] is not None])}
+        for column, metric in DOSE_METRICS.items():
+            e = found.get(metric or pr, {})
+            row.update({f'd_{column}': e.get('mean'), f'd_{column}_lo': e.get('ci_lo'),
+                        f'd_{column}_hi': e.get('ci_hi')})
+        row['well_below'] = report.well_below(found.get('pr_ctl_head_rel'))
+        e = found.get('entropy')
+        row.update(entropy_predicted=e and e['n_predicted'], sign_p=e and e['sign_p'],
+                   verdict=report.effect_verdict(e, head['control']) if e else report.NOT_MEASURED)
+        out.append(row)
+    return out
+
+
+def dose_fits(rows):
+    """control_dose_fit: per (setting, depth, init, target, keep) with 2 or more shrink doses, across its shrink arms
+    x seeds: the slope of d_entropy on the change in the controlled projection's per-head PR, and the fit of
+    d_entropy on that change and d_log_qk_spec_norm together; coefficients with jackknife-t intervals over
+    seeds (stats.fit_groups: the arms of one seed share its baseline)."""
+    out = []
+    for key in dict.fromkeys(tuple(r[k] for k in ARM[:5]) for r in rows if r['control'] == 'shrink'):
+        group = [r for r in rows if tuple(r[k] for k in ARM[:5]) == key and r['control'] == 'shrink'
+                 and r['d_entropy'] is not None and r['d_log_qk_spec_norm'] is not None]
+        doses = sorted({r['dose'] for r in group})
+        if len(doses) < 2:
+            continue
+        pr = f'd_pr_{key[3]}_head'
+        y, seeds = [r['d_entropy'] for r in group], [r['seed'] for r in group]
+        one = stats.fit_groups(y, [r[pr] for r in group], seeds)
+        two = stats.fit_groups(y, [[r[pr], r['d_log_qk_spec_norm']] for r in group], seeds)
+        row = {**dict(zip(ARM[:5], key)), 'doses': ' '.join(f'{d:g}' for d in doses), 'n_points': len(group),
+               'n_seeds': len(set(seeds))}
+        for name, fit, i in (('slope', one, 1), ('pr_coef', two, 1), ('scale_coef', two, 2)):
+            row.update({name: float(fit['coef'][i]), f'{name}_lo': float(fit['lo'][i]),
+                        f'{name}_hi': float(fit['hi'][i])})
+        out.append({**row, 'follows': report.follows(row)})
     return out
 
 
@@ -332,14 +505,14 @@ def timeline_rows(runs):
     """Which quantity moves when: means over runs (of layer means) at every iteration that all runs of a
     group logged. Groups are (setting, depth, init, control label), plus every uncontrolled run of a
     setting pooled (n_layer and qk_init 'all'); the numbers behind fig3 (left) and fig5."""
-    groups = defaultdict(list)
+    groups, arm = defaultdict(list), {}
     for r in runs:
         if r.has_geometry:
             groups[(r.setting, r.n_layer, r.qk_init, r.label)].append(r)
+            arm[r.label] = arm_order(r)[3:7]
             if r.control == 'none':
                 groups[(r.setting, 'all', 'all', '')].append(r)
-    kind = lambda label: CONTROL_KINDS.index(label.split('-')[0].rstrip('0123456789.') if label else 'none')
-    order = lambda g: (g[0], g[1] != 'all', str(g[1]), init_order(g[2]), kind(g[3]), g[3])
+    order = lambda g: (g[0], g[1] != 'all', str(g[1]), init_order(g[2]), arm.get(g[3], ()), g[3])
     rows = []
     for (setting, depth, init, label) in sorted(groups, key=order):
         group = groups[(setting, depth, init, label)]
@@ -350,8 +523,8 @@ def timeline_rows(runs):
             continue  # no iteration logged by every run of the group: nothing to average
         for i, it in enumerate(stacks[keys[0]][0] if keys else []):
             rows.append({'setting': setting, 'n_layer': depth, 'qk_init': init, 'control': group[0].control,
-                         'control_target': group[0].target, 'control_keep': keep_of(group[0].cfg),
-                         'n_runs': len(group), 'iter': int(it),
+                         'dose': dose_of(group[0].cfg), 'control_target': group[0].target,
+                         'control_keep': keep_of(group[0].cfg), 'n_runs': len(group), 'iter': int(it),
                          **{k: float(v[:, i].mean()) for k, (_, v) in stacks.items()}})
     return rows
 
@@ -359,29 +532,28 @@ def timeline_rows(runs):
 # ----------------------------------------------------------------------------- lenses and windows: the views
 # Every claim is measured in several ways (DESIGN.md, "Claims and lenses"). A view is one way: a lens, a window of
 # records and a set of runs (the main setting A, or the main setting of the runs with or without weight decay
-# on W_Q, W_K); it holds what the claims need: the trajectory summary (a, b), the pooled within-run links (c) and
-# the pooled scale against shape (c2).
+# on W_Q, W_K); it holds what the claims need: the trajectory summary (a, b), the tests of (c) across heads with the
+# descriptive within-run links, and the pooled scale against shape (c2).
 
 def study_tables(runs, from_iter, warn):
     """The rows of every table of the weight study and the views behind the claims, from the loaded runs."""
     cells, memo, decay = study_cells(runs), {}, decay_settings(runs)
-    wanted = VIEWS + [(lens, ALL, d) for d in decay for lens in ('whole', 'head')]   # the map's weight-decay columns
+    # the map's weight-decay columns: the claims' own lenses and windows
+    wanted = VIEWS + [(lens, window, d) for d in decay for lens in ('whole', 'head') for window in WINDOWS]
     views = {(lens, window, d): view(study_cells(runs, decay.get(d, 'A')), lens, window, from_iter, memo, warn)
              for lens, window, d in wanted}
     traj = {lens: [r for window in WINDOWS for r in views[(lens, window, None)]['rows']] for lens in LENSES}
     whole = views[('whole', ALL, None)]
-    doses = sorted({r.cfg['shrink_to'] for r in runs if r.control == 'shrink'}) or [None]
-    ctl_rows = [row for target in ('k', 'q') for keep in ('fro', 'spec') for dose in doses
-                for row in control_rows(runs, target, keep, dose)]
-    decay_of = {r.setting: decays(r.cfg) for r in runs}
+    ctl_rows = control_rows(runs, warn)
+    effects = control_effect_rows(ctl_rows)
     return {'cells': cells, 'views': views, 'traj': traj,
             'summaries': [v['summary'] for (_, _, decay), v in views.items() if decay is None],
             'summary': whole['summary'] if whole['summary']['trajectories'] else None,
-            'link_runs': whole['link_runs'], 'link_rows': whole['link_rows'], 'ctl_rows': ctl_rows,
-            'effects': control_effect_rows(ctl_rows),
-            'effects_by_decay': {d: control_effect_rows([r for r in ctl_rows if decay_of[r['setting']] == d])
-                                 for d in decay},
-            'scale_shape_runs': shape_rows(cells, from_iter, memo), 'timeline': timeline_rows(runs)}
+            'link_runs': whole['link_runs'], 'link_rows': whole['link_rows'],
+            'link_tests': [row for (_, _, decay), v in views.items() if decay is None for row in v['tests']],
+            'ctl_rows': ctl_rows, 'effects': effects, 'dose': dose_rows(effects, ctl_rows),
+            'dose_fits': dose_fits(ctl_rows), 'scale_shape_runs': shape_rows(cells, from_iter, memo),
+            'timeline': timeline_rows(runs)}
 
 
 def decay_settings(runs):
@@ -396,9 +568,9 @@ def decay_settings(runs):
 
 
 def view(cells, lens, window, from_iter, memo, warn):
-    """One view: trajectory rows and summary, the within-run links (per run, per configuration, pooled) and the
-    pooled scale against shape of the runs in cells, measured in a lens over a window. memo keeps each run's
-    links and shapes (views share runs)."""
+    """One view: trajectory rows and summary, the tests of (c) across heads, the within-run links (per run, per
+    configuration, pooled), the pooled scale against shape and how many records have near-uniform attention, of the
+    runs in cells, measured in a lens over a window. memo keeps each run's links and shapes (views share runs)."""
     runs = [r for rs in cells.values() for r in rs]
     start = {r.path: window_start(rs, lens, window, from_iter) for rs in cells.values() for r in rs}
     link_of = lambda r: cached(memo, ('link', r.path, lens, start[r.path]),
@@ -407,11 +579,14 @@ def view(cells, lens, window, from_iter, memo, warn):
     link_runs, link_rows = attention_link_tables(cells, link_of)
     shapes = [shape_of_run(r, lens, start[r.path], memo) for r in runs]
     shapes = [s[ACROSS] for s in shapes if s]
+    heads = [head_links_of_run(r, lens, start[r.path], memo) for r in runs]
+    heads = [h for h in heads if h]
     keys = [k for k in (LENSES[lens].q, LENSES[lens].k) if not any(k in r.layers for r in runs)]
     keys += [k for k in (LENSES[lens].k_heads,) if k and not any(k in r.heads for r in runs)]
-    return {'rows': rows, 'summary': trajectory_summary(rows, lens, window), 'link_runs': link_runs,
+    return {'rows': rows, 'window': window, 'summary': trajectory_summary(rows, lens, window), 'link_runs': link_runs,
             'link_rows': link_rows, 'shape': summarise({}, {n: [s[n] for s in shapes] for n in SHAPE_STATS})
-            if shapes else None, 'missing': keys, 'start': sorted(set(start.values()))}
+            if shapes else None, 'tests': link_test_rows(heads, lens, window) if heads else [], 'missing': keys,
+            'start': sorted(set(start.values())), 'near_uniform': near_uniform(runs, start)}
 
 
 def cached(memo, key, compute):
@@ -608,9 +783,11 @@ def write_tables(res, runs, skipped, out):
     tables += [('trajectory_summary', res['summaries'])]
     if res['link_rows']:
         tables += [('attention_link_runs', res['link_runs']), ('attention_link', res['link_rows'])]
-    tables += [('scale_shape_runs', res['scale_shape_runs']), ('scale_shape', res['scale_shape']),
+    tables += [('link_tests', res['link_tests']), ('scale_shape_runs', res['scale_shape_runs']),
+               ('scale_shape', res['scale_shape']),
                ('robustness_map', [{k: v for k, v in row.items() if k != 'key'} for row in res['map']]),
-               ('control', res['ctl_rows']), ('control_effects', res['effects']), ('timeline', res['timeline'])]
+               ('control', res['ctl_rows']), ('control_effects', res['effects']), ('control_dose', res['dose']),
+               ('control_dose_fit', res['dose_fits']), ('timeline', res['timeline'])]
     return [path for stem, rows in tables if rows for path in write_table(rows, out, stem)]
 
 

@@ -98,25 +98,41 @@ def tiny_args(tmp_path, text_file, name, *extra):
 
 # ----------------------------------------------------------------------------- synthetic run folders (analyze.py's input)
 
-def layer_record(pr_q, pr_k, pr_qk, entropy, n_head):
-    """One layer of a metrics.jsonl record with every key train.py logs (per-head lists included)."""
-    heads = lambda v: [float(v)] * n_head
+def layer_record(pr_q, pr_k, pr_qk, entropy, n_head, offsets=None):
+    """One layer of a metrics.jsonl record with every key train.py logs (per-head lists included). offsets: the
+    per-head deviations (n_head each) of PR_K, PR_QK and entropy from the layer value; None: every head alike."""
+    k_off, qk_off, e_off = np.zeros((3, n_head)) if offsets is None else offsets
+    heads = lambda v, off=np.zeros(n_head): [float(x) for x in v + off]
     rec = {'pr_q': pr_q, 'pr_k': pr_k, 'pr_q_head': pr_q / 2, 'pr_k_head': pr_k / 2,
-           'pr_q_heads': heads(pr_q / 2), 'pr_k_heads': heads(pr_k / 2), 'pr_qk': pr_qk, 'pr_qk_heads': heads(pr_qk),
-           'qk_spec_norm': 0.03, 'qk_fro_norm': 0.05, 'qk_spec_norm_heads': heads(0.03),
-           'qk_fro_norm_heads': heads(0.05), 'erank_q': pr_q * 1.5, 'erank_k': pr_k * 1.5, 'srank_q': 3.0,
-           'srank_k': 3.0, 'erank_qk': pr_qk * 1.5, 'tok_pr_q': pr_q - 1, 'tok_pr_k': pr_k - 1,
-           'tok_pr_q_head': pr_q / 3, 'tok_pr_k_head': pr_k / 3, 'tok_pr_q_heads': heads(pr_q / 3),
-           'tok_pr_k_heads': heads(pr_k / 3), 'tok_pr_qk': pr_qk / 2, 'tok_pr_qk_heads': heads(pr_qk / 2),
-           'entropy': entropy, 'entropy_norm': entropy / 3, 'entropy_heads': heads(entropy),
-           'entropy_norm_heads': heads(entropy / 3)}
+           'pr_q_heads': heads(pr_q / 2), 'pr_k_heads': heads(pr_k / 2, k_off), 'pr_qk': pr_qk,
+           'pr_qk_heads': heads(pr_qk, qk_off), 'qk_spec_norm': 0.03, 'qk_fro_norm': 0.05,
+           'qk_spec_norm_heads': heads(0.03), 'qk_fro_norm_heads': heads(0.05), 'erank_q': pr_q * 1.5,
+           'erank_k': pr_k * 1.5, 'srank_q': 3.0, 'srank_k': 3.0, 'erank_qk': pr_qk * 1.5, 'tok_pr_q': pr_q - 1,
+           'tok_pr_k': pr_k - 1, 'tok_pr_q_head': pr_q / 3, 'tok_pr_k_head': pr_k / 3,
+           'tok_pr_q_heads': heads(pr_q / 3), 'tok_pr_k_heads': heads(pr_k / 3, k_off), 'tok_pr_qk': pr_qk / 2,
+           'tok_pr_qk_heads': heads(pr_qk / 2, qk_off),
+           'entropy': entropy, 'entropy_norm': entropy / 3, 'entropy_heads': heads(entropy, e_off),
+           'entropy_norm_heads': heads(entropy / 3, e_off / 3)}
     return {k: float(v) if isinstance(v, (float, np.floating)) else v for k, v in rec.items()}
+
+
+def head_offsets(rng, n_records, n_head, effect):
+    """Per-head deviations from the layer value, (n_records, n_head) random walks centred across heads (the layer
+    means stay as they are): PR_K's, and PR_QK's and entropy's following it with the sign of effect (0: each an
+    independent walk)."""
+    def walk():
+        w = np.cumsum(rng.normal(0, 0.05, (n_records, n_head)), 0)
+        return w - w.mean(1, keepdims=True)
+    k = walk()
+    qk, e = (effect * 0.5 * k, effect * 0.1 * k + 0.002 * walk()) if effect else (walk(), 0.1 * walk())
+    return k, qk, e
 
 
 def make_run(root, name, *, n_layer=2, qk_init='normal', seed=1, control='none', control_target='k', effect=1,
               iters=LOG_ITERS, n_embd=8, n_head=2, snapshots=True, done=True, **cfg):
     """A finished run folder. effect=+1 plants the study's claims (PR_Q up, PR_K down, PR_QK and entropy
-    following PR_K, shrink lowering and freeze raising entropy), -1 the opposite, 0 none (noise)."""
+    following PR_K, over training and across heads, shrink lowering and freeze raising entropy), -1 the opposite,
+    0 none (noise). Shrink lowers PR_K towards shrink_to of its value."""
     path = os.path.join(root, name)
     os.makedirs(path)
     config = dict(out_dir=root, run_name=name, n_layer=n_layer, n_head=n_head, n_embd=n_embd, qk_init=qk_init,
@@ -130,6 +146,7 @@ def make_run(root, name, *, n_layer=2, qk_init='normal', seed=1, control='none',
     seed_rng = np.random.default_rng(seed)             # shared by none/shrink/freeze of a seed: the pairing
     pair_offset = seed_rng.normal(0, 0.05)
     rng = np.random.default_rng(zlib.crc32(name.encode()))   # str hash() is salted per process
+    head_rng = np.random.default_rng(zlib.crc32(name.encode()) + 1)   # its own stream: rng's draws stay put
     f = np.log1p(np.array(iters, dtype=float)) / math.log1p(iters[-1])    # progress 0 -> 1
     walk = lambda: np.cumsum(rng.normal(0, 0.3, len(iters))) * (f > 0)
     sign = {'none': 0, 'shrink': -1, 'freeze': +1}[control]
@@ -145,12 +162,14 @@ def make_run(root, name, *, n_layer=2, qk_init='normal', seed=1, control='none',
             pr_q, pr_k = 4 + walk(), 4 + walk()
             pr_qk, ent = 2 + rng.normal(0, 0.1, len(f)), 1.5 + rng.normal(0, 0.02, len(f))  # iid: no trend
         if control == 'shrink':
-            pr_k = pr_k - 0.5 * f
-        layers.append((pr_q, pr_k, pr_qk, ent + pair_offset + ctl_shift))
+            pr_k = pr_k * (1 - (1 - config['shrink_to']) * f)
+        layers.append((pr_q, pr_k, pr_qk, ent + pair_offset + ctl_shift,
+                       head_offsets(head_rng, len(f), n_head, effect)))
     with open(os.path.join(path, 'metrics.jsonl'), 'w') as fh:
         for i, it in enumerate(iters):
             row = {'iter': it, 'tokens': it * 256, 'lr': 1e-3, 'train_loss': 4 - f[i], 'val_loss': 4.1 - f[i],
-                   'layers': [layer_record(*(a[i] for a in L), n_head) for L in layers], 'time': 0.01 * it}
+                   'layers': [layer_record(*(a[i] for a in L[:4]), n_head, [o[i] for o in L[4]]) for L in layers],
+                   'time': 0.01 * it}
             fh.write(json.dumps(row) + '\n')
     if snapshots:
         os.makedirs(os.path.join(path, 'snapshots'))

@@ -1,16 +1,20 @@
 """
 Key-spectrum control: after each optimizer step, reshape the singular-value spectrum of W_K (or W_Q,
-the mirror experiment) towards a target participation ratio, keeping its singular vectors and its scale.
+the mirror experiment) towards a target participation ratio, keeping its singular vectors and, at that
+step, one measure of its scale (control_keep).
 
     W = U diag(s) V^T   ->   W' = U diag(s') V^T,   s' = c * s^alpha
     alpha  by bisection, so that PR(s') = (sum s'^2)^2 / sum s'^4 hits the target
     c      what the reshaping holds fixed (control_keep):
            fro  (default) sum s'^2 = sum s^2: the Frobenius norm is kept, only the dispersion changes,
                 so a narrower spectrum has a larger top singular value (larger logits)
-           spec max(s') = max(s): the top singular value is kept, so only the shape of the spectrum
-                changes and the largest logit scale stays put
-           Comparing the two separates shape from scale in the causal experiment. PR is scale-free, so
-           both reach the same PR with the same alpha; spec costs no more than fro (c = max(s)).
+           spec max(s') = max(s): the top singular value that the optimizer step just set is kept, so
+                the reshaping changes only the shape of the spectrum. It does not hold the logit scale
+                over training: later steps move max(s) as training would, and W_Q keeps learning, so
+                ||W_QK^h||_2 still drifts (analyze.py reports how far, against the baseline)
+           Comparing the two separates shape from scale at each control step; over training, the
+           analysis accounts for the scale change that remains. PR is scale-free, so both reach the
+           same PR with the same alpha; spec costs no more than fro (c = max(s)).
 
 PR(s^alpha) falls as alpha grows: alpha = 0 makes every nonzero value equal (PR = rank, the most
 reachable), alpha = 1 is the spectrum as it is, alpha -> inf keeps only the top value (PR -> how many

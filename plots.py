@@ -6,8 +6,9 @@ tokens.py's). Object-oriented matplotlib (Figure, no pyplot state), headless; wr
     fig2_pr_gap             PR_Q - PR_K along every (depth, init, layer) trajectory
     fig3_entropy_and_pr     entropy over training; PR_K and PR_QK against entropy
     fig4_spectra            singular values of W_Q, W_K and W_QK at the first and the last snapshot
-    fig5_control_k (_q)     the control experiment, a row per control setup
+    fig5_control_k (_q)     the control experiment, a row per control setup, a line per arm (shrink doses, freeze)
     fig8_scale_shape        entropy against the logit scale log ||W_QK||_2, coloured by PR_K
+    fig10_dose_response     the entropy effect against the achieved change in per-head PR_K, per control_keep
 """
 import io
 import os
@@ -19,18 +20,17 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure  # object-oriented matplotlib: headless, no pyplot state
 from PIL import Image
 
-import control
 import geometry
 import runfolder
 import stats
-from folders import CONTROL_KINDS, Skip, init_order, seed_stack
+from folders import Skip, init_order, seed_stack
 
 matplotlib.rcParams['axes.formatter.useoffset'] = False   # axes read '1e-6+2.04477' with it: every tick in full
 
 
 
 def draw_figures(res, runs, out, pdf, log, warn):
-    """fig1..fig5 and fig8 in out: (paths written, notes on the figures skipped and why)."""
+    """fig1..fig5, fig8 and fig10 in out: (paths written, notes on the figures skipped and why)."""
     cells = res['cells']
     ctl_rows = {target: [r for r in res['ctl_rows'] if r['target'] == target] for target in ('k', 'q')}
     plots = [('fig1_pr_over_training', lambda: plot_pr_over_training(cells)),
@@ -38,7 +38,8 @@ def draw_figures(res, runs, out, pdf, log, warn):
              ('fig3_entropy_and_pr', lambda: plot_entropy_and_pr(cells)),
              ('fig4_spectra', lambda: plot_spectra(cells, warn)),
              ('fig5_control_k', lambda: plot_control(runs, ctl_rows['k'], 'k')),
-             ('fig8_scale_shape', lambda: plot_scale_shape(cells))]
+             ('fig8_scale_shape', lambda: plot_scale_shape(cells)),
+             ('fig10_dose_response', lambda: plot_dose_response(res['ctl_rows'], res['dose_fits']))]
     if ctl_rows['q']:
         plots.insert(5, ('fig5_control_q', lambda: plot_control(runs, ctl_rows['q'], 'q')))
     written, notes = [], []
@@ -248,40 +249,47 @@ def draw_spectra(axes, run, snaps):
 
 def plot_control(runs, rows, target):
     """Figure 5, a row per control setup (training setting, depth, init, control_keep): PR of the controlled
-    projection and attention entropy over training for none, shrink and freeze (seed mean, min-max band), and the
-    per-seed paired entropy differences with the mean and its bootstrap interval."""
+    projection and attention entropy over training for the baseline and every arm (seed mean, min-max band), and
+    the per-seed paired entropy differences of each arm with the mean and its bootstrap interval."""
     if not rows:
         raise Skip(f'no controlled runs (control_target={target})')
-    setup = lambda r: (r['setting'], r['n_layer'], r['qk_init'], r['keep'], r['shrink_to'])
-    cells = sorted({setup(r) for r in rows}, key=lambda c: (c[0], c[1], init_order(c[2]), c[3], c[4] or 0))
+    setup = lambda r: (r['setting'], r['n_layer'], r['qk_init'], r['keep'])
+    cells = sorted({setup(r) for r in rows}, key=lambda c: (c[0], c[1], init_order(c[2]), c[3]))
     fig = Figure(layout='constrained', figsize=(15, 4.3 * len(cells)))
-    for axes, (setting, depth, init, keep, dose) in zip(fig.subplots(len(cells), 3, squeeze=False), cells):
-        label = lambda kind: control.control_label({'control': kind, 'control_target': target, 'control_keep': keep,
-                                                    'shrink_to': dose}) if kind != 'shrink' or dose else None
-        groups = {kind: [r for r in runs if (r.setting, r.n_layer, r.qk_init, r.label) == (setting, depth, init,
-                                                                                          label(kind))
-                         and r.has_geometry] for kind in CONTROL_KINDS}
-        draw_control_curves(axes[0], axes[1], groups, target)
-        draw_control_effects(axes[2], [r for r in rows if setup(r) == (setting, depth, init, keep, dose)])
+    for axes, cell in zip(fig.subplots(len(cells), 3, squeeze=False), cells):
+        setting, depth, init, keep = cell
+        found = [r for r in rows if setup(r) == cell]
+        labels = list(dict.fromkeys(r['arm'] for r in found))   # arm_order: shrink weak to strong, then freeze
+        same = lambda r: (r.setting, r.n_layer, r.qk_init) == (setting, depth, init) and r.has_geometry
+        groups = {'none': [r for r in runs if same(r) and r.control == 'none']}
+        groups.update({arm: [r for r in runs if same(r) and r.label == arm] for arm in labels})
+        colors = arm_colors(labels)
+        draw_control_curves(axes[0], axes[1], groups, colors, target)
+        draw_control_effects(axes[2], [[r['d_entropy'] for r in found if r['arm'] == arm] for arm in labels],
+                             labels, colors)
         axes[0].set_title(f'setting {setting}, L{depth} {init}, keep {keep}: ' + axes[0].get_title(), fontsize=9)
     fig.suptitle(f'control experiment (control_target={target})')
     return fig
 
-CONTROL_COLORS = {'none': 'k', 'shrink': 'tab:blue', 'freeze': 'tab:red'}
+
+def arm_colors(arms):
+    """{arm: colour}: the baseline black, freeze red, shrink doses in blues that darken as the dose strengthens."""
+    shrinks = [a for a in arms if a.startswith('shrink')]
+    blues = colormaps['Blues'](np.linspace(0.45, 0.95, max(len(shrinks), 1)))
+    return {'none': 'k', **{a: blues[shrinks.index(a)] if a in shrinks else 'tab:red' for a in arms}}
 
 
-
-def draw_control_curves(ax_pr, ax_h, groups, target):
-    """The controlled PR and the entropy over training of each group {kind: runs}: layer mean, seed mean and band.
+def draw_control_curves(ax_pr, ax_h, groups, colors, target):
+    """The controlled PR and the entropy over training of each group {arm: runs}: layer mean, seed mean and band.
     The PR shown is the one the control acts on: per head (mean over heads) in head scope, else the whole matrix."""
-    scopes = {r.cfg.get('control_scope', 'head') for kind in ('shrink', 'freeze') for r in groups[kind]}
+    scopes = {r.cfg.get('control_scope', 'head') for arm, group in groups.items() if arm != 'none' for r in group}
     ctl_pr = ('pr_k' if target == 'k' else 'pr_q') + ('_head' if scopes == {'head'} else '')
-    for kind, group in groups.items():
+    for arm, group in groups.items():
         for ax, key in ((ax_pr, ctl_pr), (ax_h, 'entropy')) if group else ():
             iters, v = seed_stack(group, key)
             v = np.nanmean(v, axis=2)   # layer mean, (S, T)
-            ax.plot(iters, v.mean(0), color=CONTROL_COLORS[kind], label=f'{kind} ({len(group)} seeds)')
-            ax.fill_between(iters, v.min(0), v.max(0), color=CONTROL_COLORS[kind], alpha=0.2, lw=0)
+            ax.plot(iters, v.mean(0), color=colors[arm], label=f'{arm} ({len(group)} seeds)')
+            ax.fill_between(iters, v.min(0), v.max(0), color=colors[arm], alpha=0.2, lw=0)
     for ax, name in ((ax_pr, ctl_pr.upper().replace('_HEAD', ' per head')), (ax_h, 'attention entropy (nats)')):
         iteration_axis(ax)
         ax.set_ylabel(name)
@@ -290,23 +298,69 @@ def draw_control_curves(ax_pr, ax_h, groups, target):
     ax_h.set_title('entropy (layer mean)', fontsize=9)
 
 
-def draw_control_effects(ax, rows):
-    """Per seed, the paired final entropy differences shrink - none and freeze - none, with their mean and
+def draw_control_effects(ax, diffs, labels, colors):
+    """Per arm, the paired final entropy differences (controlled - none) of each seed, with their mean and
     bootstrap interval."""
-    for x, kind in enumerate(('shrink', 'freeze')):
-        d = np.array([r[f'd_entropy_{kind}'] for r in rows if r[f'd_entropy_{kind}'] is not None], dtype=float)
+    for x, (d, arm) in enumerate(zip(diffs, labels)):
+        d = np.array([v for v in d if v is not None], dtype=float)
         if len(d) == 0:
             continue
         jitter = np.linspace(-0.12, 0.12, len(d)) if len(d) > 1 else np.zeros(1)
-        ax.scatter(x + jitter, d, color=CONTROL_COLORS[kind], s=18, zorder=3)
+        ax.scatter(x + jitter, d, color=colors[arm], s=18, zorder=3)
         lo, hi = stats.bootstrap_ci(d)
-        ax.errorbar([x + 0.3], [d.mean()], yerr=[[d.mean() - lo], [hi - d.mean()]], fmt='D', color='k',
-                    capsize=4, zorder=4)
+        if np.isfinite(lo):
+            ax.errorbar([x + 0.3], [d.mean()], yerr=[[d.mean() - lo], [hi - d.mean()]], fmt='D', color='k',
+                        capsize=4, zorder=4)
     ax.axhline(0, color='k', lw=1)
-    ax.set_xticks([0, 1], ['shrink - none', 'freeze - none'])
-    ax.set_xlim(-0.5, 1.6)
+    ax.set_xticks(range(len(labels)), [f'{arm} - none' for arm in labels], fontsize=7, rotation=20)
+    ax.set_xlim(-0.5, len(labels) - 0.4)
     ax.set_ylabel('paired final entropy difference (nats)')
     ax.set_title(f'per seed, mean and {stats.LEVEL:.0%} bootstrap interval', fontsize=9)
+
+
+def plot_dose_response(rows, fits):
+    """Figure 10: the paired final entropy change against the achieved change in the controlled projection's
+    per-head PR, a panel per control_keep (target k): a point per shrink arm and seed, coloured by dose, each arm's
+    mean with its seed intervals on both axes, and the fitted slope with its interval (control_dose_fit)."""
+    rows = [r for r in rows if r['target'] == 'k' and r['control'] == 'shrink' and r['d_entropy'] is not None
+            and r['d_pr_k_head'] is not None]
+    if not rows:
+        raise Skip('no shrink runs of control_target=k paired with a baseline')
+    keeps = list(dict.fromkeys(r['keep'] for r in rows))
+    fig = Figure(layout='constrained', figsize=(5.5 * len(keeps), 4.4))
+    for ax, keep in zip(fig.subplots(1, len(keeps), squeeze=False)[0], keeps):
+        found = [r for r in rows if r['keep'] == keep]
+        arms = list(dict.fromkeys(r['arm'] for r in found))
+        colors = arm_colors(arms)
+        for arm in arms:
+            x, y = (np.array([r[k] for r in found if r['arm'] == arm]) for k in ('d_pr_k_head', 'd_entropy'))
+            ax.scatter(x, y, color=colors[arm], s=16, alpha=0.7, label=arm)
+            (xlo, xhi), (ylo, yhi) = stats.bootstrap_ci(x), stats.bootstrap_ci(y)
+            if np.isfinite(xlo) and np.isfinite(ylo):
+                ax.errorbar([x.mean()], [y.mean()], xerr=[[x.mean() - xlo], [xhi - x.mean()]],
+                            yerr=[[y.mean() - ylo], [yhi - y.mean()]], fmt='D', color=colors[arm], mec='k', capsize=3)
+        fit = next((f for f in fits if f['target'] == 'k' and f['keep'] == keep), None)
+        if fit:   # least squares passes through the points' mean
+            draw_slope(ax, fit, *(np.array([r[k] for r in found]) for k in ('d_pr_k_head', 'd_entropy')))
+        ax.axhline(0, color='k', lw=0.8)
+        ax.axvline(0, color='k', lw=0.8)
+        ax.set_xlabel('achieved change in per-head PR_K (controlled - none)')
+        ax.set_ylabel('paired final entropy change (nats)')
+        ax.set_title(f'control_keep={keep}', fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle('dose response: entropy effect against the achieved PR_K change (shrink, per seed)')
+    return fig
+
+
+def draw_slope(ax, fit, x, y):
+    """The fitted line through the points' mean, and dashed the lines of the slopes at the ends of its interval."""
+    grid = np.linspace(min(x.min(), 0), max(x.max(), 0), 20)
+    line = lambda slope: y.mean() + slope * (grid - x.mean())
+    ax.plot(grid, line(fit['slope']), 'k-', lw=1.2,
+            label=f'slope {fit["slope"]:+.3g} [{fit["slope_lo"]:+.3g}, {fit["slope_hi"]:+.3g}]')
+    for slope in (fit['slope_lo'], fit['slope_hi']):
+        if np.isfinite(slope):
+            ax.plot(grid, line(slope), 'k--', lw=0.7)
 
 
 def plot_scale_shape(cells):

@@ -4,13 +4,17 @@ them; the geometry itself is geometry.py's). Every random draw comes from a fixe
 reproducible to the last digit.
 
 - Spearman correlation: the Pearson correlation of the ranks, ties given their average rank.
-- Partial correlation of x and y given z: geometry.partial_correlation (the one place the formula lives), the
-  Pearson correlation of what is left of x and y once a linear fit on z is taken out of each. Used on the values
-  with z = log ||W_QK||_2: a partial Spearman (on ranks) is biased upward (about +0.05 at 32 heads) when x and y
-  both depend linearly on z, which would read as shape beyond scale where there is none.
+- Pearson correlation, and the partial correlation of x and y given z: geometry.partial_correlation (the one place
+  the formula lives), the Pearson correlation of what is left of x and y once a linear fit on z is taken out of
+  each. Used on the values with z = log ||W_QK||_2, and set beside the Pearson correlation without z (one family):
+  a partial Spearman (on ranks) is biased upward (about +0.08 at 16 heads, +0.05 at 32) when x and y both depend
+  linearly on z, which would read as shape beyond scale where there is none.
 - Percentile bootstrap interval of a mean (N_BOOT resamples), exact one-sided sign test, one-sided permutation
   test of a positive Spearman correlation (N_PERM shuffles).
+- Least-squares fit of y on [1, X] with jackknife-t intervals over groups (seeds): the arms of one seed share its
+  baseline run and are not independent, so a seed is left out whole.
 """
+import functools
 import math
 
 import numpy as np
@@ -46,6 +50,14 @@ def spearman(x, y):
     rx, ry = rx - rx.mean(), ry - ry.mean()
     denom = math.sqrt((rx ** 2).sum() * (ry ** 2).sum())
     return float((rx * ry).sum() / denom) if denom > 0 else float('nan')
+
+
+def pearson(x, y):
+    """Pearson correlation (geometry.partial_correlation without a control); pairs with a NaN are dropped; NaN with
+    fewer than 3 pairs or a constant series."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    ok = np.isfinite(x) & np.isfinite(y)
+    return geometry.partial_correlation(x[ok], y[ok]) if ok.sum() >= 3 else float('nan')
 
 
 def partial(x, y, z):
@@ -118,3 +130,42 @@ def permutation_p(x, y, n_perm=N_PERM, seed=BOOT_SEED):
     shuffled = np.random.default_rng(seed).permuted(np.tile(ry, (n_perm, 1)), axis=1)
     null = shuffled @ rx / math.sqrt((rx ** 2).sum() * (ry ** 2).sum())
     return float((1 + (null >= rho - 1e-12).sum()) / (1 + n_perm))
+
+
+def fit_groups(y, X, groups, level=LEVEL):
+    """Least-squares fit of y (n,) on [1, X] (X (n,) or (n, k)) with an interval for each coefficient from a
+    delete-one-group jackknife: the fit is repeated leaving out each group (a seed: its rows share a baseline run and
+    go together), se^2 = (G - 1) / G * sum (coef_-g - their mean)^2, interval coef -/+ t * se with Student's t on
+    G - 1 degrees of freedom. With a handful of seeds a percentile bootstrap of groups gives intervals narrower than
+    their level (84% coverage at 95%, 5 seeds, in a planted check), the jackknife-t close to it (95%). Rows with a
+    NaN are dropped. Returns {'coef', 'lo', 'hi'}, arrays of k + 1 (the intercept first): NaN coefficients when the
+    design is rank-deficient, NaN intervals with fewer than 3 groups or a rank-deficient leave-one-out design."""
+    y, X = np.asarray(y, dtype=float), np.asarray(X, dtype=float).reshape(len(y), -1)
+    ok = np.isfinite(y) & np.isfinite(X).all(1)
+    A, y, groups = np.column_stack([np.ones(ok.sum()), X[ok]]), y[ok], np.asarray(groups)[ok]
+    coef, nan = least_squares(A, y), np.full(A.shape[1], np.nan)
+    names = np.unique(groups)
+    if len(names) < 3:
+        return {'coef': coef, 'lo': nan, 'hi': nan}
+    jack = np.array([least_squares(A[groups != g], y[groups != g]) for g in names])
+    se = np.sqrt((len(names) - 1) / len(names) * ((jack - jack.mean(0)) ** 2).sum(0))
+    t = t_quantile(0.5 + level / 2, len(names) - 1)
+    return {'coef': coef, 'lo': coef - t * se, 'hi': coef + t * se}
+
+
+def least_squares(A, y):
+    """The least-squares coefficients of y on the columns of A; NaN when A is rank-deficient."""
+    if np.linalg.matrix_rank(A) < A.shape[1]:
+        return np.full(A.shape[1], np.nan)
+    return np.linalg.lstsq(A, y, rcond=None)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def t_quantile(p, df):
+    """The p-quantile (0.5 <= p < 1) of Student's t with df degrees of freedom: its density integrated on a fine
+    grid (trapezoids; about 1e-6 off), then inverted by interpolation."""
+    x = np.linspace(0, 100, 200001)
+    pdf = np.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi) * \
+        (1 + x ** 2 / df) ** (-(df + 1) / 2)
+    cdf = 0.5 + np.concatenate([[0], np.cumsum((pdf[1:] + pdf[:-1]) / 2 * np.diff(x))])
+    return float(np.interp(p, cdf, x))

@@ -165,7 +165,7 @@ def test_planted_effect_holds(tmp_path, synthetic_study):
     text = open(os.path.join(res['out'], 'REPORT.md')).read()
     assert report.SHARE_RULE in text and report.EFFECT_RULE in text and report.LINK_RULE in text
     assert 'weight decay 0.1' in text and 'C/2' in text
-    shrink = next(e for e in res['effects'] if e['contrast'] == 'shrink - none' and e['metric'] == 'entropy')
+    shrink = next(e for e in res['effects'] if e['control'] == 'shrink' and e['metric'] == 'entropy')
     assert shrink['n'] == 5 and shrink['n_predicted'] == 5 and shrink['sign_p'] == 1 / 32
 
 
@@ -178,9 +178,9 @@ def test_opposite_effect_does_not_hold(tmp_path, synthetic_study):
 def test_no_effect_is_neither(tmp_path, synthetic_study):
     res = run_analysis(synthetic_study(str(tmp_path), effect=0))
     v = verdicts(res)
-    # the statistical claims are inconclusive on noise; the share claims do not hold (random walks rarely
-    # keep PR_Q - PR_K > 0 everywhere), and certainly never hold
-    assert v['c'] == v['d'] == v['e'] == 'mixed'
+    # the control effects are inconclusive on noise; (c) finds at most a negligible link; the share claims do not
+    # hold (random walks rarely keep PR_Q - PR_K > 0 everywhere), and certainly never hold
+    assert v['d'] == v['e'] == 'mixed' and v['c'] != 'holds'
     assert v['a'] != 'holds' and v['b'] != 'holds'
 
 
@@ -393,7 +393,8 @@ def test_c2_separates_the_spectrum_s_shape_from_the_logit_scale(tmp_path, write_
     assert (pooled['pr_k~entropy|scale'] > 0.5) == (kind != 'scale')
     text = open(os.path.join(res['out'], 'REPORT.md')).read()
     assert report.C2_RULE in text and 'two trending series correlate' in text
-    assert {'pr_k~entropy|scale', 'pr_qk~entropy|scale', 'scale~entropy'} <= set(res['link_rows'][-1])
+    over_time = next(r for r in res['scale_shape'] if r['scope'] == analyze.OVER_TIME)
+    assert {'pr_k~entropy|scale', 'pr_qk~entropy|scale', 'scale~entropy'} <= set(over_time)
 
 
 def test_each_lens_reads_its_own_keys(tmp_path, write_run, log_iters):
@@ -451,7 +452,7 @@ def test_control_keep_gets_verdicts_of_its_own_and_softer_attention_names_the_lo
     v = verdicts(res, every=True)
     assert v['d'] == v['d-spec'] == v['e'] == v['e-spec'] == 'holds'
     assert 'not less trained' in claim(res, 'e')['qualifier']       # the paired val_loss difference is 0
-    metrics = {(e['keep'], e['metric']) for e in res['effects'] if e['contrast'] == 'freeze - none'}
+    metrics = {(e['keep'], e['metric']) for e in res['effects'] if e['control'] == 'freeze'}
     assert {('fro', 'qk_spec_norm'), ('fro', 'val_loss'), ('spec', 'qk_spec_norm'), ('spec', 'entropy')} <= metrics
     for seed in (1, 2, 3, 4, 5):   # freezing now costs validation loss
         freeze = os.path.join(root, 'control', f'L3_normal_freeze-k_s{seed}')
@@ -459,9 +460,9 @@ def test_control_keep_gets_verdicts_of_its_own_and_softer_attention_names_the_lo
     res = run_analysis(root)
     assert 'also less trained' in claim(res, 'e')['qualifier'] and '+0.02' in claim(res, 'e')['qualifier']
     text = open(os.path.join(res['out'], 'REPORT.md')).read()
-    assert 'separate shape from scale' in text and 'also less trained' in text
-    assert map_cell(res, 'd', 'control_keep=spec (top singular value held)').startswith('holds')
-    assert map_cell(res, 'a', 'control_keep=spec (top singular value held)').startswith('-')
+    assert 'does not hold the logit scale over training' in text and 'also less trained' in text
+    assert map_cell(res, 'd', report.SPEC_COLUMN).startswith('holds')
+    assert map_cell(res, 'a', report.SPEC_COLUMN).startswith('-')
 
 
 def test_robustness_map_splits_by_weight_decay_when_both_are_given(tmp_path, write_run):
@@ -700,7 +701,8 @@ def test_one_run_gets_the_small_sample_note_and_the_notes_count_as_the_tables(tm
 
 
 def test_effects_below_the_precision_shown_are_in_scientific_notation():
-    effect = {'target': 'k', 'keep': 'fro', 'contrast': 'freeze - none', 'metric': 'entropy', 'n': 5, 'mean': 2.1e-8,
+    effect = {'target': 'k', 'keep': 'fro', 'control': 'freeze', 'dose': None, 'n_layer': 4, 'qk_init': 'normal',
+              'arm': 'freeze-k', 'metric': 'entropy', 'n': 5, 'mean': 2.1e-8,
               'ci_lo': 1.2e-8, 'ci_hi': 3.3e-8, 'n_predicted': 5, 'sign_p': 1 / 32, 'confidence': 1.0}
     e = report.effect_claim('e', [effect], 'fro', 3)
     assert '+2.10e-08 [+1.20e-08, +3.30e-08]' in e['value'] and '0.0000' not in e['value']
