@@ -382,18 +382,24 @@ def control_rows(runs, warn):
         for metric in CONTROL_METRICS:
             v, v0 = (final_value(run, metric, norms, warn) for run in (r, b))
             row.update({metric: v, f'{metric}_none': v0, f'd_{metric}': difference(v, v0)})
-        ok = lambda *v: all(x is not None and x > 0 for x in v)
-        scale, scale0 = row['qk_spec_norm'], row['qk_spec_norm_none']
-        row['d_log_qk_spec_norm'] = float(np.log(scale / scale0)) if ok(scale, scale0) else None
+        row['d_log_qk_spec_norm'] = log_ratio(row['qk_spec_norm'], row['qk_spec_norm_none'])
         pr = f'pr_{r.target}_head'
-        row['d_pr_ctl_head_rel'] = row[f'd_{pr}'] / row[f'{pr}_none'] if ok(row[f'{pr}_none']) and \
-            row[f'd_{pr}'] is not None else None
+        row['d_pr_ctl_head_rel'] = row[f'd_{pr}'] / row[f'{pr}_none'] if row[f'd_{pr}'] is not None and \
+            positive(row[f'{pr}_none']) else None
         rows.append(row)
     return rows
 
 
 def difference(a, b):
     return a - b if a is not None and b is not None else None
+
+
+def positive(*values):
+    return all(v is not None and v > 0 for v in values)
+
+
+def log_ratio(a, b):
+    return float(np.log(a / b)) if positive(a, b) else None
 
 
 def final_value(run, metric, norms, warn):
