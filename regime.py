@@ -11,10 +11,11 @@ Per run, then per point as the mean over its seeds with the bootstrap interval o
                             whole matrix (pr_q, pr_k) and learned part W - W(0) (pr_dq, pr_dk)
     gap_end[_head|_learned] final PR_Q - PR_K over the largest PR it can have: / C whole matrix and learned part,
                             / d = C / n_head per head, so that widths compare (final: mean of the last FINAL_LOGS logs)
-    c_pr_k~pr_qk, c_pr_k~entropy   claim (c): within-run Spearman over all records, per layer
-    c2_pr_k~entropy|scale   claim (c2): per checkpoint across (layer, head) pairs, partial correlation of entropy with
-                            PR_K per head given log ||W_QK^h||_2, mean over checkpoints; c2_scale~entropy the Spearman
-                            of that scale with entropy
+    c_pr_k~pr_qk, c_pr_k~entropy, c_dpr_k~dentropy   claim (c) as REPORT.md judges it: per record from warm-up on,
+                            across the (layer, head) pairs, Spearman of per-head levels and of changes between records
+    c2_pr_k~entropy|scale   claim (c2): per record from warm-up on, across (layer, head) pairs, Pearson partial
+                            correlation of entropy with PR_K per head given log ||W_QK^h||_2, mean over records;
+                            c2_scale~entropy the Pearson correlation of that scale with entropy
     d_entropy, d_qk_spec_norm, d_val_loss [label]   where controlled runs share the point: controlled - none, paired
                             by seed, per control label (freeze-k: claim (e) with control_keep fro; freeze-k-spec: spec)
     val_loss, train_val_gap final losses (done.json); a point overfits when its mean val - train exceeds OVERFIT_GAP
@@ -66,14 +67,17 @@ STATS = {
     'gap_end': Stat('final (PR_Q - PR_K) / C, whole matrix'),
     'gap_end_head': Stat('final (PR_Q - PR_K) / d per head, mean over heads (d = C / n_head)'),
     'gap_end_learned': Stat('final (pr_dq - pr_dk) / C, learned part'),
-    'c_pr_k~pr_qk': Stat('claim (c): within-run Spearman of PR_K with PR_QK over all records'),
-    'c_pr_k~entropy': Stat('claim (c): within-run Spearman of PR_K with entropy over all records'),
-    'c2_pr_k~entropy|scale': Stat('claim (c2): per checkpoint across (layer, head) pairs, partial correlation of '
-                                  'PR_K per head with entropy given log ||W_QK^h||_2, mean over checkpoints'),
-    'c2_scale~entropy': Stat('per checkpoint across (layer, head) pairs, Spearman of log ||W_QK^h||_2 with entropy'),
+    'c_pr_k~pr_qk': Stat('claim (c): per record from warm-up on, across (layer, head) pairs, Spearman of per-head '
+                         'PR_K with PR_QK, mean over records'),
+    'c_pr_k~entropy': Stat('claim (c): the same of per-head PR_K with entropy'),
+    'c_dpr_k~dentropy': Stat('claim (c): the same of their changes between consecutive records'),
+    'c2_pr_k~entropy|scale': Stat('claim (c2): per record from warm-up on, across (layer, head) pairs, Pearson partial '
+                                  'correlation of per-head PR_K with entropy given log ||W_QK^h||_2, mean over records'),
+    'c2_scale~entropy': Stat('the same, Pearson of log ||W_QK^h||_2 with entropy'),
     'val_loss': Stat('final validation loss', None, signed=False),
     'train_val_gap': Stat(f'final val_loss - train_loss (overfits above {OVERFIT_GAP})', OVERFIT_GAP),
 }
+HEAD_STATS = ('c_pr_k~pr_qk', 'c_pr_k~entropy', 'c_dpr_k~dentropy', 'c2_pr_k~entropy|scale', 'c2_scale~entropy')
 CONTROL_STATS = {'d_entropy': Stat('final entropy, controlled - none paired by seed ((e) for freeze, (d) for '
                                    'shrink)'),
                  'd_qk_spec_norm': Stat('final qk_spec_norm, controlled - none paired by seed'),
@@ -138,26 +142,29 @@ def q_up_k_down(run, q_key, k_key, start):
     return out
 
 
-def within_run(run, x, y):
-    """Per layer, the Spearman correlation of two metrics over all records (claim (c))."""
-    return np.array([stats.spearman(run.metric(x)[:, i], run.metric(y)[:, i]) for i in range(run.n_layer)])
-
-
-def across_heads(run):
-    """(c2) by position: {statistic: {position: value}}, each per checkpoint across the (layer, head) pairs of the
-    position's layers, mean over checkpoints; None where per-head values were not logged."""
-    keys = ('entropy_heads', 'qk_spec_norm_heads', 'pr_k_heads')
+def across_heads(run, start):
+    """(c) and (c2) by position: {statistic: {position: value}}, each per record from iteration start on, across the
+    (layer, head) pairs of the position's layers, mean over records (REPORT.md's per-head lens): (c) Spearman of the
+    levels, and of the changes between consecutive records; (c2) Pearson, raw and given log ||W_QK^h||_2. None
+    where per-head values were not logged."""
+    keys = ('entropy_heads', 'qk_spec_norm_heads', 'pr_k_heads', 'pr_qk_heads')
     if not all(k in run.heads for k in keys):
         return None
-    H, K = run.heads['entropy_heads'], run.heads['pr_k_heads']
+    H, K, QK = run.heads['entropy_heads'], run.heads['pr_k_heads'], run.heads['pr_qk_heads']
     with np.errstate(divide='ignore', invalid='ignore'):
         S = np.log(run.heads['qk_spec_norm_heads'])
-    out = {'c2_pr_k~entropy|scale': {}, 'c2_scale~entropy': {}}
+    keep, steps = run.geom_iters >= start, run.geom_iters[:-1] >= start
+    out = {name: {} for name in HEAD_STATS}
     for pos, idx in position_layers(run.n_layer).items():
-        flat = lambda a: a[:, idx].reshape(len(a), -1)
-        h, s, k = flat(H), flat(S), flat(K)
-        out['c2_pr_k~entropy|scale'][pos] = mean_of([stats.partial(k[t], h[t], s[t]) for t in range(len(h))])
-        out['c2_scale~entropy'][pos] = mean_of([stats.spearman(s[t], h[t]) for t in range(len(h))])
+        h, s, k, qk = (a[:, idx].reshape(len(a), -1) for a in (H, S, K, QK))
+        dh, dk = np.diff(h, axis=0)[steps], np.diff(k, axis=0)[steps]
+        h, s, k, qk = h[keep], s[keep], k[keep], qk[keep]
+        each = lambda f, *xs: mean_of([f(*row) for row in zip(*xs)])
+        out['c_pr_k~pr_qk'][pos] = each(stats.spearman, k, qk)
+        out['c_pr_k~entropy'][pos] = each(stats.spearman, k, h)
+        out['c_dpr_k~dentropy'][pos] = each(stats.spearman, dk, dh)
+        out['c2_pr_k~entropy|scale'][pos] = each(stats.partial, k, h, s)
+        out['c2_scale~entropy'][pos] = each(stats.pearson, s, h)
     return out
 
 
@@ -181,11 +188,9 @@ def run_stats(run, from_iter=None):
     per_layer = {'q_up_k_down': q_up_k_down(run, 'pr_q', 'pr_k', start),
                  'q_up_k_down_learned': q_up_k_down(run, 'pr_dq', 'pr_dk', max(start, 1)),
                  'gap_end': gap('pr_q', 'pr_k', C), 'gap_end_head': gap('pr_q_head', 'pr_k_head', d),
-                 'gap_end_learned': gap('pr_dq', 'pr_dk', C),
-                 'c_pr_k~pr_qk': within_run(run, 'pr_k', 'pr_qk'), 'c_pr_k~entropy': within_run(run, 'pr_k', 'entropy')}
+                 'gap_end_learned': gap('pr_dq', 'pr_dk', C)}
     out = {name: by_position(v, run.n_layer) for name, v in per_layer.items()}
-    nan = {pos: float('nan') for pos in POSITIONS}
-    out.update(across_heads(run) or {'c2_pr_k~entropy|scale': nan, 'c2_scale~entropy': nan})
+    out.update(across_heads(run, start) or {name: {pos: float('nan') for pos in POSITIONS} for name in HEAD_STATS})
     val, train = final_loss(run, 'val_loss'), final_loss(run, 'train_loss')
     out.update(val_loss={'all': val}, train_val_gap={'all': val - train})
     return out

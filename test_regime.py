@@ -14,7 +14,7 @@ import pytest
 import analyze
 import folders
 import regime
-from report import ACROSS
+from report import ACROSS, CHANGES
 
 WIDTHS = (32, 64, 128, 256, 384)
 SEED_OFFSET = {1: -1.0, 2: 0.0, 3: 1.0}   # seed offsets of a planted value: the mean over seeds is the value itself
@@ -178,13 +178,15 @@ def test_claim_statistics_match_the_claims_report(ladder):
     # the regime table's (c) and (c2) over all layers are the statistics REPORT.md's claims use, run by run
     _, runs, _ = ladder
     for run in runs[:4]:
-        mine = regime.run_stats(run)
-        link = analyze.link_of_run(run, 'whole', 0)
-        shape = analyze.shape_of_run(run, 'head', 0, {})[ACROSS]
-        for name in ('pr_k~pr_qk', 'pr_k~entropy'):
-            assert mine[f'c_{name}']['all'] == pytest.approx(link[name], abs=1e-12)
-        for name in ('pr_k~entropy|scale', 'scale~entropy'):
-            assert mine[f'c2_{name}']['all'] == pytest.approx(shape[name], abs=1e-12)
+        for start in (0, run.cfg['warmup_iters']):
+            mine = regime.run_stats(run, start)
+            links = analyze.head_links_of_run(run, 'head', start, {})
+            shape = analyze.shape_of_run(run, 'head', start, {})[ACROSS]
+            for name in ('pr_k~pr_qk', 'pr_k~entropy'):
+                assert mine[f'c_{name}']['all'] == pytest.approx(links[(ACROSS, name)][0], abs=1e-12)
+            assert mine['c_dpr_k~dentropy']['all'] == pytest.approx(links[(CHANGES, 'pr_k~entropy')][0], abs=1e-12)
+            for name in ('pr_k~entropy|scale', 'scale~entropy'):
+                assert mine[f'c2_{name}']['all'] == pytest.approx(shape[name], abs=1e-12)
 
 
 def test_analyze_writes_the_regime_table_trends_fig9_and_report_section(ladder, tmp_path):
