@@ -43,7 +43,9 @@ RANGES = [
 # the choice settings that are not the model's (train.py adds qk_init from QK_INITS)
 CHOICES = {'control': spectrum_control.KINDS, 'control_target': ('k', 'q'), 'control_scope': ('head', 'layer'),
            'control_keep': spectrum_control.KEEPS, 'dtype': ('auto', 'float32', 'bfloat16'),
-           'dataset': ('wikitext103',)}
+           'dataset': ('wikitext103', 'wikitext103-test')}
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_RECORDS = 1_000_000   # more records than this is a mistake (a metrics.jsonl of many GB), not a study
 
 
 def did_you_mean(text, known):
@@ -100,7 +102,7 @@ def config_file_values(path):
     as nanoGPT's configurator does, its top-level names the settings (modules and functions left out)."""
     if not os.path.isfile(path):
         raise Stop(f'config file {path} does not exist')
-    text = read_utf8(path, 'config file')
+    text = read_utf8(path, 'config file').removeprefix('\ufeff')  # a byte order mark some editors write
     if text.lstrip().startswith(('{', '[')):
         try:
             values = json.loads(text)
@@ -166,9 +168,12 @@ def default_run_name(cfg):
 def check_run_name(name):
     """A run name is one plain folder name: the run folder must lie inside out_dir."""
     seps = [s for s in (os.sep, os.altsep, '/') if s]
-    if not name.strip() or name in ('.', '..') or any(s in name for s in seps) or '\0' in name:
-        raise Stop(f'run_name={name!r} must be one plain folder name inside out_dir (no path separator, '
-                   f'not . or .., not blank), for example --run_name=my_run')
+    if not name.strip() or name in ('.', '..') or any(s in name for s in seps) or not name.isprintable():
+        raise Stop(f'run_name={name!r} must be one plain folder name inside out_dir (no path separator, no '
+                   f'newline or other control character, not . or .., not blank), for example --run_name=my_run')
+    if name == 'analysis':
+        raise Stop("run_name='analysis' is the folder analyze.py writes its tables into by default; choose "
+                   "another --run_name")
 
 
 def check_config(cfg, choices):
@@ -189,6 +194,16 @@ def check_config(cfg, choices):
     if 0 < cfg['lr_decay_iters'] < cfg['warmup_iters']:
         raise Stop(f"lr_decay_iters={cfg['lr_decay_iters']} ends the decay before the warm-up ends "
                    f"(warmup_iters={cfg['warmup_iters']}); use 0 (= max_iters) or at least warmup_iters")
+    n = cfg['max_iters'] // cfg['eval_interval'] + (cfg['max_iters'] // cfg['geom_interval'] if cfg['geom_interval']
+                                                    else 0)
+    if n > MAX_RECORDS:
+        raise Stop(f"max_iters={cfg['max_iters']} with eval_interval={cfg['eval_interval']} and geom_interval="
+                   f"{cfg['geom_interval']} asks for about {n:,} records (at most {MAX_RECORDS:,}); raise the "
+                   f"intervals or lower max_iters")
+    step = cfg['lr'] / (1 - cfg['beta1'])  # AdamW's first step, lr / (1 - beta1), is applied as a float32
+    if step > FLOAT32_MAX:
+        raise Stop(f"lr={cfg['lr']} makes AdamW's first step lr / (1 - beta1) = {step:.3g} overflow float32 (at most "
+                   f"{FLOAT32_MAX:.3g}); use a learning rate below {FLOAT32_MAX * (1 - cfg['beta1']):.3g}")
     if cfg['min_lr'] > cfg['lr']:
         raise Stop(f"min_lr={cfg['min_lr']} must not exceed lr={cfg['lr']}: the schedule decays from lr to min_lr")
     try:  # control_layers, shrink_to, shrink_iters
@@ -207,3 +222,21 @@ def print_run_names(lines, get_config):
         except Stop as e:
             raise Stop(f'--print_run_names: input line {n} ({line.strip()!r}): {e.msg}') from None
     print('\n'.join(names))
+
+
+def usage(source):
+    """`python train.py --help`: every option with its default and its comment, grouped as the config block
+    of the file `source` is (its lines between the two dashed rules after 'config:')."""
+    lines = open(source, encoding='utf-8').read().split('\n')
+    start = next(i for i, line in enumerate(lines) if line.startswith('# config:'))
+    out = ['usage: python train.py [CONFIG_FILE] [--key=value ...]   (or --print_run_names, reading stdin)', '']
+    for line in lines[start + 1:]:
+        if line.startswith('config_keys') or line.startswith('# ---'):
+            break
+        if line.startswith('# '):
+            out.append(f'{line[2:]}:')
+            continue
+        code, _, comment = line.partition('  # ')
+        key, _, default = code.partition('=')
+        out.append(f'  --{key.strip()}={default.strip()}'.ljust(36) + f' {comment.strip()}'.rstrip())
+    return '\n'.join(out)

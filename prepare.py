@@ -91,6 +91,9 @@ def build_vocab(train_chunks, min_count):
     for chunk in train_chunks:
         counts += np.bincount(codepoints(chunk), minlength=0x110000)
     kept = np.flatnonzero(counts >= min_count)
+    if counts.any() and not len(kept):
+        raise Stop(f'every character of the training text occurs fewer than min_char_count={min_count} times: the '
+                   f'vocabulary would be the unknown id alone; lower --min_char_count or use a longer text')
     if len(kept) + 1 > 65535:
         raise Stop(f'{len(kept)} distinct characters do not fit uint16; raise min_char_count')
     return kept, counts
@@ -131,14 +134,18 @@ def memo_of(folder, name):
     return os.path.join(folder, f'.{name}.sha256')
 
 
-def download_wikitext(cfg):
-    """Fetch and unzip the raw WikiText-103 release into data_dir, or explain the two ways out."""
+WIKITEXT = ('wiki.train.raw', 'wiki.valid.raw', 'wiki.test.raw')
+
+
+def download_wikitext(cfg, need):
+    """Fetch and unzip the raw WikiText-103 release into data_dir, or say which files to put where."""
     import urllib.request  # only here: most runs never download
     import zipfile
     data_dir = cfg['data_dir']
-    os.makedirs(os.path.dirname(os.path.abspath(data_dir)), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix='.download-', dir=os.path.dirname(os.path.abspath(data_dir)))
+    tmp = None
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(data_dir)), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix='.download-', dir=os.path.dirname(os.path.abspath(data_dir)))
         zip_path = os.path.join(tmp, 'wikitext-103-raw-v1.zip')
         print(f"downloading {cfg['data_url']} (about 190 MB) ...")
         # the maintainer's mirror refuses Python's default User-Agent
@@ -147,27 +154,44 @@ def download_wikitext(cfg):
             shutil.copyfileobj(r, f, 1 << 20)
         with zipfile.ZipFile(zip_path) as z:
             z.extractall(tmp)
-        found = [root for root, _, files in os.walk(tmp) if 'wiki.train.raw' in files]
+        found = [root for root, _, files in os.walk(tmp) if set(WIKITEXT) <= set(files)]
         if not found:
-            raise OSError('the archive holds no wiki.train.raw')
+            raise OSError('the archive does not hold ' + ', '.join(WIKITEXT))
         os.makedirs(data_dir, exist_ok=True)
-        for name in ('wiki.train.raw', 'wiki.valid.raw', 'wiki.test.raw'):
+        for name in WIKITEXT:
             os.replace(os.path.join(found[0], name), os.path.join(data_dir, name))
     except (OSError, zipfile.BadZipFile) as e:  # URLError and timeouts are OSErrors
-        raise Stop(
-            f"WikiText-103 is not in {data_dir}/ and downloading {cfg['data_url']} failed ({e}). Either put "
-            f"wiki.train.raw, wiki.valid.raw and wiki.test.raw from wikitext-103-raw-v1.zip there (or pass "
-            f"--data_dir=), or train on any local UTF-8 text with --data_file=PATH") from None
+        files = ' and '.join(os.path.join(data_dir, n) for n in need)
+        raise Stop(f"{files} {'is' if len(need) == 1 else 'are'} not there and downloading {cfg['data_url']} "
+                   f"failed ({e}). Put {' and '.join(need)} from wikitext-103-raw-v1.zip into {data_dir}/ (or pass "
+                   f"--data_dir=FOLDER holding them), or train on any local UTF-8 text with --data_file=PATH") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def text_file(path, what):
+    """A regular file to read the text from, or one line saying what path is instead."""
+    if not os.path.exists(path):
+        raise Stop(f'{what} {path} does not exist; pass the path of a UTF-8 text file')
+    if os.path.isdir(path):
+        raise Stop(f'{what} {path} is a directory; pass the path of a UTF-8 text file in it')
+    if not os.path.isfile(path):  # /dev/null, a FIFO, a socket: nothing to read a text from twice
+        raise Stop(f'{what} {path} is not a regular file (a device, a FIFO or a socket); pass the path of a UTF-8 '
+                   f'text file')
+    return path
 
 
 def data_sources(cfg):
-    """(source paths, train and val chunk factories, cache name) of the configured text."""
-    if cfg['data_file']:
-        path = cfg['data_file']
-        if not os.path.isfile(path):
-            raise Stop(f'data_file {path} does not exist; pass the path of a UTF-8 text file')
+    """(source paths, train and val chunk factories, cache name) of the configured text: data_file, or
+    wiki.test.raw alone (dataset=wikitext103-test, split as a data_file), or WikiText-103's train and valid."""
+    if cfg['data_file'] or cfg['dataset'] == 'wikitext103-test':
+        if cfg['data_file']:
+            path = text_file(cfg['data_file'], 'data_file')
+        else:
+            path = os.path.join(cfg['data_dir'], 'wiki.test.raw')
+            if not os.path.isfile(path):
+                download_wikitext(cfg, ['wiki.test.raw'])
 
         @functools.lru_cache(maxsize=1)
         def split():  # read only when the cache has to be built, and then once
@@ -175,10 +199,9 @@ def data_sources(cfg):
             cut = int(0.9 * len(text))
             return text[:cut], text[cut:]
         return [path], lambda: [split()[0]], lambda: [split()[1]], os.path.basename(path)
-    names = ('wiki.train.raw', 'wiki.valid.raw', 'wiki.test.raw')
-    if not all(os.path.isfile(os.path.join(cfg['data_dir'], n)) for n in names):
-        download_wikitext(cfg)
-    sources = [os.path.join(cfg['data_dir'], n) for n in names[:2]]
+    if not all(os.path.isfile(os.path.join(cfg['data_dir'], n)) for n in WIKITEXT[:2]):
+        download_wikitext(cfg, list(WIKITEXT[:2]))
+    sources = [text_file(os.path.join(cfg['data_dir'], n), 'the text') for n in WIKITEXT[:2]]
     return sources, lambda: text_chunks(sources[0]), lambda: text_chunks(sources[1]), 'wikitext103'
 
 
@@ -207,7 +230,7 @@ def build_cache(folder, train_chunks, val_chunks, cfg, source):
     """Encode into a .building-HOST-PID-* folder, then rename it into place: a cache is complete or absent.
     The temporary folder goes on any failure or signal; one left by a killed process goes at the next start."""
     root = cache_root(cfg)
-    with writing(root, 'free some disk space or pass another --cache_dir'):
+    with writing(root, 'pass another --cache_dir'):
         os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f'.building-{socket.gethostname()}-{os.getpid()}-', dir=root)
     t0 = time.time()
@@ -216,7 +239,7 @@ def build_cache(folder, train_chunks, val_chunks, cfg, source):
         os.rename(tmp, folder)
     except OSError as e:
         if not os.path.isfile(os.path.join(folder, 'meta.json')):  # else another process finished it first
-            raise disk_error(folder, e, 'free some disk space or pass another --cache_dir') from None
+            raise disk_error(folder, e, 'pass another --cache_dir') from None
         return
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -14,6 +14,7 @@ Every file is written whole (a temporary name, then a rename), so a kill never l
 write is one line naming the path and the cause. Also here: devices and DDP, and the clean exit on a signal.
 """
 import contextlib
+import errno
 import fcntl
 import io
 import json
@@ -62,12 +63,21 @@ def listing(run_dir, sub):
 
 # ----------------------------------------------------------------------------- writing
 
-RUN_FIX = ('free some disk space or choose another --out_dir. Files already written are intact: the same command '
-           'resumes from the last checkpoint')
+RUN_FIX = ('choose another --out_dir. Files already written are intact: the same command resumes from the last '
+           'checkpoint')
+# what a failed write means, by errno: the first half of the fix (the place to choose instead follows)
+WHY = {errno.ENOSPC: 'the disk is full: free some space or', errno.EDQUOT: 'the disk quota is used up: free some '
+       'space or', errno.EFBIG: 'the file would be larger than this system allows: free some space or',
+       errno.ENOTDIR: 'a part of that path is a file, not a folder: move it away or', errno.EEXIST: 'a file of '
+       'that name is in the way: move it away or', errno.ENAMETOOLONG: 'the name is too long:',
+       errno.EROFS: 'the file system is read-only:', errno.EACCES: 'no permission to write there:',
+       errno.EPERM: 'no permission to write there:'}
 
 
 def disk_error(path, e, fix=RUN_FIX):
-    return Stop(f'cannot write {path}: {e.strerror or e}; {fix}')
+    """One line naming the path, what the OSError is, and the fix."""
+    why = WHY.get(e.errno)
+    return Stop(f"cannot write {path}: {e.strerror or e}; {why + ' ' if why else ''}{fix}")
 
 
 @contextlib.contextmanager
@@ -151,8 +161,10 @@ def read_metrics(path, warn=None):
         try:
             row = json.loads(lines[i].decode('utf-8'))
         except ValueError:  # JSONDecodeError, UnicodeDecodeError
-            if i == nonempty[-1]:
-                continue  # cut short by a kill
+            if i == nonempty[-1]:  # cut short by a kill mid-write: named when asked to warn
+                if warn is not None:
+                    warn(f'{path} line {i + 1} is cut short (a kill while it was written?): that record is lost')
+                continue
             problem = 'is not valid JSON'
         else:
             if isinstance(row, dict) and type(row.get('iter')) is int:
@@ -203,6 +215,15 @@ def lock_run(run_dir):
     return f
 
 
+def unlock(lock, run_dir, made):
+    """Release the lock; a folder this process made that holds nothing but the lock goes too (a refused start)."""
+    lock.close()
+    with contextlib.suppress(OSError):
+        if made and os.listdir(run_dir) == [LOCK_FILE]:
+            os.remove(os.path.join(run_dir, LOCK_FILE))
+            os.rmdir(run_dir)
+
+
 def train_py_wrote(run_dir):
     """Whether the folder's config.json is one train.py wrote (it holds what only train.py adds)."""
     try:
@@ -227,7 +248,8 @@ def start_over(run_dir):
     """Remove what train.py writes in run_dir, and nothing else; refuse where those files are not train.py's
     (no config.json of its own). config.json goes last: a folder cleared halfway is still recognised."""
     found = own_files(run_dir)
-    if found and not train_py_wrote(run_dir):
+    # temporary files alone are what a kill during the first config.json write leaves: train.py's own names
+    if found and not train_py_wrote(run_dir) and not all(n.endswith('.tmp') for n in found):
         raise Stop(f"{run_dir} holds {', '.join(found[:4])}{' ...' * (len(found) > 4)} not written by train.py "
                    f"(no config.json of its own); starting over would delete them: move them away or choose "
                    f"another --run_name")
@@ -239,11 +261,18 @@ def start_over(run_dir):
                 os.rmdir(os.path.join(run_dir, sub))
 
 
-def trim_run(run_dir, keep_below):
+def trim_run(run_dir, keep_below, expected):
     """Drop records, snapshots and model checkpoints from iteration keep_below on, so that a resumed
-    run rewrites them exactly once. Files train.py did not write are left alone."""
+    run rewrites them exactly once; refuse when a record of the iterations expected is missing below it.
+    Files train.py did not write are left alone."""
     path = os.path.join(run_dir, 'metrics.jsonl')
     rows = [r for r in read_metrics(path) if r['iter'] < keep_below]
+    lost = sorted(set(expected) - {r['iter'] for r in rows})
+    if lost:
+        what = 'metrics.jsonl is gone' if not os.path.exists(path) else 'metrics.jsonl lacks the records of ' + (
+            f"iteration{'s' * (len(lost) > 1)} {', '.join(map(str, lost[:5]))}{' ...' * (len(lost) > 5)}")
+        raise Stop(f'{what}, before the checkpoint at iteration {keep_below}; they cannot be measured again from '
+                   f'ckpt.pt: pass --overwrite=True to start the run over')
     with writing(path):
         with open(path + '.tmp', 'w') as f:
             f.writelines(json.dumps(r) + '\n' for r in rows)
@@ -285,8 +314,9 @@ def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:  # a truncated or foreign file
-        raise Stop(f'cannot resume from {path}, it is corrupt ({type(e).__name__}: {str(e)[:200]}); '
-                   f'pass --overwrite=True to start the run over') from None
+        # torch's own message would advise weights_only=False: loading code from a damaged file
+        raise Stop(f'cannot resume from {path}: it is not a checkpoint torch can read ({type(e).__name__}; '
+                   f'truncated or damaged); pass --overwrite=True to start the run over') from None
     lacking = [k for k in CKPT_KEYS if k not in ckpt] if isinstance(ckpt, dict) else list(CKPT_KEYS)
     lacking = lacking or [f'the setting {k}' for k in cfg if k not in ckpt['config']]
     if lacking:

@@ -119,8 +119,9 @@ def test_corrupt_or_mismatched_checkpoint_is_named(setup, args_for):
         train.train(train.get_config(args + ['--lr=0.5']))
     with open(os.path.join(run_dir, 'ckpt.pt'), 'r+b') as f:
         f.truncate(100)
-    with pytest.raises(SystemExit, match='it is corrupt.*--overwrite=True'):
+    with pytest.raises(Stop, match='not a checkpoint torch can read.*--overwrite=True') as info:
         train.train(train.get_config(args))
+    assert 'weights_only' not in info.value.msg  # torch's advice to load code from a damaged file is not passed on
     assert os.path.exists(os.path.join(run_dir, 'metrics.jsonl'))  # nothing deleted by the refusal
     assert train.train(train.get_config(args + ['--overwrite=True'])) == run_dir
 
@@ -414,3 +415,89 @@ def test_controlled_run_killed_and_resumed_matches_uninterrupted(setup, args_for
     assert without_wall_clock(records(tmp_path / 'out' / 'killed')) == want
     assert want[-1]['layers'][0]['ctl_pr'] < 0.5 * want[0]['layers'][0]['ctl_pr']  # the control did act
     assert want[-1]['layers'][0]['dk_rel'] > 0
+
+
+# ----------------------------------------------------------------------------- nothing lost without a word
+
+def test_a_kill_during_the_first_config_json_write_does_not_block_a_restart(setup, args_for):
+    """config.json.tmp alone (a kill while config.json was first written) is train.py's own: the same command
+    starts the run."""
+    tmp_path, text_file = setup
+    run_dir = tmp_path / 'out' / 'first'
+    run_dir.mkdir(parents=True)
+    (run_dir / 'config.json.tmp').write_text('{"run_na')
+    (run_dir / runfolder.LOCK_FILE).write_text('')
+    assert train.train(train.get_config(args_for(tmp_path, text_file, 'first', '--max_iters=2'))) == str(run_dir)
+    assert not (run_dir / 'config.json.tmp').exists() and (run_dir / 'done.json').exists()
+
+
+@pytest.mark.parametrize('damage', ['cut', 'gone'])
+def test_a_resume_that_would_lose_records_is_refused(setup, args_for, damage):
+    """A record before the checkpoint missing from metrics.jsonl (or the whole file gone) cannot be measured
+    again from ckpt.pt: the resume is refused in one line, and nothing is deleted."""
+    tmp_path, text_file = setup
+    args = args_for(tmp_path, text_file, damage)
+    run_dir = train.train(train.get_config(args))
+    os.remove(os.path.join(run_dir, 'done.json'))  # as if killed after the checkpoint at 24
+    path = os.path.join(run_dir, 'metrics.jsonl')
+    lines = open(path).readlines()
+    if damage == 'cut':  # the record of 16, the last before the checkpoint, cut short; 24's not yet written
+        assert json.loads(lines[-2])['iter'] == 16
+        open(path, 'w').writelines(lines[:-2] + [lines[-2][:40]])
+        words = r'metrics.jsonl lacks the records of iteration 16, before the checkpoint at iteration 24'
+    else:
+        os.remove(path)
+        words = r'metrics.jsonl is gone, before the checkpoint at iteration 24'
+    with pytest.raises(Stop, match=words + '.*--overwrite=True'):
+        train.train(train.get_config(args))
+    assert os.path.exists(os.path.join(run_dir, 'ckpt.pt'))
+
+
+def test_a_checkpoint_is_never_written_of_weights_that_are_not_finite(setup, args_for, monkeypatch):
+    """Weights that are no longer finite numbers stop the run before a checkpoint of them is written, and the
+    message says what ckpt.pt holds: here no checkpoint was written yet."""
+    tmp_path, text_file = setup
+    control_step = train.control_step
+
+    def poison(run, step):
+        control_step(run, step)
+        if step == 5:
+            with torch.no_grad():
+                run.model.ln_f.weight[0] = float('inf')
+    monkeypatch.setattr(train, 'control_step', poison)
+    monkeypatch.setattr(train, 'read_flags', lambda run, it: False)  # the loss check would stop it first
+    args = args_for(tmp_path, text_file, 'inf', '--ckpt_interval=6', '--eval_interval=16', '--geom_interval=0',
+                    '--model_ckpts=0')
+    with pytest.raises(Stop, match='the weights are no longer finite numbers at iteration 6.*no ckpt.pt was written'):
+        train.train(train.get_config(args))
+    assert not (tmp_path / 'out' / 'inf' / 'ckpt.pt').exists()
+
+
+def test_a_refused_start_leaves_no_empty_run_folder(setup, args_for):
+    """A start refused after the run folder was made (here: a data_file that is a directory) removes the folder
+    it made, which holds nothing but its lock."""
+    tmp_path, text_file = setup
+    with pytest.raises(Stop, match='is a directory'):
+        train.train(train.get_config(args_for(tmp_path, str(tmp_path), 'refused')))
+    assert not (tmp_path / 'out' / 'refused').exists()
+
+
+@pytest.mark.parametrize('code, words', [('ENOSPC', 'the disk is full: free some space or choose another --out_dir'),
+                                         ('ENOTDIR', 'a part of that path is a file, not a folder'),
+                                         ('EEXIST', 'a file of that name is in the way'),
+                                         ('ENAMETOOLONG', 'the name is too long: choose another --out_dir'),
+                                         ('EROFS', 'the file system is read-only: choose another --out_dir'),
+                                         ('EACCES', 'no permission to write there')])
+def test_each_failed_write_is_worded_by_what_it_is(code, words):
+    """A failed write says what it is; only a full disk (or a file size limit) asks for disk space."""
+    import errno
+    msg = runfolder.disk_error('/x/ckpt.pt', OSError(getattr(errno, code), os.strerror(getattr(errno, code)))).msg
+    assert msg.startswith(f'cannot write /x/ckpt.pt: {os.strerror(getattr(errno, code))}; {words}')
+    assert ('free some space' in msg) == (code == 'ENOSPC')
+
+
+def test_a_run_name_too_long_for_the_file_system_is_one_line(setup, args_for, run_train):
+    tmp_path, text_file = setup
+    proc = run_train(args_for(tmp_path, text_file, 'x' * 300))
+    assert one_line_error(proc), proc.stderr[-2000:]
+    assert 'File name too long; the name is too long' in proc.stderr

@@ -1,6 +1,7 @@
 """Tests of train.py on small synthetic text: config, data, model inits, run folder, determinism."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -44,11 +45,14 @@ def test_wrong_types_are_refused(arg, words):
 
 @pytest.mark.parametrize('arg, words', [('--n_embd=100', 'not divisible by n_head'),
                                         ('--qk_init=random', 'not one of'), ('--control=grow', 'not one of'),
-                                        ('--dtype=float16', 'not one of'), ('--batch_size=0', 'at least 1')])
+                                        ('--dtype=float16', 'not one of'), ('--batch_size=0', 'at least 1'),
+                                        # a schedule of 2e9 records, and an lr whose first AdamW step overflows
+                                        ('--max_iters=2000000000 --eval_interval=1', 'at most 1,000,000'),
+                                        ('--lr=1e38 --warmup_iters=0', 'overflow float32')])
 def test_impossible_settings_stop_before_training(arg, words):
     """Settings that cannot run are refused in get_config, before any work."""
     with pytest.raises(SystemExit, match=words):
-        train.get_config([arg])
+        train.get_config(arg.split())
 
 
 def test_run_names_come_from_the_settings_and_control_label():
@@ -74,7 +78,8 @@ def test_print_run_names_reads_argument_lists_from_stdin(tmp_path):
     assert proc.stderr.count('\n') == 1 and "input line 2 ('--qk_init=ortho')" in proc.stderr
 
 
-@pytest.mark.parametrize('name', ['../v', '/tmp/abs', '.', '..', 'a/b', '  ', 'a\\0b'.replace('\\0', chr(0))])
+@pytest.mark.parametrize('name', ['../v', '/tmp/abs', '.', '..', 'a/b', '  ', 'a\\0b'.replace('\\0', chr(0)),
+                                  'a\nb', 'analysis'])
 def test_run_name_cannot_leave_out_dir(name):
     """Issue 13.1: a run name with a separator, '.', '..', an absolute path or no visible character is refused."""
     with pytest.raises(Stop, match='run_name'):
@@ -122,6 +127,28 @@ def test_malformed_config_files_are_named(tmp_path, name, text, words):
     assert str(path) in e.value.msg and '\n' not in e.value.msg
 
 
+def test_help_prints_every_option_with_its_default_grouped_as_the_config_block():
+    """--help and -h print the usage: every config key with its default and its comment, under the group headers
+    of the config block; exit status 0."""
+    for flag in ('--help', '-h'):
+        proc = subprocess.run([sys.executable, 'train.py', flag], cwd=HERE, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stderr == '', proc.stderr
+        lines = proc.stdout.splitlines()
+        assert lines[0].startswith('usage: python train.py')
+        for key in train.config_keys:
+            line = next(x for x in lines if x.strip().startswith(f'--{key}='))
+            assert len(line.split()) > 1, line  # a comment after the default
+        n_layer = lines.index('  --n_layer=4                        transformer blocks')
+        assert lines.index('model:') < n_layer < lines.index('optimizer:')
+
+
+def test_a_json_config_with_a_byte_order_mark_is_read_as_json(tmp_path):
+    """A JSON config saved with a UTF-8 byte order mark is JSON, not Python."""
+    path = tmp_path / 'cfg.json'
+    path.write_bytes('{"n_layer": 3}'.encode('utf-8-sig'))
+    assert train.get_config([str(path)])['n_layer'] == 3
+
+
 def test_json_config_is_recognised_by_content_and_python_is_executed(tmp_path):
     """Issue 13.9: a JSON object in a file of any name is read as JSON; a Python file runs as Python."""
     (tmp_path / 'my.cfg').write_text('  {"n_layer": 2, "qk_init": "tied", "lr": 1}\n')
@@ -153,6 +180,9 @@ def test_read_metrics_drops_a_cut_last_line_and_names_any_other_bad_one(tmp_path
     good = [json.dumps({'iter': i, 'val_loss': 1.0}) for i in range(3)]
     path.write_text('\n'.join(good) + '\n{"iter": 3, "val_lo')
     assert [r['iter'] for r in runfolder.read_metrics(str(path))] == [0, 1, 2]
+    warnings = []  # a reader that asks (the analysis of a finished run) is told the last record is lost
+    assert [r['iter'] for r in runfolder.read_metrics(str(path), warnings.append)] == [0, 1, 2]
+    assert warnings == [f'{path} line 4 is cut short (a kill while it was written?): that record is lost']
     assert runfolder.read_metrics(str(tmp_path / 'absent.jsonl')) == []
     for bad in (b'{"iter": 1, "val', b'\xff\xfe{"iter": 1}', b'[1, 2]', b'{"iter": "one"}'):
         path.write_bytes(b'\n'.join([good[0].encode(), bad, good[2].encode()]) + b'\n')
@@ -213,14 +243,56 @@ def test_rare_characters_map_to_unknown(tmp_path):
     assert (np.asarray(tr) == 0).sum() == 1 and meta['n_unknown_train'] == 1
 
 
-def test_missing_dataset_offline_says_what_to_do(tmp_path):
-    """Without WikiText-103 and without network, the error says how to get it or use --data_file."""
+@pytest.mark.parametrize('dataset, files', [('wikitext103', ['wiki.train.raw', 'wiki.valid.raw']),
+                                            ('wikitext103-test', ['wiki.test.raw'])])
+def test_missing_dataset_offline_says_what_to_do(tmp_path, dataset, files):
+    """Without the dataset and without network, the error names each file to put where, or --data_file."""
     # port 9 on localhost refuses at once: the same path as having no network
     cfg = train.get_config([f'--data_dir={tmp_path / "wt"}', '--data_url=http://127.0.0.1:9/wt.zip',
-                            f'--cache_dir={tmp_path / "c"}'])
-    with pytest.raises(SystemExit, match='(?s)downloading http://127.0.0.1:9/wt.zip failed.*--data_file'):
+                            f'--cache_dir={tmp_path / "c"}', f'--dataset={dataset}'])
+    with pytest.raises(Stop) as info:
         prepare.prepare_data(cfg)
+    msg = info.value.msg
+    assert 'downloading http://127.0.0.1:9/wt.zip failed' in msg and '--data_file=PATH' in msg and 'shared' not in msg
+    assert all(f'{tmp_path / "wt" / name}' in msg for name in files) and f'Put {" and ".join(files)} from' in msg
     assert not os.path.exists(tmp_path / 'wt' / 'wiki.train.raw')
+
+
+def test_wikitext103_test_is_wiki_test_raw_split_as_a_data_file(tmp_path, synthetic_text, tiny_config, records,
+                                                                 without_wall_clock):
+    """--dataset=wikitext103-test reads data_dir/wiki.test.raw alone, split 90/10 as --data_file splits a file:
+    the same cache, the same ids, the same numbers."""
+    wt = tmp_path / 'wt'
+    wt.mkdir()
+    (wt / 'wiki.test.raw').write_text(synthetic_text(40_000, seed=3), encoding='utf-8')
+    by_file = tiny_config(tmp_path, str(wt / 'wiki.test.raw'), '--run_name=file', '--max_iters=4')
+    by_name = tiny_config(tmp_path, '', '--run_name=name', '--max_iters=4', '--dataset=wikitext103-test',
+                          f'--data_dir={wt}', '--data_url=http://127.0.0.1:9/none.zip')  # nothing to download
+    (tr, va, meta), (tr2, va2, meta2) = prepare.prepare_data(by_file), prepare.prepare_data(by_name)
+    assert meta2 == meta and np.array_equal(tr, tr2) and np.array_equal(va, va2)
+    assert without_wall_clock(records(train.train(by_name))) == without_wall_clock(records(train.train(by_file)))
+    assert os.listdir(wt) == ['wiki.test.raw']
+
+
+@pytest.mark.parametrize('kind', ['directory', '/dev/null', 'fifo'])
+def test_a_data_file_that_is_not_a_regular_file_says_what_it_is(tmp_path, kind):
+    """A directory, a device or a FIFO as --data_file is named as what it is, not 'does not exist'."""
+    path = {'directory': str(tmp_path), '/dev/null': '/dev/null', 'fifo': str(tmp_path / 'fifo')}[kind]
+    if kind == 'fifo':
+        os.mkfifo(path)
+    words = 'is a directory' if kind == 'directory' else 'is not a regular file (a device, a FIFO or a socket)'
+    with pytest.raises(Stop, match=f'data_file {path} {re.escape(words)}'):
+        prepare.prepare_data(train.get_config([f'--data_file={path}', f'--cache_dir={tmp_path / "c"}']))
+
+
+def test_a_text_whose_every_character_is_rare_is_refused(tmp_path):
+    """Every character rarer than min_char_count would leave the unknown id alone (vocab_size 1, loss 0)."""
+    path = tmp_path / 'rare.txt'
+    path.write_text(''.join(map(chr, range(0x4e00, 0x4e00 + 3000))), encoding='utf-8')
+    with pytest.raises(Stop, match='every character of the training text occurs fewer than min_char_count=10'):
+        prepare.prepare_data(train.get_config([f'--data_file={path}', f'--cache_dir={tmp_path / "c"}',
+                                               '--block_size=8']))
+    assert [n for n in os.listdir(tmp_path / 'c') if not n.startswith('.')] == []  # no cache of it
 
 
 def test_corrupt_cache_is_named(tmp_path, text_file, tiny_config):
@@ -507,3 +579,13 @@ def test_no_host_reads_between_records(tmp_path, text_file, tiny_config, monkeyp
                             '--ckpt_interval=20', '--model_ckpts=0'))
     assert reads == []
     assert flag_reads == [0, 20, 40]  # 40 steps, 3 reads: the records at 0, 20, 40 (and the checkpoint at 20)
+
+
+def test_the_eta_waits_for_a_settled_average(capsys):
+    """The ETA is printed from the average of at least ETA_AFTER iterations, never from iteration 1 alone."""
+    cfg = {'max_iters': 1000}
+    now = __import__('time').time()
+    for it, shown in ((1, False), (train.ETA_AFTER - 1, False), (train.ETA_AFTER, True), (500, True)):
+        train.print_record({'iter': it, 'lr': 1e-3}, 10.0, 100, cfg, 0, now - 10)
+        line = capsys.readouterr().out
+        assert ('ETA -' not in line) == shown, line

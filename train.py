@@ -58,7 +58,7 @@ ckpt_interval = 500        # write ckpt.pt every this many iterations (and at th
 model_ckpts = 8            # model-weight checkpoints at log-spaced iterations, for token-level analysis
 save_snapshots = True      # write W_Q/W_K (float32) at every logged iteration to snapshots/
 # data
-dataset = 'wikitext103'    # used when data_file is empty
+dataset = 'wikitext103'    # when data_file is empty: wikitext103 | wikitext103-test (wiki.test.raw split as data_file)
 data_dir = 'data/wikitext-103-raw'  # where wiki.{train,valid,test}.raw are, or are downloaded to
 data_file = ''             # any UTF-8 text file instead: first 90% train, last 10% validation
 data_url = 'https://wikitext.smerity.com/wikitext-103-raw-v1.zip'  # where WikiText-103 is downloaded from
@@ -105,6 +105,7 @@ config_keys = [k for k, v in list(globals().items())
 # -----------------------------------------------------------------------------
 
 EVAL_SEED = 1234  # the evaluation windows are the same for every run, whatever its seed
+ETA_AFTER = 10    # iterations before an ETA is printed: the first ones include warm-up and compilation
 
 # ----------------------------------------------------------------------------- batches
 
@@ -342,12 +343,12 @@ def measure(run, it):
         row.update(train_loss=losses['train'], val_loss=losses['val'])
     for key in ('train_loss', 'val_loss'):
         if not math.isfinite(row.get(key, 0.0)):
-            nan_stop(row[key], it, cfg)
+            nan_stop(row[key], it, run)
     t0 = time.time()
     if cfg['geom_interval']:
         loss, layers = measure_geometry(run.model, run.eval_x, run.eval_y, cfg['n_head'], run.w0)
         if layers is None:
-            nan_stop(loss if not math.isfinite(loss) else float('nan'), it, cfg)
+            nan_stop(loss if not math.isfinite(loss) else float('nan'), it, run)
         for layer, ctl_row in zip(layers, spectrum_control.report(run.ctl)):
             layer.update(ctl_row)
         row['eval_loss'], row['layers'] = loss, layers
@@ -396,6 +397,7 @@ def setup(run):
     run.ctx = torch.autocast(dev_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
     # ---- run folder: checked and locked; resumed or started over (rank 0 writes)
     run.dir = runfolder.run_folder(cfg)
+    run.made_dir = not os.path.isdir(run.dir)  # a refused start removes it again (release)
     run.lock = runfolder.lock_run(run.dir) if run.master else None
     run.ckpt_path = os.path.join(run.dir, 'ckpt.pt')
     resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
@@ -422,10 +424,11 @@ def build_model(run, dev_type, resuming):
     run.optimizer = make_optimizer(run.model, cfg, dev_type)
     run.ctl = spectrum_control.record(cfg, run.model.qk_weights())  # the step-0 spectra control steers from
     run.w0 = [(wq.detach().cpu().clone(), wk.detach().cpu().clone()) for wq, wk in run.model.qk_weights()]
-    run.start, run.elapsed = 0, 0.0
+    run.start, run.elapsed, run.saved_at = 0, 0.0, None
     if resuming:  # the state at the checkpoint, W(0) and the control's step-0 spectra included
         run.start, run.elapsed, run.ctl, run.w0 = runfolder.load_checkpoint(run.ckpt_path, cfg, run.meta, run.model,
                                                                             run.optimizer, run.data_gen)
+        run.saved_at = run.start
     if run.master:
         open_run_files(run, resuming)
     run.train_model = run.model
@@ -511,16 +514,20 @@ def read_flags(run, it):
     values = values.tolist()
     for (step, _), loss in zip(run.losses, values):
         if not math.isfinite(loss):
-            nan_stop(loss, step, run.cfg)
+            nan_stop(loss, step, run)
     run.losses = []
     return values[-1] > 0
 
 
-def nan_stop(loss, it, cfg):
-    raise Stop(f"the loss became {loss} at iteration {it}. The run stops here: ckpt.pt keeps the last good "
-               f"state, metrics.jsonl the records before this one, and no done.json is written. "
-               f"Lower --lr (now {cfg['lr']}), keep --grad_clip on (now {cfg['grad_clip']}), or lengthen "
-               f"--warmup_iters, then rerun with --overwrite=True")
+def nan_stop(what, it, run):
+    """Stop on a loss (a number) or weights (a string) that are not finite, saying what ckpt.pt holds."""
+    cfg, saved = run.cfg, run.saved_at
+    kept = (f'ckpt.pt keeps the last good state, of iteration {saved}' if saved is not None else
+            f'no ckpt.pt was written yet (one comes every ckpt_interval={cfg["ckpt_interval"]} iterations)')
+    what = what if isinstance(what, str) else f'the loss became {what}'
+    raise Stop(f"{what} at iteration {it}. The run stops here: {kept}, metrics.jsonl the records before this one, "
+               f"and no done.json is written. Lower --lr (now {cfg['lr']}), keep --grad_clip on (now "
+               f"{cfg['grad_clip']}), or lengthen --warmup_iters, then rerun with --overwrite=True")
 
 
 # ----------------------------------------------------------------------------- what the run writes
@@ -530,7 +537,7 @@ def open_run_files(run, resuming):
     value as resolved), metrics.jsonl opened for appending."""
     cfg = run.cfg
     if resuming:
-        runfolder.trim_run(run.dir, run.start)
+        runfolder.trim_run(run.dir, run.start, [i for i in log_iters(cfg) if i < run.start])
         print(f'resuming {run.dir} from iteration {run.start}', flush=True)
     runfolder.write_json(dict(cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
                               git_commit=runfolder.git_commit(), vocab_size=run.meta['vocab_size'],
@@ -568,6 +575,8 @@ def record(run, it):
 def checkpoint(run, it):
     """ckpt.pt: everything that decides the rest of the run. metrics.jsonl is fsynced first, so that after a
     power loss a checkpoint never lies ahead of the records on disk."""
+    if not torch.stack([torch.isfinite(p).all() for p in run.model.parameters()]).all():
+        nan_stop('the weights are no longer finite numbers', it, run)  # never a checkpoint of them
     if not run.master:
         return
     with runfolder.writing(run.metrics.name):
@@ -578,6 +587,7 @@ def checkpoint(run, it):
                            'rng': runfolder.rng_state(run.data_gen), 'data_sha256': run.meta['sha256'],
                            'data_cache': run.meta['cache_key'], 'control': run.ctl, 'w0': run.w0},
                           run.ckpt_path)
+    run.saved_at = it
 
 
 def stop_on_signal(run, it):
@@ -617,7 +627,7 @@ def release(run):
     for sig, handler in getattr(run, 'old_handlers', {}).items():
         signal.signal(sig, handler)
     if getattr(run, 'lock', None):
-        run.lock.close()
+        runfolder.unlock(run.lock, run.dir, run.made_dir)
     if run.ddp:
         torch.distributed.destroy_process_group()
 
@@ -625,7 +635,7 @@ def release(run):
 def print_record(row, ms, tokens_per_iter, cfg, start, t_start):
     it = row['iter']
     done_frac = (it - start) / max(1, cfg['max_iters'] - start)
-    eta = (time.time() - t_start) * (1 - done_frac) / done_frac if done_frac > 0 else float('nan')
+    eta = (time.time() - t_start) * (1 - done_frac) / done_frac if it - start >= ETA_AFTER else float('nan')
     msg = f"iter {it}: "
     if 'val_loss' in row:
         msg += f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, "
@@ -654,7 +664,9 @@ def get_config(argv):
 def main(argv):
     """The command line: train.py [CONFIG_FILE] [--key=value ...], or --print_run_names."""
     with runfolder.clean_exit():
-        if argv == ['--print_run_names']:
+        if '--help' in argv or '-h' in argv:
+            print(configurator.usage(__file__))
+        elif argv == ['--print_run_names']:
             configurator.print_run_names(sys.stdin, get_config)
         elif '--print_run_names' in argv:
             raise Stop('--print_run_names takes no other arguments: it reads one argument list per line from stdin')
