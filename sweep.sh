@@ -188,24 +188,53 @@ N=${#NAMES[@]}
 [ "$N" -gt 0 ] || die "the grid is empty (DEPTHS, INITS, SEEDS and CONTROL_SEEDS are all empty?)"
 
 # ----------------------------------------------------------------------------- one sweep per OUT
-LOCK=$OUT/.sweep.pid   # two sweeps on one OUT would train the same runs
-lock_holder() {  # the pid of the live sweep holding the lock; a pid reused by another program is not one
-    local pid
-    pid=$(cat "$LOCK" 2>/dev/null) && [ -n "$pid" ] || return 1
-    ps -o args= -p "$pid" 2>/dev/null | grep -q sweep.sh && echo "$pid"
-}
-refuse_if_locked() {  # before this sweep writes anything in $OUT
+# An flock on $LOCK, taken on this shell's fd 9: every worker and run started here inherits it, and the OS
+# releases it when the last of them exits. So a sweep killed outright (SIGKILL, power cut) leaves no stale
+# lock while none of its runs trains on, and of two sweeps starting at once exactly one gets it.
+LOCK=$OUT/.sweep.pid   # two sweeps on one OUT would train the same runs; the file names the holder's pid
+LOCK_PY='import errno, fcntl, os, sys
+what, path = sys.argv[1:3]
+try:  # take: the lock on fd 9, then the pid into the file; check: whether another process holds it
+    fd = 9 if what == "take" else os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except FileNotFoundError:
+    sys.exit(0)
+except OSError as e:
+    sys.exit(1 if e.errno in (errno.EAGAIN, errno.EACCES) else 4)
+if what == "take":
+    try:  # the holder removes the file as it ends: a lock on a removed file is no lock
+        same = os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        same = False
+    if not same:
+        sys.exit(3)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{sys.argv[3]}\n".encode())'
+refuse_locked() {  # one line naming the holder
     local holder
-    holder=$(lock_holder) || return 0
-    die "another sweep (pid $holder) is running in $OUT; stop it first, or use another OUT" \
-        "(if no sweep runs there, remove $LOCK)"
+    holder=$(cat "$LOCK" 2>/dev/null)
+    if [ -n "$holder" ] && ps -o args= -p "$holder" 2>/dev/null | grep -q sweep.sh; then
+        die "another sweep (pid $holder) is running in $OUT; stop it first, or use another OUT"
+    fi
+    die "another sweep, or runs left by one that was killed, hold $LOCK; stop them first, or use another OUT"
 }
-take_lock() {  # noclobber: of two sweeps starting at once, one creates the file
+lock_failed() {  # lock_failed STATUS: the status of LOCK_PY that is not 0
+    [ "$1" = 1 ] && refuse_locked
+    die "cannot lock $LOCK with $PYTHON (status $1; a file system without flock?); use an OUT on a local disk"
+}
+take_lock() {
+    local rc
     mkdir -p "$OUT" || die "cannot create $OUT"
-    ( set -C; echo $$ > "$LOCK" ) 2>/dev/null && return
-    refuse_if_locked
-    rm -f "$LOCK"  # left by a sweep that was killed outright (SIGKILL, power cut)
-    ( set -C; echo $$ > "$LOCK" ) 2>/dev/null || refuse_if_locked
+    for _ in 1 2 3; do
+        exec 9>>"$LOCK" || die "cannot write $LOCK"
+        "$PYTHON" -c "$LOCK_PY" take "$LOCK" $$; rc=$?
+        [ "$rc" = 3 ] || break
+    done
+    [ "$rc" = 0 ] || lock_failed "$rc"
+}
+check_lock() {  # before this sweep writes anything in $OUT
+    [ -e "$LOCK" ] || return 0
+    "$PYTHON" -c "$LOCK_PY" check "$LOCK" || lock_failed $?
 }
 
 # ----------------------------------------------------------------------------- what is left to do
@@ -215,7 +244,7 @@ if [ "$DRY_RUN" != 1 ]; then
         take_lock
         trap 'rm -rf ${STATE:+"$STATE"}; rm -f "$LOCK"' EXIT
     else
-        refuse_if_locked  # submitting does not hold the lock: the array outlives this script
+        check_lock  # submitting does not hold the lock: the array outlives this script
     fi
     mkdir -p "$OUT/logs" || die "cannot create $OUT/logs"
     [ -n "${RUN_LIST:-}" ] || for i in "${!NAMES[@]}"; do echo "${NAMES[$i]} ${RUN_ARGS[$i]}"; done > "$OUT/runs.txt"
@@ -335,7 +364,7 @@ if [ "$DRY_RUN" = 1 ]; then
     exit 0
 fi
 
-rm -rf "$OUT"/.sweep.??????  # state left by a sweep that was killed outright (SIGKILL, power cut)
+rm -rf "$OUT"/.sweep.??????  # under the lock, any other state folder is a dead sweep's
 STATE=$(mktemp -d "$OUT/.sweep.XXXXXX") || die "cannot create a state folder in $OUT"
 stopping=
 trap 'stopping=INT; [ -n "${WORKERS:-}" ] && kill -TERM $WORKERS 2>/dev/null' INT

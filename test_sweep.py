@@ -182,30 +182,49 @@ def tree(folder):
 
 
 @pytest.fixture
-def running_sweep(tmp_path):
-    """A live process that looks like a sweep (bash running a file named sweep.sh), as holders of a lock are."""
-    fake = tmp_path / 'holder' / 'sweep.sh'
-    fake.parent.mkdir()
-    fake.write_text('sleep 120\n')
-    proc = subprocess.Popen(['bash', str(fake)])
-    yield proc.pid
-    proc.kill()
-    proc.wait()
+def lock_holder(tmp_path):
+    """hold(out, pid): a live process that holds out's sweep lock as a sweep does (bash running a file named
+    sweep.sh, with the lock on an inherited descriptor), the file naming pid, or its own pid when pid is None."""
+    procs = []
+
+    def hold(out, pid=None):
+        fake = tmp_path / 'holder' / 'sweep.sh'
+        fake.parent.mkdir(exist_ok=True)
+        fake.write_text(f'exec 9>>"$1"\n{sys.executable} -c "import fcntl; fcntl.flock(9, fcntl.LOCK_EX)"\n'
+                        'echo "${2:-$$}" > "$1"\necho locked\nsleep 120\n')
+        procs.append(subprocess.Popen(['bash', str(fake), os.path.join(out, '.sweep.pid'), str(pid or '')],
+                                      stdout=subprocess.PIPE, text=True))
+        assert procs[-1].stdout.readline() == 'locked\n'
+        return procs[-1].pid
+    yield hold
+    for proc in procs:
+        proc.kill()
+        proc.wait()
 
 
-def test_a_second_sweep_on_the_same_out_is_refused_and_changes_nothing(sweep_env, running_sweep):
+def test_a_second_sweep_on_the_same_out_is_refused_and_changes_nothing(sweep_env, lock_holder):
     out = sweep_env['OUT']
     os.makedirs(os.path.join(out, 'logs'))
-    with open(os.path.join(out, '.sweep.pid'), 'w') as f:
-        f.write(str(running_sweep))
     with open(os.path.join(out, 'runs.txt'), 'w') as f:
         f.write('L4_normal_s1 --n_layer=4 --qk_init=normal --seed=1\n')  # the running sweep's plan
+    holder = lock_holder(out)
     before = tree(out)
     for backend in ('local', 'slurm'):  # a Slurm array on the same folder would train the same runs
         res = sweep(sweep_env, DEPTHS='4 6', INITS='normal', SEEDS='1', CONTROL_SEEDS='', BACKEND=backend)
         assert res.returncode == 2, res.stdout + res.stderr
-        assert res.stderr.count('\n') == 1 and f'another sweep (pid {running_sweep}) is running in {out}' in res.stderr
+        assert res.stderr.count('\n') == 1 and f'another sweep (pid {holder}) is running in {out}' in res.stderr
         assert tree(out) == before  # runs.txt, logs and the lock as they were
+
+
+def test_runs_left_by_a_killed_sweep_keep_its_lock(sweep_env, lock_holder):
+    """A sweep killed outright leaves its workers and runs training: they hold the lock it took."""
+    out = sweep_env['OUT']
+    os.makedirs(out)
+    lock_holder(out, pid=2 ** 22 + 1)  # the file names the killed sweep, no such process now
+    res = sweep(sweep_env, DEPTHS='4', INITS='normal', SEEDS='1', CONTROL_SEEDS='')
+    assert res.returncode == 2 and res.stderr.count('\n') == 1, res.stdout + res.stderr
+    assert f'another sweep, or runs left by one that was killed, hold {out}/.sweep.pid' in res.stderr
+    assert os.listdir(out) == ['.sweep.pid']
 
 
 def test_a_lock_left_by_a_dead_sweep_or_another_program_is_taken_over(sweep_env):
@@ -217,6 +236,37 @@ def test_a_lock_left_by_a_dead_sweep_or_another_program_is_taken_over(sweep_env)
         res = sweep(sweep_env, DEPTHS='4', INITS='normal', SEEDS='1', CONTROL_SEEDS='', ANALYZE='0')
         assert res.returncode == 0, res.stdout + res.stderr
         assert not os.path.exists(os.path.join(out, '.sweep.pid'))  # released at the end
+
+
+STAND_IN_PYTHON = """#!/usr/bin/env bash
+# a stand-in interpreter: preparing the data and training take a second each and do nothing; the rest is Python
+case "$*" in *train.py*|*prepare_data*) sleep 1; exit 0 ;; esac
+exec {python} "$@"
+"""
+
+
+def test_two_sweeps_started_together_on_a_stale_lock_one_runs_and_the_other_is_refused(sweep_env, tmp_path):
+    python = tmp_path / 'python'
+    python.write_text(STAND_IN_PYTHON.format(python=sys.executable))
+    python.chmod(0o755)
+    runs = tmp_path / 'runs.txt'
+    runs.write_text('only --n_layer=2\n')
+    env = {**sweep_env, 'RUN_LIST': str(runs), 'ANALYZE': '0', 'PYTHON': str(python)}
+    out = env['OUT']
+    os.makedirs(out)
+    for trial in range(6):  # the two race for the lock: one trial alone rarely shows a fault
+        with open(os.path.join(out, '.sweep.pid'), 'w') as f:
+            f.write(str(2 ** 22 + 1))  # left by a sweep that was killed outright: no such process now
+        procs = [subprocess.Popen(['bash', os.path.join(HERE, 'sweep.sh')], env=env, cwd=HERE, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                 for _ in range(2)]
+        res = [(*p.communicate(timeout=60), p.returncode) for p in procs]
+        res = [(rc, out, err) for out, err, rc in res]
+        refused = [r for r in res if r[0] == 2 and 'another sweep' in r[2]]
+        ran = [r for r in res if 'sweep finished' in r[1]]
+        assert len(refused) == 1 and len(ran) == 1, f'trial {trial}: {res}'
+        assert re.search(r'\[1/1\] only, FAILED \(exit 0\)', ran[0][1]), ran[0]  # its own state folder was kept
+        assert not [n for n in os.listdir(out) if n.startswith('.sweep')], os.listdir(out)  # lock and state gone
 
 
 # ----------------------------------------------------------------------------- failures
