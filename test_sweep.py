@@ -503,3 +503,40 @@ def test_gpu_check_help_prints_the_header_and_an_argument_is_refused(tmp_path):
     res = gpu_check(tmp_path, DATA_FILE=str(folder))
     assert res.returncode == 2 and f'DATA_FILE={folder} is a folder' in res.stderr and res.stderr.count('\n') == 1
     assert sorted(os.listdir(tmp_path)) == ['texts']  # nothing written
+
+
+# ----------------------------------------------------------------------------- the README, the docs and CI
+
+USER_FILES = ('README.md', 'docs/train.md', 'docs/sweeps.md', 'sweep.sh', 'bench.py', 'gpu_check.sh',
+              'requirements.txt', 'requirements-dev.txt', '.ci/run')
+
+
+def code_blocks(path):
+    """The indented code blocks of a markdown file, each a list of its lines without the indent."""
+    blocks, block = [], []
+    for line in open(os.path.join(HERE, path)).read().splitlines() + ['']:
+        if line.startswith('    '):
+            block.append(line[4:])
+        elif block and line.strip() == '':
+            blocks.append(block)
+            block = []
+    return blocks
+
+
+def test_the_readme_installs_what_its_test_command_needs_and_ci_runs_exactly_that():
+    (tests,) = [b for b in code_blocks('README.md') if 'python -m pytest -q' in b]
+    installs = [line for line in tests[:tests.index('python -m pytest -q')] if 'pip install' in line]
+    assert any('-r requirements-dev.txt' in line for line in installs), tests
+    with open(os.path.join(HERE, 'requirements-dev.txt')) as f:
+        assert any(re.match(r'pytest\b', line) for line in f)
+    with open(os.path.join(HERE, '.ci', 'run')) as f:
+        ci = [line for line in f.read().splitlines() if line.strip() and not line.startswith('#')]
+    assert ci[-len(tests):] == tests  # CI's last commands are the README's, as written
+
+
+@pytest.mark.parametrize('path', USER_FILES)
+def test_nothing_a_user_reads_or_runs_names_a_file_outside_the_repository(path):
+    with open(os.path.join(HERE, path)) as f:
+        text = f.read()
+    for outside in ('../shared', '/work/', 'shared/data', 'DESIGN.md'):
+        assert outside not in text, f'{path} names {outside}'
