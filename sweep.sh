@@ -256,7 +256,7 @@ take_lock() {
     local rc
     mkdir -p "$OUT" || die "cannot create $OUT"
     for _ in 1 2 3; do
-        exec 9>>"$LOCK" || die "cannot write $LOCK"
+        { exec 9>>"$LOCK"; } 2>/dev/null || die "cannot write $LOCK"
         "$PYTHON" -c "$LOCK_PY" take "$LOCK" $$; rc=$?
         [ "$rc" = 3 ] || break
     done
