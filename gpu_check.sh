@@ -10,18 +10,26 @@
 # Environment (default in brackets):
 #   LOG         the folder for the logs and summary.txt, new or empty [out/gpu_check/DATE]
 #   RUNS        the folder for the run folders, new or empty [$LOG/runs]
-#   DATA_FILE   the text to train on (there is no network on a GPU node, so no WikiText-103 download)
-#               [../shared/data/wikitext-103/wiki.test.raw, next to this repository]
+#   DATA_FILE   a UTF-8 text to train on ['': WikiText-103's 1.3 MB test split, --dataset=wikitext103-test,
+#               fetched once into train.py's data_dir before the steps; a GPU node without network needs
+#               wiki.test.raw put where train.py's message says, or DATA_FILE]
 #   STEPS       any of: tests paper bench sweep [all four]
 #   TESTS       pytest arguments [the whole suite; with SMALL=1, test_geometry.py]
 #   STEP_TIMEOUT  seconds after which a step is stopped (then marked failed) [none]
 #   PYTHON      the interpreter [python, else python3]
 # sweep.sh's own variables (ANALYZE, ...) reach its two sweeps, except those this script sets.
+for arg; do
+    case $arg in
+    -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument '$arg'; its settings are environment variables (bash gpu_check.sh" \
+            "--help lists them)" >&2; exit 2 ;;
+    esac
+done
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 SMALL=${SMALL:-0}
 LOG=${LOG:-out/gpu_check/$(date +%Y%m%d-%H%M%S)}
 RUNS=${RUNS:-$LOG/runs}
-DATA_FILE=${DATA_FILE:-$REPO/../shared/data/wikitext-103/wiki.test.raw}
+DATA_FILE=${DATA_FILE:-}
 STEPS=${STEPS-tests paper bench sweep}
 PYTHON=${PYTHON:-$(command -v python >/dev/null 2>&1 && echo python || echo python3)}
 # the sizes of each step: sweep.sh's presets (the one place run sizes are written), shrunk with SMALL=1
@@ -41,7 +49,12 @@ for step in $STEPS; do
     *) die "unknown step '$step' in STEPS; use tests, paper, bench, sweep" ;;
     esac
 done
-[ -f "$DATA_FILE" ] || die "DATA_FILE=$DATA_FILE does not exist; set DATA_FILE to a UTF-8 text (no download here)"
+if [ -n "$DATA_FILE" ] && ! { [ -f "$DATA_FILE" ] && [ -r "$DATA_FILE" ]; }; then
+    what='does not exist'
+    [ -d "$DATA_FILE" ] && what='is a folder'
+    [ -e "$DATA_FILE" ] && [ ! -d "$DATA_FILE" ] && what='is not a readable regular file'
+    die "DATA_FILE=$DATA_FILE $what; set it to a UTF-8 text file, or leave it empty for the WikiText-103 test split"
+fi
 TORCH=$("$PYTHON" -c 'import torch as t; n = t.cuda.device_count(); print(n, f"torch {t.__version__}, CUDA '\
 '{t.version.cuda}, {n} GPUs")' 2>/dev/null) || die "cannot import torch with PYTHON=$PYTHON"
 NGPU=${TORCH%% *}
@@ -50,10 +63,17 @@ NGPU=${TORCH%% *}
 for dir in "$LOG" "$RUNS"; do  # earlier measurements are never overwritten
     [ -z "$(ls -A "$dir" 2>/dev/null)" ] || die "$dir is not empty; give LOG (and RUNS) a new folder"
 done
-mkdir -p "$LOG" "$RUNS" || die "cannot create $LOG and $RUNS"
-LOG=$(cd "$LOG" && pwd) RUNS=$(cd "$RUNS" && pwd)
-DATA_FILE=$(cd "$(dirname "$DATA_FILE")" && pwd)/$(basename "$DATA_FILE")
+abs() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
+LOG=$(abs "$LOG") RUNS=$(abs "$RUNS")
+[ -z "$DATA_FILE" ] || DATA_FILE=$(abs "$DATA_FILE")
 cd "$REPO" || die "cannot enter $REPO"  # every step runs from the repository root, as its tests do
+DATA_ARGS=(--data_file="$DATA_FILE") SWEEP_DATA=()
+if [ -z "$DATA_FILE" ]; then  # fetched and encoded once here, not by each step
+    DATA_ARGS=(--dataset=wikitext103-test) SWEEP_DATA=(--dataset=wikitext103-test)
+    err=$("$PYTHON" -c 'import sys, train; train.prepare_data(train.get_config(sys.argv[1:]))' "${DATA_ARGS[@]}" \
+          2>&1 >/dev/null) || { err=${err##*$'\n'}; die "no training text: ${err#error: }; or set DATA_FILE=PATH"; }
+fi
+mkdir -p "$LOG" "$RUNS" || die "cannot create $LOG and $RUNS"
 export QKGEOM_GPU_CHECK=1  # the suite run here does not run this script again (test_devices.py)
 
 # ----------------------------------------------------------------------------- helpers
@@ -79,7 +99,8 @@ done_values() {  # done_values RUN_DIR KEY...: those values of the run's done.js
 print(*(d[k] for k in sys.argv[2:]))' "$@"
 }
 sweep() {  # sweep NAME PRESET [VAR=VALUE...]: the command of a sweep into $RUNS/NAME, in SWEEP (timeout runs it)
-    SWEEP=(env OUT="$RUNS/$1" PRESET="$2" DATA_FILE="$DATA_FILE" "${@:3}" bash "$REPO/sweep.sh")
+    SWEEP=(env OUT="$RUNS/$1" PRESET="$2" DATA_FILE="$DATA_FILE" "${@:3}" bash "$REPO/sweep.sh"
+           ${SWEEP_DATA[@]+"${SWEEP_DATA[@]}"})
 }
 
 # ----------------------------------------------------------------------------- the machine
@@ -108,7 +129,7 @@ step_paper() {  # L6: the study's mean depth
         "whole process, $(minutes "$PAPER_S") training; val loss $val_loss"
 }
 step_bench() {
-    run_step "3 bench" bench.log "$PYTHON" "$REPO/bench.py" "${BENCH[@]}" --data_file="$DATA_FILE" || return
+    run_step "3 bench" bench.log "$PYTHON" "$REPO/bench.py" "${BENCH[@]}" "${DATA_ARGS[@]}" || return
     # the table's rows: jobs, aggregate tok/s, ...; the speed-up of the best row over one process
     SPEEDUP=$(awk '$1 ~ /^[0-9]+$/ && NF >= 7 { if ($1 == 1) one = $2; if ($2 > best) { best = $2; k = $1 } }
                    END { if (one > 0) printf "%d %.2f", k, best / one }' "$LOG/bench.log")

@@ -3,16 +3,19 @@
 # a lost session): running runs checkpoint, and the same command again trains only what is left.
 #
 #   bash sweep.sh                          # PRESET=paper: the study at train.py's GPU sizes, one run per GPU
-#   PRESET=cpu JOBS=2 bash sweep.sh        # CPU sizes on wiki.test.raw, 57 runs (time: see the cpu preset)
+#   PRESET=cpu JOBS=2 bash sweep.sh        # CPU sizes on WikiText-103's test split, 77 runs (time: the cpu preset)
 #   PRESET=smoke bash sweep.sh             # every run for a few iterations: checks the plumbing in minutes
-#   bash sweep.sh --max_iters=2000         # extra --key=value arguments go to every run
+#   bash sweep.sh --max_iters=2000         # extra --key=value arguments (or config files) go to every run;
+#                                          # not --run_name= or --out_dir=, which sweep.sh sets (OUT, the grid)
 #   BACKEND=slurm bash sweep.sh            # a Slurm job array, then the analysis as a dependent job
 #
 # Environment (default in brackets; a grid variable set to "" leaves that part out):
 #   PRESET      paper | cpu | ladder | smoke [paper]
 #   OUT         where the run folders go [out/$PRESET]; per-run console output in $OUT/logs/NAME.log
-#   DATA_FILE   text to train on ['' = WikiText-103 for paper; ../shared/data/wikitext-103/wiki.test.raw,
-#               next to this repository, for cpu and smoke]
+#   DATA_FILE   a UTF-8 text to train on, its first 90% for training and the last 10% for validation ['':
+#               the preset's dataset: the whole WikiText-103 for paper; for cpu, ladder and smoke its 1.3 MB
+#               test split (--dataset=wikitext103-test: wiki.test.raw alone, downloaded once into train.py's
+#               data_dir, split like DATA_FILE); an extra --dataset=... argument picks another]
 #   JOBS        runs at once [local: the number of visible GPUs, else of CPU cores; slurm: 8]
 #   DEPTHS [4 6 8]  INITS [normal orthogonal tied]  SEEDS [1 2 3 4]            the study
 #   CONTROL_DEPTH [4]  CONTROL_SEEDS [1 2 3 4 5]  CONTROL_KEEPS [fro spec]            the control experiment
@@ -25,43 +28,45 @@
 #   BACKEND     local | slurm [local];  DRY_RUN=1 prints what would run or be submitted, and stops there
 #   SBATCH_ARGS extra sbatch options for both jobs, e.g. "--partition=gpu --account=me" ['']
 #   PYTHON      the interpreter [python, else python3]
+for arg; do  # --help anywhere: this header, whatever else is set
+    case $arg in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
+done
 PRESET=${PRESET:-paper}
 
 # ----------------------------------------------------------------------------- presets
 # --key=value overrides given to every run; SLURM: #SBATCH options of one array task
 case $PRESET in
 paper)  # train.py's defaults, sized for one GPU; nanoGPT quotes ~3 min on an A100 for its shakespeare_char
-        # model of the same shape (6 layers, 384 wide, 5000 iterations). NOT YET MEASURED here: on a GPU machine,
-        # `bash gpu_check.sh` times one run and the best JOBS per GPU, and estimates the whole study
+        # model of the same shape (6 layers, 384 wide, 5000 iterations). Not measured for this project: on a GPU
+        # machine, `bash gpu_check.sh` times one run and the best JOBS per GPU, and estimates the whole study
     PRESET_ARGS=(--n_embd=384 --n_head=6 --block_size=256 --batch_size=64 --max_iters=5000
                  --eval_interval=250 --geom_interval=250 --eval_iters=20 --shrink_iters=2000)
     SLURM=(--gres=gpu:1 --cpus-per-task=4 --mem=16G --time=4:00:00)
-    default_data='' ;;
-cpu)    # 57 runs (36 study + 25 control, 4 shared): 61 min with JOBS=2 on 2 CPU cores busy with other work
-        # (results/cpu-wikitext103/README.md); the 47 runs before the spec arm took 29.8 min on idle cores
+    dataset='' ;;
+cpu)    # 77 runs (36 study + 45 control, 4 shared). The 57 runs of results/cpu-wikitext103/ (one shrink dose)
+        # took 61 min with JOBS=2 on 2 CPU cores busy with other work (its README has every stage's time)
     PRESET_ARGS=(--n_embd=64 --n_head=4 --block_size=64 --batch_size=16 --max_iters=2000
                  --eval_interval=200 --geom_interval=200 --eval_iters=10 --shrink_iters=400)
     SLURM=(--cpus-per-task=1 --mem=2G --time=1:00:00)
-    default_data=../shared/data/wikitext-103/wiki.test.raw ;;
+    dataset=wikitext103-test ;;
 ladder) # the cpu preset's batch, context and schedule at widths 32 to 384 (the paper preset's model shape),
         # 4x longer, lr x1/3 and x3, and the freeze control at width 256: see the grid below
     PRESET_ARGS=(--n_layer=4 --qk_init=normal --block_size=64 --batch_size=16 --max_iters=2000
                  --eval_interval=200 --geom_interval=200 --eval_iters=10 --shrink_iters=400)
     SLURM=(--cpus-per-task=1 --mem=4G --time=4:00:00)
-    default_data=../shared/data/wikitext-103/wiki.test.raw ;;
+    dataset=wikitext103-test ;;
 smoke)  # a few iterations of a tiny model per run: the whole grid in minutes, for the tests
     PRESET_ARGS=(--n_embd=16 --n_head=2 --block_size=16 --batch_size=4 --max_iters=6 --warmup_iters=2
                  --eval_interval=3 --geom_interval=3 --eval_iters=1 --eval_windows=2 --ckpt_interval=3
                  --model_ckpts=3 --shrink_iters=4)
     SLURM=(--cpus-per-task=1 --mem=1G --time=0:10:00)
-    default_data=../shared/data/wikitext-103/wiki.test.raw ;;
+    dataset=wikitext103-test ;;
 *)  echo "sweep.sh: unknown PRESET=$PRESET; use paper, cpu, ladder or smoke" >&2; exit 2 ;;
 esac
 
 # ----------------------------------------------------------------------------- settings
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-[ "$PWD" -ef "$REPO" ] || default_data=${default_data:+$REPO/$default_data}  # the default is next to the repo
-DATA_FILE=${DATA_FILE-$default_data}
+DATA_FILE=${DATA_FILE:-}
 OUT=${OUT:-out/$PRESET}
 BACKEND=${BACKEND:-local}
 DRY_RUN=${DRY_RUN:-0}
@@ -81,8 +86,9 @@ CONTROL_WIDTH=${CONTROL_WIDTH-256}
 MIRROR=${MIRROR:-0}
 PYTHON=${PYTHON:-$(command -v python >/dev/null 2>&1 && echo python || echo python3)}
 EXTRA=("$@")
-DATA_ARGS=()
-[ -n "$DATA_FILE" ] && DATA_ARGS=(--data_file="$DATA_FILE")
+DATA_ARGS=() data='the whole WikiText-103 (--dataset=wikitext103)'
+[ -n "$dataset" ] && DATA_ARGS=(--dataset="$dataset") data="the WikiText-103 test split (--dataset=$dataset)"
+[ -n "$DATA_FILE" ] && DATA_ARGS=(--data_file="$DATA_FILE") data=$DATA_FILE
 
 die() { echo "sweep.sh: $*" >&2; exit 2; }
 fmt_time() {  # seconds -> 42s, 3.5m, 1.8h
@@ -96,8 +102,32 @@ for flag in MIRROR ANALYZE DRY_RUN; do  # DRY_RUN=yes must not start the whole s
     case ${!flag} in 0|1) ;; *) die "$flag=${!flag} must be 0 or 1" ;; esac
 done
 case ${JOBS:-1} in *[!0-9]*|0) die "JOBS=$JOBS must be a whole number of runs at once, at least 1 (or unset)" ;; esac
-if [ -n "$DATA_FILE" ] && [ ! -f "$DATA_FILE" ]; then
-    die "DATA_FILE=$DATA_FILE does not exist; set DATA_FILE to a UTF-8 text file, or DATA_FILE= (empty) for WikiText-103"
+check_file() {  # check_file VAR FIX: VAR names a readable file, or one line says what it names instead
+    local path=${!1} what
+    if [ -f "$path" ] && [ -r "$path" ]; then return; fi
+    if [ -L "$path" ] && [ ! -e "$path" ]; then what="is a link to $(readlink "$path"), which does not exist"
+    elif [ ! -e "$path" ]; then what='does not exist'
+    elif [ -d "$path" ]; then what='is a folder'
+    elif [ ! -f "$path" ]; then what='is not a regular file (a device, pipe or socket)'
+    else what='cannot be read (permission denied)'; fi
+    die "$1=$path $what; $2"
+}
+[ -z "$DATA_FILE" ] || check_file DATA_FILE "set it to a UTF-8 text file, or leave it empty for the preset's dataset"
+[ -z "${RUN_LIST:-}" ] || check_file RUN_LIST 'set RUN_LIST to a file of runs, one per line: NAME --key=value ...'
+per_run_key() {  # one line on an extra argument that sets a key sweep.sh sets for each run
+    die "$1: sweep.sh sets out_dir (from OUT) and run_name (from each run's settings, or RUN_LIST) itself;" \
+        "set OUT=... for another folder, and leave both out of the extra arguments and config files"
+}
+config_files=()
+for arg in ${EXTRA[@]+"${EXTRA[@]}"}; do
+    case $arg in --run_name=*|--out_dir=*) per_run_key "${arg%%=*}=" ;; --*) ;; *) config_files+=("$arg") ;; esac
+done
+if [ "${#config_files[@]}" -gt 0 ]; then  # a config file (nanoGPT's set out_dir) is read as train.py reads it
+    key=$("$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); import train
+cfg = train.get_config(["--run_name=-", "--out_dir=-", *sys.argv[2:]])
+print(" ".join(k for k in ("out_dir", "run_name") if cfg[k] != "-"))' "$REPO" "${PRESET_ARGS[@]}" "${EXTRA[@]}") ||
+        die "the extra arguments above are not usable (nothing was run)"
+    [ -z "$key" ] || per_run_key "${key// / and } in ${config_files[*]}"
 fi
 
 # ----------------------------------------------------------------------------- the grid
@@ -113,7 +143,8 @@ if [ -z "${RUN_LIST:-}" ] && [ "$PRESET" = ladder ]; then
         for width in $(echo $WIDTHS | tr ' ' '\n' | sort -rn); do
             w="--n_embd=$width --n_head=$(heads_of "$width")"
             [ "$width" = "$CONTROL_WIDTH" ] && for keep in $CONTROL_KEEPS; do
-                GRID+=("$w --control=freeze --control_keep=$keep --run_name=w${width}_freeze-k-${keep}_s$seed --seed=$seed")
+                name=w${width}_freeze-k-${keep}_s$seed
+                GRID+=("$w --control=freeze --control_keep=$keep --run_name=$name --seed=$seed")
             done
             GRID+=("$w --run_name=w${width}_s$seed --seed=$seed")
         done
@@ -167,7 +198,6 @@ name_grid() {  # one name per GRID line, from train.py (the one source of run na
 }
 shared=0
 if [ -n "${RUN_LIST:-}" ]; then
-    [ -f "$RUN_LIST" ] || die "RUN_LIST=$RUN_LIST does not exist"
     while read -r name args; do
         case $name in ''|'#'*) continue ;; esac
         add_run "$name" $args
@@ -188,24 +218,53 @@ N=${#NAMES[@]}
 [ "$N" -gt 0 ] || die "the grid is empty (DEPTHS, INITS, SEEDS and CONTROL_SEEDS are all empty?)"
 
 # ----------------------------------------------------------------------------- one sweep per OUT
-LOCK=$OUT/.sweep.pid   # two sweeps on one OUT would train the same runs
-lock_holder() {  # the pid of the live sweep holding the lock; a pid reused by another program is not one
-    local pid
-    pid=$(cat "$LOCK" 2>/dev/null) && [ -n "$pid" ] || return 1
-    ps -o args= -p "$pid" 2>/dev/null | grep -q sweep.sh && echo "$pid"
-}
-refuse_if_locked() {  # before this sweep writes anything in $OUT
+# An flock on $LOCK, taken on this shell's fd 9: every worker and run started here inherits it, and the OS
+# releases it when the last of them exits. So a sweep killed outright (SIGKILL, power cut) leaves no stale
+# lock while none of its runs trains on, and of two sweeps starting at once exactly one gets it.
+LOCK=$OUT/.sweep.pid   # two sweeps on one OUT would train the same runs; the file names the holder's pid
+LOCK_PY='import errno, fcntl, os, sys
+what, path = sys.argv[1:3]
+try:  # take: the lock on fd 9, then the pid into the file; check: whether another process holds it
+    fd = 9 if what == "take" else os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except FileNotFoundError:
+    sys.exit(0)
+except OSError as e:
+    sys.exit(1 if e.errno in (errno.EAGAIN, errno.EACCES) else 4)
+if what == "take":
+    try:  # the holder removes the file as it ends: a lock on a removed file is no lock
+        same = os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        same = False
+    if not same:
+        sys.exit(3)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{sys.argv[3]}\n".encode())'
+refuse_locked() {  # one line naming the holder
     local holder
-    holder=$(lock_holder) || return 0
-    die "another sweep (pid $holder) is running in $OUT; stop it first, or use another OUT" \
-        "(if no sweep runs there, remove $LOCK)"
+    holder=$(cat "$LOCK" 2>/dev/null)
+    if [ -n "$holder" ] && ps -o args= -p "$holder" 2>/dev/null | grep -q sweep.sh; then
+        die "another sweep (pid $holder) is running in $OUT; stop it first, or use another OUT"
+    fi
+    die "another sweep, or runs left by one that was killed, hold $LOCK; stop them first, or use another OUT"
 }
-take_lock() {  # noclobber: of two sweeps starting at once, one creates the file
+lock_failed() {  # lock_failed STATUS: the status of LOCK_PY that is not 0
+    [ "$1" = 1 ] && refuse_locked
+    die "cannot lock $LOCK with $PYTHON (status $1; a file system without flock?); use an OUT on a local disk"
+}
+take_lock() {
+    local rc
     mkdir -p "$OUT" || die "cannot create $OUT"
-    ( set -C; echo $$ > "$LOCK" ) 2>/dev/null && return
-    refuse_if_locked
-    rm -f "$LOCK"  # left by a sweep that was killed outright (SIGKILL, power cut)
-    ( set -C; echo $$ > "$LOCK" ) 2>/dev/null || refuse_if_locked
+    for _ in 1 2 3; do
+        { exec 9>>"$LOCK"; } 2>/dev/null || die "cannot write $LOCK"
+        "$PYTHON" -c "$LOCK_PY" take "$LOCK" $$; rc=$?
+        [ "$rc" = 3 ] || break
+    done
+    [ "$rc" = 0 ] || lock_failed "$rc"
+}
+check_lock() {  # before this sweep writes anything in $OUT
+    [ -e "$LOCK" ] || return 0
+    "$PYTHON" -c "$LOCK_PY" check "$LOCK" || lock_failed $?
 }
 
 # ----------------------------------------------------------------------------- what is left to do
@@ -215,7 +274,7 @@ if [ "$DRY_RUN" != 1 ]; then
         take_lock
         trap 'rm -rf ${STATE:+"$STATE"}; rm -f "$LOCK"' EXIT
     else
-        refuse_if_locked  # submitting does not hold the lock: the array outlives this script
+        check_lock  # submitting does not hold the lock: the array outlives this script
     fi
     mkdir -p "$OUT/logs" || die "cannot create $OUT/logs"
     [ -n "${RUN_LIST:-}" ] || for i in "${!NAMES[@]}"; do echo "${NAMES[$i]} ${RUN_ARGS[$i]}"; done > "$OUT/runs.txt"
@@ -235,7 +294,9 @@ prepare_data() {
 prepare.prepare_data(train.get_config(sys.argv[2:]))' "$REPO" "${PRESET_ARGS[@]}" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} \
         --out_dir="$OUT" ${EXTRA[@]+"${EXTRA[@]}"} && return
     [ -n "${stopping:-}" ] && { echo "stopped by SIG$stopping before any run started"; exit 130; }
-    die "the data or the settings above are not usable (nothing was run)"
+    [ -n "$DATA_FILE" ] && die "the data or the settings above are not usable (nothing was run)"
+    die "the data or the settings above are not usable (nothing was run); without network, put the file named" \
+        "above where it says, or set DATA_FILE=PATH to train on a local UTF-8 text"
 }
 
 # ----------------------------------------------------------------------------- back end: Slurm
@@ -282,7 +343,8 @@ if [ "$BACKEND" = slurm ]; then
     [ "${#TODO[@]}" -gt 0 ] && array_cmd=(sbatch --parsable $SBATCH_ARGS "$dir/array.sbatch")
     if [ "$ANALYZE" = 1 ]; then
         analyze_cmd=(sbatch --parsable $SBATCH_ARGS "$dir/analyze.sbatch")
-        [ "${#TODO[@]}" -gt 0 ] && analyze_cmd=(sbatch --parsable $SBATCH_ARGS --dependency=afterok:JOBID "$dir/analyze.sbatch")
+        [ "${#TODO[@]}" -gt 0 ] &&
+            analyze_cmd=(sbatch --parsable $SBATCH_ARGS --dependency=afterok:JOBID "$dir/analyze.sbatch")
     fi
     if [ "$DRY_RUN" = 1 ]; then
         echo "DRY_RUN=1: written to $dir, not submitted"
@@ -326,7 +388,7 @@ where="CPU, --threads=$THREADS each"
 [ "${#GPUS[@]}" -gt 0 ] && where="GPUs ${GPUS[*]} (round-robin), --threads=$THREADS each"
 
 echo "sweep: PRESET=$PRESET, $N runs ($what): ${#TODO[@]} to train, $n_skip already done; OUT=$OUT"
-echo "       JOBS=$JOBS on $where; data: ${DATA_FILE:-WikiText-103}; logs in $OUT/logs/"
+echo "       JOBS=$JOBS on $where; data: $data; logs in $OUT/logs/"
 if [ "$DRY_RUN" = 1 ]; then
     for i in "${!NAMES[@]}"; do
         train_cmd "$i" --threads="$THREADS"
@@ -335,7 +397,7 @@ if [ "$DRY_RUN" = 1 ]; then
     exit 0
 fi
 
-rm -rf "$OUT"/.sweep.??????  # state left by a sweep that was killed outright (SIGKILL, power cut)
+rm -rf "$OUT"/.sweep.??????  # under the lock, any other state folder is a dead sweep's
 STATE=$(mktemp -d "$OUT/.sweep.XXXXXX") || die "cannot create a state folder in $OUT"
 stopping=
 trap 'stopping=INT; [ -n "${WORKERS:-}" ] && kill -TERM $WORKERS 2>/dev/null' INT
@@ -362,13 +424,15 @@ report() {  # report ok|failed|stopped NAME SECONDS [EXIT]
     echo "$1 $2 $3 ${4:-}" >> "$STATE/finished"
     if [ "$1" = stopped ]; then
         line="       $2, stopped after $(fmt_time "$3"): next time it starts over (no checkpoint yet)"
-        [ -f "$OUT/$2/ckpt.pt" ] && line="       $2, stopped after $(fmt_time "$3"): next time it resumes from its checkpoint"
+        [ -f "$OUT/$2/ckpt.pt" ] &&
+            line="       $2, stopped after $(fmt_time "$3"): next time it resumes from its checkpoint"
     else
         n_done=$(grep -cv '^stopped' "$STATE/finished")
         now=$(date +%s)
         eta=$(( (now - T0) * (${#TODO[@]} - n_done) / n_done ))
         line="[$((n_skip + n_done))/$N] $2, $(fmt_time "$3"), ETA $(fmt_time "$eta")"
-        [ "$1" = failed ] && line="[$((n_skip + n_done))/$N] $2, FAILED (exit $4) after $(fmt_time "$3"), see $OUT/logs/$2.log, ETA $(fmt_time "$eta")"
+        [ "$1" = failed ] && line="[$((n_skip + n_done))/$N] $2, FAILED (exit $4) after $(fmt_time "$3"), see\
+ $OUT/logs/$2.log, ETA $(fmt_time "$eta")"
     fi
     echo "$line"
     rmdir "$STATE/lock"
@@ -418,7 +482,8 @@ if [ -z "$stopping" ] && grep -q '^stopped' "$STATE/finished" 2>/dev/null; then
     grep -q '^stopped .* 130$' "$STATE/finished" && stopping=INT
 fi
 if [ -n "$stopping" ]; then
-    echo "stopped by SIG$stopping: $((n_skip + ${n_ok:-0})) of $N runs done; run the same command again to finish the rest"
+    echo "stopped by SIG$stopping: $((n_skip + ${n_ok:-0})) of $N runs done;" \
+         "run the same command again to finish the rest"
     case $stopping in HUP) exit 129 ;; INT) exit 130 ;; *) exit 143 ;; esac
 fi
 status=0

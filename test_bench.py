@@ -4,6 +4,7 @@ that they are measured, finite and put together as the docstring says."""
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -55,7 +56,7 @@ def error_of(args):
     (['--loop', '--data_file=no/such/file.txt'], 'does not exist'),
     (['--loop', '--iters=0'], 'must be at least 1'),
     (['--jobs=0'], "--jobs='0': expected positive whole numbers"),
-    (['--jobs=1', '--preset=gpu'], "--preset=gpu is not one of sweep.sh's presets (paper, cpu, smoke)"),
+    (['--jobs=1', '--preset=gpu'], "--preset=gpu is not one of sweep.sh's presets (paper, cpu, ladder, smoke)"),
     (['--jobs=1', '--device=cuda'], 'torch sees no CUDA device'),
     (['--jobs=1', '--n_embed=32'], 'did you mean n_embd'),
     (['--geometry', '--n_embd=32'], 'only --jobs, --fixed_cost and --loop'),
@@ -70,6 +71,57 @@ def test_an_error_is_one_line_and_exit_2(args):
     r = run_bench(*args)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and r.stdout == '' and len(lines) == 1 and lines[0] == f'bench.py: error: {error_of(args)}'
+
+
+@pytest.mark.parametrize('kind', ['folder', 'device', 'fifo', 'broken link'])
+def test_a_data_file_that_is_not_a_file_says_what_it_is(tmp_path, kind):
+    path = tmp_path / 'thing'
+    if kind == 'folder':
+        path.mkdir()
+    elif kind == 'device':
+        path = '/dev/null'
+    elif kind == 'fifo':
+        os.mkfifo(path)
+    else:
+        path.symlink_to(tmp_path / 'gone.txt')
+    words = {'folder': 'is a folder', 'device': 'is not a regular file', 'fifo': 'is not a regular file',
+             'broken link': f'is a link to {tmp_path / "gone.txt"}, which does not exist'}
+    for mode in ('--loop', '--encode'):
+        assert error_of([mode, f'--data_file={path}']).startswith(f'--data_file={path} {words[kind]}')
+
+
+def clone_without_shared(tmp_path):
+    """The project's files as a clone has them, with no ../shared beside it."""
+    clone = tmp_path / 'clone'
+    clone.mkdir()
+    for name in os.listdir(HERE):
+        if name.endswith(('.py', '.sh')):
+            shutil.copy(os.path.join(HERE, name), clone / name)
+    return clone
+
+
+@pytest.mark.parametrize('args,match', [(['--jobs=1', '--preset=gpu'], '--preset=gpu is not one of'),
+                                        (['--jobs=1', '--n_embed=32'], 'did you mean n_embd'),
+                                        (['--jobs=0'], "--jobs='0': expected positive whole numbers")])
+def test_errors_in_a_clone_without_shared_are_about_the_arguments(tmp_path, args, match):
+    clone = clone_without_shared(tmp_path)
+    r = subprocess.run([sys.executable, str(clone / 'bench.py'), *args], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and match in r.stderr and r.stderr.count('\n') == 1, r.stderr
+
+
+def test_without_data_file_the_runs_train_on_the_wikitext_test_split(text_file):
+    assert bench.parse_args(['--loop']).train_args == ['--dataset=wikitext103-test']
+    assert bench.parse_args(['--jobs=1', '--n_layer=2']).train_args == ['--dataset=wikitext103-test', '--n_layer=2']
+    assert bench.parse_args(['--loop', f'--data_file={text_file}']).train_args == [f'--data_file={text_file}']
+
+
+def test_encode_without_data_file_reads_the_test_split_from_data_dir(tmp_path, monkeypatch, synthetic_text):
+    monkeypatch.chdir(tmp_path)  # train.py's data_dir is relative to where it runs
+    data_dir = tmp_path / train.get_config([])['data_dir']
+    data_dir.mkdir(parents=True)
+    (data_dir / 'wiki.test.raw').write_text(synthetic_text(20_000), encoding='utf-8')
+    assert bench.default_text() == str(data_dir.relative_to(tmp_path) / 'wiki.test.raw')
 
 
 # ----------------------------------------------------------------------------- each measurement, small
@@ -106,11 +158,11 @@ def test_plain_loop_trains_train_pys_model(tmp_path, text_file):
 
 # ----------------------------------------------------------------------------- --jobs: runs per device
 
-@pytest.mark.parametrize('preset', ['paper', 'cpu', 'smoke'])
+@pytest.mark.parametrize('preset', ['paper', 'cpu', 'ladder', 'smoke'])
 def test_preset_args_are_the_ones_sweep_sh_runs(tmp_path, preset):
     """bench.py reads the presets from sweep.sh; sweep.sh's dry run prints the command of each run."""
     env = dict(os.environ, PRESET=preset, DRY_RUN='1', ANALYZE='0', DATA_FILE='', OUT=str(tmp_path / 'out'),
-               SEEDS='1', DEPTHS='4', INITS='normal', CONTROL_SEEDS='')
+               SEEDS='1', DEPTHS='4', INITS='normal', CONTROL_SEEDS='', LADDER_SEEDS='1')
     r = subprocess.run(['bash', 'sweep.sh'], cwd=HERE, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     cmd = next(line.split() for line in r.stdout.splitlines() if 'train.py' in line)

@@ -182,30 +182,49 @@ def tree(folder):
 
 
 @pytest.fixture
-def running_sweep(tmp_path):
-    """A live process that looks like a sweep (bash running a file named sweep.sh), as holders of a lock are."""
-    fake = tmp_path / 'holder' / 'sweep.sh'
-    fake.parent.mkdir()
-    fake.write_text('sleep 120\n')
-    proc = subprocess.Popen(['bash', str(fake)])
-    yield proc.pid
-    proc.kill()
-    proc.wait()
+def lock_holder(tmp_path):
+    """hold(out, pid): a live process that holds out's sweep lock as a sweep does (bash running a file named
+    sweep.sh, with the lock on an inherited descriptor), the file naming pid, or its own pid when pid is None."""
+    procs = []
+
+    def hold(out, pid=None):
+        fake = tmp_path / 'holder' / 'sweep.sh'
+        fake.parent.mkdir(exist_ok=True)
+        fake.write_text(f'exec 9>>"$1"\n{sys.executable} -c "import fcntl; fcntl.flock(9, fcntl.LOCK_EX)"\n'
+                        'echo "${2:-$$}" > "$1"\necho locked\nsleep 120\n')
+        procs.append(subprocess.Popen(['bash', str(fake), os.path.join(out, '.sweep.pid'), str(pid or '')],
+                                      stdout=subprocess.PIPE, text=True))
+        assert procs[-1].stdout.readline() == 'locked\n'
+        return procs[-1].pid
+    yield hold
+    for proc in procs:
+        proc.kill()
+        proc.wait()
 
 
-def test_a_second_sweep_on_the_same_out_is_refused_and_changes_nothing(sweep_env, running_sweep):
+def test_a_second_sweep_on_the_same_out_is_refused_and_changes_nothing(sweep_env, lock_holder):
     out = sweep_env['OUT']
     os.makedirs(os.path.join(out, 'logs'))
-    with open(os.path.join(out, '.sweep.pid'), 'w') as f:
-        f.write(str(running_sweep))
     with open(os.path.join(out, 'runs.txt'), 'w') as f:
         f.write('L4_normal_s1 --n_layer=4 --qk_init=normal --seed=1\n')  # the running sweep's plan
+    holder = lock_holder(out)
     before = tree(out)
     for backend in ('local', 'slurm'):  # a Slurm array on the same folder would train the same runs
         res = sweep(sweep_env, DEPTHS='4 6', INITS='normal', SEEDS='1', CONTROL_SEEDS='', BACKEND=backend)
         assert res.returncode == 2, res.stdout + res.stderr
-        assert res.stderr.count('\n') == 1 and f'another sweep (pid {running_sweep}) is running in {out}' in res.stderr
+        assert res.stderr.count('\n') == 1 and f'another sweep (pid {holder}) is running in {out}' in res.stderr
         assert tree(out) == before  # runs.txt, logs and the lock as they were
+
+
+def test_runs_left_by_a_killed_sweep_keep_its_lock(sweep_env, lock_holder):
+    """A sweep killed outright leaves its workers and runs training: they hold the lock it took."""
+    out = sweep_env['OUT']
+    os.makedirs(out)
+    lock_holder(out, pid=2 ** 22 + 1)  # the file names the killed sweep, no such process now
+    res = sweep(sweep_env, DEPTHS='4', INITS='normal', SEEDS='1', CONTROL_SEEDS='')
+    assert res.returncode == 2 and res.stderr.count('\n') == 1, res.stdout + res.stderr
+    assert f'another sweep, or runs left by one that was killed, hold {out}/.sweep.pid' in res.stderr
+    assert os.listdir(out) == ['.sweep.pid']
 
 
 def test_a_lock_left_by_a_dead_sweep_or_another_program_is_taken_over(sweep_env):
@@ -217,6 +236,37 @@ def test_a_lock_left_by_a_dead_sweep_or_another_program_is_taken_over(sweep_env)
         res = sweep(sweep_env, DEPTHS='4', INITS='normal', SEEDS='1', CONTROL_SEEDS='', ANALYZE='0')
         assert res.returncode == 0, res.stdout + res.stderr
         assert not os.path.exists(os.path.join(out, '.sweep.pid'))  # released at the end
+
+
+STAND_IN_PYTHON = """#!/usr/bin/env bash
+# a stand-in interpreter: preparing the data and training take a second each and do nothing; the rest is Python
+case "$*" in *train.py*|*prepare_data*) sleep 1; exit 0 ;; esac
+exec {python} "$@"
+"""
+
+
+def test_two_sweeps_started_together_on_a_stale_lock_one_runs_and_the_other_is_refused(sweep_env, tmp_path):
+    python = tmp_path / 'python'
+    python.write_text(STAND_IN_PYTHON.format(python=sys.executable))
+    python.chmod(0o755)
+    runs = tmp_path / 'runs.txt'
+    runs.write_text('only --n_layer=2\n')
+    env = {**sweep_env, 'RUN_LIST': str(runs), 'ANALYZE': '0', 'PYTHON': str(python)}
+    out = env['OUT']
+    os.makedirs(out)
+    for trial in range(6):  # the two race for the lock: one trial alone rarely shows a fault
+        with open(os.path.join(out, '.sweep.pid'), 'w') as f:
+            f.write(str(2 ** 22 + 1))  # left by a sweep that was killed outright: no such process now
+        procs = [subprocess.Popen(['bash', os.path.join(HERE, 'sweep.sh')], env=env, cwd=HERE, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                 for _ in range(2)]
+        res = [(*p.communicate(timeout=60), p.returncode) for p in procs]
+        res = [(rc, out, err) for out, err, rc in res]
+        refused = [r for r in res if r[0] == 2 and 'another sweep' in r[2]]
+        ran = [r for r in res if 'sweep finished' in r[1]]
+        assert len(refused) == 1 and len(ran) == 1, f'trial {trial}: {res}'
+        assert re.search(r'\[1/1\] only, FAILED \(exit 0\)', ran[0][1]), ran[0]  # its own state folder was kept
+        assert not [n for n in os.listdir(out) if n.startswith('.sweep')], os.listdir(out)  # lock and state gone
 
 
 # ----------------------------------------------------------------------------- failures
@@ -240,8 +290,6 @@ def test_a_failing_run_is_reported_and_the_others_finish(sweep_env, tmp_path):
 def test_bad_settings_stop_the_sweep_before_any_run(sweep_env):
     res = sweep(sweep_env, '--n_layr=2', DEPTHS='4', INITS='normal', SEEDS='1', CONTROL_SEEDS='')
     assert res.returncode == 2 and 'nothing was run' in res.stderr
-    res = sweep(sweep_env, DATA_FILE='/no/such/file.txt')
-    assert res.returncode == 2 and 'DATA_FILE=/no/such/file.txt does not exist' in res.stderr
     res = sweep(sweep_env, PRESET='huge')
     assert res.returncode == 2 and 'unknown PRESET=huge' in res.stderr
     for var, value in (('DRY_RUN', 'yes'), ('MIRROR', 'true'), ('ANALYZE', 'no'), ('JOBS', 'two'), ('JOBS', '0')):
@@ -249,6 +297,49 @@ def test_bad_settings_stop_the_sweep_before_any_run(sweep_env):
         assert res.returncode == 2 and f'{var}={value} must be' in res.stderr, res.stdout + res.stderr
         assert res.stderr.count('\n') == 1
     assert not os.path.exists(os.path.join(sweep_env['OUT'], 'L4_normal_s1'))  # DRY_RUN=yes did not run it
+
+
+def test_help_prints_the_header_and_exits_0(sweep_env):
+    for flag in ('--help', '-h'):
+        res = sweep(sweep_env, '--max_iters=2', flag, PRESET='huge')  # before any setting is checked
+        assert res.returncode == 0 and res.stderr == '', res.stderr
+        assert res.stdout.startswith('The whole study') and 'PRESET      paper | cpu | ladder | smoke' in res.stdout
+        assert not re.search(r'^#', res.stdout, re.M) and 'PRESET=${PRESET' not in res.stdout
+    assert not os.path.exists(sweep_env['OUT'])
+
+
+def test_extra_arguments_may_not_set_the_per_run_keys_sweep_sh_sets(sweep_env, tmp_path):
+    config = tmp_path / 'my_config.py'
+    config.write_text("out_dir = 'out-elsewhere'\nn_layer = 2\n")  # as nanoGPT's config files do
+    for args, key in ((['--run_name=mine'], '--run_name='), (['--max_iters=2', '--out_dir=elsewhere'], '--out_dir='),
+                      ([str(config)], 'out_dir')):
+        for backend in ('local', 'slurm'):
+            res = sweep(sweep_env, *args, DEPTHS='4 6', INITS='normal', SEEDS='1', CONTROL_SEEDS='', BACKEND=backend)
+            assert res.returncode == 2 and res.stderr.count('\n') == 1, res.stdout + res.stderr
+            assert key in res.stderr and 'sweep.sh sets' in res.stderr and 'OUT=' in res.stderr, res.stderr
+    assert not os.path.exists(sweep_env['OUT'])
+    cmds, _ = dry_commands(sweep_env, '--threads=1', JOBS='1')  # a thread count of its own is allowed: it wins
+    assert cmds and all(c.endswith('--threads=1') for c in cmds)
+
+
+@pytest.mark.parametrize('kind', ['folder', 'device', 'fifo', 'missing', 'broken link'])
+def test_a_data_file_or_run_list_that_is_not_a_file_says_what_it_is(sweep_env, tmp_path, kind):
+    path = tmp_path / 'thing'
+    if kind == 'folder':
+        path.mkdir()
+    elif kind == 'device':
+        path = '/dev/null'
+    elif kind == 'fifo':
+        os.mkfifo(path)
+    elif kind == 'broken link':
+        path.symlink_to(tmp_path / 'gone.txt')
+    words = {'folder': 'is a folder', 'device': 'is not a regular file', 'fifo': 'is not a regular file',
+             'missing': 'does not exist', 'broken link': f'is a link to {tmp_path / "gone.txt"}, which does not exist'}
+    for var in ('DATA_FILE', 'RUN_LIST'):
+        res = sweep(sweep_env, **{var: str(path)})
+        assert res.returncode == 2 and res.stderr.count('\n') == 1, res.stdout + res.stderr
+        assert f'{var}={path} {words[kind]}' in res.stderr, res.stderr
+    assert not os.path.exists(sweep_env['OUT'])
 
 
 # ----------------------------------------------------------------------------- the grid (dry runs)
@@ -313,6 +404,34 @@ def test_workers_split_the_cpu_threads_and_the_gpus(sweep_env):
     assert 'JOBS=4 on GPUs 0 1 (round-robin)' in out
 
 
+@pytest.mark.parametrize('preset', ['cpu', 'ladder', 'smoke'])
+def test_the_small_presets_train_on_the_wikitext_test_split_unless_data_file_is_set(sweep_env, preset):
+    env = {k: v for k, v in sweep_env.items() if k != 'DATA_FILE'}  # a clone: no text of its own
+    cmds, out = dry_commands(env, PRESET=preset, DEPTHS='4', SEEDS='1', CONTROL_SEEDS='1', LADDER_SEEDS='1')
+    assert cmds and all(' --dataset=wikitext103-test ' in c and '--data_file' not in c for c in cmds)
+    assert 'data: the WikiText-103 test split (--dataset=wikitext103-test)' in out and 'shared' not in out
+    cmds, out = dry_commands(sweep_env, PRESET=preset, DEPTHS='4', SEEDS='1', CONTROL_SEEDS='1', LADDER_SEEDS='1')
+    assert all(f" --data_file={sweep_env['DATA_FILE']} " in c and '--dataset' not in c for c in cmds)
+    assert f"data: {sweep_env['DATA_FILE']}" in out
+
+
+def test_the_paper_preset_trains_on_the_whole_wikitext(sweep_env):
+    env = {k: v for k, v in sweep_env.items() if k != 'DATA_FILE'}
+    cmds, out = dry_commands(env, PRESET='paper', DEPTHS='4', SEEDS='1', CONTROL_SEEDS='')
+    assert cmds and all('--dataset' not in c and '--data_file' not in c for c in cmds)
+    assert 'data: the whole WikiText-103 (--dataset=wikitext103)' in out
+
+
+def test_data_that_cannot_be_fetched_stops_the_sweep_naming_data_file(sweep_env, tmp_path):
+    env = {k: v for k, v in sweep_env.items() if k != 'DATA_FILE'}  # no network: a download that fails at once
+    res = sweep(env, f'--data_dir={tmp_path / "data"}', f'--data_url=file://{tmp_path / "no.zip"}', DEPTHS='4',
+                INITS='normal', SEEDS='1', CONTROL_SEEDS='', ANALYZE='0')
+    assert res.returncode == 2, res.stdout + res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert 'nothing was run' in last and 'set DATA_FILE=' in last, res.stderr
+    assert not os.path.exists(os.path.join(env['OUT'], 'L4_normal_s1'))
+
+
 # ----------------------------------------------------------------------------- Slurm
 
 def test_slurm_dry_run_writes_an_array_of_the_runs_left(sweep_env):
@@ -362,3 +481,62 @@ def test_slurm_array_tasks_train_the_runs_and_the_analysis_waits_for_them(sweep_
     calls = open(env['SBATCH_LOG']).read().splitlines()
     assert calls[0].startswith('--parsable --partition=test') and calls[0].endswith('array.sbatch')
     assert '--dependency=afterok:4242' in calls[1] and calls[1].endswith('analyze.sbatch')
+
+
+# ----------------------------------------------------------------------------- gpu_check.sh's command line
+
+def gpu_check(tmp_path, *args, **env):
+    base = {k: v for k, v in os.environ.items() if k not in GRID_VARS + ('LOG', 'RUNS', 'STEPS', 'SMALL')}
+    return subprocess.run(['bash', os.path.join(HERE, 'gpu_check.sh'), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**base, 'LOG': str(tmp_path / 'log'), 'SMALL': '1',
+                                                       'PYTHON': sys.executable, **env})
+
+
+def test_gpu_check_help_prints_the_header_and_an_argument_is_refused(tmp_path):
+    for flag in ('--help', '-h'):
+        res = gpu_check(tmp_path, flag)
+        assert res.returncode == 0 and res.stdout.startswith('The GPU path') and 'DATA_FILE' in res.stdout
+    res = gpu_check(tmp_path, '--max_iters=10')
+    assert res.returncode == 2 and res.stderr.count('\n') == 1 and "unknown argument '--max_iters=10'" in res.stderr
+    folder = tmp_path / 'texts'
+    folder.mkdir()
+    res = gpu_check(tmp_path, DATA_FILE=str(folder))
+    assert res.returncode == 2 and f'DATA_FILE={folder} is a folder' in res.stderr and res.stderr.count('\n') == 1
+    assert sorted(os.listdir(tmp_path)) == ['texts']  # nothing written
+
+
+# ----------------------------------------------------------------------------- the README, the docs and CI
+
+USER_FILES = ('README.md', 'docs/train.md', 'docs/sweeps.md', 'sweep.sh', 'bench.py', 'gpu_check.sh',
+              'requirements.txt', 'requirements-dev.txt', '.ci/run')
+
+
+def code_blocks(path):
+    """The indented code blocks of a markdown file, each a list of its lines without the indent."""
+    blocks, block = [], []
+    for line in open(os.path.join(HERE, path)).read().splitlines() + ['']:
+        if line.startswith('    '):
+            block.append(line[4:])
+        elif block and line.strip() == '':
+            blocks.append(block)
+            block = []
+    return blocks
+
+
+def test_the_readme_installs_what_its_test_command_needs_and_ci_runs_exactly_that():
+    (tests,) = [b for b in code_blocks('README.md') if 'python -m pytest -q' in b]
+    installs = [line for line in tests[:tests.index('python -m pytest -q')] if 'pip install' in line]
+    assert any('-r requirements-dev.txt' in line for line in installs), tests
+    with open(os.path.join(HERE, 'requirements-dev.txt')) as f:
+        assert any(re.match(r'pytest\b', line) for line in f)
+    with open(os.path.join(HERE, '.ci', 'run')) as f:
+        ci = [line for line in f.read().splitlines() if line.strip() and not line.startswith('#')]
+    assert ci[-len(tests):] == tests  # CI's last commands are the README's, as written
+
+
+@pytest.mark.parametrize('path', USER_FILES)
+def test_nothing_a_user_reads_or_runs_names_a_file_outside_the_repository(path):
+    with open(os.path.join(HERE, path)) as f:
+        text = f.read()
+    for outside in ('../shared', '/work/', 'shared/data', 'DESIGN.md'):
+        assert outside not in text, f'{path} names {outside}'
