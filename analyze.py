@@ -127,8 +127,8 @@ HEAD_LINKS = {'pr_k~entropy': ('k', 'entropy'), 'pr_k~pr_qk': ('k', 'qk'), 'pr_q
 # scale against shape: the statistics of shape_stats (Pearson), at each checkpoint across heads and within runs
 SHAPE_STATS = ('pr_k~entropy', 'pr_k~entropy|scale', 'pr_qk~entropy', 'pr_qk~entropy|scale', 'scale~entropy')
 # the files `runs` writes into its --out folder: a folder holding one of these that analyze.py did not write is refused
-RUNS_OUTPUTS = re.compile(r'(runs|trajectories(_head|_tok|_learned)?|trajectory_summary|attention_link(_runs)?|link_tests'
-                          r'|control(_effects|_dose|_dose_fit)?|timeline|scale_shape(_runs)?|robustness_map'
+RUNS_OUTPUTS = re.compile(r'(runs|trajectories(_head|_tok|_learned)?|trajectory_summary|attention_link(_runs)?'
+                          r'|link_tests|control(_effects|_dose|_dose_fit)?|timeline|scale_shape(_runs)?|robustness_map'
                           r'|regime(_trend)?)\.(csv|md)|REPORT\.md|fig(1_pr_over_training|2_pr_gap|3_entropy_and_pr'
                           r'|4_spectra|5_control_[kq](_\d+)?|8_scale_shape|9_regime(_\d+)?|10_dose_response)\.(png|pdf)')
 
@@ -536,7 +536,7 @@ def timeline_rows(runs):
 
 
 # ----------------------------------------------------------------------------- lenses and windows: the views
-# Every claim is measured in several ways (DESIGN.md, "Claims and lenses"). A view is one way: a lens, a window of
+# Every claim is measured in several ways (report.py's robustness map). A view is one way: a lens, a window of
 # records and a set of runs (the main setting A, or the main setting of the runs with or without weight decay
 # on W_Q, W_K); it holds what the claims need: the trajectory summary (a, b), the tests of (c) across heads with the
 # descriptive within-run links, and the pooled scale against shape (c2).
@@ -689,7 +689,7 @@ def token_models(out, runs, warn):
 # ----------------------------------------------------------------------------- notes for the report
 
 def confound_notes(runs, cells, traj_rows):
-    """The known confounds (DESIGN.md), as measured in these runs."""
+    """The known confounds (weight decay on W_Q, W_K; the random init's PR near C/2), as measured in these runs."""
     notes = []
     wd = Counter((r.cfg.get('weight_decay'), r.cfg.get('decay_qk')) for r in runs)
     for (w, d), n in sorted(wd.items(), key=str):

@@ -71,8 +71,9 @@ STATS = {
                          'PR_K with PR_QK, mean over records'),
     'c_pr_k~entropy': Stat('claim (c): the same of per-head PR_K with entropy'),
     'c_dpr_k~dentropy': Stat('claim (c): the same of their changes between consecutive records'),
-    'c2_pr_k~entropy|scale': Stat('claim (c2): per record from warm-up on, across (layer, head) pairs, Pearson partial '
-                                  'correlation of per-head PR_K with entropy given log ||W_QK^h||_2, mean over records'),
+    'c2_pr_k~entropy|scale': Stat('claim (c2): per record from warm-up on, across (layer, head) pairs, Pearson '
+                                  'partial correlation of per-head PR_K with entropy given log ||W_QK^h||_2, mean '
+                                  'over records'),
     'c2_scale~entropy': Stat('the same, Pearson of log ||W_QK^h||_2 with entropy'),
     'val_loss': Stat('final validation loss', None, signed=False),
     'train_val_gap': Stat(f'final val_loss - train_loss (overfits above {OVERFIT_GAP})', OVERFIT_GAP),
