@@ -129,8 +129,9 @@ SHAPE_STATS = ('pr_k~entropy', 'pr_k~entropy|scale', 'pr_qk~entropy', 'pr_qk~ent
 # the files `runs` writes into its --out folder: a folder holding one of these that analyze.py did not write is refused
 RUNS_OUTPUTS = re.compile(r'(runs|trajectories(_head|_tok|_learned)?|trajectory_summary|attention_link(_runs)?'
                           r'|link_tests|control(_effects|_dose|_dose_fit)?|timeline|scale_shape(_runs)?|robustness_map'
-                          r'|regime(_trend)?)\.(csv|md)|REPORT\.md|fig(1_pr_over_training|2_pr_gap|3_entropy_and_pr'
-                          r'|4_spectra|5_control_[kq](_\d+)?|8_scale_shape|9_regime(_\d+)?|10_dose_response)\.(png|pdf)')
+                          r'|regime(_trend)?)\.(csv|md)|REPORT\.md|fig(1_pr_over_training|2_pr_gap'
+                          r'|3_entropy_and_pr|4_spectra|5_control_[kq](_\d+)?|8_scale_shape|9_regime(_\d+)?'
+                          r'|10_dose_response)\.(png|pdf)')
 
 
 # ----------------------------------------------------------------------------- tables
