@@ -38,12 +38,9 @@ MODEL = re.compile(r'model_(\d{7,})\.pt(?:\.tmp)?')
 
 # ----------------------------------------------------------------------------- names and listings
 
-def snapshot_path(run_dir, it):
-    return os.path.join(run_dir, 'snapshots', f'qk_{it:07d}.npz')
-
-
-def model_path(run_dir, it):
-    return os.path.join(run_dir, 'models', f'model_{it:07d}.pt')
+def file_path(run_dir, sub, it):
+    """The snapshot (sub='snapshots') or model checkpoint (sub='models') of iteration it."""
+    return os.path.join(run_dir, sub, f'qk_{it:07d}.npz' if sub == 'snapshots' else f'model_{it:07d}.pt')
 
 
 def iteration_of(name):
@@ -122,7 +119,7 @@ def save_snapshot(run_dir, it, q, k, n_head):
     with writing(folder):
         os.makedirs(folder, exist_ok=True)
         np.savez(tmp, q=q, k=k, n_head=n_head)
-        os.replace(tmp, snapshot_path(run_dir, it))
+        os.replace(tmp, file_path(run_dir, 'snapshots', it))
 
 
 def git_commit():
@@ -378,11 +375,8 @@ def start_ddp(dev):
 # ----------------------------------------------------------------------------- signals and exit
 
 class Stopped(BaseException):
-    """SIGTERM outside the training loop (which checkpoints instead): unwinds like Ctrl-C, cleaning up."""
-
-    def __init__(self, signum):
-        super().__init__(signum)
-        self.signum = signum
+    """SIGTERM outside the training loop (which checkpoints instead): unwinds like Ctrl-C, cleaning up. Its one
+    argument is the signal number."""
 
 
 def stopped(signum, frame):
@@ -399,7 +393,7 @@ def clean_exit():
         print(e.code, file=sys.stderr, flush=True)
         sys.exit(2)
     except (KeyboardInterrupt, Stopped) as e:
-        sig = getattr(e, 'signum', signal.SIGINT)
+        sig = e.args[0] if isinstance(e, Stopped) else signal.SIGINT
         print(f'error: stopped by {signal.Signals(sig).name}; nothing half-written was kept. Run the same command '
               f'again to continue.', file=sys.stderr, flush=True)
         sys.exit(128 + sig)

@@ -202,7 +202,7 @@ def test_refusals_from_the_command_line_print_their_reason(run_train):
     assert proc.returncode == 2 and 'did you mean n_layer' in proc.stderr
 
 
-# ----------------------------------------------------------------------------- issue 13: hardening
+# ----------------------------------------------------------------------------- user mistakes and failures
 
 def run_code(code, *args, timeout=300):
     """python -c CODE ARGS in the repository: a wrapper that patches train.py from outside."""
@@ -217,7 +217,7 @@ def one_line_error(proc):
 @pytest.mark.parametrize('device, words', [('gpu', "'gpu' is not a device"), ('cuda:99', 'cuda:99'),
                                            ('mps:0', 'mps')])
 def test_device_is_checked_first_and_names_what_is_available(tmp_path, run_train, device, words):
-    """Issue 13.6: an unusable device is refused before any data is read, naming the devices available
+    """An unusable device is refused before any data is read, naming the devices available
     (cpu, cuda with its count, mps) and the fix."""
     proc = run_train([f'--device={device}', f'--data_file={tmp_path / "absent.txt"}', f'--out_dir={tmp_path}'])
     assert one_line_error(proc), proc.stderr
@@ -225,7 +225,7 @@ def test_device_is_checked_first_and_names_what_is_available(tmp_path, run_train
 
 
 def test_a_second_process_on_the_same_run_is_refused_naming_the_holder(setup, args_for):
-    """Issue 13.2: a lock file in the run folder (fcntl.flock, released by the OS when its holder dies)."""
+    """A lock file in the run folder (fcntl.flock, released by the OS when its holder dies)."""
     import fcntl
     tmp_path, text_file = setup
     cfg = train.get_config(args_for(tmp_path, text_file, 'locked'))
@@ -251,7 +251,7 @@ def test_a_second_process_on_the_same_run_is_refused_naming_the_holder(setup, ar
 
 
 def test_nan_loss_is_caught_before_geometry(setup, args_for, run_train):
-    """Issue 13.7: with geometry on, a blown-up model stops with the documented message and exit 2, not a
+    """With geometry on, a blown-up model stops with the documented message and exit 2, not a
     ValueError from geometry.py; the checkpoint kept is finite."""
     tmp_path, text_file = setup
     args = args_for(tmp_path, text_file, 'nan', '--lr=1e30', '--grad_clip=0.0', '--warmup_iters=0', '--ckpt_interval=1')
@@ -286,7 +286,7 @@ train.main(sys.argv[2:])
 
 @pytest.mark.parametrize('sig', ['SIGINT', 'SIGTERM'])
 def test_a_signal_during_encoding_leaves_no_building_folder_and_no_traceback(setup, args_for, sig):
-    """Issue 13.10: Ctrl-C or SIGTERM while the cache is being built: no traceback, the half-built
+    """Ctrl-C or SIGTERM while the cache is being built: no traceback, the half-built
     .building-* folder removed, exit 128 + signal."""
     tmp_path, text_file = setup
     proc = run_code(INTERRUPT_ENCODING, sig, *args_for(tmp_path, text_file, 'x'))
@@ -307,7 +307,7 @@ train.main(sys.argv[2:])
 
 def test_full_disk_gives_one_line_and_keeps_the_previous_checkpoint(setup, args_for, run_train, records,
                                                                     without_wall_clock, reference):
-    """Issue 13.11: a write that fails (here: a file size limit, as a full disk) names the path and the
+    """A write that fails (here: a file size limit, as a full disk) names the path and the
     cause in one line, exit 2; the previous ckpt.pt is intact and no temporary file is left. The same
     command, once there is room, resumes to the uninterrupted metrics."""
     tmp_path, text_file = setup
@@ -325,7 +325,7 @@ def test_full_disk_gives_one_line_and_keeps_the_previous_checkpoint(setup, args_
 
 
 def test_unwritable_out_dir_gives_one_line(setup, args_for, run_train):
-    """Issue 13.11: an out_dir that cannot be written (here a path under a file; a read-only folder goes the
+    """An out_dir that cannot be written (here a path under a file; a read-only folder goes the
     same way) gives one line naming the path and the cause."""
     tmp_path, text_file = setup
     (tmp_path / 'afile').write_text('')
@@ -339,7 +339,7 @@ def test_unwritable_out_dir_gives_one_line(setup, args_for, run_train):
 
 @pytest.mark.skipif(os.geteuid() == 0, reason='root writes into read-only folders')
 def test_read_only_out_dir_gives_one_line(setup, args_for, run_train):
-    """Issue 13.11: a read-only out_dir gives one line naming the cause (skipped as root, who may write anyway)."""
+    """A read-only out_dir gives one line naming the cause (skipped as root, who may write anyway)."""
     tmp_path, text_file = setup
     (tmp_path / 'ro').mkdir(mode=0o555)
     proc = run_train(args_for(tmp_path, text_file, 'x', f'--out_dir={tmp_path / "ro"}'))
@@ -348,7 +348,7 @@ def test_read_only_out_dir_gives_one_line(setup, args_for, run_train):
 
 def test_files_train_py_did_not_write_are_ignored_on_resume(setup, reference, args_for, run_train, records,
                                                              without_wall_clock):
-    """Issue 13.12: a stray file in snapshots/ or models/ neither breaks a resume nor is deleted."""
+    """A stray file in snapshots/ or models/ neither breaks a resume nor is deleted."""
     tmp_path, text_file = setup
     args = args_for(tmp_path, text_file, 'stray')
     assert run_train(args, 'record', 16).returncode == -signal.SIGKILL
@@ -362,7 +362,7 @@ def test_files_train_py_did_not_write_are_ignored_on_resume(setup, reference, ar
 
 
 def test_metrics_are_fsynced_before_each_checkpoint_is_renamed(setup, args_for, monkeypatch):
-    """Issue 13.13: after a power loss, the records a checkpoint has passed must be on disk."""
+    """After a power loss, the records a checkpoint has passed must be on disk."""
     tmp_path, text_file = setup
     synced, order = set(), []
     fsync, replace = os.fsync, os.replace
@@ -383,7 +383,7 @@ def test_metrics_are_fsynced_before_each_checkpoint_is_renamed(setup, args_for, 
 
 
 def test_the_run_folder_is_printed_at_start_and_end(setup, args_for, run_train):
-    """Issue 13.16: a user sees where the run goes."""
+    """A user sees where the run goes."""
     tmp_path, text_file = setup
     proc = run_train(args_for(tmp_path, text_file, 'shown', '--max_iters=2'))
     lines = proc.stdout.strip().split('\n')
@@ -393,7 +393,7 @@ def test_the_run_folder_is_printed_at_start_and_end(setup, args_for, run_train):
 
 @pytest.mark.parametrize('arg', ['--lr=-1', '--dropout=1.5', '--qk_init=ortho', '--run_name=../v', '--seed=-1'])
 def test_user_mistakes_give_one_line_and_exit_2(run_train, arg):
-    """Issue 13: every user mistake: one line, exit 2, no traceback."""
+    """Every user mistake: one line, exit 2, no traceback."""
     proc = run_train([arg])
     assert one_line_error(proc), proc.stderr[-2000:]
 
@@ -401,7 +401,7 @@ def test_user_mistakes_give_one_line_and_exit_2(run_train, arg):
 @pytest.mark.parametrize('keep', ['spec', 'fro'])
 def test_controlled_run_killed_and_resumed_matches_uninterrupted(setup, args_for, run_train, records,
                                                                  without_wall_clock, keep):
-    """Issue 15: a shrink run with control_keep (spec keeps the top singular value) resumes exactly: W(0)
+    """A shrink run with control_keep (spec keeps the top singular value) resumes exactly: W(0)
     and the control state come back from ckpt.pt, so the learned-part metrics continue unchanged."""
     tmp_path, text_file = setup
     extra = ('--control=shrink', f'--control_keep={keep}', '--shrink_iters=16', '--shrink_to=0.3')

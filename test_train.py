@@ -81,7 +81,7 @@ def test_print_run_names_reads_argument_lists_from_stdin(tmp_path):
 @pytest.mark.parametrize('name', ['../v', '/tmp/abs', '.', '..', 'a/b', '  ', 'a\\0b'.replace('\\0', chr(0)),
                                   'a\nb', 'analysis'])
 def test_run_name_cannot_leave_out_dir(name):
-    """Issue 13.1: a run name with a separator, '.', '..', an absolute path or no visible character is refused."""
+    """A run name with a separator, '.', '..', an absolute path or no visible character is refused."""
     with pytest.raises(Stop, match='run_name'):
         train.get_config([f'--run_name={name}'])
 
@@ -95,7 +95,7 @@ def test_run_name_cannot_leave_out_dir(name):
                                       ('--min_char_count=0', 'min_char_count'), ('--warmup_iters=-1', 'warmup_iters'),
                                       ('--seed=4294967296', 'seed'), ('--eval_windows=0', 'eval_windows')])
 def test_numeric_settings_out_of_range_are_refused_before_training(arg, key):
-    """Issue 13.8: every numeric setting is range-checked in get_config, naming the key (no traceback later)."""
+    """Every numeric setting is range-checked in get_config, naming the key (no traceback later)."""
     with pytest.raises(Stop, match=f'^error: {key}='):
         train.get_config([arg])
 
@@ -105,7 +105,7 @@ def test_numeric_settings_out_of_range_are_refused_before_training(arg, key):
                                        ('--control_keep=spectral', 'spec'), ('--dtype=bf16', 'bfloat16'),
                                        ('--dataset=wikitext', 'wikitext103')])
 def test_choice_settings_get_a_did_you_mean_hint(arg, hint):
-    """Issue 13.8: a misspelt choice names the closest valid one, as an unknown key does."""
+    """A misspelt choice names the closest valid one, as an unknown key does."""
     with pytest.raises(Stop, match=f'not one of .*did you mean {hint}\\?'):
         train.get_config([arg])
 
@@ -118,7 +118,7 @@ def test_choice_settings_get_a_did_you_mean_hint(arg, hint):
     ('nothing.py', '# n_layer = 2\n_private = 3\n', 'sets no config key'), ('empty.json', '{}', 'sets no config key'),
     ('latin1.py', b'qk_init = "caf\xe9"', 'not UTF-8')])
 def test_malformed_config_files_are_named(tmp_path, name, text, words):
-    """Issue 13.8/13.9: malformed JSON, a JSON list, values of the wrong type, Python that fails, a file
+    """Malformed JSON, a JSON list, values of the wrong type, Python that fails, a file
     that sets no known key and invalid UTF-8 each give one line naming the file."""
     path = tmp_path / name
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -150,7 +150,7 @@ def test_a_json_config_with_a_byte_order_mark_is_read_as_json(tmp_path):
 
 
 def test_json_config_is_recognised_by_content_and_python_is_executed(tmp_path):
-    """Issue 13.9: a JSON object in a file of any name is read as JSON; a Python file runs as Python."""
+    """A JSON object in a file of any name is read as JSON; a Python file runs as Python."""
     (tmp_path / 'my.cfg').write_text('  {"n_layer": 2, "qk_init": "tied", "lr": 1}\n')
     cfg = train.get_config([str(tmp_path / 'my.cfg')])
     assert (cfg['n_layer'], cfg['qk_init'], cfg['lr']) == (2, 'tied', 1.0)
@@ -317,7 +317,7 @@ def test_text_shorter_than_a_block_is_refused(tmp_path):
 
 @pytest.mark.parametrize('text', ['', 'a'])
 def test_empty_or_tiny_text_says_it_is_too_short(tmp_path, text):
-    """Issue 13.10: an empty text is too short, not a corrupt cache (whose advice looped)."""
+    """An empty text is too short, not a corrupt cache (whose advice looped)."""
     path = tmp_path / 'empty.txt'
     path.write_text(text)
     with pytest.raises(Stop, match='too short'):
@@ -325,7 +325,7 @@ def test_empty_or_tiny_text_says_it_is_too_short(tmp_path, text):
 
 
 def test_invalid_utf8_text_is_named_and_leaves_no_building_folder(tmp_path, synthetic_text):
-    """Issue 13.8/13.10: a text that is not UTF-8 is named with the offset of the first bad byte, and the
+    """A text that is not UTF-8 is named with the offset of the first bad byte, and the
     half-built cache folder is removed."""
     path = tmp_path / 'latin1.txt'
     path.write_bytes(synthetic_text(5000).encode() + b'caf\xe9 ' + synthetic_text(5000).encode())
@@ -335,7 +335,7 @@ def test_invalid_utf8_text_is_named_and_leaves_no_building_folder(tmp_path, synt
 
 
 def test_stale_building_folders_are_removed_at_the_next_start(tmp_path, text_file, tiny_config):
-    """Issue 13.10: a .building-* folder of a dead process on this host is removed; a live process's is kept."""
+    """A .building-* folder of a dead process on this host is removed; a live process's is kept."""
     import socket
     cache = tmp_path / 'cache'
     dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
@@ -349,7 +349,7 @@ def test_stale_building_folders_are_removed_at_the_next_start(tmp_path, text_fil
 
 
 def test_same_length_garbage_in_the_cache_is_caught_by_its_checksum(tmp_path, text_file, tiny_config):
-    """Issue 13.10: meta.json holds checksums of train.bin and val.bin, checked when the cache is opened."""
+    """Meta.json holds checksums of train.bin and val.bin, checked when the cache is opened."""
     cfg = tiny_config(tmp_path, text_file)
     tr, _, meta = prepare.prepare_data(cfg)
     assert len(meta['train_sha256']) == 64 and len(meta['val_sha256']) == 64
@@ -364,7 +364,7 @@ def test_same_length_garbage_in_the_cache_is_caught_by_its_checksum(tmp_path, te
 
 
 def test_an_unchanged_text_and_cache_are_not_hashed_again(tmp_path, text_file, tiny_config, monkeypatch):
-    """Issue 16: the source text and the cache are hashed once; a later start checks their size and mtime."""
+    """The source text and the cache are hashed once; a later start checks their size and mtime."""
     cfg = tiny_config(tmp_path, text_file)
     prepare.prepare_data(cfg)
     hashed = []
@@ -462,7 +462,7 @@ def test_tiny_run_writes_every_file_and_snapshots_reproduce_the_log(tmp_path, te
 
 
 def test_run_folder_must_lie_inside_out_dir(tmp_path, text_file, tiny_config):
-    """Issue 13.1: a run folder that is a symlink out of out_dir is refused, and nothing there is touched."""
+    """A run folder that is a symlink out of out_dir is refused, and nothing there is touched."""
     outside = tmp_path / 'elsewhere'
     outside.mkdir()
     (outside / 'metrics.jsonl').write_text('{"iter": 0}\n')
@@ -474,7 +474,7 @@ def test_run_folder_must_lie_inside_out_dir(tmp_path, text_file, tiny_config):
 
 
 def test_start_over_deletes_only_what_train_py_wrote(tmp_path, text_file, tiny_config):
-    """Issue 13.1: a folder train.py did not make (no config.json of its own) is refused, not cleared; in
+    """A folder train.py did not make (no config.json of its own) is refused, not cleared; in
     its own folder, starting over removes its own files and keeps a user's."""
     foreign = tmp_path / 'out' / 'mine'
     (foreign / 'snapshots').mkdir(parents=True)
@@ -494,7 +494,7 @@ def test_start_over_deletes_only_what_train_py_wrote(tmp_path, text_file, tiny_c
 
 
 def test_config_json_holds_the_resolved_dtype(tmp_path, text_file, tiny_config):
-    """Issue 13.17: dtype=auto is written as what it resolved to (float32 on a CPU)."""
+    """Dtype=auto is written as what it resolved to (float32 on a CPU)."""
     run_dir = train.train(tiny_config(tmp_path, text_file, '--max_iters=1', '--geom_interval=0'))
     assert json.load(open(os.path.join(run_dir, 'config.json')))['dtype'] == 'float32'
 

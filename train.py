@@ -561,7 +561,7 @@ def record(run, it):
         runfolder.save_snapshot(run.dir, it, q, k, run.cfg['n_head'])
     if it in run.ckpts:
         runfolder.atomic_save({'model': run.model.state_dict(), 'model_config': run.gcfg.__dict__, 'iter': it},
-                              runfolder.model_path(run.dir, it))
+                              runfolder.file_path(run.dir, 'models', it))
     run.t_geom += time.time() - t0  # geometry share: measuring (in measure) and these writes, not the losses
     row['time'] = run.elapsed + time.time() - run.t_start
     with runfolder.writing(run.metrics.name):
