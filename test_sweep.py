@@ -508,7 +508,9 @@ def test_gpu_check_help_prints_the_header_and_an_argument_is_refused(tmp_path):
 # ----------------------------------------------------------------------------- the README, the docs and CI
 
 USER_FILES = ('README.md', 'docs/train.md', 'docs/sweeps.md', 'sweep.sh', 'bench.py', 'gpu_check.sh',
-              'requirements.txt', 'requirements-dev.txt', '.ci/run')
+              'requirements.txt', 'requirements-dev.txt', '.ci/run', 'train.py', 'configurator.py', 'prepare.py',
+              'runfolder.py', 'geometry.py', 'control.py', 'analyze.py', 'folders.py', 'stats.py', 'report.py',
+              'plots.py', 'regime.py', 'tokens.py')
 
 
 def code_blocks(path):
