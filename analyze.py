@@ -73,6 +73,7 @@ import plots
 import regime
 import report
 import stats
+from stats import mean_or_nan
 import tokens
 from report import ACROSS, ALL, CHANGES, FROM_WARMUP, NEAR_UNIFORM, OVER_TIME
 from folders import (CONTROL_KINDS, FINAL_LOGS, SETTING_KEYS, OutError, Skip, check_out, collector, discover,
@@ -224,11 +225,6 @@ def link_of_run(run, lens, start):
             per_layer[name].append(stats.spearman(col[x], col[y]))
             per_layer[f'd{x}~d{y}'].append(stats.spearman(np.diff(col[x]), np.diff(col[y])))
     return {name: mean_or_nan(v) for name, v in per_layer.items()}
-
-
-def mean_or_nan(values):
-    values = np.asarray(values, dtype=float)
-    return float(np.nanmean(values)) if np.isfinite(values).any() else float('nan')
 
 
 def attention_link_tables(cells, link_of):

@@ -233,3 +233,24 @@ def text_file(tmp_path):
 def log_iters():
     """The iterations of make_run's records."""
     return LOG_ITERS
+
+
+def make_odd_path(tmp_path, kind):
+    """A path that is not a regular file, of the given kind: (path, the words that should name what it is)."""
+    path = tmp_path / 'thing'
+    if kind == 'folder':
+        path.mkdir()
+    elif kind == 'device':
+        path = '/dev/null'
+    elif kind == 'fifo':
+        os.mkfifo(path)
+    elif kind == 'broken link':
+        path.symlink_to(tmp_path / 'gone.txt')
+    words = {'folder': 'is a folder', 'device': 'is not a regular file', 'fifo': 'is not a regular file',
+             'missing': 'does not exist', 'broken link': f'is a link to {tmp_path / "gone.txt"}, which does not exist'}
+    return path, words[kind]
+
+
+@pytest.fixture(scope='session')
+def odd_path():
+    return make_odd_path

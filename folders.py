@@ -33,7 +33,7 @@ import numpy as np
 import control
 import runfolder
 
-CONTROL_KINDS = ('none', 'shrink', 'freeze')
+CONTROL_KINDS = control.KINDS
 FINAL_LOGS = 3             # a run's "final" entropy or PR: mean over its last FINAL_LOGS logged iterations
 # config keys that make two runs comparable (same training setup); the grid axes, the control settings and
 # bookkeeping are left out. The data is compared by content (data_sha256, and the data cache key without the
@@ -150,14 +150,11 @@ def collector(log):
 
 
 def read_json(path):
+    """runfolder.read_json, with what is wrong as a Skip (the run is left out with that reason)."""
     try:
-        with open(path) as f:
-            obj = json.load(f)
+        return runfolder.read_json(path)
     except (OSError, ValueError) as e:
         raise Skip(f'{os.path.basename(path)} is unreadable ({type(e).__name__}: {str(e)[:80]})') from None
-    if not isinstance(obj, dict):
-        raise Skip(f'{os.path.basename(path)} does not hold a JSON object')
-    return obj
 
 
 def load_run(path):

@@ -39,6 +39,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 import stats
+from stats import mean_or_nan
 from folders import FINAL_LOGS, SETTING_KEYS, markdown_table, write_table
 from plots import save_figure
 
@@ -113,20 +114,14 @@ def position_layers(n_layer):
     return {'all': list(range(n_layer)), 'first': [0], 'middle': list(range(1, n_layer - 1)), 'last': [n_layer - 1]}
 
 
-def mean_of(values):
-    v = np.asarray(values, dtype=float)
-    v = v[np.isfinite(v)]
-    return float(v.mean()) if len(v) else float('nan')
-
-
 def by_position(per_layer, n_layer):
     """{position: mean of a per-layer array over that position's layers} (NaN where none, as the middle of 2)."""
-    return {pos: mean_of(np.asarray(per_layer)[idx]) for pos, idx in position_layers(n_layer).items()}
+    return {pos: mean_or_nan(np.asarray(per_layer)[idx]) for pos, idx in position_layers(n_layer).items()}
 
 
 def final_layers(run, key):
     """Per layer, the mean over the last FINAL_LOGS logged records (folders.Run.final before its layer mean)."""
-    return np.array([mean_of(col) for col in run.metric(key)[-FINAL_LOGS:].T])
+    return np.array([mean_or_nan(col) for col in run.metric(key)[-FINAL_LOGS:].T])
 
 
 def q_up_k_down(run, q_key, k_key, start):
@@ -160,7 +155,7 @@ def across_heads(run, start):
         h, s, k, qk = (a[:, idx].reshape(len(a), -1) for a in (H, S, K, QK))
         dh, dk = np.diff(h, axis=0)[steps], np.diff(k, axis=0)[steps]
         h, s, k, qk = h[keep], s[keep], k[keep], qk[keep]
-        each = lambda f, *xs: mean_of([f(*row) for row in zip(*xs)])
+        each = lambda f, *xs: mean_or_nan([f(*row) for row in zip(*xs)])
         out['c_pr_k~pr_qk'][pos] = each(stats.spearman, k, qk)
         out['c_pr_k~entropy'][pos] = each(stats.spearman, k, h)
         out['c_dpr_k~dentropy'][pos] = each(stats.spearman, dk, dh)

@@ -169,3 +169,9 @@ def t_quantile(p, df):
         (1 + x ** 2 / df) ** (-(df + 1) / 2)
     cdf = 0.5 + np.concatenate([[0], np.cumsum((pdf[1:] + pdf[:-1]) / 2 * np.diff(x))])
     return float(np.interp(p, cdf, x))
+
+
+def mean_or_nan(values):
+    """The mean of the finite values; NaN when there are none."""
+    values = np.asarray(values, dtype=float)
+    return float(np.nanmean(values)) if np.isfinite(values).any() else float('nan')

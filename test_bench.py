@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import bench
+import train
 from configurator import Stop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -74,20 +75,10 @@ def test_an_error_is_one_line_and_exit_2(args):
 
 
 @pytest.mark.parametrize('kind', ['folder', 'device', 'fifo', 'broken link'])
-def test_a_data_file_that_is_not_a_file_says_what_it_is(tmp_path, kind):
-    path = tmp_path / 'thing'
-    if kind == 'folder':
-        path.mkdir()
-    elif kind == 'device':
-        path = '/dev/null'
-    elif kind == 'fifo':
-        os.mkfifo(path)
-    else:
-        path.symlink_to(tmp_path / 'gone.txt')
-    words = {'folder': 'is a folder', 'device': 'is not a regular file', 'fifo': 'is not a regular file',
-             'broken link': f'is a link to {tmp_path / "gone.txt"}, which does not exist'}
+def test_a_data_file_that_is_not_a_file_says_what_it_is(tmp_path, kind, odd_path):
+    path, words = odd_path(tmp_path, kind)
     for mode in ('--loop', '--encode'):
-        assert error_of([mode, f'--data_file={path}']).startswith(f'--data_file={path} {words[kind]}')
+        assert error_of([mode, f'--data_file={path}']).startswith(f'--data_file={path} {words}')
 
 
 def clone_without_shared(tmp_path):

@@ -323,22 +323,12 @@ def test_extra_arguments_may_not_set_the_per_run_keys_sweep_sh_sets(sweep_env, t
 
 
 @pytest.mark.parametrize('kind', ['folder', 'device', 'fifo', 'missing', 'broken link'])
-def test_a_data_file_or_run_list_that_is_not_a_file_says_what_it_is(sweep_env, tmp_path, kind):
-    path = tmp_path / 'thing'
-    if kind == 'folder':
-        path.mkdir()
-    elif kind == 'device':
-        path = '/dev/null'
-    elif kind == 'fifo':
-        os.mkfifo(path)
-    elif kind == 'broken link':
-        path.symlink_to(tmp_path / 'gone.txt')
-    words = {'folder': 'is a folder', 'device': 'is not a regular file', 'fifo': 'is not a regular file',
-             'missing': 'does not exist', 'broken link': f'is a link to {tmp_path / "gone.txt"}, which does not exist'}
+def test_a_data_file_or_run_list_that_is_not_a_file_says_what_it_is(sweep_env, tmp_path, kind, odd_path):
+    path, words = odd_path(tmp_path, kind)
     for var in ('DATA_FILE', 'RUN_LIST'):
         res = sweep(sweep_env, **{var: str(path)})
         assert res.returncode == 2 and res.stderr.count('\n') == 1, res.stdout + res.stderr
-        assert f'{var}={path} {words[kind]}' in res.stderr, res.stderr
+        assert f'{var}={path} {words}' in res.stderr, res.stderr
     assert not os.path.exists(sweep_env['OUT'])
 
 

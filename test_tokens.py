@@ -24,6 +24,7 @@ import folders
 import geometry
 import report
 import stats
+import prepare
 import runfolder
 import tokens
 import train
@@ -490,3 +491,18 @@ def test_pretrained_command_on_local_checkpoint_series(tf, tmp_path, capsys, syn
     f1 = next(c for c in res['claims'] if c['claim'].startswith('(f1)') and 'pretrained' in c['claim'])
     assert 'over 2 series of 1 model(s)' in f1['value']
     assert 'fig7_pretrained.png' in (out / 'REPORT.md').read_text()
+
+
+def test_the_evaluation_batch_of_a_wikitext103_test_run_needs_only_wiki_test_raw(tmp_path, synthetic_text):
+    """A run trained with --dataset=wikitext103-test is rebuilt from data_dir/wiki.test.raw alone, the same
+    windows as train.py's; without that file it is skipped naming it."""
+    data_dir = tmp_path / 'wt'
+    data_dir.mkdir()
+    (data_dir / 'wiki.test.raw').write_text(synthetic_text(20_000), encoding='utf-8')
+    cfg = train.get_config(['--dataset=wikitext103-test', f'--data_dir={data_dir}', f'--cache_dir={tmp_path / "c"}',
+                            '--block_size=16', '--eval_windows=2', '--min_char_count=1'])
+    _, val, _ = prepare.prepare_data(cfg)
+    assert torch.equal(tokens.evaluation_batch(cfg), train.eval_batch(val, cfg)[0])
+    os.remove(data_dir / 'wiki.test.raw')
+    with pytest.raises(folders.Skip, match='wiki.test.raw'):
+        tokens.evaluation_batch(cfg)

@@ -79,7 +79,7 @@ import runfolder
 import report
 import train  # the trainer's own data and model code: the evaluation batch is rebuilt with it
 from folders import Skip
-from stats import permutation_p, spearman
+from stats import mean_or_nan, permutation_p, spearman
 
 SERIES_COLUMNS = ('model', 'family', 'rope', 'n_layer', 'qk_init', 'control', 'target', 'seed')
 SAMPLE_CHARS = 100_000        # of the sample text (--text, default_text): far more than n_seqs x seq_len tokens need
@@ -112,8 +112,8 @@ def evaluation_batch(cfg, data_file='', data_dir='', cache_dir=''):
             raise Skip(f"its training text data_file={cfg['data_file']} (config.json) is not there; pass "
                        f"--data_file=PATH to the same text")
     else:
-        missing = [n for n in ('wiki.train.raw', 'wiki.valid.raw')
-                   if not os.path.isfile(os.path.join(cfg.get('data_dir', ''), n))]
+        needs = ('wiki.test.raw',) if cfg.get('dataset') == 'wikitext103-test' else ('wiki.train.raw', 'wiki.valid.raw')
+        missing = [n for n in needs if not os.path.isfile(os.path.join(cfg.get('data_dir', ''), n))]
         if missing:  # prepare.prepare_data would try to download: not here
             raise Skip(f"its dataset {cfg.get('dataset')} is not in data_dir={cfg.get('data_dir')} (config.json: "
                        f"no {', '.join(missing)}); pass --data_dir=FOLDER holding them")
@@ -470,11 +470,6 @@ def token_link_rows(head_rows):
     return rows
 
 
-def nanmean(values):
-    values = np.asarray(values, dtype=float)
-    return float(np.nanmean(values)) if np.isfinite(values).any() else float('nan')
-
-
 def token_summary_rows(trend_rows, link_rows):
     """One row per series: the layer means of its trend statistics and its link at the last checkpoint."""
     groups = defaultdict(list)
@@ -483,7 +478,7 @@ def token_summary_rows(trend_rows, link_rows):
     final = {report.series_of(r): r for r in link_rows if r['last']}
     rows = []
     for series, rs in groups.items():
-        mean = lambda key: nanmean([r[key] for r in rs])
+        mean = lambda key: mean_or_nan([r[key] for r in rs])
         peaks = [r['peak_step'] for r in rs if r['peak_step'] is not None]
         link = final.get(series, {})
         rows.append({**series_columns(rs[0]), 'layers': len(rs),
@@ -586,7 +581,7 @@ def trend_title(trend):
     a Spearman over fewer than 3 checkpoints is not measured, and says so."""
     parts = []
     for name in ('all', 'early', 'late'):
-        v = nanmean([t[f'rho_{name}'] for t in trend])
+        v = mean_or_nan([t[f'rho_{name}'] for t in trend])
         parts.append(f'{name} {v:+.2f}' if np.isfinite(v) else f'{name} not measured')
     text = 'contrast ~ log step, Spearman: ' + ', '.join(parts)
     if any(p.endswith('not measured') for p in parts):
