@@ -142,10 +142,12 @@ def download_wikitext(cfg, need):
     import urllib.request  # only here: most runs never download
     import zipfile
     data_dir = cfg['data_dir']
+    parent = os.path.dirname(os.path.abspath(data_dir))
+    made = [p for p in (parent, os.path.abspath(data_dir)) if not os.path.isdir(p)]  # removed again if left empty
     tmp = None
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(data_dir)), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix='.download-', dir=os.path.dirname(os.path.abspath(data_dir)))
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix='.download-', dir=parent)
         zip_path = os.path.join(tmp, 'wikitext-103-raw-v1.zip')
         print(f"downloading {cfg['data_url']} (about 190 MB) ...")
         # the maintainer's mirror refuses Python's default User-Agent
@@ -168,6 +170,9 @@ def download_wikitext(cfg, need):
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)   # only an empty one goes
 
 
 def text_file(path, what):

@@ -248,14 +248,15 @@ def test_rare_characters_map_to_unknown(tmp_path):
 def test_missing_dataset_offline_says_what_to_do(tmp_path, dataset, files):
     """Without the dataset and without network, the error names each file to put where, or --data_file."""
     # port 9 on localhost refuses at once: the same path as having no network
-    cfg = train.get_config([f'--data_dir={tmp_path / "wt"}', '--data_url=http://127.0.0.1:9/wt.zip',
+    cfg = train.get_config([f'--data_dir={tmp_path / "data" / "wt"}', '--data_url=http://127.0.0.1:9/wt.zip',
                             f'--cache_dir={tmp_path / "c"}', f'--dataset={dataset}'])
     with pytest.raises(Stop) as info:
         prepare.prepare_data(cfg)
     msg = info.value.msg
     assert 'downloading http://127.0.0.1:9/wt.zip failed' in msg and '--data_file=PATH' in msg and 'shared' not in msg
-    assert all(f'{tmp_path / "wt" / name}' in msg for name in files) and f'Put {" and ".join(files)} from' in msg
-    assert not os.path.exists(tmp_path / 'wt' / 'wiki.train.raw')
+    assert all(f'{tmp_path / "data" / "wt" / name}' in msg for name in files)
+    assert f'Put {" and ".join(files)} from' in msg
+    assert not os.path.exists(tmp_path / 'data')   # the folders made for the download go with it
 
 
 def test_wikitext103_test_is_wiki_test_raw_split_as_a_data_file(tmp_path, synthetic_text, tiny_config, records,
