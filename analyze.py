@@ -73,7 +73,7 @@ import plots
 import regime
 import report
 import stats
-from stats import mean_or_nan
+from stats import HEAD_LINKS, SHAPE_STATS, mean_or_nan
 import tokens
 from report import ACROSS, ALL, CHANGES, FROM_WARMUP, NEAR_UNIFORM, OVER_TIME
 from folders import (CONTROL_KINDS, FINAL_LOGS, SETTING_KEYS, OutError, Skip, check_out, collector, discover,
@@ -122,11 +122,6 @@ VIEWS = [(lens, window, None) for window in WINDOWS for lens in LENSES]   # deca
 # the within-run correlations of the attention_link table: name -> (x, y), PR_K and PR_QK of the lens; each also
 # of the changes between consecutive records (dpr_k~dentropy)
 LINKS = {'pr_k~entropy': ('pr_k', 'entropy'), 'pr_k~pr_qk': ('pr_k', 'pr_qk'), 'pr_qk~entropy': ('pr_qk', 'entropy')}
-# claim (c) across the (layer, head) pairs of a run (Spearman of per-head values): name -> (x, y); the claim is judged
-# on its two links, PR_K with entropy and with PR_QK (report.C_LINKS); PR_QK with entropy is shown beside them
-HEAD_LINKS = {'pr_k~entropy': ('k', 'entropy'), 'pr_k~pr_qk': ('k', 'qk'), 'pr_qk~entropy': ('qk', 'entropy')}
-# scale against shape: the statistics of shape_stats (Pearson), at each checkpoint across heads and within runs
-SHAPE_STATS = ('pr_k~entropy', 'pr_k~entropy|scale', 'pr_qk~entropy', 'pr_qk~entropy|scale', 'scale~entropy')
 # the files `runs` writes into its --out folder: a folder holding one of these that analyze.py did not write is refused
 RUNS_OUTPUTS = re.compile(r'(runs|trajectories(_head|_tok|_learned)?|trajectory_summary|attention_link(_runs)?'
                           r'|link_tests|control(_effects|_dose|_dose_fit)?|timeline|scale_shape(_runs)?|robustness_map'
@@ -258,18 +253,14 @@ def summarise(head, values):
 # ---- claim (c): across the (layer, head) pairs of a run, where a trend every head shares cannot make a link
 
 def head_links(run, lens):
-    """Per record, across the run's (layer, head) pairs, the Spearman correlations of HEAD_LINKS (entropy and the
-    lens' per-head PR_K and PR_QK); and per step between consecutive records, the same of their changes since the
-    record before. {ACROSS: (iterations, {link: values}), CHANGES: (iteration of each step's earlier record,
-    {link: values})}, or None when the run did not log them."""
+    """stats.head_links of the run's entropy and the lens' per-head PR_K and PR_QK: {ACROSS: (iterations,
+    {link: values}), CHANGES: (iteration of each step's earlier record, {link: values})}, or None when the run did
+    not log them."""
     keys = ('entropy_heads', LENSES[lens].k_heads, LENSES[lens].qk_heads)
     if not all(key and key in run.heads for key in keys):
         return None
-    v = dict(zip(('entropy', 'k', 'qk'), (run.heads[key].reshape(len(run.geom_iters), -1) for key in keys)))
-    d = {role: np.diff(values, axis=0) for role, values in v.items()}   # (records, layers x heads), (steps, ...)
-    corr = lambda m, x, y: [stats.spearman(a, b) for a, b in zip(m[x], m[y])]
-    return {ACROSS: (run.geom_iters, {name: corr(v, x, y) for name, (x, y) in HEAD_LINKS.items()}),
-            CHANGES: (run.geom_iters[:-1], {name: corr(d, x, y) for name, (x, y) in HEAD_LINKS.items()})}
+    levels, changes = stats.head_links(*(run.heads[key] for key in keys))
+    return {ACROSS: (run.geom_iters, levels), CHANGES: (run.geom_iters[:-1], changes)}
 
 
 def head_links_of_run(run, lens, start, memo):
@@ -307,14 +298,13 @@ def link_test_rows(per_run, lens, window):
 # ---- scale against shape (c2): one correlation family, Pearson, raw and given the log logit scale
 
 def across_heads(run, lens):
-    """Per record, across its (layer, head) pairs: shape_stats of entropy, the logit scale log ||W_QK^h||_2 and
-    the lens' per-head PR_K and PR_QK; None when the run did not log them."""
+    """Per record, across its (layer, head) pairs: stats.shape_stats of entropy, the logit scale log ||W_QK^h||_2
+    and the lens' per-head PR_K and PR_QK; None when the run did not log them."""
     keys = ('entropy_heads', 'qk_spec_norm_heads', LENSES[lens].k_heads, LENSES[lens].qk_heads)
     if not all(key in run.heads for key in keys):
         return None
     H, S, K, QK = (run.heads[key] for key in keys)            # (records, n_layer, n_head)
-    S = np.log(S)
-    return [shape_stats(H[t].ravel(), S[t].ravel(), K[t].ravel(), QK[t].ravel()) for t in range(len(H))]
+    return stats.head_shapes(H, np.log(S), K, QK)
 
 
 def shape_over_time(run, lens, start):
@@ -322,7 +312,7 @@ def shape_over_time(run, lens, start):
     lens' PR_K and PR_QK and the log of the heads' mean ||W_QK^h||_2), mean over layers."""
     keep = run.geom_iters >= start
     H, S, K, QK = (run.metric(key)[keep] for key in ('entropy', 'qk_spec_norm', LENSES[lens].k, LENSES[lens].qk))
-    per_layer = [shape_stats(H[:, i], np.log(S[:, i]), K[:, i], QK[:, i]) for i in range(run.n_layer)]
+    per_layer = [stats.shape_stats(H[:, i], np.log(S[:, i]), K[:, i], QK[:, i]) for i in range(run.n_layer)]
     return {n: mean_or_nan([p[n] for p in per_layer]) for n in SHAPE_STATS}
 
 
@@ -335,15 +325,6 @@ def shape_of_run(run, lens, start, memo):
     kept = [s for s, it in zip(per_record, run.geom_iters) if it >= start]
     over_time = cached(memo, ('shape', run.path, lens, start), lambda: shape_over_time(run, lens, start))
     return {ACROSS: {n: mean_or_nan([s[n] for s in kept]) for n in SHAPE_STATS}, OVER_TIME: over_time}
-
-
-def shape_stats(entropy, scale, pr_k, pr_qk):
-    """Pearson throughout (one family with the partials): entropy with PR_K and PR_QK, without and with the log
-    scale held fixed, and entropy with the log scale."""
-    return {'pr_k~entropy': stats.pearson(pr_k, entropy), 'pr_k~entropy|scale': stats.partial(pr_k, entropy, scale),
-            'pr_qk~entropy': stats.pearson(pr_qk, entropy),
-            'pr_qk~entropy|scale': stats.partial(pr_qk, entropy, scale),
-            'scale~entropy': stats.pearson(scale, entropy)}
 
 
 def near_uniform(runs, start):

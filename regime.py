@@ -139,28 +139,26 @@ def q_up_k_down(run, q_key, k_key, start):
 
 
 def across_heads(run, start):
-    """(c) and (c2) by position: {statistic: {position: value}}, each per record from iteration start on, across the
-    (layer, head) pairs of the position's layers, mean over records (REPORT.md's per-head lens): (c) Spearman of the
-    levels, and of the changes between consecutive records; (c2) Pearson, raw and given log ||W_QK^h||_2. None
-    where per-head values were not logged."""
+    """(c) and (c2) by position: {statistic: {position: value}}, the claims' per-record statistics across the
+    (layer, head) pairs of the position's layers (stats.head_links, stats.head_shapes; REPORT.md's per-head lens),
+    mean over the records (steps) from iteration start on. None where per-head values were not logged."""
     keys = ('entropy_heads', 'qk_spec_norm_heads', 'pr_k_heads', 'pr_qk_heads')
     if not all(k in run.heads for k in keys):
         return None
-    H, K, QK = run.heads['entropy_heads'], run.heads['pr_k_heads'], run.heads['pr_qk_heads']
+    H, S, K, QK = (run.heads[k] for k in keys)
     with np.errstate(divide='ignore', invalid='ignore'):
-        S = np.log(run.heads['qk_spec_norm_heads'])
+        S = np.log(S)
     keep, steps = run.geom_iters >= start, run.geom_iters[:-1] >= start
+    mean = lambda values, kept: mean_or_nan(np.asarray(values)[kept])
     out = {name: {} for name in HEAD_STATS}
     for pos, idx in position_layers(run.n_layer).items():
-        h, s, k, qk = (a[:, idx].reshape(len(a), -1) for a in (H, S, K, QK))
-        dh, dk = np.diff(h, axis=0)[steps], np.diff(k, axis=0)[steps]
-        h, s, k, qk = h[keep], s[keep], k[keep], qk[keep]
-        each = lambda f, *xs: mean_or_nan([f(*row) for row in zip(*xs)])
-        out['c_pr_k~pr_qk'][pos] = each(stats.spearman, k, qk)
-        out['c_pr_k~entropy'][pos] = each(stats.spearman, k, h)
-        out['c_dpr_k~dentropy'][pos] = each(stats.spearman, dk, dh)
-        out['c2_pr_k~entropy|scale'][pos] = each(stats.partial, k, h, s)
-        out['c2_scale~entropy'][pos] = each(stats.pearson, s, h)
+        levels, changes = stats.head_links(H[:, idx], K[:, idx], QK[:, idx])
+        shapes = stats.head_shapes(H[:, idx], S[:, idx], K[:, idx], QK[:, idx])
+        out['c_pr_k~pr_qk'][pos] = mean(levels['pr_k~pr_qk'], keep)
+        out['c_pr_k~entropy'][pos] = mean(levels['pr_k~entropy'], keep)
+        out['c_dpr_k~dentropy'][pos] = mean(changes['pr_k~entropy'], steps)
+        out['c2_pr_k~entropy|scale'][pos] = mean([s['pr_k~entropy|scale'] for s in shapes], keep)
+        out['c2_scale~entropy'][pos] = mean([s['scale~entropy'] for s in shapes], keep)
     return out
 
 

@@ -1,7 +1,7 @@
 """
-The statistics of the analysis: pure functions on numpy arrays, no I/O (analyze.py, report.py and tokens.py call
-them; the geometry itself is geometry.py's). Every random draw comes from a fixed seed, so a report is
-reproducible to the last digit.
+The statistics of the analysis: pure functions on numpy arrays, no I/O (analyze.py, regime.py, report.py and
+tokens.py call them; the geometry itself is geometry.py's). Every random draw comes from a fixed seed, so a report
+is reproducible to the last digit.
 
 - Spearman correlation: the Pearson correlation of the ranks, ties given their average rank.
 - Pearson correlation, and the partial correlation of x and y given z: geometry.partial_correlation (the one place
@@ -66,6 +66,41 @@ def partial(x, y, z):
     x, y, z = (np.asarray(v, dtype=float) for v in (x, y, z))
     ok = np.isfinite(x) & np.isfinite(y) & np.isfinite(z)
     return geometry.partial_correlation(x[ok], y[ok], z[ok]) if ok.sum() >= 4 else float('nan')
+
+
+# ---- across the (layer, head) pairs of one run, per record: claims (c) and (c2), and the regime's by layer position
+
+# claim (c): name -> (x, y), Spearman of per-head values; the claim is judged on its two links, PR_K with entropy and
+# with PR_QK (report.C_LINKS); PR_QK with entropy is shown beside them
+HEAD_LINKS = {'pr_k~entropy': ('k', 'entropy'), 'pr_k~pr_qk': ('k', 'qk'), 'pr_qk~entropy': ('qk', 'entropy')}
+# scale against shape (c2): the statistics of shape_stats (Pearson), across heads and within runs
+SHAPE_STATS = ('pr_k~entropy', 'pr_k~entropy|scale', 'pr_qk~entropy', 'pr_qk~entropy|scale', 'scale~entropy')
+
+
+def head_links(entropy, k, qk):
+    """Arrays of shape (records, pairs...): per record, the Spearman correlation across its pairs of each of
+    HEAD_LINKS; and per step between consecutive records, the same of the changes over that step.
+    ({link: per-record values}, {link: per-step values})."""
+    flat = lambda a: np.asarray(a, dtype=float).reshape(len(a), -1)
+    v = {'entropy': flat(entropy), 'k': flat(k), 'qk': flat(qk)}
+    d = {role: np.diff(a, axis=0) for role, a in v.items()}
+    corr = lambda m, x, y: [spearman(a, b) for a, b in zip(m[x], m[y])]
+    return ({name: corr(v, x, y) for name, (x, y) in HEAD_LINKS.items()},
+            {name: corr(d, x, y) for name, (x, y) in HEAD_LINKS.items()})
+
+
+def head_shapes(entropy, scale, k, qk):
+    """Arrays of shape (records, pairs...), scale the log logit scale: per record, shape_stats across its pairs."""
+    flat = [np.asarray(a, dtype=float).reshape(len(a), -1) for a in (entropy, scale, k, qk)]
+    return [shape_stats(*row) for row in zip(*flat)]
+
+
+def shape_stats(entropy, scale, pr_k, pr_qk):
+    """Pearson throughout (one family with the partials): entropy with PR_K and PR_QK, without and with the log
+    scale held fixed, and entropy with the log scale."""
+    return {'pr_k~entropy': pearson(pr_k, entropy), 'pr_k~entropy|scale': partial(pr_k, entropy, scale),
+            'pr_qk~entropy': pearson(pr_qk, entropy), 'pr_qk~entropy|scale': partial(pr_qk, entropy, scale),
+            'scale~entropy': pearson(scale, entropy)}
 
 
 def bootstrap_means(x, n_boot=N_BOOT, seed=BOOT_SEED):
