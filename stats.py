@@ -77,12 +77,16 @@ HEAD_LINKS = {'pr_k~entropy': ('k', 'entropy'), 'pr_k~pr_qk': ('k', 'qk'), 'pr_q
 SHAPE_STATS = ('pr_k~entropy', 'pr_k~entropy|scale', 'pr_qk~entropy', 'pr_qk~entropy|scale', 'scale~entropy')
 
 
+def by_record(a):
+    """An array of shape (records, pairs...) as (records, pairs)."""
+    return np.asarray(a, dtype=float).reshape(len(a), -1)
+
+
 def head_links(entropy, k, qk):
     """Arrays of shape (records, pairs...): per record, the Spearman correlation across its pairs of each of
     HEAD_LINKS; and per step between consecutive records, the same of the changes over that step.
     ({link: per-record values}, {link: per-step values})."""
-    flat = lambda a: np.asarray(a, dtype=float).reshape(len(a), -1)
-    v = {'entropy': flat(entropy), 'k': flat(k), 'qk': flat(qk)}
+    v = {'entropy': by_record(entropy), 'k': by_record(k), 'qk': by_record(qk)}
     d = {role: np.diff(a, axis=0) for role, a in v.items()}
     corr = lambda m, x, y: [spearman(a, b) for a, b in zip(m[x], m[y])]
     return ({name: corr(v, x, y) for name, (x, y) in HEAD_LINKS.items()},
@@ -91,8 +95,7 @@ def head_links(entropy, k, qk):
 
 def head_shapes(entropy, scale, k, qk):
     """Arrays of shape (records, pairs...), scale the log logit scale: per record, shape_stats across its pairs."""
-    flat = [np.asarray(a, dtype=float).reshape(len(a), -1) for a in (entropy, scale, k, qk)]
-    return [shape_stats(*row) for row in zip(*flat)]
+    return [shape_stats(*row) for row in zip(*map(by_record, (entropy, scale, k, qk)))]
 
 
 def shape_stats(entropy, scale, pr_k, pr_qk):
