@@ -24,6 +24,18 @@ The learned part of a weight is W - W(0), its change since initialisation (learn
 A random init has PR near C/2, so the PR of W itself can only fall early in training; the PR of the
 learned part shows which directions training opens, whatever the init.
 
+The Q/K imbalance of head h (layer_geometry), the null model of the study:
+    D_h        = W_Q^h W_Q^h^T - W_K^h W_K^h^T      (d, d)
+    qk_imbalance = ||D_h||_F / qk_gram,  qk_gram = mean(||W_Q^h W_Q^h^T||_F, ||W_K^h W_K^h^T||_F)
+    qk_drift   = ||D_h - D_h(0)||_F / qk_gram        (learned_geometry)
+The logits depend on W_Q^h, W_K^h only through M = W_QK^h, so with G = dL/dM the gradients are
+dL/dW_Q^h = W_K^h G^T and dL/dW_K^h = W_Q^h G. Under gradient flow d/dt (W_Q^h W_Q^h^T) = -(W_K^h G^T W_Q^h^T
++ W_Q^h G W_K^h^T) = d/dt (W_K^h W_K^h^T): D_h is conserved, and qk_drift stays 0. The squared singular values
+of W_Q^h and W_K^h are the eigenvalues of the two Gram matrices, so the per-head Q and K spectra can differ only
+by D_h(0) and by the optimizer's departures from gradient flow: finite steps (O(lr^2) each), momentum, Adam's
+per-coordinate scaling; decoupled weight decay shrinks D_h. A tied init has D_h(0) = 0.
+q_spec_norm, k_spec_norm = ||W_Q^h||_2, ||W_K^h||_2 (mean over heads; *_heads per head).
+
 The logit scale is qk_spec_norm = ||W_QK^h||_2 (per head; layer_geometry). Entropy falls as the logits
 grow whatever the spectrum's shape (sigma-Reparam, Zhai et al. 2023), so every link between a PR and
 entropy is also measured with the logit scale held fixed (partial_correlation):
@@ -167,6 +179,12 @@ def _interaction_sv(Wq_h, Wk_h):
     return torch.linalg.svdvals(R_q @ R_k.mT)
 
 
+def _imbalance(Wq_h, Wk_h):
+    """D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T (n_head, d, d) and the mean Frobenius norm of the two Grams."""
+    Gq, Gk = Wq_h @ Wq_h.mT, Wk_h @ Wk_h.mT
+    return Gq - Gk, (Gq.norm(dim=(-2, -1)) + Gk.norm(dim=(-2, -1))) / 2
+
+
 def _check_probs(att):
     """ValueError unless att (..., T, T) holds causal attention probabilities."""
     if (att < 0).any():
@@ -306,8 +324,13 @@ def layer_geometry(W_Q, W_K, n_head):
       erank_q, erank_k              effective rank of W_Q, W_K
       srank_q, srank_k              stable rank of W_Q, W_K
       erank_qk                      mean over heads of the effective rank of W_QK^h
+      q_spec_norm, k_spec_norm      mean over heads of ||W_Q^h||_2, ||W_K^h||_2; *_heads per head
+      qk_imbalance, qk_gram         mean over heads of ||D_h||_F / qk_gram and of qk_gram; *_heads per head
     """
     W_Q, W_K, Wq_h, Wk_h = _qk_heads(W_Q, W_K, n_head)
+    sq_h, sk_h = _singular_values(Wq_h)[:, 0], _singular_values(Wk_h)[:, 0]
+    D, gram = _imbalance(Wq_h, Wk_h)
+    rel = _div(D.norm(dim=(-2, -1)), gram)
     hq, hk = _matrix_pr(Wq_h), _matrix_pr(Wk_h)
     sq, sk = _singular_values(W_Q), _singular_values(W_K)
     s_qk = _interaction_sv(Wq_h, Wk_h)
@@ -323,6 +346,10 @@ def layer_geometry(W_Q, W_K, n_head):
         "erank_q": _erank(sq).item(), "erank_k": _erank(sk).item(),
         "srank_q": _srank(sq).item(), "srank_k": _srank(sk).item(),
         "erank_qk": _erank(s_qk).mean().item(),
+        "q_spec_norm": sq_h.mean().item(), "k_spec_norm": sk_h.mean().item(),
+        "q_spec_norm_heads": sq_h.tolist(), "k_spec_norm_heads": sk_h.tolist(),
+        "qk_imbalance": rel.mean().item(), "qk_imbalance_heads": rel.tolist(),
+        "qk_gram": gram.mean().item(), "qk_gram_heads": gram.tolist(),
     }
 
 
@@ -334,6 +361,7 @@ def learned_geometry(W_Q, W_K, W_Q0, W_K0, n_head):
       pr_dq_head, pr_dk_head        mean over heads of PR of the head's (d, C) block of the change;
                                     per head: pr_dq_heads, pr_dk_heads
       dq_rel, dk_rel                ||W - W(0)||_F / ||W(0)||_F
+      qk_drift                      mean over heads of ||D_h - D_h(0)||_F / qk_gram; qk_drift_heads
     W == W(0) gives PR 0.0 and rel 0.0; a zero W(0) gives rel 0.0. The difference is taken in float64.
     """
     W_Q, W_K, _, _ = _qk_heads(W_Q, W_K, n_head)
@@ -342,7 +370,11 @@ def learned_geometry(W_Q, W_K, W_Q0, W_K0, n_head):
     if W_Q0.shape != W_Q.shape or W_K0.shape != W_K.shape:
         raise ValueError(f"W_Q0 and W_K0 must have the shape of W_Q and W_K {tuple(W_Q.shape)}, "
                          f"got {tuple(W_Q0.shape)} and {tuple(W_K0.shape)}")
-    out = {}
+    d = W_Q.shape[0] // n_head
+    D, gram = _imbalance(W_Q.reshape(-1, d, W_Q.shape[1]), W_K.reshape(-1, d, W_K.shape[1]))
+    D0, _ = _imbalance(W_Q0.reshape(-1, d, W_Q.shape[1]), W_K0.reshape(-1, d, W_K.shape[1]))
+    drift = _div((D - D0).norm(dim=(-2, -1)), gram)
+    out = {"qk_drift": drift.mean().item(), "qk_drift_heads": drift.tolist()}
     for name, W, W0 in (("q", W_Q, W_Q0), ("k", W_K, W_K0)):
         dW = W - W0
         heads = _matrix_pr(dW.reshape(-1, W.shape[0] // n_head, W.shape[1]))

@@ -1,32 +1,21 @@
 """
 Train a small character-level GPT on WikiText-103 and log the geometry of its queries and keys.
 
-One GPU (or CPU, or MPS), from the repository root:
-    python train.py --n_layer=4 --seed=1
-Any local text instead of WikiText-103:
-    python train.py --data_file=my_text.txt --n_embd=128 --n_head=4
-Several GPUs on one node (DDP):
-    torchrun --nproc_per_node=4 train.py --n_layer=8 --grad_accum=4
-A config file (JSON, or Python as nanoGPT's configurator reads it) can come first, then --key=value overrides:
-    python train.py my_config.py --seed=2
-The run names of argument lists, one list per stdin line (sweep.sh names its grid this way):
-    printf -- '--n_layer=6 --seed=2\n--control=shrink\n' | python train.py --print_run_names
+    python train.py --n_layer=4 --seed=1                                # one GPU, CPU or MPS
+    python train.py --data_file=my_text.txt --n_embd=128 --n_head=4     # any UTF-8 text instead
+    python train.py my_config.py --seed=2                               # a config file, then overrides
+    torchrun --nproc_per_node=4 train.py --n_layer=8 --grad_accum=4     # several GPUs (DDP)
+    python train.py --help                                              # every setting
 
-Each run writes out_dir/run_name/ (runfolder.py describes its files). Rerunning the same command resumes an
-unfinished run; --overwrite=True starts it over (deleting only the files train.py writes).
-
-Reading order: the config block; batches; the model; the schedules; RESEARCH (what is measured at each record,
-and the key-spectrum control: the lines to edit for a new metric or intervention); the run (train() and the
-loop). Three files beside this one hold what no research change needs: configurator.py (parsing and checking
-the settings), prepare.py (reading, encoding and caching the text), runfolder.py (the run folder's files,
-checkpoints, lock, devices, DDP, signals).
+Each run writes out_dir/run_name/; the same command again resumes it, --overwrite=True starts it over. Reading
+order: config, batches, model, optimizer and schedules, RESEARCH (what each record measures, the key-spectrum
+control), the run. configurator.py, prepare.py and runfolder.py hold plumbing no research change needs.
 """
 import contextlib
 import json
 import math
 import os
 import random
-import signal
 import sys
 import time
 import types
@@ -42,13 +31,12 @@ import control as spectrum_control  # "control" is also a config key
 import geometry
 import prepare
 import runfolder
-from configurator import Stop
 
 # -----------------------------------------------------------------------------
-# config: module globals, overridden by an optional config file and then --key=value
+# config: module globals, overridden by config files and then --key=value
 # I/O
 out_dir = 'out'            # runs go to out_dir/run_name/
-run_name = ''              # '' = from the settings, e.g. L4_normal_s1 or L4_normal_shrink0.2-k_s1
+run_name = ''              # '' = from the settings: L4_normal_s1, L4_normal_shrink0.2-k_s1, plus a hash of the rest
 overwrite = False          # start over even if the run folder holds a finished or partial run
 eval_interval = 250        # estimate train/val loss (and log a record) every this many iterations
 eval_iters = 20            # batches per loss estimate
@@ -56,9 +44,9 @@ geom_interval = 250        # measure Q/K geometry every this many iterations (0 
 eval_windows = 16          # validation windows of the fixed evaluation batch (entropy, token-level PR)
 ckpt_interval = 500        # write ckpt.pt every this many iterations (and at the end)
 model_ckpts = 8            # model-weight checkpoints at log-spaced iterations, for token-level analysis
-save_snapshots = True      # write W_Q/W_K (float32) at every logged iteration to snapshots/
+save_snapshots = True      # write W_Q/W_K (float32) at every geometry record to snapshots/
 # data
-dataset = 'wikitext103'    # when data_file is empty: wikitext103 | wikitext103-test (wiki.test.raw split as data_file)
+dataset = 'wikitext103'    # when data_file is empty: wikitext103 | wikitext103-test (wiki.test.raw split 90/10)
 data_dir = 'data/wikitext-103-raw'  # where wiki.{train,valid,test}.raw are, or are downloaded to
 data_file = ''             # any UTF-8 text file instead: first 90% train, last 10% validation
 data_url = 'https://wikitext.smerity.com/wikitext-103-raw-v1.zip'  # where WikiText-103 is downloaded from
@@ -73,17 +61,19 @@ bias = False               # biases in the linear layers and LayerNorms
 dropout = 0.0              # dropout probability in training
 qk_init = 'normal'         # normal | orthogonal | tied (see QK_INITS)
 # optimizer
+optimizer = 'adamw'        # adamw | sgd (with momentum); see OPTIMIZERS
 batch_size = 64            # per micro-step; global batch = batch_size * grad_accum
 grad_accum = 1             # micro-steps per iteration, split across DDP ranks
 max_iters = 5000           # optimizer steps
-lr = 1e-3                  # peak learning rate (AdamW), after a linear warm-up
+lr = 1e-3                  # peak learning rate, after a linear warm-up
 min_lr = 1e-4              # learning rate at the end of the cosine decay
 warmup_iters = 100         # linear warm-up iterations
 lr_decay_iters = 0         # cosine decay ends here; 0 = max_iters
-weight_decay = 0.1         # AdamW weight decay on matrices
+weight_decay = 0.1         # decoupled weight decay on matrices
 decay_qk = True            # apply weight decay to W_Q and W_K too (it shrinks both spectra: a confound)
 beta1 = 0.9                # AdamW beta1
 beta2 = 0.99               # AdamW beta2
+momentum = 0.9             # SGD momentum
 grad_clip = 1.0            # clip the gradient norm to this; 0 = off
 # key-spectrum control (control.py)
 control = 'none'           # none | shrink | freeze
@@ -105,7 +95,6 @@ config_keys = [k for k, v in list(globals().items())
 # -----------------------------------------------------------------------------
 
 EVAL_SEED = 1234  # the evaluation windows are the same for every run, whatever its seed
-ETA_AFTER = 10    # iterations before an ETA is printed: the first ones include warm-up and compilation
 
 # ----------------------------------------------------------------------------- batches
 
@@ -247,7 +236,23 @@ class GPT(nn.Module):
         return [(b.attn.q.weight, b.attn.k.weight) for b in self.blocks]
 
 
-# ----------------------------------------------------------------------------- schedules
+# ----------------------------------------------------------------------------- optimizer and schedules
+
+OPTIMIZERS = {  # name -> the optimizer of the parameter groups (torch's SGD adds the decay to the gradient)
+    'adamw': lambda groups, cfg, dev_type: torch.optim.AdamW(groups, lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']),
+                                                             fused=dev_type == 'cuda'),
+    'sgd': lambda groups, cfg, dev_type: torch.optim.SGD(groups, lr=cfg['lr'], momentum=cfg['momentum']),
+}
+
+
+def make_optimizer(model, cfg, dev_type):
+    """Weight decay on matrices (not gains), and on W_Q and W_K only with decay_qk."""
+    qk_ids = {id(w) for pair in model.qk_weights() for w in pair}
+    decays = lambda p: p.dim() >= 2 and (cfg['decay_qk'] or id(p) not in qk_ids)
+    groups = [{'params': [p for p in model.parameters() if decays(p)], 'weight_decay': cfg['weight_decay']},
+              {'params': [p for p in model.parameters() if not decays(p)], 'weight_decay': 0.0}]
+    return OPTIMIZERS[cfg['optimizer']](groups, cfg, dev_type)
+
 
 def get_lr(it, cfg):
     decay_iters = cfg['lr_decay_iters'] or cfg['max_iters']
@@ -260,8 +265,7 @@ def get_lr(it, cfg):
 
 
 def model_ckpt_iters(cfg):
-    """0, then model_ckpts - 1 iterations log-spaced from the end of warm-up (warmup_iters, at least 1) to
-    max_iters: the token-level analysis sees training, not model_ckpts copies of the init."""
+    """0, then model_ckpts - 1 iterations log-spaced from the end of warm-up to max_iters."""
     n, m = cfg['model_ckpts'], cfg['max_iters']
     if n < 1 or m < 1:
         return {0} if n >= 1 else set()
@@ -270,16 +274,15 @@ def model_ckpt_iters(cfg):
 
 
 def loss_iters(cfg):
-    """Iterations whose record has train_loss and val_loss (estimated on eval_iters batches): every
-    eval_interval, the first and the last (and the model-checkpoint iterations when geometry is off)."""
+    """Iterations whose record has train_loss and val_loss (with geometry off, also the model checkpoints')."""
     m = cfg['max_iters']
     its = {0, m} | set(range(0, m + 1, cfg['eval_interval']))
     return its if cfg['geom_interval'] else its | model_ckpt_iters(cfg)
 
 
 def log_iters(cfg):
-    """Iterations that get a metrics record: the loss iterations and, with geometry on, 0,1,2,4,... early
-    (the fast change), every geom_interval and the model-checkpoint iterations."""
+    """The loss iterations and, with geometry on, 1, 2, 4, ... (the fast early change), every geom_interval
+    and the model-checkpoint iterations."""
     m, g = cfg['max_iters'], cfg['geom_interval']
     its = loss_iters(cfg)
     if g:
@@ -289,14 +292,13 @@ def log_iters(cfg):
 
 
 # =============================================================================
-# RESEARCH: what each record measures, and the key-spectrum control. A new metric goes into
-# measure_geometry (its math into geometry.py); a new intervention goes where control_step calls control.py.
+# RESEARCH: what each record measures (a new metric: measure_geometry, its math in geometry.py), and the
+# key-spectrum control (a new intervention: where control_step calls control.py).
 # =============================================================================
 
 @torch.no_grad()
 def estimate_loss(model, data, cfg, dev, ctx):
-    """Mean loss over eval_iters batches drawn from a fixed generator: every evaluation of every run
-    sees the same windows, and the training RNG is not touched."""
+    """Mean loss over eval_iters batches from a fixed generator: the same windows for every run and record."""
     model.eval()
     g = torch.Generator().manual_seed(EVAL_SEED)
     out = {}
@@ -312,43 +314,33 @@ def estimate_loss(model, data, cfg, dev, ctx):
 
 
 @torch.no_grad()
-def measure_geometry(model, eval_x, eval_y, n_head, w0=None):
-    """Per layer: every weight metric of W_Q, W_K, W_QK, the learned part W - W(0) when w0 (a list per layer
-    of (W_Q(0), W_K(0))) is given, and every token metric on the evaluation batch; and the loss on that
-    batch, which the same forward pass gives for free. Layers are None when the loss or an activation is not
-    finite (the caller stops the run: geometry.py refuses NaN)."""
+def measure_geometry(model, eval_x, eval_y, n_head, w0):
+    """The evaluation batch's loss and per layer every metric of geometry.py (None: not finite)."""
     model.eval()
     probe = []
     loss = model(eval_x, eval_y, probe=probe)[1].item()  # float32, explicit attention
     model.train()
     if not math.isfinite(loss) or not all(torch.isfinite(t).all() for acts in probe for t in acts):
         return loss, None
-    layers = []
-    for i, ((wq, wk), (q, k, att)) in enumerate(zip(model.qk_weights(), probe)):
-        row = geometry.layer_geometry(wq, wk, n_head)
-        if w0 is not None:  # which directions training opened, whatever the init (a random W has PR ~ C/2)
-            row.update(geometry.learned_geometry(wq, wk, *w0[i], n_head))
-        row.update(geometry.token_geometry(q, k, att, n_head))
-        layers.append(row)
-    return loss, layers
+    return loss, [{**geometry.layer_geometry(wq, wk, n_head), **geometry.learned_geometry(wq, wk, wq0, wk0, n_head),
+                   **geometry.token_geometry(q, k, att, n_head)}
+                  for (wq, wk), (wq0, wk0), (q, k, att) in zip(model.qk_weights(), w0, probe)]
 
 
 def measure(run, it):
-    """One metrics.jsonl record at iteration it: losses (at the loss iterations), checked before anything
-    else, then the Q/K geometry of every layer and the control's targets and reached PRs."""
+    """One metrics.jsonl record: the losses (at loss iterations), the geometry of every layer, the control's PRs."""
     cfg = run.cfg
     row = {'iter': it, 'tokens': it * run.tokens_per_iter, 'lr': get_lr(it, cfg)}
     if it in run.evals:
         losses = estimate_loss(run.model, run.data, cfg, run.dev, run.ctx)
         row.update(train_loss=losses['train'], val_loss=losses['val'])
-    for key in ('train_loss', 'val_loss'):
-        if not math.isfinite(row.get(key, 0.0)):
-            nan_stop(row[key], it, run)
+        if not all(map(math.isfinite, losses.values())):
+            nan_stop(f'the loss became {losses}', it, run)
     t0 = time.time()
     if cfg['geom_interval']:
         loss, layers = measure_geometry(run.model, run.eval_x, run.eval_y, cfg['n_head'], run.w0)
         if layers is None:
-            nan_stop(loss if not math.isfinite(loss) else float('nan'), it, run)
+            nan_stop('the evaluation batch gave a loss or activations that are not finite', it, run)
         for layer, ctl_row in zip(layers, spectrum_control.report(run.ctl)):
             layer.update(ctl_row)
         row['eval_loss'], row['layers'] = loss, layers
@@ -358,7 +350,7 @@ def measure(run, it):
 
 def control_step(run, step):
     """The causal experiment: reshape the controlled spectra after optimizer step number `step`."""
-    if run.cfg['control'] == 'none':  # a none run reports a control share of exactly 0
+    if run.cfg['control'] == 'none':
         return
     t0 = time.time()
     spectrum_control.apply(run.ctl, run.cfg, run.model.qk_weights(), step)
@@ -369,23 +361,20 @@ def control_step(run, step):
 
 def train(cfg):
     """One run from its config: trains, logs, checkpoints; resumes an unfinished run. Returns the run folder."""
-    dev = runfolder.pick_device(cfg)  # first: an unusable device is named before any work
-    ddp, rank, world, dev = runfolder.start_ddp(dev)
+    ddp, rank, world, dev = runfolder.start_ddp(runfolder.pick_device(cfg['device']))
     run = types.SimpleNamespace(cfg=cfg, dev=dev, ddp=ddp, rank=rank, world=world, master=rank == 0)
-    with contextlib.ExitStack() as cleanup:
-        cleanup.callback(release, run)  # however this ends: signal handlers, lock, process group released
-        setup(run)
-        loop(run)
-        finish(run)
+    setup(run)
+    loop(run)
+    finish(run)
     return run.dir
 
 
 def setup(run):
-    """Seeds and dtype; the run folder checked, locked, and resumed or started over; the data; the model."""
+    """Seeds and dtype; the run folder locked, and resumed or started over; the data; the model."""
     cfg, dev_type = run.cfg, run.dev.split(':')[0]
     if cfg['grad_accum'] % run.world:
-        raise Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the {run.world} DDP processes")
-    # ---- seeding: python, numpy, torch (the data order has its own generator, saved in checkpoints)
+        raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the {run.world} DDP processes")
+    # ---- seeding: python, numpy, torch (the data order has its own generator)
     if cfg['threads']:
         torch.set_num_threads(cfg['threads'])
     random.seed(cfg['seed'])
@@ -395,19 +384,17 @@ def setup(run):
                                                and torch.cuda.is_bf16_supported())
     run.dtype = 'bfloat16' if use_bf16 else 'float32'
     run.ctx = torch.autocast(dev_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-    # ---- run folder: checked and locked; resumed or started over (rank 0 writes)
-    run.dir = runfolder.run_folder(cfg)
-    run.made_dir = not os.path.isdir(run.dir)  # a refused start removes it again (release)
-    run.lock = runfolder.lock_run(run.dir) if run.master else None
+    # ---- run folder and data (rank 0 writes)
+    run.dir = runfolder.open_folder(cfg)
     run.ckpt_path = os.path.join(run.dir, 'ckpt.pt')
     resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
     if run.master:
+        run.lock = runfolder.lock(run.dir)
         print(f'run folder {run.dir}', flush=True)
         if not resuming:  # an overwritten run, or the leftovers of one killed before its first checkpoint
             runfolder.start_over(run.dir)
     if run.ddp:
         torch.distributed.barrier()
-    # ---- data
     train_data, val_data, run.meta = prepare.prepare_data(cfg)
     run.data = {'train': train_data, 'val': val_data}
     run.data_gen = torch.Generator().manual_seed(cfg['seed'])
@@ -425,7 +412,7 @@ def build_model(run, dev_type, resuming):
     run.ctl = spectrum_control.record(cfg, run.model.qk_weights())  # the step-0 spectra control steers from
     run.w0 = [(wq.detach().cpu().clone(), wk.detach().cpu().clone()) for wq, wk in run.model.qk_weights()]
     run.start, run.elapsed, run.saved_at = 0, 0.0, None
-    if resuming:  # the state at the checkpoint, W(0) and the control's step-0 spectra included
+    if resuming:
         run.start, run.elapsed, run.ctl, run.w0 = runfolder.load_checkpoint(run.ckpt_path, cfg, run.meta, run.model,
                                                                             run.optimizer, run.data_gen)
         run.saved_at = run.start
@@ -440,47 +427,29 @@ def build_model(run, dev_type, resuming):
                                                   if ':' in run.dev else None)
 
 
-def make_optimizer(model, cfg, dev_type):
-    """AdamW; weight decay on matrices (not gains), and on W_Q and W_K only with decay_qk."""
-    qk_ids = {id(w) for pair in model.qk_weights() for w in pair}
-    decays = lambda p: p.dim() >= 2 and (cfg['decay_qk'] or id(p) not in qk_ids)
-    decay = [p for p in model.parameters() if decays(p)]
-    no_decay = [p for p in model.parameters() if not decays(p)]
-    return torch.optim.AdamW([{'params': decay, 'weight_decay': cfg['weight_decay']},
-                              {'params': no_decay, 'weight_decay': 0.0}],
-                             lr=cfg['lr'], betas=(cfg['beta1'], cfg['beta2']), fused=dev_type == 'cuda')
-
-
 def loop(run):
-    """A record at the logged iterations, then one optimizer step and the control; ckpt.pt every ckpt_interval.
-    The training losses stay on the device between records and checkpoints, where read_flags reads them."""
+    """A record at the logged iterations, then one optimizer step and the control; ckpt.pt every ckpt_interval."""
     cfg = run.cfg
-    run.stop, run.losses, stopping = [], [], False
-    run.old_handlers = {s: signal.signal(s, lambda sig, frame: run.stop.append(sig))
-                        for s in (signal.SIGINT, signal.SIGTERM)}  # finish the step, checkpoint, exit
-    run.logs, run.evals, run.ckpts = log_iters(cfg), loss_iters(cfg), model_ckpt_iters(cfg)
+    run.losses, run.logs, run.evals, run.ckpts = [], log_iters(cfg), loss_iters(cfg), model_ckpt_iters(cfg)
     run.tokens_per_iter = cfg['batch_size'] * cfg['grad_accum'] * cfg['block_size']
     run.t_start, run.t_geom, run.t_ctl = time.time(), 0.0, 0.0
     run.t_mark, run.it_mark, run.last = run.t_start, run.start, {}  # for ms/iter: training time only
     for it in range(run.start, cfg['max_iters'] + 1):
         ckpt_due = it > run.start and it % cfg['ckpt_interval'] == 0
-        if it in run.logs or ckpt_due or (run.stop and not run.ddp):  # DDP ranks agree at these iterations only
-            stopping = read_flags(run, it)
+        if it in run.logs or ckpt_due:  # DDP ranks read their losses together at these iterations only
+            check_losses(run)
         if run.master and it in run.logs:
             record(run, it)
         if it == cfg['max_iters']:
             break
-        if stopping or ckpt_due:
+        if ckpt_due:
             checkpoint(run, it)
-        if stopping:
-            stop_on_signal(run, it)
         train_step(run, it)
         control_step(run, it + 1)
 
 
 def train_step(run, it):
-    """One optimizer step over grad_accum micro-batches (this rank's share of them). Its loss stays on the
-    device (no host read: the device runs ahead of the host)."""
+    """One optimizer step over grad_accum micro-batches (this rank's share); its loss stays on the device."""
     cfg, micro = run.cfg, run.cfg['grad_accum'] // run.world
     for group in run.optimizer.param_groups:
         group['lr'] = get_lr(it, cfg)
@@ -503,51 +472,39 @@ def train_step(run, it):
     run.optimizer.zero_grad(set_to_none=True)
 
 
-def read_flags(run, it):
-    """The one host read of the training losses since the last read, with the stop flags: a loss that is not
-    finite stops the run before anything is written with it; a signal on any DDP rank stops every rank.
-    Returns whether to stop."""
-    flags = torch.tensor([float(len(run.stop))], device=run.dev)
-    values = torch.cat([torch.stack([loss for _, loss in run.losses]), flags]) if run.losses else flags
+def check_losses(run):
+    """The one host read of the training losses since the last: one that is not finite stops every DDP rank."""
+    if not run.losses:
+        return
+    values = torch.stack([loss for _, loss in run.losses])
     if run.ddp:
         torch.distributed.all_reduce(values)
-    values = values.tolist()
-    for (step, _), loss in zip(run.losses, values):
+    for (step, _), loss in zip(run.losses, values.tolist()):
         if not math.isfinite(loss):
-            nan_stop(loss, step, run)
+            nan_stop(f'the loss became {loss}', step, run)
     run.losses = []
-    return values[-1] > 0
 
 
 def nan_stop(what, it, run):
-    """Stop on a loss (a number) or weights (a string) that are not finite, saying what ckpt.pt holds."""
-    cfg, saved = run.cfg, run.saved_at
-    kept = (f'ckpt.pt keeps the last good state, of iteration {saved}' if saved is not None else
-            f'no ckpt.pt was written yet (one comes every ckpt_interval={cfg["ckpt_interval"]} iterations)')
-    what = what if isinstance(what, str) else f'the loss became {what}'
-    raise Stop(f"{what} at iteration {it}. The run stops here: {kept}, metrics.jsonl the records before this one, "
-               f"and no done.json is written. Lower --lr (now {cfg['lr']}), keep --grad_clip on (now "
-               f"{cfg['grad_clip']}), or lengthen --warmup_iters, then rerun with --overwrite=True")
+    kept = f'ckpt.pt holds iteration {run.saved_at}' if run.saved_at is not None else 'no ckpt.pt yet'
+    raise configurator.Stop(f"{what} at iteration {it}; the run stops ({kept}). Lower --lr (now {run.cfg['lr']}) "
+                            f"or lengthen --warmup_iters, then rerun with --overwrite=True")
 
 
 # ----------------------------------------------------------------------------- what the run writes
 
 def open_run_files(run, resuming):
-    """Rank 0: the run folder trimmed to the checkpoint (resuming) or cleared, config.json written (every
-    value as resolved), metrics.jsonl opened for appending."""
+    """Rank 0: the run folder trimmed to the checkpoint (resuming), config.json written, metrics.jsonl opened."""
     cfg = run.cfg
     if resuming:
-        runfolder.trim_run(run.dir, run.start, [i for i in log_iters(cfg) if i < run.start])
+        runfolder.trim(run.dir, run.start)
         print(f'resuming {run.dir} from iteration {run.start}', flush=True)
+    meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
     runfolder.write_json(dict(cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
-                              git_commit=runfolder.git_commit(), vocab_size=run.meta['vocab_size'],
-                              data_sha256=run.meta['sha256'], n_chars=run.meta['n_train'] + run.meta['n_val'],
-                              data_cache=run.meta['cache_key'],
-                              n_params=sum(p.numel() for p in run.model.parameters())),
-                         os.path.join(run.dir, 'config.json'))
-    path = os.path.join(run.dir, 'metrics.jsonl')
-    with runfolder.writing(path):
-        run.metrics = open(path, 'a')
+                              git_commit=runfolder.git_commit(), vocab_size=meta['vocab_size'], n_params=n_params,
+                              data_sha256=meta['sha256'], n_chars=meta['n_train'] + meta['n_val'],
+                              data_cache=meta['cache_key']), os.path.join(run.dir, 'config.json'))
+    run.metrics = open(os.path.join(run.dir, 'metrics.jsonl'), 'a')
 
 
 def record(run, it):
@@ -564,41 +521,24 @@ def record(run, it):
                               runfolder.file_path(run.dir, 'models', it))
     run.t_geom += time.time() - t0  # geometry share: measuring (in measure) and these writes, not the losses
     row['time'] = run.elapsed + time.time() - run.t_start
-    with runfolder.writing(run.metrics.name):
-        run.metrics.write(json.dumps(row) + '\n')
-        run.metrics.flush()
+    run.metrics.write(json.dumps(row) + '\n')
+    run.metrics.flush()
     run.last = row
-    print_record(row, ms, run.tokens_per_iter, run.cfg, run.start, run.t_start)
+    print_record(row, ms, run)
     run.t_mark, run.it_mark = time.time(), it  # time spent measuring is not training time
 
 
 def checkpoint(run, it):
-    """ckpt.pt: everything that decides the rest of the run. metrics.jsonl is fsynced first, so that after a
-    power loss a checkpoint never lies ahead of the records on disk."""
+    """ckpt.pt: everything that decides the rest of the run, never of weights that are not finite."""
     if not torch.stack([torch.isfinite(p).all() for p in run.model.parameters()]).all():
-        nan_stop('the weights are no longer finite numbers', it, run)  # never a checkpoint of them
+        nan_stop('the weights are no longer finite', it, run)
     if not run.master:
         return
-    with runfolder.writing(run.metrics.name):
-        run.metrics.flush()
-        os.fsync(run.metrics.fileno())
     runfolder.atomic_save({'model': run.model.state_dict(), 'optimizer': run.optimizer.state_dict(), 'iter': it,
                            'elapsed': run.elapsed + time.time() - run.t_start, 'config': run.cfg,
                            'rng': runfolder.rng_state(run.data_gen), 'data_sha256': run.meta['sha256'],
-                           'data_cache': run.meta['cache_key'], 'control': run.ctl, 'w0': run.w0},
-                          run.ckpt_path)
+                           'control': run.ctl, 'w0': run.w0}, run.ckpt_path)
     run.saved_at = it
-
-
-def stop_on_signal(run, it):
-    """After SIGINT/SIGTERM: the checkpoint is written; every rank leaves together."""
-    if run.ddp:
-        torch.distributed.barrier()
-    sig = run.stop[0] if run.stop else signal.SIGTERM
-    if run.master:
-        print(f"stopped by signal {signal.Signals(sig).name} at iteration {it}; checkpoint saved in "
-              f"{run.ckpt_path}. Run the same command again to resume.", flush=True)
-    raise SystemExit(128 + sig)
 
 
 def finish(run):
@@ -607,47 +547,27 @@ def finish(run):
     run.elapsed += time.time() - run.t_start
     if run.master:
         run.metrics.close()
-        last = run.last
-        done = {k: last.get(k) for k in ('iter', 'train_loss', 'val_loss')}
-        if last.get('layers'):
-            for key in ('pr_q', 'pr_k', 'pr_qk', 'entropy', 'entropy_norm'):
-                done[key] = float(np.mean([layer[key] for layer in last['layers']]))
+        done = {k: run.last.get(k) for k in ('iter', 'train_loss', 'val_loss')}
+        for key in ('pr_q', 'pr_k', 'pr_qk', 'entropy', 'entropy_norm') if run.last.get('layers') else ():
+            done[key] = float(np.mean([layer[key] for layer in run.last['layers']]))
         share = lambda t: t / max(time.time() - run.t_start, 1e-9)  # of this process's wall time
         done.update(wall_time=run.elapsed, geometry_share=share(run.t_geom), control_share=share(run.t_ctl))
         runfolder.write_json(done, os.path.join(run.dir, 'done.json'))
-        ctl_msg = f" and control {100 * share(run.t_ctl):.1f}%" if run.cfg['control'] != 'none' else ''
         print(f"done in {fmt_time(run.elapsed)}: val loss {done['val_loss']:.4f}; geometry logging took "
-              f"{100 * share(run.t_geom):.1f}%{ctl_msg} of wall time; run folder {run.dir}", flush=True)
+              f"{100 * share(run.t_geom):.1f}% of wall time; run folder {run.dir}", flush=True)
     if run.ddp:
         torch.distributed.barrier()  # every rank got here: rank 0 has finished writing
 
 
-def release(run):
-    """Whatever way the loop ended: the signal handlers back, the lock and the process group released."""
-    for sig, handler in getattr(run, 'old_handlers', {}).items():
-        signal.signal(sig, handler)
-    if getattr(run, 'lock', None):
-        runfolder.unlock(run.lock, run.dir, run.made_dir)
-    if run.ddp:
-        torch.distributed.destroy_process_group()
-
-
-def print_record(row, ms, tokens_per_iter, cfg, start, t_start):
-    it = row['iter']
-    done_frac = (it - start) / max(1, cfg['max_iters'] - start)
-    eta = (time.time() - t_start) * (1 - done_frac) / done_frac if it - start >= ETA_AFTER else float('nan')
-    msg = f"iter {it}: "
-    if 'val_loss' in row:
-        msg += f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, "
-    if 'eval_loss' in row:
-        msg += f"eval batch {row['eval_loss']:.4f}, "
-    # no speed yet at the start
-    speed = f"{ms:.1f} ms/iter, {1000 * tokens_per_iter / ms:.0f} tok/s" if ms == ms else "- ms/iter"
-    msg += f"lr {row['lr']:.2e}, {speed}, ETA {fmt_time(eta) if eta == eta else '-'}"
-    if row.get('layers'):
-        mean = lambda key: np.mean([layer[key] for layer in row['layers']])
-        msg += f" | pr_q {mean('pr_q'):.1f} pr_k {mean('pr_k'):.1f} entropy {mean('entropy'):.3f}"
-    print(msg, flush=True)
+def print_record(row, ms, run):
+    frac = (row['iter'] - run.start) / max(1, run.cfg['max_iters'] - run.start)
+    eta = fmt_time((time.time() - run.t_start) * (1 - frac) / frac) if row['iter'] - run.start >= 10 else '-'
+    losses = f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, " if 'val_loss' in row else ''
+    speed = f"{ms:.1f} ms/iter, {1000 * run.tokens_per_iter / ms:.0f} tok/s"
+    msg = f"iter {row['iter']}: {losses}lr {row['lr']:.2e}, {speed}, ETA {eta}"
+    mean = lambda key: np.mean([layer[key] for layer in row['layers']])
+    print(msg + (f" | pr_q {mean('pr_q'):.1f} pr_k {mean('pr_k'):.1f} entropy {mean('entropy'):.3f}"
+                 if row.get('layers') else ''), flush=True)
 
 
 def fmt_time(s):
@@ -657,21 +577,23 @@ def fmt_time(s):
 # ----------------------------------------------------------------------------- main
 
 def get_config(argv):
-    """The config block above, then a config file, then --key=value, checked (configurator.py)."""
-    return configurator.get_config(argv, {k: globals()[k] for k in config_keys}, {'qk_init': sorted(QK_INITS)})
+    """The config block above, then config files, then --key=value (configurator.py)."""
+    return configurator.get_config(argv, {k: globals()[k] for k in config_keys},
+                                   {'qk_init': sorted(QK_INITS), 'optimizer': sorted(OPTIMIZERS)})
 
 
 def main(argv):
-    """The command line: train.py [CONFIG_FILE] [--key=value ...], or --print_run_names."""
-    with runfolder.clean_exit():
+    """train.py [CONFIG_FILE ...] [--key=value ...], or --print_run_names (one argument list per stdin line)."""
+    try:
         if '--help' in argv or '-h' in argv:
             print(configurator.usage(__file__))
-        elif argv == ['--print_run_names']:
-            configurator.print_run_names(sys.stdin, get_config)
-        elif '--print_run_names' in argv:
-            raise Stop('--print_run_names takes no other arguments: it reads one argument list per line from stdin')
+        elif argv == ['--print_run_names']:  # how sweep.sh names its grid, every line checked before any run
+            print('\n'.join([get_config(line.split())['run_name'] for line in sys.stdin]))
         else:
             train(get_config(argv))
+    except configurator.Stop as e:
+        print(e.code, file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == '__main__':
