@@ -45,6 +45,7 @@ smoke)  ARGS=(--n_embd=16 --n_head=2 --block_size=16 --batch_size=4 --max_iters=
         SLURM=(--cpus-per-task=1 --mem=1G --time=0:10:00) ;;
 *)      die "unknown PRESET=$PRESET; use paper, cpu, ladder, optim or smoke" ;;
 esac
+[ "${PRINT_ARGS:-0}" = 1 ] && { echo "${ARGS[*]}"; exit 0; }  # the preset's sizes, for bench.py
 [ -n "${DATA_FILE:-}" ] && ARGS+=(--data_file="$DATA_FILE")
 EXTRA=("$@")
 for arg in ${EXTRA[@]+"${EXTRA[@]}"}; do
@@ -136,8 +137,9 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
     exit 0
 fi
 mkdir -p "$OUT/logs"
-"$PYTHON" -c 'import sys, train, prepare; prepare.prepare_data(train.get_config(sys.argv[1:]))' \
-    "${ARGS[@]}" ${EXTRA[@]+"${EXTRA[@]}"} || die "cannot prepare the data (nothing ran)"
+"$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); import train, prepare
+prepare.prepare_data(train.get_config(sys.argv[2:]))' "$REPO" "${ARGS[@]}" ${EXTRA[@]+"${EXTRA[@]}"} ||
+    die "cannot prepare the data (nothing ran)"
 
 if [ "$BACKEND" = slurm ]; then  # one array task per run that is not done; the analysis after all of them
     mkdir -p "$OUT/slurm"

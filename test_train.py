@@ -282,6 +282,16 @@ def test_a_sigkill_at_any_point_then_the_same_command_gives_the_uninterrupted_re
     assert ('resuming' in out.stdout) == (at == 16)
 
 
+def test_a_checkpoint_resumes_only_with_its_own_settings_and_text(tmp_path, text_file):
+    args = tiny_args(tmp_path, text_file, '--run_name=r')
+    assert run_killed(tmp_path, args, 'record', 16).returncode == -signal.SIGKILL
+    with pytest.raises(configurator.Stop, match=r'written with other settings \(lr\)'):
+        train.train(train.get_config(args + ['--lr=0.01']))
+    text_file.write_text(make_text(60_000, seed=1))
+    with pytest.raises(configurator.Stop, match=r'other settings \(the training text\)'):
+        train.train(train.get_config(args))
+
+
 def test_a_nan_loss_stops_the_run_and_keeps_its_checkpoint(tmp_path, text_file):
     out = run_killed(tmp_path, tiny_args(tmp_path, text_file, '--run_name=n'), 'nan', 10)
     assert out.returncode == 2
