@@ -1,412 +1,334 @@
 """
-The figures of the weight study, each a function named after what it shows (fig6 and fig7, token level, are
-tokens.py's). Object-oriented matplotlib (Figure, no pyplot state), headless; written as 256-colour PNGs.
+The figures: FIGURES, a list of (file stem, function of the Study and its tables), each returning a matplotlib
+Figure or raising folders.Skip with the reason (the report lists it). Object-oriented matplotlib, headless; PNGs in
+256 colours (line plots look the same, the files are a third of the size).
 
-    fig1_pr_over_training   PR_Q (solid) and PR_K (dashed) over training, a panel per depth x init, a line per layer
-    fig2_pr_gap             PR_Q - PR_K along every (depth, init, layer) trajectory
-    fig3_entropy_and_pr     entropy over training; PR_K and PR_QK against entropy
-    fig4_spectra            singular values of W_Q, W_K and W_QK at the first and the last snapshot
-    fig5_control_k (_q)     the control experiment, a row per control setup, a line per arm (shrink doses, freeze)
-    fig8_scale_shape        entropy against the logit scale log ||W_QK||_2, coloured by PR_K
-    fig10_dose_response     the entropy effect against the achieved change in per-head PR_K, per control_keep
+    fig1_pr_over_training   PR_Q (solid), PR_K (dashed) per layer, a panel per uncontrolled setting (seed mean, band)
+    fig2_pr_gap             PR_Q - PR_K along every trajectory
+    fig3_entropy_and_pr     entropy over training per setting; PR_K and PR_QK against entropy
+    fig4_spectra            singular values of W_Q, W_K, W_QK at the first and last snapshot: the one figure read
+                            from snapshots/, drawn for the runs that kept them and skipped with one line otherwise
+    fig5_control            per (setting, arm family): the controlled PR, the entropy, the paired entropy changes
+    fig8_scale_shape        per-head entropy against the logit scale, coloured by PR_K
+    fig9_regime             each claim per regime point along each axis, a line per line of points
+    fig10_dose_response     the entropy change against the achieved per-head PR_K change, per shrink arm family
+    fig11_imbalance         qk_imbalance and qk_drift over training per setting; the per-head PR gap against the
+                            per-head imbalance at the end
 """
 import io
 import os
+from functools import reduce
 
 import matplotlib
 import numpy as np
-import torch
 from matplotlib import colormaps
-from matplotlib.figure import Figure  # object-oriented matplotlib: headless, no pyplot state
+from matplotlib.figure import Figure
 from PIL import Image
 
+import folders
 import geometry
-import runfolder
 import stats
-from folders import Skip, init_order, seed_stack
+from folders import Skip
 
-matplotlib.rcParams['axes.formatter.useoffset'] = False   # axes read '1e-6+2.04477' with it: every tick in full
+matplotlib.rcParams['axes.formatter.useoffset'] = False
 
 
+def png(fig):
+    buf, out = io.BytesIO(), io.BytesIO()
+    fig.savefig(buf, format='png', dpi=110, bbox_inches='tight')
+    Image.open(buf).convert('RGB').quantize(colors=256, method=Image.Quantize.MEDIANCUT,
+                                            dither=Image.Dither.NONE).save(out, format='png', optimize=True)
+    return out.getvalue()
 
-def draw_figures(res, runs, out, pdf, log, warn):
-    """fig1..fig5, fig8 and fig10 in out: (paths written, notes on the figures skipped and why)."""
-    cells = res['cells']
-    ctl_rows = {target: [r for r in res['ctl_rows'] if r['target'] == target] for target in ('k', 'q')}
-    plots = [('fig1_pr_over_training', lambda: plot_pr_over_training(cells)),
-             ('fig2_pr_gap', lambda: plot_pr_gap(cells)),
-             ('fig3_entropy_and_pr', lambda: plot_entropy_and_pr(cells)),
-             ('fig4_spectra', lambda: plot_spectra(cells, warn)),
-             ('fig5_control_k', lambda: plot_control(runs, ctl_rows['k'], 'k')),
-             ('fig8_scale_shape', lambda: plot_scale_shape(cells)),
-             ('fig10_dose_response', lambda: plot_dose_response(res['ctl_rows'], res['dose_fits']))]
-    if ctl_rows['q']:
-        plots.insert(5, ('fig5_control_q', lambda: plot_control(runs, ctl_rows['q'], 'q')))
-    written, notes = [], []
-    for stem, make in plots:
+
+def pdf(fig):
+    buf = io.BytesIO()
+    fig.savefig(buf, format='pdf', bbox_inches='tight')
+    return buf.getvalue()
+
+
+def draw(study, t, with_pdf=False, log=print):
+    """{'files': {name: bytes}, 'notes': [why a figure was skipped]} of every figure in FIGURES."""
+    files, notes = {}, []
+    for stem, make in FIGURES:
         try:
-            written += save_figure(make(), out, stem, pdf)
+            made = make(study, t)
         except Skip as e:
             notes.append(f'{stem}: {e}')
             log(f'note: {stem} skipped: {e}')
-    return written, notes
-
-
-def save_figure(fig, out, stem, pdf):
-    """stem.png as a 256-colour palette PNG: line plots look the same and the file is about 3x smaller,
-    which matters for figures committed with results (PIL comes with matplotlib)."""
-    paths = [os.path.join(out, stem + '.png')]
-    buf = io.BytesIO()
-    fig.savefig(buf, format='png', dpi=110, bbox_inches='tight')
-    rgb = Image.open(buf).convert('RGB')
-    rgb.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(paths[0], optimize=True)
-    if pdf:
-        paths.append(os.path.join(out, stem + '.pdf'))
-        fig.savefig(paths[1], bbox_inches='tight')
-    return paths
+            continue
+        for i, fig in enumerate(made if isinstance(made, list) else [made]):
+            name = stem + (f'_{i + 1}' if i else '')
+            files[name + '.png'] = png(fig)
+            if with_pdf:
+                files[name + '.pdf'] = pdf(fig)
+    return {'files': files, 'notes': notes}
 
 
 def iteration_axis(ax):
-    """Iterations 0, 1, 2, 4, ... on a symlog axis: 0 is plotted, the log-spaced early logs spread out."""
     ax.set_xscale('symlog', linthresh=1)
     ax.set_xlabel('iteration')
-    ax.set_xlim(left=0)
 
 
-def plot_pr_over_training(cells):
-    """Figure 1: PR_Q (solid) and PR_K (dashed) over training, a panel per depth x init, a line per layer,
-    min-max band over seeds."""
-    if not cells:
-        raise Skip('no uncontrolled runs with geometry')
-    depths = sorted({d for d, _ in cells})
-    inits = sorted({i for _, i in cells}, key=init_order)
-    fig = Figure(layout='constrained', figsize=(4.2 * len(inits), 3.2 * len(depths)))
-    axes = fig.subplots(len(depths), len(inits), squeeze=False, sharex=True)
-    for (depth, init), runs in cells.items():
-        ax = axes[depths.index(depth)][inits.index(init)]
-        draw_pr_layers(ax, runs, depth, depths[-1])
-        ax.set_title(f'L{depth} {init} ({len(runs)} seeds)', fontsize=9)
-        ax.set_ylabel('PR')
+def settings_of(study, control=False):
+    """{setting name: its runs}, uncontrolled only unless control."""
+    groups = {}
+    for r in study.runs:
+        if control or r.control == 'none':
+            groups.setdefault(study.label[r.setting], []).append(r)
+    if not groups:
+        raise Skip('no uncontrolled runs')
+    return groups
+
+
+def stack(runs, key):
+    """(iterations every run logged, (runs, iterations, layers) values of key; NaN for a run without it)."""
+    its = reduce(np.intersect1d, [r.iters for r in runs])
+    rows = [r.m[key][np.searchsorted(r.iters, its)] if key in r.m else np.full((len(its), r.n_layer), np.nan)
+            for r in runs]
+    return its, np.stack(rows) if len({x.shape for x in rows}) == 1 else np.stack([x.mean(1, keepdims=True)
+                                                                                     for x in rows])
+
+
+def grid(n, w=4.2, h=3.2):
+    cols = min(n, 4)
+    fig = Figure(layout='constrained', figsize=(w * cols, h * -(-n // cols)))
+    return fig, list(fig.subplots(-(-n // cols), cols, squeeze=False).flat)
+
+
+def pr_over_training(study, t):
+    groups = settings_of(study)
+    fig, axes = grid(len(groups))
+    deepest = max(r.n_layer for g in groups.values() for r in g)
+    colors = colormaps['viridis'](np.linspace(0, 0.9, deepest))
+    for ax, (name, runs) in zip(axes, groups.items()):
+        for key, style in (('pr_q', '-'), ('pr_k', '--')):
+            its, v = stack(runs, key)
+            for layer in range(v.shape[2]):
+                ax.plot(its, np.nanmean(v[:, :, layer], 0), style, color=colors[layer], lw=1.1,
+                        label=f'layer {layer}' if style == '-' else None)
+                ax.fill_between(its, v[:, :, layer].min(0), v[:, :, layer].max(0), color=colors[layer], alpha=0.15)
+        ax.set_title(f'{name} ({len(runs)} seeds)', fontsize=8)
         iteration_axis(ax)
-        if depth != depths[-1]:
-            ax.set_xlabel('')  # the axes are shared: name them once, on the bottom row
-    handles, labels = axes[-1][0].get_legend_handles_labels()   # the deepest panel has every layer
-    fig.legend(handles, labels, loc='outside right center', fontsize=9, title='solid PR_Q\ndashed PR_K',
-               title_fontsize=9)   # centred beside the panels: at the top it would cover the title
-    fig.suptitle('PR_Q and PR_K over training' + ('\n' if len(inits) == 1 else ' ') + '(seed mean, min-max band)')
+    axes[0].legend(fontsize=7, title='solid PR_Q, dashed PR_K', title_fontsize=7)
+    fig.suptitle('PR_Q and PR_K over training (seed mean, min-max band)')
     return fig
 
 
-def draw_pr_layers(ax, runs, depth, deepest):
-    """PR_Q (solid) and PR_K (dashed) of every layer of runs of one depth: seed mean, min-max band. Layer i has
-    the same colour at every depth (one legend for the figure)."""
-    iters, Q = seed_stack(runs, 'pr_q')
-    K = seed_stack(runs, 'pr_k')[1]
-    colors = colormaps['viridis'](np.linspace(0, 0.9, deepest))
-    for layer in range(depth):
-        for vals, style in ((Q, '-'), (K, '--')):
-            v = vals[:, :, layer]
-            ax.plot(iters, v.mean(0), style, color=colors[layer], lw=1.2,
-                    label=f'layer {layer}' if style == '-' else None)
-            if len(runs) > 1:
-                ax.fill_between(iters, v.min(0), v.max(0), color=colors[layer], alpha=0.15, lw=0)
-
-
-def plot_pr_gap(cells):
-    """Figure 2: PR_Q - PR_K along every (depth, init, layer) trajectory (seed means), zero marked."""
-    if not cells:
-        raise Skip('no uncontrolled runs with geometry')
-    fig = Figure(layout='constrained', figsize=(7, 4.5))
+def pr_gap(study, t):
+    groups = settings_of(study)
+    fig = Figure(layout='constrained', figsize=(8, 4.5))
     ax = fig.subplots()
-    colors = {init: colormaps['tab10'](i) for i, init in enumerate(sorted({i for _, i in cells}, key=init_order))}
-    styles = ['-', '--', ':', '-.']
-    depths = sorted({d for d, _ in cells})
-    for (depth, init), runs in cells.items():
-        iters, Q = seed_stack(runs, 'pr_q')
-        gap = Q.mean(0) - seed_stack(runs, 'pr_k')[1].mean(0)
-        for layer in range(depth):
-            ax.plot(iters, gap[:, layer], styles[depths.index(depth) % 4], color=colors[init], lw=0.9, alpha=0.8,
-                    label=f'L{depth} {init}' if layer == 0 else None)
+    for i, (name, runs) in enumerate(groups.items()):
+        its, q = stack(runs, 'pr_q')
+        gap = np.nanmean(q, 0) - np.nanmean(stack(runs, 'pr_k')[1], 0)
+        ax.plot(its, gap, color=colormaps['tab20'](i % 20), lw=0.9, label=[name] + [None] * (gap.shape[1] - 1))
     ax.axhline(0, color='k', lw=1)
     iteration_axis(ax)
     ax.set_ylabel('PR_Q - PR_K')
-    ax.set_title('PR_Q - PR_K, every trajectory (line style = depth, colour = init)', fontsize=10)
-    ax.legend(fontsize=6, ncol=3)
+    ax.legend(fontsize=6, ncol=2)
+    ax.set_title('PR_Q - PR_K along every trajectory (a line per layer, a colour per setting)', fontsize=10)
     return fig
 
 
-def plot_entropy_and_pr(cells):
-    """Figure 3: attention entropy over training (seed and layer mean per configuration), and PR_K and
-    PR_QK against entropy for every run, layer and logged iteration, coloured by iteration."""
-    if not cells:
-        raise Skip('no uncontrolled runs with geometry')
+def entropy_and_pr(study, t):
+    groups = settings_of(study)
     fig = Figure(layout='constrained', figsize=(15, 4.3))
     ax_h, ax_k, ax_qk = fig.subplots(1, 3)
-    for (depth, init), runs in cells.items():
-        iters, H = seed_stack(runs, 'entropy')
-        ax_h.plot(iters, np.nanmean(H, axis=(0, 2)), lw=1.2, label=f'L{depth} {init}')
+    for name, runs in groups.items():
+        its, h = stack(runs, 'entropy')
+        ax_h.plot(its, np.nanmean(h, (0, 2)), lw=1.1, label=name)
     iteration_axis(ax_h)
-    ax_h.set_ylabel('attention entropy (nats)')
-    ax_h.legend(fontsize=6, ncol=2)
-    runs = [r for rs in cells.values() for r in rs]
-    it = np.concatenate([np.repeat(r.geom_iters, r.n_layer) for r in runs])
-    ent = np.concatenate([r.metric('entropy').ravel() for r in runs])
-    color = np.log10(1 + it)
-    for ax, key, name in ((ax_k, 'pr_k', 'PR_K'), (ax_qk, 'pr_qk', 'PR_QK')):
-        x = np.concatenate([r.metric(key).ravel() for r in runs])
-        sc = ax.scatter(x, ent, c=color, s=4, cmap='viridis', alpha=0.6, lw=0)
-        ax.set_xlabel(name)
-        ax.set_ylabel('attention entropy (nats)')
-        ax.set_title(f'{name} against entropy (all runs, layers, iterations)', fontsize=9)
+    ax_h.set(ylabel='attention entropy (nats)', title='entropy over training (seed and layer mean)')
+    ax_h.legend(fontsize=6)
+    runs = [r for g in groups.values() for r in g if 'entropy' in r.m]
+    it = np.concatenate([np.repeat(r.iters, r.n_layer) for r in runs])
+    ent = np.concatenate([r.m['entropy'].ravel() for r in runs])
+    for ax, key in ((ax_k, 'pr_k'), (ax_qk, 'pr_qk')):
+        x = np.concatenate([r.m[key].ravel() if key in r.m else np.full(r.m['entropy'].size, np.nan) for r in runs])
+        sc = ax.scatter(x, ent, c=np.log10(1 + it), s=4, cmap='viridis', alpha=0.6, lw=0)
+        ax.set(xlabel=key, ylabel='attention entropy (nats)', title=f'{key} against entropy (runs, layers, records)')
     fig.colorbar(sc, ax=[ax_k, ax_qk], label='log10(1 + iteration)')
-    ax_h.set_title('entropy over training (seed and layer mean)', fontsize=9)
     return fig
 
 
-def representative_runs(cells):
-    """Per init, the runs that may stand for it in fig4, in order: by seed at the middle depth found, then at the
-    other depths, nearest first (the next one is used where a run's snapshots cannot be read)."""
-    depths = sorted({d for d, _ in cells})
-    middle = depths[len(depths) // 2]
-    order = sorted(cells, key=lambda cell: (abs(cell[0] - middle), cell[0]))
-    inits = sorted({i for _, i in cells}, key=init_order)
-    return [(init, [r for cell in order if cell[1] == init for r in cells[cell]]) for init in inits]
+def snapshots(run):
+    folder = os.path.join(run.path, 'snapshots')
+    names = sorted(n for n in os.listdir(folder) if n.startswith('qk_') and n.endswith('.npz')) \
+        if os.path.isdir(folder) else []
+    return [os.path.join(folder, n) for n in names]
 
 
-def snapshot_files(run):
-    """[(iteration, path)] of the Q/K snapshots train.py wrote in a run's snapshots/, by iteration."""
-    return runfolder.listing(run.path, 'snapshots')
-
-
-def read_snapshot(run, it, path, layer):
-    """(W_Q, W_K, n_head) of one layer in a snapshot; Skip naming the run and iteration when it is unreadable."""
-    try:
-        with np.load(path) as z:
-            q, k, n_head = z['q'][layer], z['k'][layer], int(z['n_head'])
-    except Exception as e:  # a truncated or foreign file: zipfile, OSError, KeyError, ValueError, ...
-        raise Skip(f'{run.path}: the snapshot of iteration {it} ({os.path.basename(path)}) is unreadable '
-                   f'({type(e).__name__}: {str(e)[:60]})') from None
-    if not (np.isfinite(q).all() and np.isfinite(k).all()):
-        raise Skip(f'{run.path}: the snapshot of iteration {it} holds values that are not finite')
-    return q, k, n_head
-
-
-def first_and_last_snapshot(run, warn):
-    """[(iteration, (W_Q, W_K, n_head))] of a run's middle layer at its first and last snapshot; None (with a
-    warning when they are unreadable) where it has none to show."""
-    files = snapshot_files(run)
-    if not files:
-        return None
-    try:
-        return [(it, read_snapshot(run, it, path, run.n_layer // 2)) for it, path in (files[0], files[-1])]
-    except Skip as e:
-        warn(f'{e}; left out of fig4')
-        return None
-
-
-def plot_spectra(cells, warn=print):
-    """Figure 4: singular values of W_Q, W_K and W_QK (head mean of each rank) at the first and the last
-    snapshot, for the middle layer of one representative run per init. Reads two snapshots per run; a run
-    whose snapshot cannot be read is left out with a warning and the next run of its init stands in."""
-    reps = []
-    for init, candidates in representative_runs(cells) if cells else []:
-        for run in candidates:
-            snaps = first_and_last_snapshot(run, warn)
-            if snaps:
-                reps.append((run, snaps))
-                break
+def spectra(study, t):
+    reps = [(name, runs[0], snapshots(runs[0])) for name, runs in settings_of(study).items()]
+    reps = [r for r in reps if len(r[2]) > 1][:3]
     if not reps:
-        raise Skip('no readable Q/K snapshots in the uncontrolled runs')
+        raise Skip('no run kept snapshots/ (save_snapshots=False, or compact logs only)')
     fig = Figure(layout='constrained', figsize=(13, 3.3 * len(reps)))
-    axes = fig.subplots(len(reps), 3, squeeze=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small matrices: several threads on a busy machine spin-wait (seen: 1000x slower)
-    try:
-        for row, (run, snaps) in zip(axes, reps):
-            draw_spectra(row, run, snaps)
-    finally:
-        torch.set_num_threads(threads)
-    fig.suptitle('singular value spectra at the start and the end')
+    for row, (name, run, files) in zip(fig.subplots(len(reps), 3, squeeze=False), reps):
+        for path, color in ((files[0], 'tab:blue'), (files[-1], 'tab:red')):
+            try:
+                with np.load(path) as z:
+                    q, k, n_head = z['q'][run.n_layer // 2], z['k'][run.n_layer // 2], int(z['n_head'])
+            except Exception as e:   # a truncated or foreign file
+                raise Skip(f'{path} is unreadable ({type(e).__name__})') from None
+            s_qk = geometry.interaction_singular_values(q, k, n_head)
+            for ax, s in zip(row, (geometry.singular_values(q), geometry.singular_values(k), s_qk.mean(0))):
+                ax.semilogy(np.arange(1, len(s) + 1), np.maximum(s.numpy(), 1e-12), color=color,
+                            label=os.path.basename(path))
+        for ax, what in zip(row, ('W_Q', 'W_K', 'W_QK (head mean)')):
+            ax.set(title=f'{what}, {name}, layer {run.n_layer // 2}', xlabel='index', ylabel='singular value')
+            ax.legend(fontsize=7)
     return fig
 
 
-def draw_spectra(axes, run, snaps):
-    """One row of figure 4: the spectra of W_Q, W_K and W_QK of a run's middle layer at two snapshots."""
-    for (it, (q, k, n_head)), color in zip(snaps, ('tab:blue', 'tab:red')):
-        s_qk = geometry.interaction_singular_values(q, k, n_head)
-        spectra = ((geometry.singular_values(q), geometry.matrix_pr(q)),
-                   (geometry.singular_values(k), geometry.matrix_pr(k)),
-                   (s_qk.mean(0), geometry.participation_ratio(s_qk ** 2).mean().item()))  # pr_qk: mean of head PRs
-        for ax, (s, pr) in zip(axes, spectra):
-            s = s.numpy()
-            ax.semilogy(np.arange(1, len(s) + 1), np.maximum(s, 1e-12), color=color, label=f'iter {it}: PR {pr:.1f}')
-    for ax, title in zip(axes, ('W_Q', 'W_K', 'W_QK (head mean)')):
-        ax.set_title(f'{title}, {os.path.basename(run.path)} layer {run.n_layer // 2}', fontsize=9)
-        ax.set_xlabel('index')
-        ax.set_ylabel('singular value')
-        ax.legend(fontsize=7)
-
-
-def plot_control(runs, rows, target):
-    """Figure 5, a row per control setup (training setting, depth, init, control_keep): PR of the controlled
-    projection and attention entropy over training for the baseline and every arm (seed mean, min-max band), and
-    the per-seed paired entropy differences of each arm with the mean and its bootstrap interval."""
-    if not rows:
-        raise Skip(f'no controlled runs (control_target={target})')
-    setup = lambda r: (r['setting'], r['n_layer'], r['qk_init'], r['keep'])
-    cells = sorted({setup(r) for r in rows}, key=lambda c: (c[0], c[1], init_order(c[2]), c[3]))
-    fig = Figure(layout='constrained', figsize=(15, 4.3 * len(cells)))
-    for axes, cell in zip(fig.subplots(len(cells), 3, squeeze=False), cells):
-        setting, depth, init, keep = cell
-        found = [r for r in rows if setup(r) == cell]
-        labels = list(dict.fromkeys(r['arm'] for r in found))   # arm_order: shrink weak to strong, then freeze
-        same = lambda r: (r.setting, r.n_layer, r.qk_init) == (setting, depth, init) and r.has_geometry
-        groups = {'none': [r for r in runs if same(r) and r.control == 'none']}
-        groups.update({arm: [r for r in runs if same(r) and r.label == arm] for arm in labels})
-        colors = arm_colors(labels)
-        draw_control_curves(axes[0], axes[1], groups, colors, target)
-        draw_control_effects(axes[2], [[r['d_entropy'] for r in found if r['arm'] == arm] for arm in labels],
-                             labels, colors)
-        axes[0].set_title(f'setting {setting}, L{depth} {init}, keep {keep}: ' + axes[0].get_title(), fontsize=9)
-    fig.suptitle(f'control experiment (control_target={target})')
+def control(study, t):
+    families = folders_of_arms(study)
+    if not families:
+        raise Skip('no controlled runs paired with a baseline')
+    fig = Figure(layout='constrained', figsize=(15, 4.2 * len(families)))
+    for axes, ((setting, rest), keys) in zip(fig.subplots(len(families), 3, squeeze=False), families.items()):
+        target = dict(rest)['control_target']
+        key = f'pr_{target}_head'
+        base = list(dict.fromkeys(b for k in keys for _, b in study.arms[k]))
+        colors = colormaps['Blues'](np.linspace(0.45, 0.95, len(keys)))
+        for label, runs, color in [('none', base, 'k')] + [(folders.arm_label(dict(k[1])), [c for c, _ in
+                                                                                         study.arms[k]], colors[i])
+                                                           for i, k in enumerate(keys)]:
+            for ax, metric in ((axes[0], key), (axes[1], 'entropy')):
+                its, v = stack(runs, metric)
+                ax.plot(its, np.nanmean(v, (0, 2)), color=color, label=f'{label} ({len(runs)})')
+        for x, k in enumerate(keys):
+            d = [c.final('entropy') - b.final('entropy') for c, b in study.arms[k]]
+            m, lo, hi, _ = stats.t_interval(d)
+            axes[2].scatter([x] * len(d), d, color=colors[x], s=16)
+            if np.isfinite(lo):
+                axes[2].errorbar([x + 0.2], [m], yerr=[[m - lo], [hi - m]], fmt='D', color='k', capsize=4)
+        axes[2].set_xticks(range(len(keys)), [folders.arm_label(dict(k[1])) for k in keys], fontsize=7, rotation=15)
+        axes[2].axhline(0, color='k', lw=0.8)
+        axes[2].set(ylabel='final entropy, controlled - baseline', title='per seed pair; mean and t interval')
+        for ax, name in ((axes[0], key), (axes[1], 'entropy (layer mean)')):
+            iteration_axis(ax)
+            ax.set(ylabel=name, title=study.label[setting] if ax is axes[0] else name)
+            ax.legend(fontsize=7)
     return fig
 
 
-def arm_colors(arms):
-    """{arm: colour}: the baseline black, freeze red, shrink doses in blues that darken as the dose strengthens."""
-    shrinks = [a for a in arms if a.startswith('shrink')]
-    blues = colormaps['Blues'](np.linspace(0.45, 0.95, max(len(shrinks), 1)))
-    return {'none': 'k', **{a: blues[shrinks.index(a)] if a in shrinks else 'tab:red' for a in arms}}
+def folders_of_arms(study, control=None):
+    """{(setting, arm without the dose): [arm keys]}, optionally of one control kind."""
+    out = {}
+    for key in study.arms:
+        if control in (None, dict(key[1])['control']):
+            out.setdefault((key[0], tuple(x for x in key[1] if x[0] != 'shrink_to')), []).append(key)
+    return out
 
 
-def draw_control_curves(ax_pr, ax_h, groups, colors, target):
-    """The controlled PR and the entropy over training of each group {arm: runs}: layer mean, seed mean and band.
-    The PR shown is the one the control acts on: per head (mean over heads) in head scope, else the whole matrix."""
-    scopes = {r.cfg.get('control_scope', 'head') for arm, group in groups.items() if arm != 'none' for r in group}
-    ctl_pr = ('pr_k' if target == 'k' else 'pr_q') + ('_head' if scopes == {'head'} else '')
-    for arm, group in groups.items():
-        for ax, key in ((ax_pr, ctl_pr), (ax_h, 'entropy')) if group else ():
-            iters, v = seed_stack(group, key)
-            v = np.nanmean(v, axis=2)   # layer mean, (S, T)
-            ax.plot(iters, v.mean(0), color=colors[arm], label=f'{arm} ({len(group)} seeds)')
-            ax.fill_between(iters, v.min(0), v.max(0), color=colors[arm], alpha=0.2, lw=0)
-    for ax, name in ((ax_pr, ctl_pr.upper().replace('_HEAD', ' per head')), (ax_h, 'attention entropy (nats)')):
-        iteration_axis(ax)
-        ax.set_ylabel(name)
-        ax.legend(fontsize=7)
-    ax_pr.set_title(f'controlled PR ({ctl_pr}, layer mean)', fontsize=9)
-    ax_h.set_title('entropy (layer mean)', fontsize=9)
-
-
-def draw_control_effects(ax, diffs, labels, colors):
-    """Per arm, the paired final entropy differences (controlled - none) of each seed, with their mean and
-    bootstrap interval."""
-    for x, (d, arm) in enumerate(zip(diffs, labels)):
-        d = np.array([v for v in d if v is not None], dtype=float)
-        if len(d) == 0:
-            continue
-        jitter = np.linspace(-0.12, 0.12, len(d)) if len(d) > 1 else np.zeros(1)
-        ax.scatter(x + jitter, d, color=colors[arm], s=18, zorder=3)
-        lo, hi = stats.bootstrap_ci(d)
-        if np.isfinite(lo):
-            ax.errorbar([x + 0.3], [d.mean()], yerr=[[d.mean() - lo], [hi - d.mean()]], fmt='D', color='k',
-                        capsize=4, zorder=4)
-    ax.axhline(0, color='k', lw=1)
-    ax.set_xticks(range(len(labels)), [f'{arm} - none' for arm in labels], fontsize=7, rotation=20)
-    ax.set_xlim(-0.5, len(labels) - 0.4)
-    ax.set_ylabel('paired final entropy difference (nats)')
-    ax.set_title(f'per seed, mean and {stats.LEVEL:.0%} bootstrap interval', fontsize=9)
-
-
-def plot_dose_response(rows, fits):
-    """Figure 10: the paired final entropy change against the achieved change in the controlled projection's
-    per-head PR, a panel per control_keep (target k): a point per shrink arm and seed, coloured by dose, each arm's
-    mean with its seed intervals on both axes, and the fitted slope with its interval (control_dose_fit)."""
-    rows = [r for r in rows if r['target'] == 'k' and r['control'] == 'shrink' and r['d_entropy'] is not None
-            and r['d_pr_k_head'] is not None]
-    if not rows:
-        raise Skip('no shrink runs of control_target=k paired with a baseline')
-    keeps = list(dict.fromkeys(r['keep'] for r in rows))
-    fig = Figure(layout='constrained', figsize=(5.5 * len(keeps), 4.4))
-    for ax, keep in zip(fig.subplots(1, len(keeps), squeeze=False)[0], keeps):
-        found = [r for r in rows if r['keep'] == keep]
-        arms = list(dict.fromkeys(r['arm'] for r in found))
-        colors = arm_colors(arms)
-        for arm in arms:
-            x, y = (np.array([r[k] for r in found if r['arm'] == arm]) for k in ('d_pr_k_head', 'd_entropy'))
-            ax.scatter(x, y, color=colors[arm], s=16, alpha=0.7, label=arm)
-            (xlo, xhi), (ylo, yhi) = stats.bootstrap_ci(x), stats.bootstrap_ci(y)
-            if np.isfinite(xlo) and np.isfinite(ylo):
-                ax.errorbar([x.mean()], [y.mean()], xerr=[[x.mean() - xlo], [xhi - x.mean()]],
-                            yerr=[[y.mean() - ylo], [yhi - y.mean()]], fmt='D', color=colors[arm], mec='k', capsize=3)
-        fit = next((f for f in fits if f['target'] == 'k' and f['keep'] == keep), None)
-        if fit:   # least squares passes through the points' mean
-            draw_slope(ax, fit, *(np.array([r[k] for r in found]) for k in ('d_pr_k_head', 'd_entropy')))
-        ax.axhline(0, color='k', lw=0.8)
-        ax.axvline(0, color='k', lw=0.8)
-        ax.set_xlabel('achieved change in per-head PR_K (controlled - none)')
-        ax.set_ylabel('paired final entropy change (nats)')
-        ax.set_title(f'control_keep={keep}', fontsize=9)
-        ax.legend(fontsize=7)
-    fig.suptitle('dose response: entropy effect against the achieved PR_K change (shrink, per seed)')
-    return fig
-
-
-def draw_slope(ax, fit, x, y):
-    """The fitted line through the points' mean, and dashed the lines of the slopes at the ends of its interval."""
-    grid = np.linspace(min(x.min(), 0), max(x.max(), 0), 20)
-    line = lambda slope: y.mean() + slope * (grid - x.mean())
-    ax.plot(grid, line(fit['slope']), 'k-', lw=1.2,
-            label=f'slope {fit["slope"]:+.3g} [{fit["slope_lo"]:+.3g}, {fit["slope_hi"]:+.3g}]')
-    for slope in (fit['slope_lo'], fit['slope_hi']):
-        if np.isfinite(slope):
-            ax.plot(grid, line(slope), 'k--', lw=0.7)
-
-
-def plot_scale_shape(cells):
-    """Figure 8: attention entropy against the logit scale log10 ||W_QK^h||_2, a point per (run, layer, head,
-    record from the end of warm-up on), coloured by the head's PR_K; left all uncontrolled runs, right the
-    same points binned by scale, the mean PR_K of each bin's low- and high-entropy halves (shape beyond scale)."""
-    points = [scale_shape_points(r) for rs in cells.values() for r in rs]
-    points = [p for p in points if p is not None]
-    if not points:
-        raise Skip('no per-head entropy, PR_K and qk_spec_norm logged')
-    scale, ent, pr_k = (np.concatenate(v) for v in zip(*points))
-    if len(scale) == 0:
-        raise Skip('no record from the end of warm-up (warmup_iters) on: the runs end before it')
+def scale_shape(study, t):
+    pts = []
+    for r in (r for g in settings_of(study).values() for r in g):
+        if {'qk_spec_norm_heads', 'entropy_heads', 'pr_k_heads'} <= set(r.m):
+            keep = r.iters >= r.cfg['warmup_iters']
+            s, h, k = (r.m[key][keep].ravel() for key in ('qk_spec_norm_heads', 'entropy_heads', 'pr_k_heads'))
+            pts.append((np.log10(s[s > 0]), h[s > 0], k[s > 0]))
+    if not pts or not sum(len(p[0]) for p in pts):
+        raise Skip('no per-head entropy, PR_K and qk_spec_norm from the end of warm-up on')
+    scale, ent, pr_k = (np.concatenate(v) for v in zip(*pts))
     fig = Figure(layout='constrained', figsize=(13, 4.6))
     ax, ax_bins = fig.subplots(1, 2)
-    order = np.argsort(pr_k)[::-1]   # low PR_K drawn last, on top
+    order = np.argsort(pr_k)[::-1]
     sc = ax.scatter(scale[order], ent[order], c=pr_k[order], s=5, cmap='viridis', alpha=0.7, lw=0)
     fig.colorbar(sc, ax=ax, label='PR_K of the head')
-    ax.set_xlabel('log10 ||W_QK^h||_2 (logit scale)')
-    ax.set_ylabel('attention entropy of the head (nats)')
-    ax.set_title(f'{len(scale)} (run, layer, head, record) points from the end of warm-up on', fontsize=9)
-    edges = np.quantile(scale, np.linspace(0, 1, 9))
-    bins = np.clip(np.searchsorted(edges, scale, side='right') - 1, 0, 7)
-    for half, style in ((0, 'o-'), (1, 's--')):
-        mids, means = [], []
-        for b in range(8):
-            inside = bins == b
-            if inside.sum() >= 4:
-                high = ent[inside] >= np.median(ent[inside])
-                mids.append(scale[inside].mean())
-                means.append(pr_k[inside][high if half else ~high].mean())
-        ax_bins.plot(mids, means, style, label=('higher' if half else 'lower') + '-entropy half of the bin')
-    ax_bins.set_xlabel('log10 ||W_QK^h||_2 (8 bins of equal count)')
-    ax_bins.set_ylabel('mean PR_K')
-    ax_bins.set_title('at the same logit scale, does the higher-entropy half have the larger PR_K?', fontsize=9)
+    ax.set(xlabel='log10 ||W_QK^h||_2 (logit scale)', ylabel='entropy of the head (nats)',
+           title='(run, layer, head, record) from the end of warm-up on')
+    bins = np.clip(np.searchsorted(np.quantile(scale, np.linspace(0, 1, 9)), scale, side='right') - 1, 0, 7)
+    for high, style in ((False, 'o-'), (True, 's--')):
+        cells = [(scale[bins == b].mean(), pr_k[bins == b][(ent[bins == b] >= np.median(ent[bins == b])) == high]
+                  .mean()) for b in range(8) if (bins == b).sum() >= 4]
+        ax_bins.plot(*zip(*cells), style, label=('higher' if high else 'lower') + '-entropy half of the bin')
+    ax_bins.set(xlabel='log10 ||W_QK^h||_2 (8 bins of equal count)', ylabel='mean PR_K',
+                title='at one logit scale, does the higher-entropy half have the larger PR_K?')
     ax_bins.legend(fontsize=8)
-    fig.suptitle('attention entropy against the logit scale, coloured by the key spectrum\'s shape')
     return fig
 
 
-def scale_shape_points(run):
-    """(log10 scale, entropy, PR_K) per (layer, head, record from warm-up on) of a run, or None if not logged."""
-    keys = ('qk_spec_norm_heads', 'entropy_heads', 'pr_k_heads')
-    if not all(k in run.heads for k in keys):
-        return None
-    keep = run.geom_iters >= run.cfg.get('warmup_iters', 0)
-    scale, ent, pr_k = (run.heads[k][keep].ravel() for k in keys)
-    ok = (scale > 0) & np.isfinite(ent) & np.isfinite(pr_k)
-    return np.log10(scale[ok]), ent[ok], pr_k[ok]
+def regime(study, t):
+    trends = [r for r in (t['regime'] or {}).get('trends', []) if r['position'] == 'all']
+    names = list(dict.fromkeys(r['statistic'] for r in trends if not r['statistic'].startswith(('d_', 'ratio'))))
+    if not names:
+        raise Skip('no numeric setting with two points on a line')
+    axes_ = list(dict.fromkeys(r['axis'] for r in trends))
+    coords = {study.label[r.setting]: r.settings for r in study.runs}
+    rows = {(r['point'], r['statistic'], r['position']): r for r in t['regime']['rows']}
+    figs = []
+    for i in range(0, len(names), 4):
+        fig = Figure(layout='constrained', figsize=(4.6 * len(axes_), 3.0 * len(names[i:i + 4])))
+        for row, name in zip(fig.subplots(len(names[i:i + 4]), len(axes_), squeeze=False), names[i:i + 4]):
+            for ax, axis in zip(row, axes_):
+                lines = [r for r in trends if r['statistic'] == name and r['axis'] == axis]
+                for j, line in enumerate(lines):
+                    pts = [rows[(p, name, 'all')] for p in line['members'].split(' | ')]
+                    x = [coords[p['point']][axis] for p in pts]
+                    m, lo, hi = (np.array([p[k] for p in pts], dtype=float) for k in ('est', 'lo', 'hi'))
+                    ax.errorbar(x, m, yerr=np.nan_to_num([m - lo, hi - m]), marker='o', ms=4, capsize=2,
+                                ls=('-', '--', ':', '-.')[j % 4], label=line['line'])
+                ax.set_xscale('log', base=2)
+                ax.set(xlabel=axis, title=name)
+                if lines:
+                    ax.legend(fontsize=6)
+        fig.suptitle(f'each statistic per regime point (all layers): estimate and {stats.LEVEL:.0%} interval')
+        figs.append(fig)
+    return figs
+
+
+def dose_response(study, t):
+    families = {k: v for k, v in folders_of_arms(study, 'shrink').items() if dict(k[1])['control_target'] == 'k'}
+    if not families:
+        raise Skip('no shrink arms of W_K paired with a baseline')
+    fig, axes = grid(len(families), 5.5, 4.4)
+    fits = {(r['setting'], r['arm']): r for r in t['control_dose_fit']}
+    for ax, ((setting, rest), keys) in zip(axes, families.items()):
+        colors = colormaps['Blues'](np.linspace(0.45, 0.95, len(keys)))
+        xs, ys = [], []
+        for color, k in zip(colors, keys):
+            x = [c.final('pr_k_head') - b.final('pr_k_head') for c, b in study.arms[k]]
+            y = [c.final('entropy') - b.final('entropy') for c, b in study.arms[k]]
+            ax.scatter(x, y, color=color, s=16, label=folders.arm_label(dict(k[1])))
+            xs, ys = xs + x, ys + y
+        fit = fits.get((study.label[setting], folders.arm_label(dict(rest + (('shrink_to', 0),)))))
+        if fit and np.isfinite(fit['slope']):
+            grid_x = np.linspace(min(xs + [0]), max(xs + [0]), 20)
+            ax.plot(grid_x, np.nanmean(ys) + fit['slope'] * (grid_x - np.nanmean(xs)), 'k-', lw=1,
+                    label=f"slope {fit['slope']:+.3g} [{fit['slope_lo']:+.3g}, {fit['slope_hi']:+.3g}]")
+        ax.axhline(0, color='k', lw=0.6)
+        ax.set(xlabel='per-head PR_K change', ylabel='final entropy change', title=study.label[setting])
+        ax.legend(fontsize=7)
+    return fig
+
+
+def imbalance(study, t):
+    groups = {n: g for n, g in settings_of(study, control=True).items() if any('qk_imbalance' in r.m for r in g)}
+    if not groups:
+        raise Skip('qk_imbalance not logged')
+    fig = Figure(layout='constrained', figsize=(15, 4.3))
+    ax_i, ax_d, ax_s = fig.subplots(1, 3)
+    for i, (name, runs) in enumerate(groups.items()):
+        color = colormaps['tab20'](i % 20)
+        for ax, key in ((ax_i, 'qk_imbalance'), (ax_d, 'qk_drift')):
+            its, v = stack(runs, key)
+            ax.plot(its, np.nanmean(v, (0, 2)), color=color, label=name)
+        for r in (r for r in runs if {'pr_q_heads', 'pr_k_heads', 'qk_imbalance_heads'} <= set(r.m)):
+            gap = r.m['pr_q_heads'][-1] - r.m['pr_k_heads'][-1]
+            ax_s.scatter(r.m['qk_imbalance_heads'][-1].ravel(), gap.ravel(), color=color, s=10)
+    for ax, key in ((ax_i, 'qk_imbalance'), (ax_d, 'qk_drift')):
+        iteration_axis(ax)
+        ax.set(ylabel=key, title=f'{key} (seed and layer mean)')
+    ax_i.legend(fontsize=6)
+    ax_s.set(xlabel='qk_imbalance per head (last record)', ylabel='PR_Q^h - PR_K^h (last record)',
+             title='per-head PR gap against the imbalance')
+    return fig
+
+
+FIGURES = [('fig1_pr_over_training', pr_over_training), ('fig2_pr_gap', pr_gap),
+           ('fig3_entropy_and_pr', entropy_and_pr), ('fig4_spectra', spectra), ('fig5_control', control),
+           ('fig8_scale_shape', scale_shape), ('fig9_regime', regime), ('fig10_dose_response', dose_response),
+           ('fig11_imbalance', imbalance)]
