@@ -23,23 +23,19 @@ starts after iteration 0), a window of records (all, or from the end of warm-up 
 and a layer position (all layers, the first, the ones between, the last). A run's final value of a metric is its
 mean over its last folders.FINAL_LOGS records.
 
-Every table of claims is judge() over another grouping:
-    claims table     every uncontrolled run, each claim in its own lens and window; (d), (e) per (setting, arm)
-    robustness map   the claims in every lens x window, in their own view per weight decay on W_Q, W_K (when the
-                     runs have both), (d), (e) per (setting, arm), which fixes decay and control_keep
-    regime table     per regime point (the uncontrolled runs of one setting) x layer position; its trends run along
-                     each numeric setting that varies, on lines that hold every other setting fixed (a setting that
-                     is a constant multiple of the axis, as min_lr = lr / 10, moves with it)
+Every table of claims is judge() over another grouping of units: the robustness map is every claim in every lens x
+window over the uncontrolled runs, in its own view per weight decay on W_Q, W_K, and (d), (e) per (setting, arm); the
+claims table is its cells in each claim's own view; the regime table is each claim per regime point (the uncontrolled
+runs of one setting) and layer position, with trends along each numeric setting that varies, on lines holding every
+other setting fixed (a setting that is a constant multiple of the axis, as min_lr = lr / 10, moves with it).
 (a) counts a trajectory when PR_Q ends above and PR_K below their values at each of three reference records: the end
 of warm-up, twice that, and the record at 10% of training (over all records: the first record). (d) is judged at the
 strongest shrink dose whose relative change of per-head PR_K has its interval below WELL_BELOW: a null result from a
-weak manipulation says little. Sign tests (control_effects) are printed and gate nothing.
+weak manipulation says little. Sign tests (control_dose) are printed and gate nothing.
 
-Outputs in --out (default <first dir>/analysis; folders.py says what it never overwrites): REPORT.md; tables (.csv,
-.md) claims, robustness_map, descriptive (the statistics without a prediction, every lens and window), runs,
-settings, trajectories, trajectory_summary, control (per seed pair), control_effects (per arm and statistic),
-control_dose, control_dose_fit, timeline, regime, regime_trend, imbalance (when logged); figures (plots.py). The
-token tables that `tokens` and `pretrained` wrote into --out enter (f1), (f2) for the runs they were made from.
+Outputs in --out (default <first dir>/analysis; folders.py says what it never overwrites): REPORT.md, the tables
+it links (.csv and .md) and the figures (plots.py). The token tables that `tokens` and `pretrained` wrote into --out
+enter (f1), (f2) for the runs they were made from.
 """
 import argparse
 import math
@@ -75,13 +71,7 @@ LENSES = {'whole': Lens('pr_q', 'pr_k', 'pr_qk', None, None, None, 'C', 'whole-m
 WINDOWS = {'all': 'all records', 'warmup': 'from warm-up on'}
 POSITIONS = ('all', 'first', 'middle', 'last')
 
-
-@dataclass(frozen=True)
-class View:
-    lens: str = 'whole'
-    window: str = 'all'
-    position: str = 'all'
-    from_iter: int = None
+View = namedtuple('View', 'lens window position from_iter', defaults=('whole', 'all', 'all', None))
 
 
 def start(cfg, view):
@@ -100,9 +90,8 @@ Trajectory = namedtuple('Trajectory', 'setting cfg layer its q k view n_seeds')
 
 
 def seed_mean(runs, key, its):
-    """(len(its), n_layer): the mean over the seeds that logged key, at iterations its (NaN where none did)."""
-    found = [r.m[key][np.searchsorted(r.iters, its)] for r in runs if key in r.m]
-    return nanmean(np.stack(found), 0) if found else np.full((len(its), runs[0].n_layer), np.nan)
+    """(len(its), n_layer): the mean over the seeds that logged key (NaN where none did)."""
+    return nanmean(folders.stack(runs, key, its)[1], 0)
 
 
 def trajectories(runs, view):
@@ -194,12 +183,10 @@ def final_log_ratio(run, view):
         return nanmean(np.log(final_layers(run, lens.q, layers) / final_layers(run, lens.k, layers)))
 
 
-def first_value(key):
-    return lambda run, view: nanmean(run.m[key][0, layers_of(run, view)]) if key in run.m else math.nan
-
-
-def final_value(key):
-    return lambda run, view: run.final(key, layers_of(run, view))
+def value(key, at='final'):
+    """A statistic of a run: a metric's mean over the layers of the view, at its first record or final."""
+    return lambda run, view: run.final(key, layers_of(run, view)) if at == 'final' else \
+        nanmean(run.m[key][0, layers_of(run, view)]) if key in run.m else math.nan
 
 
 def conserved_imbalance(run, view):
@@ -231,7 +218,6 @@ def token_column(column):
 
 
 # ----------------------------------------------------------------------------- the claims
-
 @dataclass(frozen=True)
 class Claim:
     key: str
@@ -291,12 +277,12 @@ CLAIMS = [
                                     final_gap),
                                    ('ratio', f'PR_Q / PR_K in the {LENSES[lens].what}', ' (geometric mean)',
                                     final_log_ratio))],
-    Claim('imbalance_start', '', 'qk_imbalance at the first record', 'seed', first_value('qk_imbalance'),
+    Claim('imbalance_start', '', 'qk_imbalance at the first record', 'seed', value('qk_imbalance', 'first'),
           where='regime'),
-    Claim('imbalance_end', '', 'final qk_imbalance', 'seed', final_value('qk_imbalance'), where='regime'),
+    Claim('imbalance_end', '', 'final qk_imbalance', 'seed', value('qk_imbalance'), where='regime'),
     Claim('imbalance_conserved', '', 'final qk_imbalance had D_h kept its initial norm: imbalance(0) gram(0) / '
           'gram(t)', 'seed', conserved_imbalance, where='regime'),
-    Claim('drift_end', '', 'final qk_drift: ||D_h(t) - D_h(0)||_F / gram(t)', 'seed', final_value('qk_drift'),
+    Claim('drift_end', '', 'final qk_drift: ||D_h(t) - D_h(0)||_F / gram(t)', 'seed', value('qk_drift'),
           where='regime'),
     Claim('val_loss', '', 'final validation loss', 'seed', lambda run, view: run.final_loss('val_loss'),
           where='regime'),
@@ -329,7 +315,6 @@ CLAIM = {c.key: c for c in CLAIMS}
 
 
 # ----------------------------------------------------------------------------- the one evaluation
-
 def judge(claim, units, view=View()):
     """A claim's statistic over a group of units (runs; (controlled, baseline) pairs; token summary rows),
     summarised by the one interval rule and judged: {n, est, lo, hi, verdict, why, values, hits, counts}; counts:
@@ -356,7 +341,6 @@ def judge(claim, units, view=View()):
 
 
 # ----------------------------------------------------------------------------- groupings
-
 def uncontrolled(runs):
     return [r for r in runs if r.control == 'none']
 
@@ -376,17 +360,12 @@ def arms(runs):
     return {key: found[key] for key in sorted(found, key=order)}
 
 
-def family(key):
-    """An arm's family: its setting and control keys without the dose."""
-    return key[0], tuple(x for x in key[1] if x[0] != 'shrink_to')
-
-
 def deciding(claim, study):
     """[(setting, arm, pairs or None, why)] that decide a control claim per arm family (of W_K): (e) every freeze arm;
     (d) the strongest shrink dose whose per-head PR_K change has its interval below WELL_BELOW."""
     out, rel = [], CLAIM['d_pr_head_rel']
-    mine = [k for k in study.arms if dict(k[1])['control'] == claim.control and dict(k[1])['control_target'] == 'k']
-    for (setting, _), keys in group(mine, family).items():
+    mine = {k: v for k, v in folders.families(study.arms, claim.control).items() if dict(k[1])['control_target'] == 'k'}
+    for (setting, _), keys in mine.items():
         if claim.control == 'freeze':
             out += [(setting, key[1], study.arms[key], '') for key in keys]
             continue
@@ -398,36 +377,10 @@ def deciding(claim, study):
     return out
 
 
-def claims_table(study):
-    """One row per claim; (d), (e) one per deciding (setting, arm); (f1), (f2) one per token source."""
-    rows, pool = [], uncontrolled(study.runs)
-    scope = f'{len(pool)} uncontrolled runs in {len(group(pool, lambda r: r.setting))} settings'
-    for c in (c for c in CLAIMS if c.sign):
-        if c.unit in ('trajectory', 'seed'):
-            res = judge(c, pool, View(c.lenses[0], c.window, 'all', study.from_iter))
-            rows.append(claim_row(c, res, f'{scope}; {LENSES[c.lenses[0]].what}, {WINDOWS[c.window]}'))
-        elif c.unit == 'pair':
-            for setting, arm, pairs, why in deciding(c, study):
-                res = judge(c, pairs) if pairs else {'n': 0, 'verdict': 'not measured', 'why': why}
-                also = '; '.join(f'{k[2:]} {shown(CLAIM[k], judge(CLAIM[k], pairs))}' for k in
-                                 ('d_pr_head_rel', 'd_qk_spec_norm', 'd_k_spec_norm', 'd_val_loss')) if pairs else ''
-                rows.append({**claim_row(c, res, f'{study.label[setting]}, {folders.arm_label(dict(arm))}'),
-                             'also': also})
-        else:
-            rows += [claim_row(c, judge(c, found), f'{source}: {len(found)} series')
-                     for source, found in study.tokens.items()]
-    return rows
-
-
-def claim_row(claim, res, scope):
-    return {'key': claim.key, 'claim': claim.text, 'scope': scope, 'n': res['n'], 'est': res.get('est'),
-            'lo': res.get('lo'), 'hi': res.get('hi'), 'value': shown(claim, res) if res['n'] else res['why'],
-            'verdict': verdict_text(res) if res['n'] else res['verdict']}
-
-
 def robustness_cells(study):
-    """The map's cells: claims and descriptive statistics (where 'map') in every lens x window over every uncontrolled
-    run; the claims in their own view per weight decay on W_Q, W_K (when runs have both); (d), (e) per (setting, arm)."""
+    """The map's cells: the claims and descriptive statistics (where 'map') in every lens x window over every
+    uncontrolled run; the claims in their own view per weight decay on W_Q, W_K (when the runs have both); (d), (e)
+    per deciding (setting, arm), with what else the arm changed."""
     pool, cells = uncontrolled(study.runs), []
     split = group(pool, lambda r: decays(r.cfg)) if len({decays(r.cfg) for r in pool}) > 1 else {}
     for c in (c for c in CLAIMS if c.unit in ('trajectory', 'seed') and 'map' in c.where):
@@ -437,14 +390,32 @@ def robustness_cells(study):
             cells.append({'key': c.key, 'lens': lens, 'window': window, 'decay': d, 'keep': '', **res})
     for c in (c for c in CLAIMS if c.unit == 'pair' and c.sign):
         for setting, arm, pairs, why in deciding(c, study):
-            res = judge(c, pairs) if pairs else {'n': 0, 'verdict': 'not measured', 'why': why}
+            also = '; '.join(f'{k[2:]} {shown(CLAIM[k], judge(CLAIM[k], pairs))}' for k in
+                             ('d_pr_head_rel', 'd_qk_spec_norm', 'd_k_spec_norm', 'd_val_loss')) if pairs else ''
             cells.append({'key': c.key, 'lens': '', 'window': '', 'decay': '', 'keep': dict(arm)['control_keep'],
-                          'setting': study.label[setting], **res})
+                          'setting': study.label[setting], 'arm': study.arm_name(arm), 'also': also,
+                          **(judge(c, pairs) if pairs else {'n': 0, 'verdict': 'not measured', 'why': why})})
     return cells
 
 
-# ----------------------------------------------------------------------------- the regime
+def claims_table(study, cells):
+    """One row per claim, its cell of the map in its own view; (d), (e) one per deciding (setting, arm); (f1), (f2)
+    one per token source."""
+    pool, rows = uncontrolled(study.runs), []
+    for c in (c for c in CLAIMS if c.sign):
+        scope = f'{len(pool)} uncontrolled runs in {len(group(pool, lambda r: r.setting))} settings; ' \
+                f'{LENSES[c.lenses[0]].what}, {WINDOWS[c.window]}'
+        mine = [(x, f"{x['setting']}, {x['arm']}" if c.unit == 'pair' else scope) for x in cells if x['key'] == c.key
+                and (c.unit == 'pair' or (x['lens'], x['window'], x['decay']) == (c.lenses[0], c.window, 'pooled'))]
+        mine += [(judge(c, found), f'{source}: {len(found)} series')
+                 for source, found in study.tokens.items()] if c.unit == 'model' else []
+        rows += [{'key': c.key, 'claim': c.text, 'scope': scope, 'n': x['n'], 'est': x.get('est'), 'lo': x.get('lo'),
+                  'hi': x.get('hi'), 'value': shown(c, x) if x['n'] else x['why'], 'also': x.get('also'),
+                  'verdict': verdict_text(x) if x['n'] else x['verdict']} for x, scope in mine]
+    return rows
 
+
+# ----------------------------------------------------------------------------- the regime
 def regime(study):
     """Each claim and regime statistic per point (the uncontrolled runs of one setting) and layer position, and the
     trends along the numeric axes; None with fewer than two points."""
@@ -455,7 +426,7 @@ def regime(study):
     for setting, runs in points.items():
         tasks = [(c, c.key, runs, c.lenses[0], c.window) for c in CLAIMS if c.unit in ('trajectory', 'seed')
                  and 'regime' in c.where]
-        tasks += [(c, f'{c.key} [{folders.arm_label(dict(arm))}]', pairs, 'whole', 'all')
+        tasks += [(c, f'{c.key} [{study.arm_name(arm)}]', pairs, 'whole', 'all')
                   for (s, arm), pairs in study.arms.items() if s == setting
                   for c in CLAIMS if c.unit == 'pair' and 'regime' in c.where and c.control in ('', dict(arm)['control'])]
         for (c, key, group_, lens, window), pos in ((task, pos) for task in tasks for pos in POSITIONS):
@@ -511,7 +482,6 @@ def reading(fit, samples):
 
 
 # ----------------------------------------------------------------------------- the other tables
-
 def trajectory_rows(study):
     """trajectories: per setting, layer, lens and window, the seed-mean trajectory's ends, gap, ratio, (a), (b)."""
     rows = []
@@ -543,40 +513,35 @@ PAIRED = [c for c in CLAIMS if c.unit == 'pair' and not c.sign]
 
 
 def control_tables(study):
-    """(control: per seed pair, control_effects: per arm and paired statistic, control_dose: per arm)."""
-    per_pair, effects, dose = [], [], []
+    """(control: every paired statistic per seed pair; control_dose: per arm, each over its pairs, with the sign count
+    of the entropy change, which is printed and gates nothing)."""
+    per_pair, dose = [], []
     for (setting, arm), pairs in study.arms.items():
-        head, kind = {'setting': study.label[setting], 'arm': folders.arm_label(dict(arm))}, dict(arm)['control']
-        res = {c.key: judge(c, pairs) for c in PAIRED}
-        per_pair += [{**head, 'seed': ctl.seed, 'run': ctl.path, 'baseline': base.path,
-                      **{c.key: c.fn(ctl, base, View()) for c in PAIRED}} for ctl, base in pairs]
-        sign = {'shrink': -1, 'freeze': +1}[kind]
-        for c in PAIRED:
-            k = sum(v * sign > 0 for v in res[c.key]['values']) if c.key == 'd_entropy' else None
-            effects.append({**head, 'statistic': c.key, 'n': res[c.key]['n'], 'mean': res[c.key]['est'],
-                            'lo': res[c.key]['lo'], 'hi': res[c.key]['hi'], 'with the predicted sign': k,
-                            'sign test p': None if k is None else stats.sign_test_p(k, res[c.key]['n'])})
-        ent = judge(CLAIM['d' if kind == 'shrink' else 'e'], pairs)
+        head, kind = {'setting': study.label[setting], 'arm': study.arm_name(arm)}, dict(arm)['control']
+        res, ent = {c.key: judge(c, pairs) for c in PAIRED}, judge(CLAIM['d' if kind == 'shrink' else 'e'], pairs)
+        per_pair += [{**head, 'seed': c.seed, 'run': c.path, 'baseline': b.path,
+                      **{p.key: p.fn(c, b, View()) for p in PAIRED}} for c, b in pairs]
+        k = sum(v * {'shrink': -1, 'freeze': 1}[kind] > 0 for v in ent['values'])
         dose.append({**head, 'n': len(pairs), 'baseline PR/head': nanmean([b.final(
-            f"pr_{dict(arm)['control_target']}_head") for _, b in pairs]),
-            **{c.key[2:]: shown(c, res[c.key]) for c in PAIRED}, 'well below': bool(res['d_pr_head_rel']['hi'] <
-                                                                                   WELL_BELOW),
+            f"pr_{dict(arm)['control_target']}_head") for _, b in pairs]), **{c.key[2:]: shown(c, res[c.key])
+                                                                             for c in PAIRED},
+            'well below': bool(res['d_pr_head_rel']['hi'] < WELL_BELOW), 'predicted sign': f"{k}/{ent['n']}",
+            'sign test p': stats.sign_test_p(k, ent['n']),
             'verdict': verdict_text(ent) if dict(arm)['control_target'] == 'k' else 'mirror: no verdict'})
-    return per_pair, effects, dose
+    return per_pair, dose
 
 
 def dose_fits(study):
     """Per arm family with 2+ shrink doses: the entropy change against the per-head PR change, alone and with the
     change in log qk_spec_norm; jackknife-t over seeds (the arms of a seed share its baseline)."""
     out = []
-    shrinks = [k for k in study.arms if dict(k[1])['control'] == 'shrink']
-    for (setting, rest), keys in group(shrinks, family).items():
+    for (setting, rest), keys in folders.families(study.arms, 'shrink').items():
         pairs = [p for k in keys for p in study.arms[k]]
         f = lambda key: [CLAIM[key].fn(c, b, View()) for c, b in pairs]
         y, seeds = f('d_entropy'), [c.seed for c, _ in pairs]
         one = stats.fit_groups(y, f('d_pr_head'), seeds)
         two = stats.fit_groups(y, np.column_stack([f('d_pr_head'), f('d_log_qk_spec_norm')]), seeds)
-        row = {'setting': study.label[setting], 'arm': folders.arm_label(dict(rest)), 'doses': ' '.join(
+        row = {'setting': study.label[setting], 'arm': study.arm_name(rest), 'doses': ' '.join(
             f"{dict(k[1])['shrink_to']:g}" for k in keys), 'pairs': len(pairs)}
         for name, fit, i in (('slope', one, 1), ('pr_coef', two, 1), ('scale_coef', two, 2)):
             row.update({name: fit['coef'][i], f'{name}_lo': fit['lo'][i], f'{name}_hi': fit['hi'][i]})
@@ -601,17 +566,8 @@ def timeline_rows(study):
     return rows
 
 
-def imbalance_rows(study):
-    """Per setting: the Q/K imbalance at the start and the end, what conservation of D_h predicts, the drift, the
-    per-head PR ratio and val_loss ('not logged' where runs lack them); none when no run logged qk_imbalance."""
-    keys = ('imbalance_start', 'imbalance_end', 'imbalance_conserved', 'drift_end', 'ratio_end_head', 'val_loss')
-    return [{'setting': study.label[s], 'seeds': len(g), **{k: shown(CLAIM[k], judge(
-        CLAIM[k], g, View(CLAIM[k].lenses[0]))) for k in keys}} for s, g in group(study.runs, lambda r: r.setting)
-            .items()] if any('qk_imbalance' in r.m for r in study.runs) else []
-
-
 def runs_rows(study):
-    return [{'run': r.name, 'setting': study.label[r.setting], 'seed': r.seed, 'arm': folders.arm_label(r.cfg),
+    return [{'run': r.name, 'setting': study.label[r.setting], 'seed': r.seed, 'arm': study.arm_name(r.arm),
              'records': len(r.iters), 'last_iter': int(r.iters[-1]) if len(r.iters) else None,
              'train_loss': r.final_loss('train_loss'), 'val_loss': r.final_loss('val_loss'),
              'wall_time': r.done.get('wall_time'), 'notes': len(r.notes), 'path': r.path} for r in study.runs] + \
@@ -625,18 +581,7 @@ def setting_rows(study):
              **{k: rs[0].settings.get(k) for k in keys}} for s, rs in groups.items()]
 
 
-def missing_runs(paths):
-    """Lines naming the runs a sweep planned (runs.txt: NAME --key=value ...) that have no done.json."""
-    lines = []
-    for plan in (os.path.join(p, 'runs.txt') for p in paths if os.path.isfile(os.path.join(p, 'runs.txt'))):
-        names = [ln.split()[0] for ln in open(plan, errors='replace') if ln.strip() and not ln.startswith('#')]
-        gone = [n for n in names if not os.path.isfile(os.path.join(os.path.dirname(plan), n, 'done.json'))]
-        lines += [f'{plan}: {len(gone)} of {len(names)} planned runs have no done.json: {", ".join(gone)}'] * bool(gone)
-    return lines
-
-
 # ----------------------------------------------------------------------------- the analysis
-
 @dataclass
 class Study:
     """The loaded runs and what is computed from them (the figures and the report read it)."""
@@ -651,6 +596,10 @@ class Study:
     tokens: dict = None
     tables: dict = None
     files: list = None
+    arm_keys: tuple = ()        # the control keys that vary between arms, beyond those arm_label always names
+
+    def arm_name(self, arm):
+        return folders.arm_label(dict(arm), self.arm_keys)
 
 
 def load(paths, out=None, from_iter=None, log=print):
@@ -662,6 +611,9 @@ def load(paths, out=None, from_iter=None, log=print):
     cfgs = [rs[0].settings for rs in groups.values()]
     names = folders.labels(cfgs, folders.varying(cfgs), [r.settings for r in uncontrolled(runs)])
     study.label, study.arms = dict(zip(groups, names)), arms(runs)
+    study.arm_keys = [k for k in folders.varying([dict(a) for a in dict.fromkeys(r.arm for r in runs if
+                                                                            r.control != 'none')])
+                      if k not in ('control', 'control_target', 'control_keep', 'shrink_to')]
     paired = {c for pairs in study.arms.values() for c, _ in pairs}
     for r in (r for r in runs if r.control != 'none' and r not in paired):
         warn(f'{r.path}: no control=none run with the same other settings and seed: left out of the control tables')
@@ -676,18 +628,19 @@ def analyze(paths, out=None, pdf=False, figures=True, from_iter=None, log=print)
     folders.check_out(study.out)
     if not study.runs:
         raise Skip(f'no usable run folder under {", ".join(paths)} ({len(study.skipped)} skipped)')
-    traj, (per_pair, effects, dose), reg = trajectory_rows(study), control_tables(study), regime(study)
+    traj, (per_pair, dose), reg = trajectory_rows(study), control_tables(study), regime(study)
+    cells = robustness_cells(study)
     t = study.tables = {
-        'claims': claims_table(study), 'cells': robustness_cells(study), 'regime': reg, 'trajectories': traj,
-        'trajectory_summary': trajectory_summary(traj), 'control': per_pair, 'control_effects': effects,
+        'claims': claims_table(study, cells), 'cells': cells, 'regime': reg, 'trajectories': traj,
+        'trajectory_summary': trajectory_summary(traj), 'control': per_pair,
         'control_dose': dose, 'control_dose_fit': dose_fits(study), 'timeline': timeline_rows(study),
-        'imbalance': imbalance_rows(study), 'runs': runs_rows(study), 'settings': setting_rows(study),
-        'missing': missing_runs(paths), 'regime_rows': reg['rows'] if reg else [],
+        'runs': runs_rows(study), 'settings': setting_rows(study),
+        'regime_rows': reg['rows'] if reg else [],
         'regime_trend': reg['trends'] if reg else []}
     figs = plots.draw(study, t, pdf, log) if figures else {'files': {}, 'notes': []}
     files = dict(figs['files'])
-    for stem in ('claims', 'trajectories', 'trajectory_summary', 'control', 'control_effects', 'control_dose',
-                 'control_dose_fit', 'timeline', 'imbalance', 'runs', 'settings', 'regime_trend'):
+    for stem in ('claims', 'trajectories', 'trajectory_summary', 'control', 'control_dose',
+                 'control_dose_fit', 'timeline', 'runs', 'settings', 'regime_trend'):
         files.update(folders.table(stem, t[stem]))
     files.update({**folders.table('regime', t['regime_rows']), **report.map_tables(t['cells'], CLAIM)})
     files['REPORT.md'] = report.write(study, t, CLAIMS, figs['notes'], sorted(files))
@@ -696,71 +649,62 @@ def analyze(paths, out=None, pdf=False, figures=True, from_iter=None, log=print)
 
 
 # ----------------------------------------------------------------------------- the command line
-
-def parser(prog, about, runs=True):
-    p = argparse.ArgumentParser(prog=prog, description=about)
-    if runs:
+def arguments(what):
+    p = argparse.ArgumentParser(prog=f'analyze.py {what}', description='REPORT.md, tables and figures from run '
+                                'folders; tokens: the token level of their model checkpoints; pretrained: of a '
+                                'pretrained model (needs transformers).')
+    if what != 'pretrained':
         p.add_argument('dirs', nargs='+', help='folders searched for run folders (folders holding config.json)')
-    p.add_argument('--out', default=None if runs else os.path.join('out', 'analysis'),
-                   help='where to write; default <first dir>/analysis' if runs else 'where to write')
-    p.add_argument('--pdf', action='store_true', help='every figure as PDF too')
+    p.add_argument('--out', default=os.path.join('out', 'analysis') if what == 'pretrained' else None,
+                   help='where to write; default <first dir>/analysis (pretrained: out/analysis)')
     p.add_argument('--no_figures', action='store_true', help='tables only')
+    p.add_argument('--pdf', action='store_true', help='every figure as PDF too')
     p.add_argument('--device', default='cpu', help='where models run (token level)')
+    options = {'runs': [('from_iter', int, None, "where 'from warm-up on' starts; default each run's warmup_iters")],
+               'tokens': [(k, str, '', f"the runs' {k}, where it moved") for k in ('data_file', 'data_dir',
+                                                                                   'cache_dir')],
+               'pretrained': [('model', str, None, 'a local folder or a model name'),
+                              ('revisions', str, '', 'comma-separated revisions, or the preset pythia'),
+                              ('text', str, '', "a UTF-8 text; default wiki.test.raw in train.py's data_dir"),
+                              ('rope', str, 'after', 'rotary families: q, k after the rotary embedding (as attention '
+                               'uses them) or before it'),
+                              ('n_seqs', int, 8, 'windows of the text'), ('seq_len', int, 256, 'tokens per window')]}
+    for name, kind, default, text in options[what]:
+        p.add_argument(f'--{name}', type=kind, default=default, help=text, required=name == 'model')
     return p
-
-
-def run_command(argv, make, what):
-    try:
-        if 'dirs' in argv and [d for d in argv.dirs if not os.path.isdir(d)]:
-            raise Skip(f'{", ".join(d for d in argv.dirs if not os.path.isdir(d)) }: not a folder (pass the out_dir '
-                       f'of train.py, or a folder above it)')
-        t0, result = time.time(), make(argv)
-    except (Skip, OutError, ImportError, ValueError) as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
-    if what == 'runs':
-        print(f'{len(result.runs)} runs used, {len(result.skipped)} skipped, {len(result.label)} settings')
-        for row in result.tables['claims']:
-            print(f"{row['key']:<9} {row['verdict'][:46]:<46} {row['scope'][:60]}")
-    else:
-        for c in (c for c in CLAIMS if c.unit == 'model'):
-            print(f"{c.key:<9} {verdict_text(judge(c, result['summary'])):<46} {shown(c, judge(c, result['summary']))}")
-    files = result.files if what == 'runs' else result['files']
-    print(f'wrote {len(files)} files in {time.time() - t0:.1f}s' + (
-        f"; `python analyze.py {' '.join(argv.dirs)}{' --out=' + argv.out if argv.out else ''}` puts (f1), (f2) into "
-        f"its REPORT.md" if what == 'tokens' else ''))
-    return 0 if files else 1
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    what = argv.pop(0) if argv and argv[0] in ('runs', 'tokens', 'pretrained') else 'runs'
-    p = parser(f'analyze.py {what}', {'runs': 'REPORT.md, tables and figures from the run folders of train.py.',
-                                      'tokens': 'Token-level geometry of every models/model_*.pt of the runs, on '
-                                                "each run's fixed evaluation batch.",
-                                      'pretrained': 'Token-level geometry of a pretrained model (needs '
-                                                    'transformers).'}[what], what != 'pretrained')
-    if what == 'runs':
-        p.add_argument('--from_iter', type=int, default=None, help="where 'from warm-up on' starts; default each "
-                       "run's warmup_iters")
-        make = lambda a: analyze(a.dirs, a.out, a.pdf, not a.no_figures, a.from_iter)
-    elif what == 'tokens':
-        for k in ('data_file', 'data_dir', 'cache_dir'):
-            p.add_argument(f'--{k}', default='', help=f"the runs' {k}, if it moved; default config.json's")
-        make = lambda a: tokens.analyze_tokens(a.dirs, a.out, (a.data_file, a.data_dir, a.cache_dir), a.device,
-                                               a.pdf, not a.no_figures)
-    else:
-        p.add_argument('--model', required=True, help='a local folder or a model name')
-        p.add_argument('--revisions', default='', help='comma-separated revisions, or the preset pythia')
-        p.add_argument('--text', default='', help="a UTF-8 text; default wiki.test.raw in train.py's data_dir")
-        p.add_argument('--rope', default='after', choices=('after', 'before', 'both'), help='rotary families: q, k '
-                       'after the rotary embedding (as attention uses them), before it, or both')
-        p.add_argument('--n_seqs', type=int, default=8)
-        p.add_argument('--seq_len', type=int, default=256)
-        make = lambda a: tokens.analyze_pretrained(a.model, list(tokens.REVISION_PRESETS.get(a.revisions) or [
-            r for r in a.revisions.split(',') if r] or [None]), a.text, a.out, a.rope, a.n_seqs, a.seq_len,
-            a.device, not a.no_figures)
-    return run_command(p.parse_args(argv), make, what)
+    what = argv.pop(0) if argv[:1] and argv[0] in ('runs', 'tokens', 'pretrained') else 'runs'
+    a, t0 = arguments(what).parse_args(argv), time.time()
+    try:
+        bad = [d for d in getattr(a, 'dirs', []) if not os.path.isdir(d)]
+        if bad:
+            raise Skip(f'{", ".join(bad)}: not a folder (pass the out_dir of train.py, or a folder above it)')
+        if what == 'runs':
+            res = analyze(a.dirs, a.out, a.pdf, not a.no_figures, a.from_iter)
+            rows = [f"{r['key']:<9} {r['verdict'][:46]:<46} {r['scope'][:60]}" for r in res.tables['claims']]
+            res = {'files': res.files, 'lines': [f'{len(res.runs)} runs used, {len(res.skipped)} skipped, '
+                                                 f'{len(res.label)} settings'] + rows}
+        elif what == 'tokens':
+            res = tokens.analyze_tokens(a.dirs, a.out, (a.data_file, a.data_dir, a.cache_dir), a.device, a.pdf,
+                                        not a.no_figures)
+        else:
+            revisions = tokens.REVISION_PRESETS.get(a.revisions) or [r for r in a.revisions.split(',') if r] or [None]
+            res = tokens.analyze_pretrained(a.model, list(revisions), a.text, a.out, a.rope, a.n_seqs, a.seq_len,
+                                            a.device, not a.no_figures)
+    except (Skip, OutError) + ((ImportError, ValueError, OSError) if what == 'pretrained' else ()) as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    for line in res.get('lines') or [f"{c.key:<9} {verdict_text(judge(c, res['summary'])):<46} "
+                                     f"{shown(c, judge(c, res['summary']))}" for c in CLAIMS if c.unit == 'model']:
+        print(line)
+    hint = f"; `python analyze.py {' '.join(a.dirs)}{' --out=' + a.out if a.out else ''}` puts (f1), (f2) into its " \
+           f"REPORT.md" if what == 'tokens' else ''
+    print(f"wrote {len(res['files'])} files in {time.time() - t0:.1f}s{hint}" if res['files'] else
+          'error: nothing could be measured (reasons above)', file=sys.stdout if res['files'] else sys.stderr)
+    return 0 if res['files'] else 1
 
 
 if __name__ == '__main__':

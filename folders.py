@@ -1,26 +1,26 @@
 """
 Run folders in, files out: the analysis' I/O.
 
-A run folder is a folder holding config.json. The analysis reads its config.json, done.json (without it the run is
-unfinished and skipped) and metrics.jsonl or metrics.jsonl.gz, nothing else (fig4 alone opens snapshots/ where they
-exist). A run is loaded once as arrays (Run.m): one (records, layers) array per per-layer metric and one (records,
-layers, heads) array per per-head list (*_heads), over its geometry records; NaN where a key was not logged.
+A run folder holds config.json. The analysis reads its config.json, done.json (without it the run is unfinished and
+skipped) and metrics.jsonl or metrics.jsonl.gz, nothing else (fig4 alone opens snapshots/ where they exist). A run is
+loaded once as arrays (Run.m): one (records, layers) array per per-layer metric and one (records, layers, heads)
+array per per-head list (*_heads), over its geometry records; NaN where a key was not logged.
 
-Settings are every config.json key except BOOKKEEPING (where and how a run was written, logged or resumed, and
+Settings are every config.json key but BOOKKEEPING (where and how a run was written, logged or resumed, and its
 provenance): a key a forker adds is a setting with no edit here, and the data enter as data_sha256, the hash of the
 text's content, not its file name. Runs are seeds of one setting only when every setting is equal. A control arm is
 the values of CONTROL_KEYS; its baseline is the control='none' run with the same other settings and seed.
 
-Left out, each with one line: a run whose config.json lacks or mistypes a field of REQUIRED (skipped); an unfinished
-run; a duplicate (same settings and seed); a line of metrics.jsonl that is not a record (a cut last line too); a bad
-record, one with a value that is not finite or lies outside its definitional range (bounds: a PR outside [1, C]
-whole-matrix or token whole, outside [1, d] per head and for PR_QK, entropy outside [0, log T], entropy_norm outside
-[0, 1], a negative norm; PR 0 is the convention for an all-zero spectrum). A metric logged by some seeds of a setting
-and not by others is noted; the others keep their series.
+Left out, each with one line: a run whose config.json lacks or mistypes a field of REQUIRED; an unfinished run; a
+duplicate (same settings and seed); a line of metrics.jsonl that is not a record (a cut last line too); a bad
+record, one with a value that is not finite or lies outside its definitional range (bounds: PR outside [1, C] whole
+matrix and token whole, [1, d] per head and for PR_QK; PR 0 is the convention for an all-zero spectrum; entropy
+outside [0, log T]; entropy_norm outside [0, 1]; a negative norm). A metric some seeds of a setting logged and others
+did not is noted; the others keep their series.
 
-Output folders: files named as the analysis' own (a fixed set of stems), listed in MANIFEST; a file of such a name
-that the analysis did not write is never overwritten (the whole write is refused first), nothing is deleted, and /,
-a run folder and any folder inside one are refused.
+Output folders: only files named as the analysis' own, listed in MANIFEST; a file of such a name that the analysis
+did not write stops the whole write before it starts; nothing is deleted; /, a run folder and any folder inside one
+are refused.
 """
 import csv
 import gzip
@@ -28,9 +28,9 @@ import io
 import json
 import math
 import os
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import reduce
 
 import numpy as np
 
@@ -44,8 +44,10 @@ REQUIRED = {'n_layer': int, 'n_head': int, 'n_embd': int, 'block_size': int, 'se
             'warmup_iters': int, 'qk_init': str, 'control': str, 'control_target': str, 'control_keep': str,
             'shrink_to': NUMBER, 'weight_decay': NUMBER, 'decay_qk': bool, 'data_sha256': str}
 KINDS = ('none', 'shrink', 'freeze')
-FINAL_LOGS = 3             # a run's final value of a metric: the mean over its last FINAL_LOGS geometry records
+FINAL_LOGS = 3
 MANIFEST = '.analyze.json'
+PR_KEYS = {f'{p}{w}{h}' for p in ('pr_', 'pr_d', 'tok_pr_') for w in 'qk' for h in ('', '_head')} | {'pr_qk',
+                                                                                                     'tok_pr_qk'}
 
 
 class Skip(Exception):
@@ -56,8 +58,6 @@ class OutError(Exception):
     """An output folder that must not or cannot be written, as one line."""
 
 
-# ----------------------------------------------------------------------------- a run as arrays
-
 @dataclass(eq=False)     # a run is itself: hashed and compared by identity
 class Run:
     path: str
@@ -66,78 +66,57 @@ class Run:
     iters: np.ndarray            # iterations of the geometry records
     m: dict                      # metric -> (records, layers) or (records, layers, heads)
     losses: dict                 # iter, train_loss, val_loss of the loss records
-    notes: list = field(default_factory=list)
+    notes: list
     memo: dict = field(default_factory=dict)
 
-    name = property(lambda self: os.path.basename(os.path.normpath(self.path)))
-    n_layer = property(lambda self: self.cfg['n_layer'])
-    seed = property(lambda self: self.cfg['seed'])
-    control = property(lambda self: self.cfg['control'])
-    C = property(lambda self: self.cfg['n_embd'])
-    d = property(lambda self: self.cfg['n_embd'] / self.cfg['n_head'])
-
-    @cached_property
-    def settings(self):
-        return {k: v for k, v in self.cfg.items() if k not in BOOKKEEPING}
-
-    @cached_property
-    def setting(self):
-        """The key of its setting: every setting as JSON."""
-        return json.dumps(self.settings, sort_keys=True)
-
-    @cached_property
-    def base(self):
-        """The key of its baseline's setting: every setting but CONTROL_KEYS (and the seed)."""
-        return json.dumps({k: v for k, v in self.settings.items() if k not in CONTROL_KEYS}, sort_keys=True)
-
-    @cached_property
-    def arm(self):
-        return tuple((k, self.cfg.get(k)) for k in CONTROL_KEYS)
+    def __post_init__(self):
+        self.name, self.n_layer, self.seed, self.control = os.path.basename(self.path), *(self.cfg[k] for k in (
+            'n_layer', 'seed', 'control'))
+        self.C, self.d = self.cfg['n_embd'], self.cfg['n_embd'] / self.cfg['n_head']
+        self.settings = {k: v for k, v in self.cfg.items() if k not in BOOKKEEPING}
+        self.setting = json.dumps(self.settings, sort_keys=True)
+        self.base = json.dumps({k: v for k, v in self.settings.items() if k not in CONTROL_KEYS}, sort_keys=True)
+        self.arm = tuple((k, self.cfg.get(k)) for k in CONTROL_KEYS)
 
     def final(self, key, layers=None):
         """The mean over the last FINAL_LOGS records and over layers (all, or the given ones); NaN if not logged."""
-        v = self.m.get(key)
-        if v is None or not len(v):
+        if key not in self.m:
             return math.nan
-        v = v[-FINAL_LOGS:] if layers is None else v[-FINAL_LOGS:, layers]
-        return float(np.nanmean(v)) if np.isfinite(v).any() else math.nan
+        v = self.m[key][-FINAL_LOGS:] if layers is None else self.m[key][-FINAL_LOGS:, layers]
+        return float(np.mean(v[np.isfinite(v)])) if np.isfinite(v).any() else math.nan
 
     def final_loss(self, key):
         """done.json's train_loss or val_loss, else the last one logged."""
-        v = self.done.get(key)
-        if type(v) in NUMBER and math.isfinite(v):
-            return float(v)
-        logged = self.losses[key][np.isfinite(self.losses[key])]
-        return float(logged[-1]) if len(logged) else math.nan
+        v, logged = self.done.get(key), self.losses[key][np.isfinite(self.losses[key])]
+        return float(v) if type(v) in NUMBER and math.isfinite(v) else float(logged[-1]) if len(logged) else math.nan
 
 
-def arm_label(cfg):
-    """How tables name a control arm: 'shrink0.1-k-spec', 'freeze-k' (a family without its dose: 'shrink-k'); '' for
-    none; a scope other than head appended."""
+def arm_label(cfg, extra=()):
+    """'shrink0.1-k-spec', 'freeze-k' (a family without its dose: 'shrink-k'), then the control keys in extra (those
+    that vary between arms); '' for none."""
     if cfg.get('control', 'none') == 'none':
         return ''
     dose = f"{cfg['shrink_to']:g}" if cfg['control'] == 'shrink' and 'shrink_to' in cfg else ''
-    label = f"{cfg['control']}{dose}-{cfg.get('control_target')}" + ('-spec' if cfg.get('control_keep') == 'spec'
-                                                                       else '')
-    return label + (f" ({cfg['control_scope']} scope)" if cfg.get('control_scope', 'head') != 'head' else '')
+    keep = '' if cfg.get('control_keep') == 'fro' else f"-{cfg.get('control_keep')}"
+    return f"{cfg['control']}{dose}-{cfg.get('control_target')}{keep}" + ''.join(f' {k}={cfg[k]}' for k in extra
+                                                                                 if k in cfg)
 
 
 # ----------------------------------------------------------------------------- reading
-
 def read_json(path):
     try:
         with open(path) as f:
             obj = json.load(f)
     except (OSError, ValueError) as e:
         raise Skip(f'{os.path.basename(path)} is unreadable ({type(e).__name__})') from None
-    if not isinstance(obj, dict):
-        raise Skip(f'{os.path.basename(path)} does not hold a JSON object')
-    return obj
+    if isinstance(obj, dict):
+        return obj
+    raise Skip(f'{os.path.basename(path)} does not hold a JSON object')
 
 
 def read_records(path, notes):
-    """The records of metrics.jsonl(.gz): JSON objects with an integer iter. A line that is not one is left out
-    with a note (the last one, cut by a kill mid-write, says so); a repeated iteration keeps its last record."""
+    """The records (JSON objects with an integer iter) of metrics.jsonl(.gz), by iteration (a repeated one keeps its
+    last record). A line that is not one is left out with a note; a cut last line says so."""
     data = b''
     with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as f:
         try:
@@ -145,8 +124,7 @@ def read_records(path, notes):
                 data += chunk
         except (EOFError, OSError):
             notes.append(f'{os.path.basename(path)} is cut short: the records after the cut are lost')
-    lines = [(i, line) for i, line in enumerate(data.split(b'\n'), 1) if line.strip()]
-    by_iter = {}
+    lines, by_iter = [(i, s) for i, s in enumerate(data.split(b'\n'), 1) if s.strip()], {}
     for i, line in lines:
         try:
             rec = json.loads(line)
@@ -155,132 +133,113 @@ def read_records(path, notes):
         if isinstance(rec, dict) and type(rec.get('iter')) is int:
             by_iter[rec['iter']] = rec
         else:
-            cut = i == lines[-1][0]
-            notes.append(f'metrics line {i} ' + ('is cut short (a kill while it was written?): left out' if cut else
-                                                  'is not a record: left out'))
+            notes.append(f'metrics line {i} ' + ('is cut short (a kill while it was written?): left out'
+                                                  if i == lines[-1][0] else 'is not a record: left out'))
     return [by_iter[it] for it in sorted(by_iter)]
 
 
 def check_config(cfg):
     """The first field of REQUIRED that config.json lacks or mistypes, as a reason; None when all are fine."""
     for key, kind in REQUIRED.items():
-        v = cfg.get(key)
-        ok = type(v) in kind if isinstance(kind, tuple) else type(v) is kind
-        if key not in cfg or not ok:
-            want = 'a number' if kind is NUMBER else f'a {kind.__name__}'
-            return f'config.json ' + (f'lacks {key}' if key not in cfg else f'has {key}={v!r}, not {want}')
-    if cfg['control'] not in KINDS:
-        return f"config.json has control={cfg['control']!r}, not one of {', '.join(KINDS)}"
-    return None
+        if key not in cfg:
+            return f'config.json lacks {key}'
+        if not (type(cfg[key]) in kind if isinstance(kind, tuple) else type(cfg[key]) is kind):
+            return f"config.json has {key}={cfg[key]!r}, not {'a number' if kind is NUMBER else 'a ' + kind.__name__}"
+    return None if cfg['control'] in KINDS else f"config.json has control={cfg['control']!r}, not one of " \
+                                                f"{', '.join(KINDS)}"
 
 
 def bounds(key, cfg):
-    """The definitional range (lo, hi) of a logged value, None when it has none (see the docstring)."""
-    C, d, T = cfg['n_embd'], cfg['n_embd'] / cfg['n_head'], cfg['block_size']
+    """(lo, hi, relative tolerance) of a logged value's definitional range; None when it has none."""
     base = key[:-len('_heads')] if key.endswith('_heads') else key
     base = base + '_head' if key.endswith('_heads') and base + '_head' in PR_KEYS else base
     if base in PR_KEYS:
-        return 1.0, (d if base.endswith('_head') or base in ('pr_qk', 'tok_pr_qk') else C)
-    if base in ('entropy', 'entropy_norm'):
-        return 0.0, math.log(T) if base == 'entropy' else 1.0
-    if base.endswith(('_norm', '_rel', '_imbalance', '_drift', '_gram')):
-        return 0.0, math.inf
-    return None
-
-
-PR_KEYS = {f'{p}{w}{h}' for p in ('pr_', 'pr_d', 'tok_pr_') for w in ('q', 'k') for h in ('', '_head')} | \
-    {'pr_qk', 'tok_pr_qk'}
-
-
-def layer_arrays(geo, n_layer):
-    """{key: array} over the geometry records: NaN where a key is absent, +inf where a value is not a number."""
-    cols = defaultdict(dict)
-    for r, rec in enumerate(geo):
-        for i, layer in enumerate(rec['layers']):
-            for k, v in layer.items():
-                cols[k][r, i] = v
-    out, notes = {}, []
-    for key, cells in cols.items():
-        width = {len(v) if isinstance(v, list) else None for v in cells.values()}
-        if len(width) > 1:
-            notes.append(f'{key}: lists of different lengths (or lists and numbers): left out')
-            continue
-        (width,) = width
-        a = np.full((len(geo), n_layer) + (() if width is None else (width,)), np.nan)
-        for (r, i), v in cells.items():
-            a[r, i] = [number(x) for x in v] if width is not None else number(v)
-        out[key] = a
-    return out, notes
+        return 1.0, cfg['n_embd'] / (cfg['n_head'] if base.endswith('_head') or 'qk' in base else 1), 1e-9
+    if base in ('entropy', 'entropy_norm'):   # a float32 softmax row sums to 1 within ~1e-7; bf16 to ~4e-3
+        return 0.0, math.log(cfg['block_size']) if base == 'entropy' else 1.0, 1e-2
+    return (0.0, math.inf, 0) if base.endswith(('_norm', '_rel', '_imbalance', '_drift', '_gram')) else None
 
 
 def number(v):
     return float(v) if type(v) in NUMBER and math.isfinite(v) else math.inf
 
 
-def bad_records(m, iters, cfg):
-    """(mask of the records to leave out, a note per bad record naming its key and value)."""
-    bad, notes = np.zeros(len(iters), bool), []
+def layer_arrays(geo, n_layer, notes):
+    """{key: array} over the geometry records: NaN where a key is absent, +inf where a value is not a number."""
+    cells = {}
+    for r, rec in enumerate(geo):
+        for i, layer in enumerate(rec['layers']):
+            for k, v in layer.items():
+                cells.setdefault(k, {})[r, i] = v
+    out = {}
+    for key, found in cells.items():
+        widths = {len(v) if isinstance(v, list) else None for v in found.values()}
+        if len(widths) > 1:
+            notes.append(f'{key}: lists of different lengths (or lists and numbers): left out')
+            continue
+        (width,) = widths
+        out[key] = np.full((len(geo), n_layer) + (() if width is None else (width,)), np.nan)
+        for (r, i), v in found.items():
+            out[key][r, i] = [number(x) for x in v] if width is not None else number(v)
+    return out
+
+
+def bad_records(m, iters, cfg, notes):
+    """The mask of the records to leave out, with a note per bad record naming its key and value."""
+    bad = np.zeros(len(iters), bool)
     for key, a in m.items():
-        lim = bounds(key, cfg)
-        flat = a.reshape(len(a), -1)
+        lim, flat = bounds(key, cfg), a.reshape(len(a), -1)
         wrong = np.isinf(flat)
         if lim:
             with np.errstate(invalid='ignore'):
-                wrong |= (flat != 0) & ((flat < lim[0] * (1 - 1e-9)) | (flat > lim[1] * (1 + 1e-9)))
+                wrong |= (flat != 0) & ((flat < lim[0] * (1 - lim[2])) | (flat > lim[1] * (1 + lim[2])))
         for r in np.flatnonzero(wrong.any(1) & ~bad):
             v = flat[r][wrong[r]][0]
-            where = f'outside [{lim[0]:g}, {lim[1]:.4g}]' if lim and not np.isinf(v) else 'is not a finite number'
-            notes.append(f'the record of iteration {iters[r]} is left out: {key} = {v:.4g} {where}')
+            why = f'outside [{lim[0]:g}, {lim[1]:.4g}]' if lim and not np.isinf(v) else 'is not a finite number'
+            notes.append(f'the record of iteration {iters[r]} is left out: {key} = {v:.4g} {why}')
         bad |= wrong.any(1)
-    return bad, notes
+    return bad
 
 
 def load_run(path):
     """A finished run folder as a Run; Skip with the reason in one line."""
     cfg = read_json(os.path.join(path, 'config.json'))
-    problem = check_config(cfg)
-    if problem:
-        raise Skip(problem)
-    if not os.path.exists(os.path.join(path, 'done.json')):
-        raise Skip('unfinished (no done.json)')
-    done = read_json(os.path.join(path, 'done.json'))
-    log = next((p for p in (os.path.join(path, n) for n in ('metrics.jsonl', 'metrics.jsonl.gz')) if os.path.isfile(p)),
-               None)
-    if log is None:
-        raise Skip('no metrics.jsonl')
+    problem = check_config(cfg) or ('' if os.path.exists(os.path.join(path, 'done.json')) else 'unfinished (no '
+                                                                                                'done.json)')
+    log = [p for p in (os.path.join(path, n) for n in ('metrics.jsonl', 'metrics.jsonl.gz')) if os.path.isfile(p)]
+    if problem or not log:
+        raise Skip(problem or 'no metrics.jsonl')
     notes = []
-    recs = read_records(log, notes)
+    recs = read_records(log[0], notes)
     geo = [r for r in recs if isinstance(r.get('layers'), list) and r['layers']]
-    wrong = [r['iter'] for r in geo if len(r['layers']) != cfg['n_layer'] or not all(isinstance(x, dict)
-                                                                                      for x in r['layers'])]
-    notes += [f'the record of iteration {it} is left out: not {cfg["n_layer"]} layers of values' for it in wrong]
-    geo = [r for r in geo if r['iter'] not in wrong]
-    m, more = layer_arrays(geo, cfg['n_layer'])
-    iters = np.array([r['iter'] for r in geo], dtype=np.int64)
-    bad, more2 = bad_records(m, iters, cfg)
-    notes += more + more2
+    ok = [len(r['layers']) == cfg['n_layer'] and all(isinstance(x, dict) for x in r['layers']) for r in geo]
+    notes += [f"the record of iteration {r['iter']} is left out: not {cfg['n_layer']} layers of values"
+              for r, fine in zip(geo, ok) if not fine]
+    geo = [r for r, fine in zip(geo, ok) if fine]
+    m, iters = layer_arrays(geo, cfg['n_layer'], notes), np.array([r['iter'] for r in geo], dtype=np.int64)
+    keep = ~bad_records(m, iters, cfg, notes)
     loss = [r for r in recs if 'val_loss' in r]
     losses = {'iter': np.array([r['iter'] for r in loss], dtype=np.int64),
               **{k: np.array([number(r.get(k)) for r in loss]) for k in ('train_loss', 'val_loss')}}
     for k in ('train_loss', 'val_loss'):
         losses[k][np.isinf(losses[k])] = np.nan
-    return Run(path, cfg, done, iters[~bad], {k: v[~bad] for k, v in m.items()}, losses, notes)
+    return Run(path, cfg, read_json(os.path.join(path, 'done.json')), iters[keep], {k: v[keep] for k, v in m.items()},
+               losses, notes)
 
 
 def find_runs(paths):
-    """Every folder under paths that holds config.json (not inside snapshots/ or models/, not via links)."""
+    """Every folder under paths that holds config.json (not inside snapshots/ or models/, not through links)."""
     found = []
     for top in paths:
         for root, dirs, files in os.walk(top):
-            if 'config.json' in files:
-                found.append(os.path.normpath(root))
-            dirs[:] = sorted(d for d in dirs if d not in ('snapshots', 'models')
-                             and not os.path.islink(os.path.join(root, d)))
+            found += [os.path.normpath(root)] if 'config.json' in files else []
+            dirs[:] = sorted(d for d in dirs if d not in ('snapshots', 'models') and not os.path.islink(
+                os.path.join(root, d)))
     return sorted(dict.fromkeys(found))
 
 
 def load_runs(paths, warn):
-    """(runs, [(path, reason skipped)]) of every run folder under paths; notes become warnings."""
+    """(runs, [(path, why it was skipped)]) of every run folder under paths; notes go to warn."""
     runs, skipped, seen = [], [], {}
     for path in find_runs(paths):
         try:
@@ -288,23 +247,20 @@ def load_runs(paths, warn):
         except Skip as e:
             skipped.append((path, str(e)))
             continue
-        key = (run.setting, run.seed)
-        if key in seen:
-            skipped.append((path, f'duplicate of {seen[key]} (the same settings and seed)'))
+        if (run.setting, run.seed) in seen:
+            skipped.append((path, f'duplicate of {seen[run.setting, run.seed]} (the same settings and seed)'))
             continue
-        seen[key] = path
+        seen[run.setting, run.seed] = path
         runs.append(run)
     for rs in group(runs, lambda r: r.setting).values():
         keys = set().union(*(r.m for r in rs))
-        for r in rs:
-            lacking = sorted(keys - set(r.m))
-            if lacking:
-                r.notes.append(f'{", ".join(lacking)} not logged, unlike other seeds of its setting: left out of '
-                               f'those series, which the other seeds keep')
-    for path, reason in skipped:
-        warn(f'skipped {path}: {reason}')
+        for r in (r for r in rs if keys - set(r.m)):
+            r.notes.append(f'{", ".join(sorted(keys - set(r.m)))} not logged, unlike other seeds of its setting: '
+                           f'left out of those series, which the other seeds keep')
+    for path, why in skipped:
+        warn(f'skipped {path}: {why}')
     for r in runs:
-        for note in r.notes[:6] + ([f'and {len(r.notes) - 6} more notes'] if len(r.notes) > 6 else []):
+        for note in r.notes[:6] + [f'and {len(r.notes) - 6} more notes'] * (len(r.notes) > 6):
             warn(f'{r.path}: {note}')
     return runs, skipped
 
@@ -317,10 +273,22 @@ def group(items, key):
     return out
 
 
+def stack(runs, key, its=None):
+    """(its, default the iterations every run logged; (runs, its, layers) of key, NaN for a run that did not log it)."""
+    its = reduce(np.intersect1d, [r.iters for r in runs]) if its is None else its
+    return its, np.stack([r.m[key][np.searchsorted(r.iters, its)] if key in r.m else
+                          np.full((len(its), r.n_layer), np.nan) for r in runs])
+
+
+def families(arms, kind=None):
+    """{(setting, arm without its dose): [arm keys]} of the keys of arms (of one control kind, or all)."""
+    return group([k for k in arms if kind in (None, dict(k[1])['control'])],
+                 lambda k: (k[0], tuple(x for x in k[1] if x[0] != 'shrink_to')))
+
+
 def varying(dicts):
     """The keys whose values differ between the dicts (a key absent from some counts as differing)."""
-    keys = dict.fromkeys(k for d in dicts for k in d)
-    return [k for k in keys if len({json.dumps(d.get(k)) for d in dicts}) > 1]
+    return [k for k in dict.fromkeys(k for d in dicts for k in d) if len({json.dumps(d.get(k)) for d in dicts}) > 1]
 
 
 def labels(dicts, keys, reference=None):
@@ -334,13 +302,9 @@ def labels(dicts, keys, reference=None):
 
 
 # ----------------------------------------------------------------------------- tables and the output folder
-
 def cell(v):
-    if v is None:
-        return ''
-    if isinstance(v, float):
-        return 'nan' if v != v else f'{v:.4g}'
-    return str(v).replace('|', '\\|')
+    return '' if v is None else ('nan' if v != v else f'{v:.4g}') if isinstance(v, float) else \
+        str(v).replace('|', '\\|')
 
 
 def markdown(rows, columns=None):
@@ -351,14 +315,11 @@ def markdown(rows, columns=None):
 
 def table(stem, rows, columns=None):
     """{stem.csv: text, stem.md: text} of rows (dicts); {} without rows."""
-    if not rows:
-        return {}
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()
-    w = csv.writer(buf, lineterminator='\n')
-    w.writerow(columns)
-    w.writerows([['' if r.get(c) is None else r.get(c) for c in columns] for r in rows])
-    return {f'{stem}.csv': buf.getvalue(), f'{stem}.md': markdown(rows, columns)}
+    csv.writer(buf, lineterminator='\n').writerows([columns] + [['' if r.get(c) is None else r.get(c)
+                                                                  for c in columns] for r in rows])
+    return {f'{stem}.csv': buf.getvalue(), f'{stem}.md': markdown(rows, columns)} if rows else {}
 
 
 def parse(text):
@@ -377,12 +338,11 @@ def read_table(path, text_columns=()):
 
 def check_out(out):
     """OutError when out is /, a file, a run folder or a folder inside one."""
-    real = os.path.realpath(out)
+    real = p = os.path.realpath(out)
     if os.path.dirname(real) == real:
         raise OutError(f'--out={out} is the root of the file system; pass a folder of its own')
     if os.path.lexists(out) and not os.path.isdir(out):
         raise OutError(f'--out={out} is a file; pass a folder')
-    p = real
     while os.path.dirname(p) != p:
         if os.path.isfile(os.path.join(p, 'config.json')):
             raise OutError(f'--out={out} is {"" if p == real else "inside "}the run folder {p}; pass another --out')
@@ -390,8 +350,8 @@ def check_out(out):
 
 
 def write_files(out, files):
-    """Write {name: text or bytes} into out, then list them in MANIFEST; OutError, before anything is written, when
-    a file of one of these names is there and the analysis did not write it."""
+    """Write {name: text or bytes} into out and list them in MANIFEST; OutError, before anything is written, when a
+    file of one of these names is there that the analysis did not write."""
     check_out(out)
     path = os.path.join(out, MANIFEST)
     try:
@@ -404,13 +364,10 @@ def write_files(out, files):
                        f'analyze.py: move them away or pass another --out')
     try:
         os.makedirs(out, exist_ok=True)
-        for name, data in files.items():
+        for name, data in {**files, MANIFEST: json.dumps(sorted(ours | set(files)), indent=0)}.items():
             with open(os.path.join(out, name + '.tmp'), 'wb') as f:
                 f.write(data.encode() if isinstance(data, str) else data)
             os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name))
-        with open(path + '.tmp', 'w') as f:
-            json.dump(sorted(ours | set(files)), f, indent=0)
-        os.replace(path + '.tmp', path)
     except OSError as e:
         raise OutError(f'cannot write into {out}: {e.strerror or e}; pass another --out') from None
     return [os.path.join(out, n) for n in files]

@@ -35,7 +35,6 @@ Z = 1.959963984540054      # the 0.975 quantile of the standard normal (Wilson a
 
 
 # ----------------------------------------------------------------------------- distributions
-
 def betainc(a, b, x):
     """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
     if x <= 0 or x >= 1:
@@ -78,7 +77,6 @@ def f_sf(f, d1, d2):
 
 
 # ----------------------------------------------------------------------------- intervals and verdicts
-
 def nanmean(a, axis=None):
     """The mean of the finite values (along axis); NaN where there are none."""
     a = np.asarray(a, dtype=float)
@@ -132,7 +130,6 @@ def sign_test_p(k, n):
 
 
 # ----------------------------------------------------------------------------- correlations, row by row
-
 def ranks(a):
     """Ranks 1..n along the last axis, ties given their average rank (pairwise comparison: n is small)."""
     a = np.asarray(a, dtype=float)
@@ -176,22 +173,7 @@ def spearman(x, y):
     return float(spearman_rows(x[ok], y[ok])) if ok.sum() >= 3 else math.nan
 
 
-def permutation_p(x, y, n_perm=2000, seed=0):
-    """One-sided permutation test of a positive Spearman correlation: (1 + shuffles reaching it) / (1 + n_perm)."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    ok = np.isfinite(x) & np.isfinite(y)
-    rho = spearman(x, y)
-    if not np.isfinite(rho):
-        return math.nan
-    rx, ry = ranks(x[ok]), ranks(y[ok])
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    shuffled = np.random.default_rng(seed).permuted(np.tile(ry, (n_perm, 1)), axis=1)
-    null = shuffled @ rx / math.sqrt((rx @ rx) * (ry @ ry))
-    return float((1 + (null >= rho - 1e-12).sum()) / (1 + n_perm))
-
-
 # ----------------------------------------------------------------------------- fits
-
 def trend(x, y, point):
     """The least-squares line of y on x over units grouped by point (see the docstring): {slope, lo, hi, n,
     points, lof_p} (lof_p NaN where P < 3 or no unit repeats a point)."""
