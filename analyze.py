@@ -33,9 +33,8 @@ of warm-up, twice that, and the record at 10% of training (over all records: the
 strongest shrink dose whose relative change of per-head PR_K has its interval below WELL_BELOW: a null result from a
 weak manipulation says little. Sign tests (control_dose) are printed and gate nothing.
 
-Outputs in --out (default <first dir>/analysis; folders.py says what it never overwrites): REPORT.md, the tables
-it links (.csv and .md) and the figures (plots.py). The token tables that `tokens` and `pretrained` wrote into --out
-enter (f1), (f2) for the runs they were made from.
+Outputs in --out (default <first dir>/analysis; folders.py says what it never overwrites): REPORT.md, the tables it
+links (.csv, .md), the figures (plots.py); the token tables written there enter (f1), (f2) for the runs measured.
 """
 import argparse
 import math
@@ -95,10 +94,8 @@ def seed_mean(runs, key, its):
 
 
 def trajectories(runs, view):
-    """Per setting among runs and layer at the view's position: seed means of the lens' PR_Q and PR_K over the
-    iterations every seed logged in the window."""
-    key = ('traj', tuple(r.path for r in runs), view)
-    memo = runs[0].memo if runs else {}
+    """Per setting and layer: seed means of the lens' PR_Q, PR_K at the window's iterations every seed logged."""
+    key, memo = ('traj', tuple(r.path for r in runs), view), runs[0].memo if runs else {}
     if key not in memo:
         memo[key], lens = [], LENSES[view.lens]
         for setting, rs in group(runs, lambda r: r.setting).items():
@@ -141,14 +138,12 @@ def values(run, role, lens, heads, layers):
     return a.reshape(len(a), -1)
 
 
-CORRELATIONS = {'spearman': stats.spearman_rows, 'pearson': stats.pearson_rows, 'partial': stats.partial_rows}
-
-
 def correlation(x, y, scope='heads', kind='spearman', changes=False):
     """A statistic of a run: the correlation of roles x and y (partial: given the scale), of levels or of changes
     between consecutive records. heads: across the (layer, head) pairs of each record, mean over the window's
     records (steps); time: within the run over the window's records, per layer, mean over layers."""
     roles = (x, y, 'scale') if kind == 'partial' else (x, y)
+    corr = {'spearman': stats.spearman_rows, 'pearson': stats.pearson_rows, 'partial': stats.partial_rows}[kind]
 
     def fn(run, view):
         layers = layers_of(run, view)
@@ -158,17 +153,17 @@ def correlation(x, y, scope='heads', kind='spearman', changes=False):
         keep = run.iters >= start(run.cfg, view)
         if scope == 'time':
             vals = [np.diff(v[keep], axis=0) if changes else v[keep] for v in vals]
-            return nanmean(CORRELATIONS[kind](*(v.T for v in vals)))
+            return nanmean(corr(*(v.T for v in vals)))
         key = (x, y, kind, changes, view.lens, view.position)
         if key not in run.memo:   # every window of the run reads the same per-record correlations
-            run.memo[key] = CORRELATIONS[kind](*(np.diff(v, axis=0) if changes else v for v in vals))
+            run.memo[key] = corr(*(np.diff(v, axis=0) if changes else v for v in vals))
         return nanmean(run.memo[key][keep[:-1] if changes else keep])
     fn.limits = (-1, 1)
     return fn
 
 
 def final_layers(run, key, layers):
-    return stats.nanmean(run.m[key][-FINAL_LOGS:, layers], 0) if key in run.m else np.full(len(layers), np.nan)
+    return nanmean(run.m[key][-FINAL_LOGS:, layers], 0) if key in run.m else np.full(len(layers), np.nan)
 
 
 def final_gap(run, view):
@@ -235,33 +230,32 @@ class Claim:
     where: str = 'map regime'  # the tables it is in beside its own: the map (descriptive), the regime table
 
 
-ALL4, HEADS, ACROSS = tuple(LENSES), ('head', 'tok', 'learned'), 'across the (layer, head) pairs of a record'
-TIME = 'within a run over its records, per layer, mean over layers'
+ALL4, HEADS, PAIRS = tuple(LENSES), ('head', 'tok', 'learned'), 'across the (layer, head) pairs of a record'
+TIME, D = 'within a run over its records, per layer, mean over layers', 'controlled - baseline'
 CLAIMS = [
     Claim('a', '(a) PR_Q grows and PR_K falls over training', 'PR_Q(end) > PR_Q(ref) and PR_K(end) < PR_K(ref) from '
           'every reference record', 'trajectory', rises_and_falls, +1, 0.5, 0.1, ALL4, 'warmup'),
     Claim('b', '(b) PR_Q - PR_K > 0 along every trajectory', 'PR_Q - PR_K > 0 at every record after iteration 0',
           'trajectory', gap_throughout, +1, 0.9, 0.0, ALL4),
     Claim('c', '(c) lower PR_K goes with lower attention entropy, across heads', f'Spearman of PR_K with entropy '
-          f'{ACROSS}, mean over records', 'seed', correlation('k', 'entropy'), +1, 0, 0.1, HEADS, 'warmup'),
+          f'{PAIRS}, mean over records', 'seed', correlation('k', 'entropy'), +1, 0, 0.1, HEADS, 'warmup'),
     Claim('c-qk', '(c) lower PR_K goes with a narrower QK^T spectrum, across heads', f'Spearman of PR_K with PR_QK '
-          f'{ACROSS}, mean over records', 'seed', correlation('k', 'qk'), +1, 0, 0.1, HEADS, 'warmup'),
-    Claim('c-d', '(c) changes of PR_K go with changes of entropy, across heads', 'Spearman of the changes of PR_K and '
-          f'entropy between consecutive records {ACROSS}, mean over steps', 'seed',
-          correlation('k', 'entropy', changes=True), +1, 0, 0.1, HEADS, 'warmup'),
-    Claim('c-dqk', '(c) changes of PR_K go with changes of PR_QK, across heads', 'Spearman of the changes of PR_K and '
-          f'PR_QK between consecutive records {ACROSS}, mean over steps', 'seed',
+          f'{PAIRS}, mean over records', 'seed', correlation('k', 'qk'), +1, 0, 0.1, HEADS, 'warmup'),
+    Claim('c-d', '(c) changes of PR_K go with changes of entropy, across heads', 'the same of the changes between '
+          'consecutive records, mean over steps', 'seed', correlation('k', 'entropy', changes=True), +1, 0, 0.1, HEADS,
+          'warmup'),
+    Claim('c-dqk', '(c) changes of PR_K go with changes of PR_QK, across heads', 'the same of PR_K with PR_QK', 'seed',
           correlation('k', 'qk', changes=True), +1, 0, 0.1, HEADS, 'warmup'),
     Claim('c2', "(c2) the key spectrum's shape tracks entropy beyond the logit scale", 'Pearson partial correlation '
-          f'of PR_K with entropy given log ||W_QK^h||_2 {ACROSS}, mean over records', 'seed',
+          f'of PR_K with entropy given log ||W_QK^h||_2 {PAIRS}, mean over records', 'seed',
           correlation('k', 'entropy', kind='partial'), +1, 0, 0.1, HEADS, 'warmup'),
-    Claim('qk~entropy', '', f'Spearman of PR_QK with entropy {ACROSS}', 'seed', correlation('qk', 'entropy'),
+    Claim('qk~entropy', '', f'Spearman of PR_QK with entropy {PAIRS}', 'seed', correlation('qk', 'entropy'),
           lenses=HEADS, window='warmup', where='map'),
-    Claim('k~entropy (r)', '', f'Pearson of PR_K with entropy {ACROSS}', 'seed',
+    Claim('k~entropy (r)', '', f'Pearson of PR_K with entropy {PAIRS}', 'seed',
           correlation('k', 'entropy', kind='pearson'), lenses=HEADS, window='warmup', where='map'),
-    Claim('qk~entropy|scale', '', f'Pearson partial of PR_QK with entropy given the log scale {ACROSS}', 'seed',
+    Claim('qk~entropy|scale', '', f'Pearson partial of PR_QK with entropy given the log scale {PAIRS}', 'seed',
           correlation('qk', 'entropy', kind='partial'), lenses=HEADS, window='warmup', where='map'),
-    Claim('scale~entropy', '', f'Pearson of log ||W_QK^h||_2 with entropy {ACROSS}', 'seed',
+    Claim('scale~entropy', '', f'Pearson of log ||W_QK^h||_2 with entropy {PAIRS}', 'seed',
           correlation('scale', 'entropy', kind='pearson'), lenses=HEADS, window='warmup'),
     Claim('k~entropy over time', '', f'Spearman of PR_K with entropy {TIME} (two trends correlate, linked or not)',
           'seed', correlation('k', 'entropy', 'time'), lenses=ALL4, where='map'),
@@ -271,38 +265,34 @@ CLAIMS = [
           lenses=ALL4, where='map'),
     Claim('k~entropy|scale over time', '', f'Pearson partial of PR_K with entropy given the log scale {TIME}', 'seed',
           correlation('k', 'entropy', 'time', 'partial'), lenses=ALL4, where='map'),
-    *[Claim(f'{stat}_end{suffix}', '', f'final {what}{size}', 'seed', fn, lenses=(lens,), log=stat == 'ratio',
-            where='regime') for lens, suffix in (('whole', ''), ('head', '_head'), ('learned', '_learned'))
-      for stat, what, size, fn in (('gap', f'(PR_Q - PR_K) in the {LENSES[lens].what}', f' / {LENSES[lens].size}',
-                                    final_gap),
-                                   ('ratio', f'PR_Q / PR_K in the {LENSES[lens].what}', ' (geometric mean)',
-                                    final_log_ratio))],
+    *[Claim(f'{stat}_end{suffix}', '', f'final {what} in the {LENSES[lens].what}', 'seed', fn, lenses=(lens,),
+            log=stat == 'ratio', where='regime') for lens, suffix in (('whole', ''), ('head', '_head'),
+                                                                       ('learned', '_learned'))
+      for stat, what, fn in (('gap', f'(PR_Q - PR_K) / {LENSES[lens].size}', final_gap),
+                             ('ratio', 'PR_Q / PR_K (geometric mean)', final_log_ratio))],
     Claim('imbalance_start', '', 'qk_imbalance at the first record', 'seed', value('qk_imbalance', 'first'),
           where='regime'),
     Claim('imbalance_end', '', 'final qk_imbalance', 'seed', value('qk_imbalance'), where='regime'),
-    Claim('imbalance_conserved', '', 'final qk_imbalance had D_h kept its initial norm: imbalance(0) gram(0) / '
-          'gram(t)', 'seed', conserved_imbalance, where='regime'),
-    Claim('drift_end', '', 'final qk_drift: ||D_h(t) - D_h(0)||_F / gram(t)', 'seed', value('qk_drift'),
+    Claim('imbalance_conserved', '', 'final qk_imbalance had D_h kept its initial norm', 'seed', conserved_imbalance,
           where='regime'),
-    Claim('val_loss', '', 'final validation loss', 'seed', lambda run, view: run.final_loss('val_loss'),
+    Claim('drift_end', '', 'final qk_drift, ||D_h(t) - D_h(0)||_F / gram(t)', 'seed', value('qk_drift'),
           where='regime'),
+    Claim('val_loss', '', 'final validation loss', 'seed', lambda r, view: r.final_loss('val_loss'), where='regime'),
     Claim('train_val_gap', '', 'final val_loss - train_loss', 'seed',
-          lambda run, view: run.final_loss('val_loss') - run.final_loss('train_loss'), where='regime'),
-    Claim('d', '(d) shrinking the key spectrum sharpens attention', 'final attention entropy, controlled - baseline',
-          'pair', change('entropy'), -1, 0, 0.02, control='shrink'),
-    Claim('e', '(e) freezing the key spectrum softens attention', 'final attention entropy, controlled - baseline',
-          'pair', change('entropy'), +1, 0, 0.02, control='freeze'),
-    Claim('d_entropy', '', 'final entropy, controlled - baseline', 'pair', change('entropy'), where=''),
-    Claim('d_pr_head', '', 'final per-head PR of the controlled projection, controlled - baseline', 'pair',
-          change('pr_ctl_head'), where=''),
+          lambda r, view: r.final_loss('val_loss') - r.final_loss('train_loss'), where='regime'),
+    Claim('d', '(d) shrinking the key spectrum sharpens attention', f'final attention entropy, {D}', 'pair',
+          change('entropy'), -1, 0, 0.02, control='shrink'),
+    Claim('e', '(e) freezing the key spectrum softens attention', f'final attention entropy, {D}', 'pair',
+          change('entropy'), +1, 0, 0.02, control='freeze'),
+    Claim('d_entropy', '', f'final entropy, {D}', 'pair', change('entropy'), where=''),
+    Claim('d_pr_head', '', f'final per-head PR of the controlled projection, {D}', 'pair', change('pr_ctl_head'),
+          where=''),
     Claim('d_pr_head_rel', '', "the same relative to the baseline's", 'pair', change('pr_ctl_head', 'relative')),
-    Claim('d_qk_spec_norm', '', 'final qk_spec_norm, controlled - baseline', 'pair', change('qk_spec_norm')),
-    Claim('d_log_qk_spec_norm', '', 'final log qk_spec_norm, controlled - baseline', 'pair',
-          change('qk_spec_norm', 'log'), where=''),
-    Claim('d_k_spec_norm', '', 'final k_spec_norm (top singular value of W_K^h), controlled - baseline', 'pair',
-          change('k_spec_norm')),
-    Claim('d_q_spec_norm', '', 'final q_spec_norm, controlled - baseline', 'pair', change('q_spec_norm'), where=''),
-    Claim('d_val_loss', '', 'final val_loss, controlled - baseline', 'pair', change('val_loss')),
+    Claim('d_qk_spec_norm', '', f'final qk_spec_norm, {D}', 'pair', change('qk_spec_norm')),
+    Claim('d_log_qk_spec_norm', '', f'final log qk_spec_norm, {D}', 'pair', change('qk_spec_norm', 'log'), where=''),
+    Claim('d_k_spec_norm', '', f'final k_spec_norm (top singular value of W_K^h), {D}', 'pair', change('k_spec_norm')),
+    Claim('d_q_spec_norm', '', f'final q_spec_norm, {D}', 'pair', change('q_spec_norm'), where=''),
+    Claim('d_val_loss', '', f'final val_loss, {D}', 'pair', change('val_loss')),
     Claim('f1-early', '(f1) token-level PR_Q - PR_K rises early', "Spearman of tok_pr_q - tok_pr_k with log(1 + step) "
           "over a model's early checkpoints (log step at or below its median), mean over layers", 'model',
           token_column('rho_early'), +1, 0, 0.1),
@@ -314,7 +304,6 @@ CLAIMS = [
 CLAIM = {c.key: c for c in CLAIMS}
 
 
-# ----------------------------------------------------------------------------- the one evaluation
 def judge(claim, units, view=View()):
     """A claim's statistic over a group of units (runs; (controlled, baseline) pairs; token summary rows),
     summarised by the one interval rule and judged: {n, est, lo, hi, verdict, why, values, hits, counts}; counts:
@@ -322,10 +311,9 @@ def judge(claim, units, view=View()):
     if claim.unit == 'trajectory':
         found = [v for v in map(claim.fn, trajectories(units, view)) if v is not None]
         hits = [all(v) if isinstance(v, tuple) else v for v in found]
-        res = {'values': [float(h) for h in hits], 'hits': sum(hits), 'counts': [sum(v[i] for v in found) for i in
-                                                                               range(len(found[0]))]
-               if found and isinstance(found[0], tuple) and len(found[0]) > 1 else None}
-        (est, lo, hi), n = stats.wilson(sum(hits), len(hits)), len(hits)
+        counts = list(map(sum, zip(*found))) if found and isinstance(found[0], tuple) and len(found[0]) > 1 else None
+        res, n = {'values': [float(h) for h in hits], 'hits': sum(hits), 'counts': counts}, len(hits)
+        est, lo, hi = stats.wilson(sum(hits), n)
     else:
         found = [claim.fn(*u, view) if claim.unit == 'pair' else claim.fn(u, view) for u in units] \
             if claim.unit != 'model' else claim.fn(units)
@@ -343,10 +331,6 @@ def judge(claim, units, view=View()):
 # ----------------------------------------------------------------------------- groupings
 def uncontrolled(runs):
     return [r for r in runs if r.control == 'none']
-
-
-def decays(cfg):
-    return bool(cfg['decay_qk']) and cfg['weight_decay'] > 0
 
 
 def arms(runs):
@@ -382,7 +366,8 @@ def robustness_cells(study):
     uncontrolled run; the claims in their own view per weight decay on W_Q, W_K (when the runs have both); (d), (e)
     per deciding (setting, arm), with what else the arm changed."""
     pool, cells = uncontrolled(study.runs), []
-    split = group(pool, lambda r: decays(r.cfg)) if len({decays(r.cfg) for r in pool}) > 1 else {}
+    split = group(pool, lambda r: r.cfg['decay_qk'] and r.cfg['weight_decay'] > 0)   # weight decay on W_Q, W_K
+    split = split if len(split) > 1 else {}
     for c in (c for c in CLAIMS if c.unit in ('trajectory', 'seed') and 'map' in c.where):
         for lens, window, d, runs in [(lens, w, 'pooled', pool) for lens in c.lenses for w in WINDOWS] + \
                 [(c.lenses[0], c.window, d, rs) for d, rs in split.items() if c.sign]:
@@ -399,8 +384,7 @@ def robustness_cells(study):
 
 
 def claims_table(study, cells):
-    """One row per claim, its cell of the map in its own view; (d), (e) one per deciding (setting, arm); (f1), (f2)
-    one per token source."""
+    """Each claim's cell of the map in its own view; (d), (e) per deciding (setting, arm); (f1), (f2) per source."""
     pool, rows = uncontrolled(study.runs), []
     for c in (c for c in CLAIMS if c.sign):
         scope = f'{len(pool)} uncontrolled runs in {len(group(pool, lambda r: r.setting))} settings; ' \
@@ -417,8 +401,7 @@ def claims_table(study, cells):
 
 # ----------------------------------------------------------------------------- the regime
 def regime(study):
-    """Each claim and regime statistic per point (the uncontrolled runs of one setting) and layer position, and the
-    trends along the numeric axes; None with fewer than two points."""
+    """Each statistic per point (a setting's uncontrolled runs) and layer position, and trends; None below 2 points."""
     points = group(uncontrolled(study.runs), lambda r: r.setting)
     if len(points) < 2:
         return None
@@ -426,9 +409,9 @@ def regime(study):
     for setting, runs in points.items():
         tasks = [(c, c.key, runs, c.lenses[0], c.window) for c in CLAIMS if c.unit in ('trajectory', 'seed')
                  and 'regime' in c.where]
-        tasks += [(c, f'{c.key} [{study.arm_name(arm)}]', pairs, 'whole', 'all')
-                  for (s, arm), pairs in study.arms.items() if s == setting
-                  for c in CLAIMS if c.unit == 'pair' and 'regime' in c.where and c.control in ('', dict(arm)['control'])]
+        tasks += [(c, f'{c.key} [{study.arm_name(arm)}]', pairs, 'whole', 'all') for (s, arm), pairs in
+                  study.arms.items() if s == setting for c in CLAIMS if c.unit == 'pair' and 'regime' in c.where
+                  and c.control in ('', dict(arm)['control'])]
         for (c, key, group_, lens, window), pos in ((task, pos) for task in tasks for pos in POSITIONS):
             res = judge(c, group_, View(lens, window, pos, study.from_iter))
             units[(setting, key, pos)] = res['values']
@@ -440,23 +423,21 @@ def regime(study):
 
 
 def axes(points):
-    """(axes, followers {setting: its axis}): the settings that vary between points; a numeric one that is a constant
-    multiple of an earlier one (min_lr = lr / 10) follows it, the others are axes."""
+    """The settings that vary between points, but for one that is a constant multiple of an earlier axis (min_lr =
+    lr / 10): it moves with that axis."""
     cfgs = [runs[0].settings for runs in points.values()]
-    keys = [k for k in folders.varying(cfgs) if k not in folders.CONTROL_KEYS]
     numeric = lambda k: all(type(c.get(k)) in folders.NUMBER and c.get(k) for c in cfgs)
-    followers = {}
-    for i, k in enumerate(keys):
-        lead = [a for a in keys[:i] if a not in followers and numeric(a) and numeric(k)
-                and len({round(c[k] / c[a], 12) for c in cfgs}) == 1]
-        followers.update({k: lead[0]} if lead else {})
-    return [k for k in keys if k not in followers], followers
+    out = []
+    for k in (k for k in folders.varying(cfgs) if k not in folders.CONTROL_KEYS):
+        out += [] if any(numeric(a) and numeric(k) and len({round(c[k] / c[a], 12) for c in cfgs}) == 1
+                         for a in out) else [k]
+    return out
 
 
 def trends(study, points, units, rows):
     """Per numeric axis, line (points equal in every other axis) of 2+ points, statistic and position: the slope per
     doubling fitted to the units' values (stats.trend), its reading, and the point verdicts along the line."""
-    ax, cfg, out = axes(points)[0], {s: runs[0].settings for s, runs in points.items()}, []
+    ax, cfg, out = axes(points), {s: runs[0].settings for s, runs in points.items()}, []
     verdicts = {(r['point'], r['statistic'], r['position']): r['verdict'] for r in rows}
     for axis in (a for a in ax if all(type(c.get(a)) in folders.NUMBER for c in cfg.values())):
         for fixed, line in group(points, lambda s: tuple((a, cfg[s].get(a)) for a in ax if a != axis)).items():
@@ -498,23 +479,11 @@ def trajectory_rows(study):
     return rows
 
 
-def trajectory_summary(rows):
-    count = lambda rs, f: sum(1 for r in rs if f(r))
-    return [{'lens': lens, 'window': w, 'trajectories': len(rs), '(b) gap > 0 throughout': count(rs, lambda r: r['b']),
-             '(a) from every reference': count(rs, lambda r: r['a per reference'] and 'no' not in r['a per reference']),
-             'q up': count(rs, lambda r: r['pr_q_end'] > r['pr_q_start']),
-             'k down': count(rs, lambda r: r['pr_k_end'] < r['pr_k_start']),
-             'both down': count(rs, lambda r: r['pr_q_end'] < r['pr_q_start'] and r['pr_k_end'] < r['pr_k_start']),
-             'gap > 0 at the end': count(rs, lambda r: r['gap_end/size'] > 0)}
-            for (lens, w), rs in group(rows, lambda r: (r['lens'], r['window'])).items()]
-
-
 PAIRED = [c for c in CLAIMS if c.unit == 'pair' and not c.sign]
 
 
 def control_tables(study):
-    """(control: every paired statistic per seed pair; control_dose: per arm, each over its pairs, with the sign count
-    of the entropy change, which is printed and gates nothing)."""
+    """(control: every paired statistic per seed pair; control_dose: each over the pairs of an arm)."""
     per_pair, dose = [], []
     for (setting, arm), pairs in study.arms.items():
         head, kind = {'setting': study.label[setting], 'arm': study.arm_name(arm)}, dict(arm)['control']
@@ -611,9 +580,8 @@ def load(paths, out=None, from_iter=None, log=print):
     cfgs = [rs[0].settings for rs in groups.values()]
     names = folders.labels(cfgs, folders.varying(cfgs), [r.settings for r in uncontrolled(runs)])
     study.label, study.arms = dict(zip(groups, names)), arms(runs)
-    study.arm_keys = [k for k in folders.varying([dict(a) for a in dict.fromkeys(r.arm for r in runs if
-                                                                            r.control != 'none')])
-                      if k not in ('control', 'control_target', 'control_keep', 'shrink_to')]
+    named = ('control', 'control_target', 'control_keep', 'shrink_to')   # arm_label names these itself
+    study.arm_keys = [k for k in folders.varying([dict(r.arm) for r in runs if r.control != 'none']) if k not in named]
     paired = {c for pairs in study.arms.values() for c, _ in pairs}
     for r in (r for r in runs if r.control != 'none' and r not in paired):
         warn(f'{r.path}: no control=none run with the same other settings and seed: left out of the control tables')
@@ -622,34 +590,41 @@ def load(paths, out=None, from_iter=None, log=print):
 
 
 def analyze(paths, out=None, pdf=False, figures=True, from_iter=None, log=print):
-    """Load, compute and write everything; returns the Study. Skip when no run is usable, OutError when out must not
-    be written (both before anything is written)."""
+    """Load, compute, write; the Study. Skip (no usable run) or OutError (out refused) before anything is written."""
     study = load(paths, out, from_iter, log)
     folders.check_out(study.out)
     if not study.runs:
         raise Skip(f'no usable run folder under {", ".join(paths)} ({len(study.skipped)} skipped)')
-    traj, (per_pair, dose), reg = trajectory_rows(study), control_tables(study), regime(study)
-    cells = robustness_cells(study)
-    t = study.tables = {
-        'claims': claims_table(study, cells), 'cells': cells, 'regime': reg, 'trajectories': traj,
-        'trajectory_summary': trajectory_summary(traj), 'control': per_pair,
-        'control_dose': dose, 'control_dose_fit': dose_fits(study), 'timeline': timeline_rows(study),
-        'runs': runs_rows(study), 'settings': setting_rows(study),
-        'regime_rows': reg['rows'] if reg else [],
-        'regime_trend': reg['trends'] if reg else []}
+    (per_pair, dose), reg, cells = control_tables(study), regime(study) or {}, robustness_cells(study)
+    t = study.tables = {'claims': claims_table(study, cells), 'cells': cells, 'regime': reg, 'control': per_pair,
+                        'trajectories': trajectory_rows(study), 'control_dose': dose, 'control_dose_fit':
+                        dose_fits(study), 'timeline': timeline_rows(study), 'runs': runs_rows(study),
+                        'settings': setting_rows(study), 'regime_rows': reg.get('rows', []),
+                        'regime_trend': reg.get('trends', [])}
     figs = plots.draw(study, t, pdf, log) if figures else {'files': {}, 'notes': []}
-    files = dict(figs['files'])
-    for stem in ('claims', 'trajectories', 'trajectory_summary', 'control', 'control_dose',
-                 'control_dose_fit', 'timeline', 'runs', 'settings', 'regime_trend'):
+    files = {**figs['files'], **report.map_tables(t['cells'], CLAIM), **folders.table('regime', t['regime_rows'])}
+    for stem in ('claims', 'trajectories', 'control', 'control_dose', 'control_dose_fit', 'timeline', 'runs',
+                 'settings', 'regime_trend'):
         files.update(folders.table(stem, t[stem]))
-    files.update({**folders.table('regime', t['regime_rows']), **report.map_tables(t['cells'], CLAIM)})
     files['REPORT.md'] = report.write(study, t, CLAIMS, figs['notes'], sorted(files))
     study.files = folders.write_files(study.out, files)
     return study
 
 
 # ----------------------------------------------------------------------------- the command line
-def arguments(what):
+OPTIONS = {'runs': [('from_iter', int, None, "where 'from warm-up on' starts; default each run's warmup_iters")],
+           'tokens': [(k, str, '', f"the runs' {k}, where it moved") for k in ('data_file', 'data_dir', 'cache_dir')],
+           'pretrained': [('model', str, None, 'a local folder or a model name'),
+                          ('revisions', str, '', 'comma-separated revisions, or the preset pythia'),
+                          ('text', str, '', "a UTF-8 text; default wiki.test.raw in train.py's data_dir"),
+                          ('rope', str, 'after', 'rotary families: q, k after the rotary embedding (as attention uses '
+                           'them) or before it'), ('n_seqs', int, 8, 'windows of the text'),
+                          ('seq_len', int, 256, 'tokens per window')]}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    what = argv.pop(0) if argv[:1] and argv[0] in OPTIONS else 'runs'
     p = argparse.ArgumentParser(prog=f'analyze.py {what}', description='REPORT.md, tables and figures from run '
                                 'folders; tokens: the token level of their model checkpoints; pretrained: of a '
                                 'pretrained model (needs transformers).')
@@ -660,33 +635,18 @@ def arguments(what):
     p.add_argument('--no_figures', action='store_true', help='tables only')
     p.add_argument('--pdf', action='store_true', help='every figure as PDF too')
     p.add_argument('--device', default='cpu', help='where models run (token level)')
-    options = {'runs': [('from_iter', int, None, "where 'from warm-up on' starts; default each run's warmup_iters")],
-               'tokens': [(k, str, '', f"the runs' {k}, where it moved") for k in ('data_file', 'data_dir',
-                                                                                   'cache_dir')],
-               'pretrained': [('model', str, None, 'a local folder or a model name'),
-                              ('revisions', str, '', 'comma-separated revisions, or the preset pythia'),
-                              ('text', str, '', "a UTF-8 text; default wiki.test.raw in train.py's data_dir"),
-                              ('rope', str, 'after', 'rotary families: q, k after the rotary embedding (as attention '
-                               'uses them) or before it'),
-                              ('n_seqs', int, 8, 'windows of the text'), ('seq_len', int, 256, 'tokens per window')]}
-    for name, kind, default, text in options[what]:
+    for name, kind, default, text in OPTIONS[what]:
         p.add_argument(f'--{name}', type=kind, default=default, help=text, required=name == 'model')
-    return p
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    what = argv.pop(0) if argv[:1] and argv[0] in ('runs', 'tokens', 'pretrained') else 'runs'
-    a, t0 = arguments(what).parse_args(argv), time.time()
+    a, t0 = p.parse_args(argv), time.time()
     try:
         bad = [d for d in getattr(a, 'dirs', []) if not os.path.isdir(d)]
         if bad:
             raise Skip(f'{", ".join(bad)}: not a folder (pass the out_dir of train.py, or a folder above it)')
         if what == 'runs':
-            res = analyze(a.dirs, a.out, a.pdf, not a.no_figures, a.from_iter)
-            rows = [f"{r['key']:<9} {r['verdict'][:46]:<46} {r['scope'][:60]}" for r in res.tables['claims']]
-            res = {'files': res.files, 'lines': [f'{len(res.runs)} runs used, {len(res.skipped)} skipped, '
-                                                 f'{len(res.label)} settings'] + rows}
+            s = analyze(a.dirs, a.out, a.pdf, not a.no_figures, a.from_iter)
+            res = {'files': s.files, 'lines': [f'{len(s.runs)} runs used, {len(s.skipped)} skipped, {len(s.label)} '
+                                               f'settings'] + [f"{r['key']:<9} {r['verdict'][:46]:<46} "
+                                                               f"{r['scope'][:60]}" for r in s.tables['claims']]}
         elif what == 'tokens':
             res = tokens.analyze_tokens(a.dirs, a.out, (a.data_file, a.data_dir, a.cache_dir), a.device, a.pdf,
                                         not a.no_figures)
@@ -697,9 +657,8 @@ def main(argv=None):
     except (Skip, OutError) + ((ImportError, ValueError, OSError) if what == 'pretrained' else ()) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
-    for line in res.get('lines') or [f"{c.key:<9} {verdict_text(judge(c, res['summary'])):<46} "
-                                     f"{shown(c, judge(c, res['summary']))}" for c in CLAIMS if c.unit == 'model']:
-        print(line)
+    model = [(c, judge(c, res.get('summary', []))) for c in CLAIMS if c.unit == 'model']
+    print('\n'.join(res.get('lines') or [f'{c.key:<9} {verdict_text(j):<46} {shown(c, j)}' for c, j in model]))
     hint = f"; `python analyze.py {' '.join(a.dirs)}{' --out=' + a.out if a.out else ''}` puts (f1), (f2) into its " \
            f"REPORT.md" if what == 'tokens' else ''
     print(f"wrote {len(res['files'])} files in {time.time() - t0:.1f}s{hint}" if res['files'] else

@@ -1,26 +1,20 @@
 """
-Run folders in, files out: the analysis' I/O.
+Run folders in, files out: the analysis' I/O. A run folder holds config.json; the analysis reads its config.json,
+done.json (without it the run is unfinished and skipped) and metrics.jsonl(.gz), once, as arrays (Run.m: one
+(records, layers) array per per-layer metric, one (records, layers, heads) array per per-head list; NaN where a key
+was not logged). fig4 alone opens snapshots/, where they exist.
 
-A run folder holds config.json. The analysis reads its config.json, done.json (without it the run is unfinished and
-skipped) and metrics.jsonl or metrics.jsonl.gz, nothing else (fig4 alone opens snapshots/ where they exist). A run is
-loaded once as arrays (Run.m): one (records, layers) array per per-layer metric and one (records, layers, heads)
-array per per-head list (*_heads), over its geometry records; NaN where a key was not logged.
-
-Settings are every config.json key but BOOKKEEPING (where and how a run was written, logged or resumed, and its
-provenance): a key a forker adds is a setting with no edit here, and the data enter as data_sha256, the hash of the
-text's content, not its file name. Runs are seeds of one setting only when every setting is equal. A control arm is
-the values of CONTROL_KEYS; its baseline is the control='none' run with the same other settings and seed.
+Settings are every config.json key but BOOKKEEPING: a key a forker adds is a setting with no edit here, and the data
+enter as data_sha256, the hash of the text's content, not its file name. A control arm is the values of CONTROL_KEYS.
 
 Left out, each with one line: a run whose config.json lacks or mistypes a field of REQUIRED; an unfinished run; a
-duplicate (same settings and seed); a line of metrics.jsonl that is not a record (a cut last line too); a bad
-record, one with a value that is not finite or lies outside its definitional range (bounds: PR outside [1, C] whole
-matrix and token whole, [1, d] per head and for PR_QK; PR 0 is the convention for an all-zero spectrum; entropy
-outside [0, log T]; entropy_norm outside [0, 1]; a negative norm). A metric some seeds of a setting logged and others
-did not is noted; the others keep their series.
+duplicate (same settings and seed); a line of metrics.jsonl that is not a record (a cut last line too); a bad record,
+one with a value not finite or outside its definitional range (bounds: PR outside [1, C] whole matrix and token whole,
+[1, d] per head and for PR_QK, 0 being the convention for an all-zero spectrum; entropy outside [0, log T];
+entropy_norm outside [0, 1]; a negative norm). A metric some seeds of a setting did not log is noted.
 
 Output folders: only files named as the analysis' own, listed in MANIFEST; a file of such a name that the analysis
-did not write stops the whole write before it starts; nothing is deleted; /, a run folder and any folder inside one
-are refused.
+did not write stops the write before it starts; nothing is deleted; /, a run folder and a folder inside one are refused.
 """
 import csv
 import gzip
@@ -65,7 +59,7 @@ class Run:
     done: dict
     iters: np.ndarray            # iterations of the geometry records
     m: dict                      # metric -> (records, layers) or (records, layers, heads)
-    losses: dict                 # iter, train_loss, val_loss of the loss records
+    losses: dict                 # train_loss, val_loss of the loss records
     notes: list
     memo: dict = field(default_factory=dict)
 
@@ -219,10 +213,8 @@ def load_run(path):
     m, iters = layer_arrays(geo, cfg['n_layer'], notes), np.array([r['iter'] for r in geo], dtype=np.int64)
     keep = ~bad_records(m, iters, cfg, notes)
     loss = [r for r in recs if 'val_loss' in r]
-    losses = {'iter': np.array([r['iter'] for r in loss], dtype=np.int64),
-              **{k: np.array([number(r.get(k)) for r in loss]) for k in ('train_loss', 'val_loss')}}
-    for k in ('train_loss', 'val_loss'):
-        losses[k][np.isinf(losses[k])] = np.nan
+    losses = {k: np.array([number(r.get(k)) for r in loss]) for k in ('train_loss', 'val_loss')}
+    losses.update({k: np.where(np.isinf(v), np.nan, v) for k, v in losses.items()})
     return Run(path, cfg, read_json(os.path.join(path, 'done.json')), iters[keep], {k: v[keep] for k, v in m.items()},
                losses, notes)
 
@@ -322,20 +314,6 @@ def table(stem, rows, columns=None):
     return {f'{stem}.csv': buf.getvalue(), f'{stem}.md': markdown(rows, columns)} if rows else {}
 
 
-def parse(text):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {'': None, 'True': True, 'False': False}.get(text, text)
-
-
-def read_table(path, text_columns=()):
-    with open(path, newline='') as f:
-        return [{k: v if k in text_columns else parse(v) for k, v in row.items()} for row in csv.DictReader(f)]
-
-
 def check_out(out):
     """OutError when out is /, a file, a run folder or a folder inside one."""
     real = p = os.path.realpath(out)
@@ -350,8 +328,7 @@ def check_out(out):
 
 
 def write_files(out, files):
-    """Write {name: text or bytes} into out and list them in MANIFEST; OutError, before anything is written, when a
-    file of one of these names is there that the analysis did not write."""
+    """Write {name: text or bytes} into out and MANIFEST; OutError first if one is there that it did not write."""
     check_out(out)
     path = os.path.join(out, MANIFEST)
     try:

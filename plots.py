@@ -5,13 +5,13 @@ the same, the files are a third of the size).
 
     fig1_pr_over_training   PR_Q (solid), PR_K (dashed) per layer, a panel per uncontrolled setting (seed mean, band)
     fig2_pr_gap             PR_Q - PR_K along every trajectory
-    fig3_entropy_and_pr     entropy over training per setting; PR_K and PR_QK against entropy
+    fig3_entropy_and_pr     entropy over training per setting; PR_K and PR_QK against entropy; per head, entropy
+                            against the logit scale coloured by PR_K (shape beyond scale)
     fig4_spectra            singular values of W_Q, W_K, W_QK at the first and last snapshot: the one figure that
                             reads snapshots/, drawn from the runs that kept them, skipped with one line otherwise
-    fig5_control            per arm family: the controlled PR and the entropy over training, the paired entropy changes
-    fig8_scale_shape        per-head entropy against the logit scale, coloured by PR_K
+    fig5_control            per arm family: the controlled PR and the entropy over training; the dose response, each
+                            seed pair's entropy change against the change in the controlled PR it achieved
     fig9_regime             each claim per regime point along each axis, a line per line of points
-    fig10_dose_response     the entropy change against the achieved per-head PR_K change, per shrink arm family
 """
 import io
 import os
@@ -61,23 +61,19 @@ def iteration_axis(ax, ylabel=None, title=None):
     ax.set(xlabel='iteration', **({'ylabel': ylabel} if ylabel else {}), **({'title': title} if title else {}))
 
 
-def settings_of(study, controlled=False):
-    """{setting name: its runs}, uncontrolled only unless controlled."""
-    groups = group([r for r in study.runs if controlled or r.control == 'none'], lambda r: study.label[r.setting])
-    if not groups:
-        raise Skip('no uncontrolled runs')
-    return groups
-
-
-def panels(n, w=4.2, h=3.2):
-    cols = min(n, 4)
-    fig = Figure(layout='constrained', figsize=(w * cols, h * -(-n // cols)))
-    return fig, list(fig.subplots(-(-n // cols), cols, squeeze=False).flat)
+def settings_of(study):
+    """{setting name: its uncontrolled runs}."""
+    groups = group([r for r in study.runs if r.control == 'none'], lambda r: study.label[r.setting])
+    if groups:
+        return groups
+    raise Skip('no uncontrolled runs')
 
 
 def pr_over_training(study, t):
     groups = settings_of(study)
-    fig, axes = panels(len(groups))
+    cols, rows = min(len(groups), 4), -(-len(groups) // 4)
+    fig = Figure(layout='constrained', figsize=(4.2 * cols, 3.2 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False).flat
     colors = colormaps['viridis'](np.linspace(0, 0.9, max(r.n_layer for g in groups.values() for r in g)))
     for ax, (name, runs) in zip(axes, groups.items()):
         for key, style in (('pr_q', '-'), ('pr_k', '--')):
@@ -87,7 +83,7 @@ def pr_over_training(study, t):
                         label=f'layer {i}' if style == '-' else None)
                 ax.fill_between(its, v[:, :, i].min(0), v[:, :, i].max(0), color=colors[i], alpha=0.15)
         iteration_axis(ax, title=f'{name} ({len(runs)} seeds)')
-    axes[0].legend(fontsize=7, title='solid PR_Q, dashed PR_K', title_fontsize=7)
+    fig.axes[0].legend(fontsize=7, title='solid PR_Q, dashed PR_K', title_fontsize=7)
     fig.suptitle('PR_Q and PR_K over training (seed mean, min-max band)')
     return fig
 
@@ -107,8 +103,8 @@ def pr_gap(study, t):
 
 def entropy_and_pr(study, t):
     groups = settings_of(study)
-    fig = Figure(layout='constrained', figsize=(15, 4.3))
-    ax_h, *scatter = fig.subplots(1, 3)
+    fig = Figure(layout='constrained', figsize=(20, 4.3))
+    ax_h, *scatter, ax_s = fig.subplots(1, 4)
     for name, runs in groups.items():
         its, h = stack(runs, 'entropy')
         ax_h.plot(its, stats.nanmean(h, 0).mean(1), lw=1.1, label=name)
@@ -121,6 +117,14 @@ def entropy_and_pr(study, t):
         sc = ax.scatter(x, np.concatenate([r.m['entropy'].ravel() for r in runs]), c=color, s=4, alpha=0.6, lw=0)
         ax.set(xlabel=key, ylabel='attention entropy (nats)', title=f'{key} against entropy (runs, layers, records)')
     fig.colorbar(sc, ax=scatter, label='log10(1 + iteration)')
+    keys = ('qk_spec_norm_heads', 'entropy_heads', 'pr_k_heads')   # shape beyond scale: per head, from warm-up on
+    s, h, k = (np.concatenate([r.m[key][r.iters >= r.cfg['warmup_iters']].ravel() for r in runs
+                               if set(keys) <= set(r.m)] or [np.zeros(0)]) for key in keys)
+    order = np.argsort(k)[::-1]
+    fig.colorbar(ax_s.scatter(np.log10(s[order]), h[order], c=k[order], s=5, alpha=0.7, lw=0), ax=ax_s,
+                 label='PR_K of the head')
+    ax_s.set(xlabel='log10 ||W_QK^h||_2 (logit scale)', ylabel='entropy of the head (nats)',
+             title='per (run, layer, head, record) from the end of warm-up on')
     return fig
 
 
@@ -155,7 +159,8 @@ def control(study, t):
     fams = families(study.arms)
     if not fams:
         raise Skip('no controlled runs paired with a baseline')
-    fig = Figure(layout='constrained', figsize=(15, 4.2 * len(fams)))
+    fig, fits = Figure(layout='constrained', figsize=(15, 4.2 * len(fams))), {(r['setting'], r['arm']): r for r in
+                                                                              t['control_dose_fit']}
     for axes, ((setting, rest), keys) in zip(fig.subplots(len(fams), 3, squeeze=False), fams.items()):
         key, colors = f"pr_{dict(rest)['control_target']}_head", colormaps['Blues'](np.linspace(0.45, 0.95, len(keys)))
         lines = [('none', list(dict.fromkeys(b for k in keys for _, b in study.arms[k])), 'k')]
@@ -164,40 +169,30 @@ def control(study, t):
             for ax, metric in zip(axes, (key, 'entropy')):
                 its, v = stack(runs, metric)
                 ax.plot(its, stats.nanmean(v, 0).mean(1), color=color, label=f'{label} ({len(runs)})')
-        for x, k in enumerate(keys):
-            d = [c.final('entropy') - b.final('entropy') for c, b in study.arms[k]]
-            m, lo, hi, _ = stats.t_interval(d)
-            axes[2].scatter([x] * len(d), d, color=colors[x], s=16)
-            axes[2].errorbar([x + 0.2], [m], yerr=np.nan_to_num([[m - lo], [hi - m]]), fmt='D', color='k', capsize=4)
-        axes[2].set_xticks(range(len(keys)), [study.arm_name(k[1]) for k in keys], fontsize=7, rotation=15)
-        axes[2].set_xlim(-0.5, len(keys) - 0.3)
+        xs, ys = [], []
+        for color, k in zip(colors, keys):   # the dose response: each pair at the change it achieved
+            x, y = ([c.final(m) - b.final(m) for c, b in study.arms[k]] for m in (key, 'entropy'))
+            axes[2].scatter(x, y, color=color, s=16)
+            xs, ys = xs + x, ys + y
+            (mx, *_), (my, lo, hi, _) = stats.t_interval(x), stats.t_interval(y)
+            axes[2].errorbar([mx], [my], yerr=np.nan_to_num([[my - lo], [hi - my]]), fmt='D', color=color, mec='k',
+                             capsize=4)
+        fit = fits.get((study.label[setting], study.arm_name(rest)))
+        if fit and np.isfinite(fit['slope']):   # least squares passes through the points' mean
+            x0 = np.array([min(xs), max(xs)])
+            axes[2].plot(x0, np.nanmean(ys) + fit['slope'] * (x0 - np.nanmean(xs)), 'k:', label=f"slope "
+                         f"{fit['slope']:+.3g} [{fit['slope_lo']:+.3g}, {fit['slope_hi']:+.3g}]")
+            axes[2].legend(fontsize=7)
         axes[2].axhline(0, color='k', lw=0.8)
-        axes[2].set(ylabel='final entropy, controlled - baseline', title='per seed pair; mean and t interval')
+        axes[2].set(xlabel=f'{key} change', ylabel='final entropy change', title='controlled - baseline per seed pair; '
+                    'arm mean, t interval')
         iteration_axis(axes[0], key + ' (layer mean)', study.label[setting])
         iteration_axis(axes[1], 'entropy (layer mean)')
         axes[0].legend(fontsize=7)
     return fig
 
 
-def scale_shape(study, t):
-    keys, pts = ('qk_spec_norm_heads', 'entropy_heads', 'pr_k_heads'), []
-    for r in (r for g in settings_of(study).values() for r in g if set(keys) <= set(r.m)):
-        s, h, k = (r.m[key][r.iters >= r.cfg['warmup_iters']].ravel() for key in keys)
-        pts.append((np.log10(s[s > 0]), h[s > 0], k[s > 0]))
-    if not pts or not sum(len(p[0]) for p in pts):
-        raise Skip('no per-head entropy, PR_K and qk_spec_norm from the end of warm-up on')
-    scale, ent, pr_k = (np.concatenate(v) for v in zip(*pts))
-    fig = Figure(layout='constrained', figsize=(7, 4.6))
-    ax = fig.subplots()
-    order = np.argsort(pr_k)[::-1]
-    fig.colorbar(ax.scatter(scale[order], ent[order], c=pr_k[order], s=5, alpha=0.7, lw=0), ax=ax,
-                 label='PR_K of the head')
-    ax.set(xlabel='log10 ||W_QK^h||_2 (logit scale)', ylabel='entropy of the head (nats)',
-           title='(run, layer, head, record) from the end of warm-up on')
-    return fig
-
-
-def regime(study, t):
+def regime_points(study, t):
     trends = [r for r in t['regime_trend'] if r['position'] == 'all' and not r['statistic'].startswith(('d_', 'ratio'))]
     names, axes = list(dict.fromkeys(r['statistic'] for r in trends)), list(dict.fromkeys(r['axis'] for r in trends))
     if not names:
@@ -224,30 +219,6 @@ def regime(study, t):
     return figs
 
 
-def dose_response(study, t):
-    fams = {k: v for k, v in families(study.arms, 'shrink').items() if dict(k[1])['control_target'] == 'k'}
-    if not fams:
-        raise Skip('no shrink arms of W_K paired with a baseline')
-    fig, axes = panels(len(fams), 5.5, 4.4)
-    fits = {(r['setting'], r['arm']): r for r in t['control_dose_fit']}
-    for ax, ((setting, rest), keys) in zip(axes, fams.items()):
-        xs, ys = [], []
-        for color, k in zip(colormaps['Blues'](np.linspace(0.45, 0.95, len(keys))), keys):
-            x = [c.final('pr_k_head') - b.final('pr_k_head') for c, b in study.arms[k]]
-            y = [c.final('entropy') - b.final('entropy') for c, b in study.arms[k]]
-            ax.scatter(x, y, color=color, s=16, label=study.arm_name(k[1]))
-            xs, ys = xs + x, ys + y
-        fit = fits.get((study.label[setting], study.arm_name(rest)))
-        if fit and np.isfinite(fit['slope']):
-            grid = np.linspace(min(xs + [0]), max(xs + [0]), 20)
-            ax.plot(grid, np.nanmean(ys) + fit['slope'] * (grid - np.nanmean(xs)), 'k-', lw=1,
-                    label=f"slope {fit['slope']:+.3g} [{fit['slope_lo']:+.3g}, {fit['slope_hi']:+.3g}]")
-        ax.axhline(0, color='k', lw=0.6)
-        ax.set(xlabel='per-head PR_K change', ylabel='final entropy change', title=study.label[setting])
-        ax.legend(fontsize=7)
-    return fig
-
-
 FIGURES = [('fig1_pr_over_training', pr_over_training), ('fig2_pr_gap', pr_gap),
            ('fig3_entropy_and_pr', entropy_and_pr), ('fig4_spectra', spectra), ('fig5_control', control),
-           ('fig8_scale_shape', scale_shape), ('fig9_regime', regime), ('fig10_dose_response', dose_response)]
+           ('fig9_regime', regime_points)]

@@ -41,15 +41,15 @@ def verdict_text(res):
 
 def rule(claim):
     side = ('above', 'below') if claim.sign > 0 else ('below', 'above')
-    margin = f', no effect if inside [{claim.ref - claim.margin:g}, {claim.ref + claim.margin:g}]' if claim.margin else ''
+    lo, hi = claim.ref - claim.margin, claim.ref + claim.margin
+    margin = f', no effect if inside [{lo:g}, {hi:g}]' if claim.margin else ''
     return (f"`{claim.key}`: per {UNITS[claim.unit][0]}, {claim.stat}; the {stats.LEVEL:.0%} "
             f"{'Wilson' if claim.unit == 'trajectory' else 'Student-t'} interval over {UNITS[claim.unit][1]}: holds if "
             f"it lies {side[0]} {claim.ref:g}, reversed if {side[1]}{margin}, else undecided")
 
 
 def map_tables(cells, claims):
-    """robustness_map (the claims) and descriptive (statistics without a prediction): every cell in .csv; in .md a row
-    per statistic, a column per lens and window, then the decay and keep columns."""
+    """robustness_map (claims) and descriptive: every cell in .csv, in .md a row per statistic, a column per view."""
     out, columns = {}, [f'{lens}, {w}' for lens in ('whole', 'head', 'tok', 'learned') for w in ('all', 'warmup')]
     columns += ['decay on W_Q, W_K', 'no decay on W_Q, W_K', 'keep=fro', 'keep=spec']
     for stem, mine in (('robustness_map', [c for c in cells if claims[c['key']].sign]),
@@ -83,22 +83,17 @@ def write(study, t, claims, figure_notes, files):
          'verdict is computed from the run folders by the rules printed here.', '', '## Claims', '',
          folders.markdown(rows, ['claim', 'in', 'value', 'verdict']), '### Rules', '']
     L += [f'- {rule(by_key[k])}.' for k in dict.fromkeys(r['key'] for r in t['claims'])]
-    L += ['', 'Each interval is over independent units; sign tests (control_dose) are printed and gate nothing. (a) '
-          'counts a trajectory that holds from every reference record (the end of warm-up, twice that, 10% of '
-          'training). (d) is judged at the strongest shrink dose whose per-head PR_K change has its interval below '
-          '-20% of the baseline\'s (control_dose). Trajectories are seed means over the iterations every seed logged.',
-          '']
-    L += section('Robustness map', 'The claims in every lens (whole-matrix and per-head weight PR, token-level PR, '
-                 'the learned part W - W(0)) and window over every uncontrolled run; in their own view with and '
-                 'without weight decay on W_Q, W_K; (d), (e) per (setting, arm) by control_keep. "-": the lens has no '
-                 'per-head values.', files, 'robustness_map.md')
-    L += section('Descriptive statistics', 'Without a predicted sign, in every lens and window: links across heads '
-                 'beside those of (c), the logit scale against the shape (|scale: the partial correlation given log '
-                 '||W_QK^h||_2), correlations within runs over time (two trending series correlate, linked or not).',
-                 files, 'descriptive.md') + figures(files, 'fig8_')
-    L += ['## Trajectories', '', folders.markdown(t['trajectory_summary']) if t['trajectory_summary'] else
-          'No trajectory (fewer than 2 records in a window).\n'] + sum((figures(files, f'fig{i}_') for i in range(1, 5)),
-                                                                     [])
+    L += ['', 'Intervals are over independent units; sign tests (control_dose) gate nothing. (a): from the end of '
+          'warm-up, twice that and 10% of training. (d): at the strongest shrink dose whose per-head PR_K change lies '
+          'below -20% of the baseline\'s.', '']
+    L += section('Robustness map', 'Each claim in every lens and window over every uncontrolled run, in its own '
+                 'view with and without weight decay on W_Q, W_K; (d), (e) by control_keep. "-": no per-head values.',
+                 files, 'robustness_map.md')
+    L += section('Descriptive statistics', 'Without a predicted sign: links across heads beside (c); |scale: given log '
+                 '||W_QK^h||_2; within runs over time, which two trends show linked or not.', files, 'descriptive.md')
+    L += section('Trajectories', 'Per setting, layer, lens and window: the seed-mean trajectory\'s ends, gap, ratio, '
+                 '(a) from each reference and (b).', files, 'trajectories.md')
+    L += sum((figures(files, f'fig{i}_') for i in range(1, 5)), [])
     L += control_lines(t, files) + regime_lines(t, files) + token_lines(study)
     L += ['## Settings', '', f'Seeds of one setting share every config.json key but {", ".join(folders.BOOKKEEPING)}.',
           '', folders.markdown(t['settings'])]
@@ -120,16 +115,15 @@ def figures(names, prefix):
 def control_lines(t, files):
     if not t['control_dose']:
         return ['## Control experiment', '', 'No controlled run paired with a baseline.', '']
-    L = ['## Control experiment', '', 'Final values, controlled - baseline (the control=none run with the same other '
-         'settings and seed), over seed pairs. pr_head: the per-head PR of the controlled projection; k_spec_norm: '
-         'the top singular value of W_K^h, mean over heads, as logged. control_keep=spec keeps the top singular '
-         'value each step sets; it does not fix the logit scale over training (the qk_spec_norm column).', '',
+    L = ['## Control experiment', '', 'Final values, controlled - baseline (the control=none run of the same other '
+         'settings and seed), over seed pairs; pr_head: of the controlled projection; k_spec_norm as logged. '
+         'control_keep=spec keeps the top singular value each step sets, not the logit scale (qk_spec_norm).', '',
          folders.markdown(t['control_dose'])]
     if t['control_dose_fit']:
-        L += ['Dose response over the shrink doses x seeds of an arm family: least squares of the entropy change on '
-              'the per-head PR change (slope) and on it with the change in log qk_spec_norm (pr_coef, scale_coef); '
-              'jackknife-t intervals over seeds.', '', folders.markdown(t['control_dose_fit'])]
-    return L + figures(files, 'fig5_') + figures(files, 'fig10_')
+        L += ['Dose response over the doses x seeds of an arm family: the entropy change on the per-head PR change '
+              '(slope), and on it with the change in log qk_spec_norm; jackknife-t over seeds.', '',
+              folders.markdown(t['control_dose_fit'])]
+    return L + figures(files, 'fig5_')
 
 
 def regime_lines(t, files):
@@ -144,14 +138,13 @@ def regime_lines(t, files):
     trends = [{**{k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading', 'verdicts')},
                'slope per doubling': f"{signed(r['slope'])} [{signed(r['lo'])}, {signed(r['hi'])}]"}
               for r in t['regime_trend'] if r['position'] == 'all']
-    return ['## Regime', '', f'{len(points)} regime points (uncontrolled settings, named by how they differ), each '
-            'claim over its own units, all layers (regime.md: each layer position).', '',
-            folders.markdown([r for r in pivot.values() if r['n']], ['statistic'] + points), '### Trends', '',
-            'A line holds every other setting fixed (one that is a constant multiple of the axis moves with it). The '
-            'slope per doubling is fitted to the units\' values, its t interval from the residuals; a lack-of-fit F '
-            'test with p < 0.05 reads "no linear trend" and lists the point means. Nothing is projected beyond the '
-            'points.', '', folders.markdown(trends) if trends else 'No numeric setting with two points on a line.\n'] \
-        + figures(files, 'fig9_')
+    return ['## Regime', '', f'{len(points)} points (uncontrolled settings), each claim over its own units, all layers '
+            '(regime.md: by layer position).', '', folders.markdown([r for r in pivot.values() if r['n']],
+                                                                   ['statistic'] + points), '### Trends', '',
+            'Slopes per doubling fitted to the units\' values along lines that hold every other setting fixed; a '
+            'lack-of-fit F test with p < 0.05 reads "no linear trend". Nothing is projected beyond the points.', '',
+            folders.markdown(trends) if trends else 'No numeric setting with two points on a line.\n'] + \
+        figures(files, 'fig9_')
 
 
 def token_lines(study):
@@ -168,17 +161,17 @@ def token_lines(study):
 def confounds(study):
     """Weight decay on W_Q, W_K; the random init's PR near C/2; learning rate and length; near-uniform records."""
     runs, base = study.runs, [r for r in study.runs if r.control == 'none']
-    notes = [f'weight decay {w} {"on" if d and w else "not on"} W_Q, W_K in {n} run(s): decay shrinks both spectra.'
+    notes = [f'weight decay {w} {"on" if d and w else "not on"} W_Q, W_K in {n} run(s): it shrinks both spectra.'
              for (w, d), n in sorted(Counter((r.cfg['weight_decay'], r.cfg['decay_qk']) for r in runs).items())]
     start = folders.group([r for r in base if len(r.iters) and r.iters[0] == 0 and 'pr_q' in r.m],
                           lambda r: r.cfg['qk_init'])
+    ratio = {i: np.mean([np.nanmean(r.m['pr_q'][0]) / r.C for r in rs]) for i, rs in start.items()}
     notes += ['a random (C, C) matrix starts near PR = C/2 (an orthogonal one at C): early training lowers every PR; '
-              'at iteration 0 ' + '; '.join(f"{i}: PR_Q/C = {np.mean([np.nanmean(r.m['pr_q'][0]) / r.C for r in rs]):.2f}"
-                                            for i, rs in start.items()) + '.'] * bool(start)
+              'at iteration 0 ' + '; '.join(f'{i}: PR_Q/C = {v:.2f}' for i, v in ratio.items()) + '.'] * bool(start)
     notes.append('learning rate, warm-up and length set how fast both PRs move: ' + '; '.join(
         f'lr {a}, warmup_iters {b}, max_iters {c} in {n} run(s)' for (a, b, c), n in sorted(Counter(
             (r.cfg.get('lr'), r.cfg['warmup_iters'], r.cfg['max_iters']) for r in runs).items(), key=str)) + '.')
     near = [r.m['entropy_norm'][r.iters >= r.cfg['warmup_iters']].mean(1) for r in base if 'entropy_norm' in r.m]
     return notes + [f'{sum(int((v >= NEAR_UNIFORM).sum()) for v in near)} of the {sum(map(len, near))} records from '
-                    f'warm-up on have near-uniform attention (layer-mean entropy_norm >= {NEAR_UNIFORM}), where entropy '
-                    f'differs across heads by round-off.'] * bool(near)
+                    f'warm-up on have near-uniform attention (layer-mean entropy_norm >= {NEAR_UNIFORM}), where '
+                    f'entropy differs across heads by round-off.'] * bool(near)

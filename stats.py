@@ -56,18 +56,14 @@ def betainc(a, b, x):
     return front * (f - 1)
 
 
-def t_cdf(t, df):
-    tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))
-    return 1 - tail if t > 0 else tail
-
-
 @functools.lru_cache(maxsize=None)
 def t_quantile(p, df):
-    """The p-quantile (p > 0.5) of Student's t with df degrees of freedom, by bisection of t_cdf."""
+    """The p-quantile (p > 0.5) of Student's t with df degrees of freedom: bisection of its tail
+    P(T > t) = I_{df / (df + t^2)}(df / 2, 1 / 2) / 2."""
     lo, hi = 0.0, 1e4
     for _ in range(100):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+        lo, hi = (mid, hi) if 1 - 0.5 * betainc(df / 2, 0.5, df / (df + mid * mid)) < p else (lo, mid)
     return (lo + hi) / 2
 
 
@@ -90,15 +86,11 @@ def nanmean(a, axis=None):
 def t_interval(values):
     """(mean, lo, hi, n) of the finite values: Student-t interval of the mean; no interval below 2 units."""
     v = np.asarray(values, dtype=float)
-    v = v[np.isfinite(v)]
-    n = len(v)
-    if n == 0:
-        return math.nan, math.nan, math.nan, 0
-    m = float(v.mean())
-    if n < 2:
-        return m, math.nan, math.nan, 1
-    half = t_quantile(0.5 + LEVEL / 2, n - 1) * float(v.std(ddof=1)) / math.sqrt(n)
-    return m, m - half, m + half, n
+    v, m = v[np.isfinite(v)], nanmean(v)
+    if len(v) < 2:
+        return m, math.nan, math.nan, len(v)
+    half = t_quantile(0.5 + LEVEL / 2, len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v))
+    return m, m - half, m + half, len(v)
 
 
 def wilson(k, n):
@@ -137,14 +129,10 @@ def ranks(a):
     return (y < x).sum(-1) + ((y == x).sum(-1) + 1) / 2
 
 
-def _moments(x, y):
-    xc, yc = x - x.mean(-1, keepdims=True), y - y.mean(-1, keepdims=True)
-    return (xc * yc).sum(-1), (xc * xc).sum(-1), (yc * yc).sum(-1)
-
-
 def pearson_rows(x, y):
     x, y = np.broadcast_arrays(np.asarray(x, dtype=float), np.asarray(y, dtype=float))
-    xy, xx, yy = _moments(x, y)
+    xc, yc = x - x.mean(-1, keepdims=True), y - y.mean(-1, keepdims=True)
+    xy, xx, yy = (xc * yc).sum(-1), (xc * xc).sum(-1), (yc * yc).sum(-1)
     with np.errstate(invalid='ignore', divide='ignore'):
         r = xy / np.sqrt(xx * yy)
     tiny = (xx <= 1e-24 * np.maximum(1, (x * x).sum(-1))) | (yy <= 1e-24 * np.maximum(1, (y * y).sum(-1)))

@@ -1,6 +1,7 @@
 """The token level and the whole pipeline end to end: two tiny runs trained by train.py, `analyze.py tokens` against
 what train.py logged, the report with claims (f1), (f2); the pretrained-family adapters against each model's own
 attention (tiny random models built from configs: nothing is downloaded)."""
+import csv
 import json
 import math
 import os
@@ -47,7 +48,7 @@ def test_train_then_tokens_then_the_report_end_to_end(trained, capsys):
     out = trained / 'analysis'
     assert analyze.main(['tokens', str(trained / 'out'), f'--out={out}']) == 0
     assert 'puts (f1), (f2) into its REPORT.md' in capsys.readouterr().out
-    rows = folders.read_table(out / 'tokens.csv', tokens.TEXT)
+    rows = json.load(open(out / 'tokens.json'))['layers']
     assert len({r['model'] for r in rows}) == 2 and {r['setting'] for r in rows} == {'base'}
     for r in rows:   # the same evaluation batch and weights as in training: the same numbers
         logged = {rec['iter']: rec for rec in map(json.loads, open(os.path.join(r['model'], 'metrics.jsonl')))}
@@ -59,8 +60,8 @@ def test_train_then_tokens_then_the_report_end_to_end(trained, capsys):
     assert '2 runs used, 0 skipped, 1 settings' in printed and 'f2 ' in printed
     report = (out / 'REPORT.md').read_text()
     assert '### our checkpoints' in report and 'fig6_tokens.png' in report and '![fig1_pr_over_training.png]' in report
-    claims = {r['key']: r for r in folders.read_table(out / 'claims.csv')}
-    assert claims['f2']['n'] == 2 and claims['f2']['scope'] == 'our checkpoints: 2 series'
+    claims = {r['key']: r for r in csv.DictReader(open(out / 'claims.csv'))}
+    assert claims['f2']['n'] == '2' and claims['f2']['scope'] == 'our checkpoints: 2 series'
     assert claims['a']['scope'].startswith('2 uncontrolled runs in 1 settings')
     assert {'fig1_pr_over_training.png', 'fig3_entropy_and_pr.png', 'fig6_tokens.png'} <= set(os.listdir(out))
 
@@ -107,7 +108,8 @@ FAMILIES = {'gpt2': ('GPT2Config', dict(n_layer=2, n_embd=32, n_head=4, vocab_si
                                          initializer_range=0.3)),
             'gpt_neox': ('GPTNeoXConfig', SMALL), 'llama': ('LlamaConfig', dict(SMALL, num_key_value_heads=2)),
             'opt': ('OPTConfig', dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, ffn_dim=64,
-                                      vocab_size=100, max_position_embeddings=64, word_embed_proj_dim=32, init_std=0.3)),
+                                      vocab_size=100, max_position_embeddings=64, word_embed_proj_dim=32,
+                                      init_std=0.3)),
             'bert': ('BertConfig', SMALL)}
 
 
@@ -131,9 +133,7 @@ def test_the_captured_queries_and_keys_give_the_model_s_own_attention(tf, name):
     fam = tokens.family_of(model.config)[1]
     layers, atts = tokens.capture_qk(model, ids)
     H = model.config.num_attention_heads
-    for (variants,), att, model_att, g in zip([list(v.values()) for v in layers], atts, attentions,
-                                             tokens.pretrained_tokens(model, ids)):
-        q, k = variants
+    for (q, k), att, model_att, metrics in zip(layers, atts, attentions, tokens.pretrained_tokens(model, ids)):
         d = q.shape[-1] // H
         kh = k.view(2, 12, -1, d).transpose(1, 2).repeat_interleave(H * d // k.shape[-1], dim=1)
         logits = q.view(2, 12, H, d).transpose(1, 2) @ kh.transpose(-2, -1) / math.sqrt(d)
@@ -141,7 +141,6 @@ def test_the_captured_queries_and_keys_give_the_model_s_own_attention(tf, name):
             logits = logits.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float('-inf'))
         torch.testing.assert_close(logits.softmax(-1), model_att, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(att, model_att)
-        metrics = next(iter(g.values()))
         assert metrics['tok_pr_q'] == pytest.approx(geometry.activation_pr(q.reshape(-1, q.shape[-1])), rel=1e-9)
         if fam.causal:
             assert metrics['entropy'] == pytest.approx(geometry.mean_attention_entropy(model_att), rel=1e-9)
@@ -164,7 +163,7 @@ def test_a_local_checkpoint_series_enters_the_report(tf, tmp_path, capsys):
     args = ['pretrained', f'--model={tmp_path / "neox"}', '--revisions=' + ','.join(f'step{s}' for s in
             (0, 1, 2, 4, 8, 16)), f'--text={tmp_path / "sample.txt"}', '--n_seqs=2', '--seq_len=16', f'--out={out}']
     assert analyze.main(args) == 0
-    summary = folders.read_table(out / 'pretrained_summary.csv', tokens.TEXT)
+    summary = json.load(open(out / 'pretrained.json'))['summary']
     assert [(r['rope'], r['ckpts'], r['layers']) for r in summary] == [('after', 6, 2)]
     import test_analyze
     test_analyze.study(tmp_path / 'runs')

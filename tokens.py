@@ -1,23 +1,21 @@
 """
-Token-level analysis of checkpoints: query/key geometry of activations, not weights (geometry.token_geometry),
-followed over checkpoints as the contrast tok_pr_q - tok_pr_k. `python analyze.py tokens out/` measures our runs'
-models/model_*.pt, `python analyze.py pretrained --model=NAME --revisions=pythia` a pretrained series; then
-`python analyze.py out/` puts claims (f1), (f2) into REPORT.md.
+Token-level analysis of checkpoints: query/key geometry of activations (geometry.token_geometry), followed over
+checkpoints as the contrast tok_pr_q - tok_pr_k: `python analyze.py tokens out/` for our runs' models/model_*.pt,
+`python analyze.py pretrained --model=NAME --revisions=pythia` for a pretrained series, then `python analyze.py out/`.
 
 Our checkpoints run their run's fixed evaluation batch, rebuilt as train.py builds it (prepare.prepare_data on its
-config.json, train.eval_batch): their numbers equal those logged at that iteration. A text that moved is named with
-its override; one whose SHA-256 is not data_sha256 is refused. Series are grouped by setting, never across widths.
-Pretrained models (transformers, imported only here) load in float32 with eager attention from PATH/REVISION when
-there, else the hub's cache, and run windows of a text (--text, default wiki.test.raw in train.py's data_dir) with the
-tokenizer's own special tokens. FAMILIES: one adapter per family. Rotary families: q, k as attention uses them
-(--rope=after, turned by the model's own apply_rotary_pos_emb) or as projected (before). GQA: query head h uses key
-head h // (n_q / n_kv). Encoders: the entropy of every row over all T keys, normalised by log T.
+config.json, train.eval_batch): their numbers equal those logged. A moved text is named with its override; one whose
+SHA-256 is not data_sha256 is refused. Pretrained models (transformers, imported only here) load in float32 with eager
+attention from PATH/REVISION or the hub's cache and run windows of a text (--text; default wiki.test.raw in train.py's
+data_dir) in the tokenizer's own special tokens; FAMILIES holds one adapter per family. Rotary: q, k as attention
+uses them (--rope=after) or as projected (before). GQA: query head h uses key head h // (n_q / n_kv). Encoders: the
+entropy of every row over all T keys, normalised by log T.
 
-Tables (tokens* or pretrained*): per (series, step, layer) and per head; *_trend per (series, layer): Spearman of the
-contrast with log(1 + step) over all, the early (log step <= its median) and the late (>= it) checkpoints; *_link per
-checkpoint: Spearman of tok_pr_qk with entropy across (layer, head) pairs; *_summary per series (layer
-means, the link at the last checkpoint): the units of (f1), (f2). tokens_runs names the runs measured by the SHA-256
-of config.json and done.json: the report counts the tables only for those runs.
+Per series (one model's checkpoints, grouped by setting for ours) and layer (*_trend): Spearman of the contrast with
+log(1 + step) over all, the early (log step <= its median) and the late (>= it) checkpoints. Per checkpoint (*_link):
+Spearman of tok_pr_qk with entropy across its (layer, head) pairs. *_summary: per series, the layer means and the
+link at the last checkpoint, the units of (f1), (f2). prefix.json holds the rows, and tokens_runs the runs measured
+(SHA-256 of config.json and done.json): the report counts token rows only for these runs as they are.
 """
 import glob
 import hashlib
@@ -43,19 +41,19 @@ import train
 from folders import Skip, group
 
 SERIES = ('model', 'family', 'rope', 'setting', 'control', 'seed')
-TEXT = set(SERIES) | {'revision', 'run', 'config_sha256', 'done_sha256'}
 SOURCES = {'tokens': 'our checkpoints', 'pretrained': 'pretrained models'}
 
 
 # ----------------------------------------------------------------------------- our checkpoints
 def evaluation_batch(cfg, data_file='', data_dir='', cache_dir=''):
     """The run's fixed evaluation batch as train.py builds it; a non-empty argument overrides config.json's."""
-    cfg = {**cfg, **{k: v for k, v in zip(('data_file', 'data_dir', 'cache_dir'), (data_file, data_dir, cache_dir)) if v}}
+    cfg = dict(cfg)
+    cfg.update({k: v for k, v in zip(('data_file', 'data_dir', 'cache_dir'), (data_file, data_dir, cache_dir)) if v})
     needs = [cfg['data_file']] if cfg.get('data_file') else [os.path.join(cfg.get('data_dir', ''), n) for n in (
         ('wiki.test.raw',) if cfg.get('dataset') == 'wikitext103-test' else ('wiki.train.raw', 'wiki.valid.raw'))]
     if not all(map(os.path.isfile, needs)):
-        raise Skip(f"its text {', '.join(needs)} is not there; pass --{'data_file' if cfg.get('data_file') else 'data_dir'}"
-                   f" to the same text")
+        flag = 'data_file' if cfg.get('data_file') else 'data_dir'
+        raise Skip(f"its text {', '.join(needs)} is not there; pass --{flag} to the same text")
     try:
         _, val, meta = prepare.prepare_data(cfg)
     except SystemExit as e:
@@ -96,8 +94,7 @@ def measure_run(path, cfg, x, device):
 
 
 def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', pdf=False, figures=True, log=print):
-    """Token metrics of every model checkpoint of every run under paths: tokens* tables and fig6_tokens in out. A run
-    that cannot be measured is skipped with one line."""
+    """Token metrics of every model checkpoint of the runs under paths (one that cannot be measured: one line)."""
     out = out or os.path.join(paths[0], 'analysis')
     folders.check_out(out)
     layer_rows, head_rows, runs, cfgs, batches = [], [], [], {}, {}
@@ -120,19 +117,16 @@ def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', pdf=Fa
     names = dict(zip(cfgs, folders.labels(settings, folders.varying(settings))))
     for r in layer_rows + head_rows:
         r['setting'] = names[r['model']]
-    return finish(out, 'tokens', layer_rows, head_rows, lambda r: r['setting'], figures, pdf,
-                  folders.table('tokens_runs', runs))
+    return finish(out, 'tokens', layer_rows, head_rows, lambda r: r['setting'], figures, pdf, runs)
 
 
 def token_tables(out, runs, warn):
     """{source: summary rows} of the token tables in out; ours only for these runs as they are now (name, SHA-256 of
     config.json and done.json), with a warning naming the others and the runs not measured."""
-    path = lambda stem: os.path.join(out, f'{stem}.csv')
-    found = {src: folders.read_table(path(f'{p}_summary'), TEXT) for p, src in SOURCES.items()
-             if os.path.isfile(path(f'{p}_summary'))}
-    if 'our checkpoints' in found:
-        made = {r['model']: (r['run'], r['config_sha256'], r['done_sha256'] or '') for r in folders.read_table(
-            path('tokens_runs'), TEXT)} if os.path.isfile(path('tokens_runs')) else {}
+    found = {p: json.load(open(os.path.join(out, f'{p}.json'))) for p in SOURCES
+             if os.path.isfile(os.path.join(out, f'{p}.json'))}
+    if 'tokens' in found:
+        made = {r['model']: (r['run'], r['config_sha256'], r['done_sha256']) for r in found['tokens']['runs']}
         ours = {identity(r.path): r for r in runs}
         others = sorted(m for m, ident in made.items() if ident not in ours)
         lacking = [r.path for ident, r in ours.items() if checkpoints(r.path) and ident not in made.values()]
@@ -141,8 +135,8 @@ def token_tables(out, runs, warn):
             if n:
                 warn(f'{n} run(s) {what} (e.g. {example[0]}): `python analyze.py tokens RUN_FOLDERS --out={out}` '
                      f'measures them; (f1), (f2) use the runs measured')
-        found['our checkpoints'] = [r for r in found['our checkpoints'] if made.get(r['model']) in ours]
-    return {k: v for k, v in found.items() if v}
+        found['tokens']['summary'] = [r for r in found['tokens']['summary'] if made.get(r['model']) in ours]
+    return {SOURCES[p]: data['summary'] for p, data in found.items() if data['summary']}
 
 
 # ----------------------------------------------------------------------------- pretrained models
@@ -215,8 +209,8 @@ def qk_token_geometry(q, k, att, n_head, causal=True):
 
 
 @torch.no_grad()
-def capture_qk(model, ids, ropes=('after',)):
-    """Per layer {rope: (q, k)}, caught by forward hooks on the family's projections, and the attention probabilities."""
+def capture_qk(model, ids, rope='after'):
+    """Per layer (q, k), caught by forward hooks on the family's projections, and the attention probabilities."""
     fam, n_head = family_of(model.config)[1], model.config.num_attention_heads
     attns = [m for m in model.modules() if type(m).__name__ in fam.attention and not getattr(m, 'is_cross_attention',
                                                                                               False)]
@@ -238,23 +232,21 @@ def capture_qk(model, ids, ropes=('after',)):
     layers = []
     for attn, store in zip(attns, stores):
         q, k = fam.split(store[fam.q], n_head) if fam.split else (store[fam.q], store[fam.k])
-        layers.append({rope: (q, k) if rope == 'before' else rotate(attn, q, k, store['cs'], q.shape[-1] // n_head)
-                       for rope in ropes} if fam.rotary else {'none': (q, k)})
+        layers.append(rotate(attn, q, k, store['cs'], q.shape[-1] // n_head) if fam.rotary and rope == 'after' else
+                      (q, k))
     return layers, list(out.attentions)
 
 
-def pretrained_tokens(model, ids, ropes=('after',)):
-    """Token metrics per layer of a transformers model on ids: [{rope: metrics}]."""
+def pretrained_tokens(model, ids, rope='after'):
+    """Token metrics per layer of a transformers model on ids."""
     causal, n_head = family_of(model.config)[1].causal, model.config.num_attention_heads
-    layers, atts = capture_qk(model, ids, ropes)
-    return [{rope: qk_token_geometry(q, k, att, n_head, causal) for rope, (q, k) in v.items()}
-            for v, att in zip(layers, atts)]
+    layers, atts = capture_qk(model, ids, rope)
+    return [qk_token_geometry(q, k, att, n_head, causal) for (q, k), att in zip(layers, atts)]
 
 
 def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rope='after', n_seqs=8, seq_len=256,
                        device='cpu', figures=True, log=print):
-    """Token metrics of each revision of a pretrained model, added to the pretrained* tables in out (the model's
-    earlier rows replaced, other models kept), and fig7_pretrained."""
+    """Token metrics of each revision of a pretrained model, added to the pretrained* tables (other models kept)."""
     try:
         import transformers as tf
     except ImportError:
@@ -274,16 +266,14 @@ def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rop
         t0, m = time.time(), re.search(r'step(\d+)', revision or '')
         model = tf.AutoModel.from_pretrained(**source(name, revision), attn_implementation='eager',
                                              dtype=torch.float32).to(device).eval()
-        layers = pretrained_tokens(model, ids, (rope,))
-        for variant in layers[0]:
-            rows = token_rows({'model': name, 'family': family_of(model.config)[0], 'rope': variant,
-                               'revision': revision or ''}, int(m.group(1)) if m else position,
-                              [layer[variant] for layer in layers])
-            layer_rows, head_rows = layer_rows + rows[0], head_rows + rows[1]
+        layers, (family, fam) = pretrained_tokens(model, ids, rope), family_of(model.config)
+        rows = token_rows({'model': name, 'family': family, 'rope': rope if fam.rotary else 'none',
+                           'revision': revision or ''}, int(m.group(1)) if m else position, layers)
+        layer_rows, head_rows = layer_rows + rows[0], head_rows + rows[1]
         log(f'{name} {revision or ""}: {len(layers)} layers in {time.time() - t0:.1f}s')
-    for rows, stem in ((layer_rows, 'pretrained'), (head_rows, 'pretrained_heads')):
-        if os.path.isfile(os.path.join(out, stem + '.csv')):
-            rows[:0] = [r for r in folders.read_table(os.path.join(out, stem + '.csv'), TEXT) if r['model'] != name]
+    if os.path.isfile(os.path.join(out, 'pretrained.json')):   # earlier models stay, this one's rows are replaced
+        earlier = json.load(open(os.path.join(out, 'pretrained.json')))
+        layer_rows[:0], head_rows[:0] = ([r for r in earlier[k] if r['model'] != name] for k in ('layers', 'heads'))
     return finish(out, 'pretrained', layer_rows, head_rows, lambda r: f"{os.path.basename(r['model'])} ({r['rope']})",
                   figures)
 
@@ -304,8 +294,7 @@ def series_of(row):
 
 
 def contrast_trend(steps, values):
-    """Spearman of values with x = log(1 + step) over all, the early (x <= its median) and the late (x >= it)
-    checkpoints; where they peak."""
+    """Spearman with x = log(1 + step): over all, the early (x <= median) and the late (x >= median) checkpoints."""
     order = np.argsort(steps, kind='mergesort')
     steps, v = np.asarray(steps, dtype=float)[order], np.asarray(values, dtype=float)[order]
     x = np.log1p(steps)
@@ -334,8 +323,7 @@ def link_rows(head_rows):
 
 
 def summary_rows(trend, link):
-    """One row per series: layer means of the trend (rho_early, rho_late: the unit values of (f1)) and the link at
-    the last checkpoint (link_rho: of (f2))."""
+    """Per series: layer means of the trend (the units of (f1)), the link at its last checkpoint (of (f2))."""
     final = {series_of(r): r for r in link if r['last']}
     return [{**dict(zip(SERIES, series)), 'layers': len(rs), 'ckpts': rs[0]['n_ckpts'],
              'first_step': rs[0]['first_step'], 'last_step': rs[0]['last_step'],
@@ -345,23 +333,26 @@ def summary_rows(trend, link):
             for series, rs in group(trend, series_of).items()]
 
 
-def finish(out, prefix, layer_rows, head_rows, label_of, figures, pdf=False, more=None):
-    """Write the prefix* tables and figure (fig6_tokens, fig7_pretrained) into out; the result for the console."""
+def finish(out, prefix, layer_rows, head_rows, label_of, figures, pdf=False, runs=()):
+    """The prefix* tables, prefix.json (the rows, which the report reads back) and the figure, written into out."""
     trend, link = trend_rows(layer_rows), link_rows(head_rows)
     summary = summary_rows(trend, link)
-    files = {**folders.table(prefix, layer_rows), **folders.table(prefix + '_heads', head_rows), **(more or {}),
+    files = {**folders.table(prefix, layer_rows), **folders.table(prefix + '_heads', head_rows),
              **folders.table(prefix + '_trend', trend), **folders.table(prefix + '_link', link),
-             **folders.table(prefix + '_summary', summary)}
-    if figures and layer_rows:
-        files.update(figure_files(layer_rows, head_rows, {'tokens': 'fig6_tokens', 'pretrained': 'fig7_pretrained'}[
-            prefix], SOURCES[prefix], label_of, pdf))
+             **folders.table(prefix + '_summary', summary), **folders.table(prefix + '_runs', list(runs)),
+             f'{prefix}.json': json.dumps({'layers': layer_rows, 'heads': head_rows, 'summary': summary, 'runs': runs})}
+    labels = list(dict.fromkeys(map(label_of, layer_rows))) if figures else []
+    for n, part in enumerate((set(labels[i:i + 4]) for i in range(0, len(labels), 4)), 1):   # 4 rows a figure
+        fig = token_figure([r for r in layer_rows if label_of(r) in part],
+                           [h for h in head_rows if label_of(h) in part], label_of, SOURCES[prefix])
+        files.update(plots.save(('fig6_tokens' if prefix == 'tokens' else 'fig7_pretrained') + f'_{n}' * (n > 1),
+                                fig, pdf))
     return {'out': out, 'files': folders.write_files(out, files) if layer_rows else [], 'summary': summary}
 
 
 # ----------------------------------------------------------------------------- fig6 and fig7
 def token_figure(layer_rows, head_rows, label_of, title):
-    """A row per setting (or model): the contrast and the entropy over checkpoints, a line per layer (mean over
-    seeds), and tok_pr_qk against entropy per (layer, head) at the last checkpoint."""
+    """Per setting (model): contrast, entropy over checkpoints per layer; tok_pr_qk ~ entropy at the last one."""
     groups = group(layer_rows, label_of)
     fig = Figure(layout='constrained', figsize=(14, 3.1 * len(groups)))
     for (ax_c, ax_h, ax_s), (label, rows) in zip(fig.subplots(len(groups), 3, squeeze=False), groups.items()):
@@ -380,13 +371,3 @@ def token_figure(layer_rows, head_rows, label_of, title):
     fig.axes[0].legend(fontsize=7, ncol=2)
     fig.suptitle(f'token-level contrast and entropy over checkpoints, {title}')
     return fig
-
-
-def figure_files(layer_rows, head_rows, stem, title, label_of, pdf):
-    """token_figure in files of 4 rows each (stem.png, stem_2.png, ...), every label readable."""
-    labels, files = list(dict.fromkeys(map(label_of, layer_rows))), {}
-    for n, part in enumerate((set(labels[i:i + 4]) for i in range(0, len(labels), 4)), 1):
-        fig = token_figure([r for r in layer_rows if label_of(r) in part],
-                           [h for h in head_rows if label_of(h) in part], label_of, title)
-        files.update(plots.save(f'{stem}{"" if n == 1 else f"_{n}"}', fig, pdf))
-    return files
