@@ -287,10 +287,12 @@ CLAIMS = [
     Claim('d_entropy', '', f'final entropy, {D}', 'pair', change('entropy'), where=''),
     Claim('d_pr_head', '', f'final per-head PR of the controlled projection, {D}', 'pair', change('pr_ctl_head'),
           where=''),
-    Claim('d_pr_head_rel', '', "the same relative to the baseline's", 'pair', change('pr_ctl_head', 'relative')),
+    Claim('d_pr_head_rel', '', "the same relative to the baseline's", 'pair', change('pr_ctl_head', 'relative'),
+          where=''),
     Claim('d_qk_spec_norm', '', f'final qk_spec_norm, {D}', 'pair', change('qk_spec_norm')),
     Claim('d_log_qk_spec_norm', '', f'final log qk_spec_norm, {D}', 'pair', change('qk_spec_norm', 'log'), where=''),
-    Claim('d_k_spec_norm', '', f'final k_spec_norm (top singular value of W_K^h), {D}', 'pair', change('k_spec_norm')),
+    Claim('d_k_spec_norm', '', f'final k_spec_norm (top singular value of W_K^h), {D}', 'pair', change('k_spec_norm'),
+          where=''),
     Claim('d_q_spec_norm', '', f'final q_spec_norm, {D}', 'pair', change('q_spec_norm'), where=''),
     Claim('d_val_loss', '', f'final val_loss, {D}', 'pair', change('val_loss')),
     Claim('f1-early', '(f1) token-level PR_Q - PR_K rises early', "Spearman of tok_pr_q - tok_pr_k with log(1 + step) "
@@ -606,7 +608,7 @@ def analyze(paths, out=None, pdf=False, figures=True, from_iter=None, log=print)
     for stem in ('claims', 'trajectories', 'control', 'control_dose', 'control_dose_fit', 'timeline', 'runs',
                  'settings', 'regime_trend'):
         files.update(folders.table(stem, t[stem]))
-    files['REPORT.md'] = report.write(study, t, CLAIMS, figs['notes'], sorted(files))
+    files['REPORT.md'] = report.write(study, t, CLAIMS, figs['notes'], files)
     study.files = folders.write_files(study.out, files)
     return study
 

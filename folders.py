@@ -86,8 +86,7 @@ class Run:
 
 
 def arm_label(cfg, extra=()):
-    """'shrink0.1-k-spec', 'freeze-k' (a family without its dose: 'shrink-k'), then the control keys in extra (those
-    that vary between arms); '' for none."""
+    """'shrink0.1-k-spec', 'freeze-k' (without a dose: 'shrink-k'), then the control keys in extra; '' for none."""
     if cfg.get('control', 'none') == 'none':
         return ''
     dose = f"{cfg['shrink_to']:g}" if cfg['control'] == 'shrink' and 'shrink_to' in cfg else ''

@@ -12,9 +12,8 @@ import numpy as np
 import folders
 import stats
 
-UNITS = {'trajectory': ('trajectory', 'trajectories (the seed mean of one layer of one setting)'),
-         'seed': ('seed', 'seeds (runs)'), 'pair': ('seed pair', 'seed pairs (controlled - baseline)'),
-         'model': ('model', 'models (a run, or a pretrained model)')}
+UNITS = {'trajectory': 'trajectories (the seed mean of one layer of one setting)', 'seed': 'seeds (runs)',
+         'pair': 'seed pairs (controlled - baseline)', 'model': 'models (a run, or a pretrained model)'}
 NEAR_UNIFORM = 0.98        # a record whose layer-mean entropy_norm is at least this has near-uniform attention
 
 
@@ -43,8 +42,8 @@ def rule(claim):
     side = ('above', 'below') if claim.sign > 0 else ('below', 'above')
     lo, hi = claim.ref - claim.margin, claim.ref + claim.margin
     margin = f', no effect if inside [{lo:g}, {hi:g}]' if claim.margin else ''
-    return (f"`{claim.key}`: per {UNITS[claim.unit][0]}, {claim.stat}; the {stats.LEVEL:.0%} "
-            f"{'Wilson' if claim.unit == 'trajectory' else 'Student-t'} interval over {UNITS[claim.unit][1]}: holds if "
+    return (f"`{claim.key}`: per {claim.unit.replace('pair', 'seed pair')}, {claim.stat}; the {stats.LEVEL:.0%} "
+            f"{'Wilson' if claim.unit == 'trajectory' else 'Student-t'} interval over {UNITS[claim.unit]}: holds if "
             f"it lies {side[0]} {claim.ref:g}, reversed if {side[1]}{margin}, else undecided")
 
 
@@ -72,8 +71,8 @@ def map_tables(cells, claims):
 
 
 def write(study, t, claims, figure_notes, files):
-    """REPORT.md: the claims and their rules, then the tables behind them, notes and warnings."""
-    by_key = {c.key: c for c in claims}
+    """REPORT.md: the claims and their rules, the robustness map, then the tables behind them, notes and warnings."""
+    by_key, files = {c.key: c for c in claims}, {n: files[n] for n in sorted(files)}
     rows = [{'claim': r['claim'], 'in': r['scope'], 'value': r['value'] + (f"; {r['also']}" if r.get('also') else ''),
              'verdict': r['verdict']} for r in t['claims']]
     keys = [k for k in t['settings'][0] if k not in ('setting', 'runs', 'seeds')] if t['settings'] else []
@@ -88,13 +87,14 @@ def write(study, t, claims, figure_notes, files):
           'below -20% of the baseline\'s.', '']
     L += section('Robustness map', 'Each claim in every lens and window over every uncontrolled run, in its own '
                  'view with and without weight decay on W_Q, W_K; (d), (e) by control_keep. "-": no per-head values.',
-                 files, 'robustness_map.md')
+                 files, 'robustness_map.md', embed=True)
     L += section('Descriptive statistics', 'Without a predicted sign: links across heads beside (c); |scale: given log '
                  '||W_QK^h||_2; within runs over time, which two trends show linked or not.', files, 'descriptive.md')
     L += section('Trajectories', 'Per setting, layer, lens and window: the seed-mean trajectory\'s ends, gap, ratio, '
                  '(a) from each reference and (b).', files, 'trajectories.md')
     L += sum((figures(files, f'fig{i}_') for i in range(1, 5)), [])
-    L += control_lines(t, files) + regime_lines(t, files) + token_lines(study)
+    L += control_lines(t, files) + regime_lines(t, files, {k for k, c in by_key.items() if c.sign} | {
+        'gap_end', 'ratio_end', 'gap_end_head', 'ratio_end_head'}) + token_lines(study)
     L += ['## Settings', '', f'Seeds of one setting share every config.json key but {", ".join(folders.BOOKKEEPING)}.',
           '', folders.markdown(t['settings'])]
     L += ['## Notes: known confounds', ''] + [f'- {n}' for n in confounds(study)]
@@ -103,8 +103,9 @@ def write(study, t, claims, figure_notes, files):
     return '\n'.join(L + [f'- figure skipped: {n}' for n in figure_notes]) + '\n'
 
 
-def section(title, text, files, name):
-    return [f'## {title}', '', text, '', f'[{name}]({name})' if name in files else 'Nothing measured.', '']
+def section(title, text, files, name, embed=False):
+    return [f'## {title}', '', text, '', (files[name] if embed else f'[{name}]({name})') if name in files else
+            'Nothing measured.', '']
 
 
 def figures(names, prefix):
@@ -126,23 +127,24 @@ def control_lines(t, files):
     return L + figures(files, 'fig5_')
 
 
-def regime_lines(t, files):
+def regime_lines(t, files, shown_trends):
     if not t['regime']:
         return ['## Regime', '', 'One setting of uncontrolled runs: nothing to compare across settings.', '']
     rows = [r for r in t['regime_rows'] if r['position'] == 'all']
     points, pivot = list(dict.fromkeys(r['point'] for r in rows)), {}
-    for r in rows:
-        pivot.setdefault(r['statistic'], {'statistic': r['statistic'], 'n': 0})
-        pivot[r['statistic']].update({r['point']: r['value'] + (f" {r['verdict']}" if r['verdict'] and r['n'] else ''),
-                                      'n': pivot[r['statistic']]['n'] + r['n']})
+    measured = {r['statistic'] for r in rows if r['n']}
+    for r in (r for r in rows if r['statistic'] in measured):
+        cell = f"{r['value']} {r['verdict']}" if r['verdict'] and r['n'] else r['value']
+        pivot.setdefault(r['statistic'], {'statistic': r['statistic']})[r['point']] = cell
     trends = [{**{k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading', 'verdicts')},
                'slope per doubling': f"{signed(r['slope'])} [{signed(r['lo'])}, {signed(r['hi'])}]"}
-              for r in t['regime_trend'] if r['position'] == 'all']
+              for r in t['regime_trend'] if r['position'] == 'all' and r['statistic'].split(' [')[0] in shown_trends]
     return ['## Regime', '', f'{len(points)} points (uncontrolled settings), each claim over its own units, all layers '
-            '(regime.md: by layer position).', '', folders.markdown([r for r in pivot.values() if r['n']],
-                                                                   ['statistic'] + points), '### Trends', '',
+            '(regime.md: by layer position).', '', folders.markdown(list(pivot.values()), ['statistic'] + points),
+            '### Trends', '',
             'Slopes per doubling fitted to the units\' values along lines that hold every other setting fixed; a '
-            'lack-of-fit F test with p < 0.05 reads "no linear trend". Nothing is projected beyond the points.', '',
+            'lack-of-fit F test with p < 0.05 reads "no linear trend"; regime_trend.md has every statistic. Nothing '
+            'is projected beyond the points.', '',
             folders.markdown(trends) if trends else 'No numeric setting with two points on a line.\n'] + \
         figures(files, 'fig9_')
 
@@ -152,9 +154,9 @@ def token_lines(study):
     if not study.tokens:
         return L + ['No token tables here: `python analyze.py tokens RUN_FOLDERS --out=THIS_FOLDER` and `python '
                     'analyze.py pretrained --model=NAME --out=THIS_FOLDER` write them.', '']
-    names = os.listdir(study.out)
     for source, rows in study.tokens.items():
-        L += [f'### {source}', '', folders.markdown(rows)] + figures(names, 'fig6_' if 'our' in source else 'fig7_')
+        L += [f'### {source}', '', folders.markdown(rows)]
+        L += figures(os.listdir(study.out), 'fig6_' if source == 'our checkpoints' else 'fig7_')
     return L
 
 

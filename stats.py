@@ -99,7 +99,7 @@ def wilson(k, n):
         return math.nan, math.nan, math.nan
     p = k / n
     centre, half = p + Z * Z / (2 * n), Z * math.sqrt(p * (1 - p) / n + Z * Z / (4 * n * n))
-    return p, max(0.0, (centre - half) / (1 + Z * Z / n)), min(1.0, (centre + half) / (1 + Z * Z / n))
+    return p, min(p, max(0.0, (centre - half) / (1 + Z * Z / n))), max(p, min(1.0, (centre + half) / (1 + Z * Z / n)))
 
 
 def verdict(lo, hi, sign, ref, margin, n):
@@ -161,7 +161,6 @@ def spearman(x, y):
     return float(spearman_rows(x[ok], y[ok])) if ok.sum() >= 3 else math.nan
 
 
-# ----------------------------------------------------------------------------- fits
 def trend(x, y, point):
     """The least-squares line of y on x over units grouped by point (see the docstring): {slope, lo, hi, n,
     points, lof_p} (lof_p NaN where P < 3 or no unit repeats a point)."""

@@ -24,6 +24,7 @@ def test_the_quantiles_match_the_tables():
     assert stats.t_quantile(0.975, 30) == pytest.approx(2.042272, abs=1e-5)
     assert stats.f_sf(3.708265, 2, 10) == pytest.approx(0.0625, abs=1e-4)   # F(2, 10): 0.0625 above 3.708
     assert stats.wilson(0, 54)[2] == pytest.approx(0.0664, abs=1e-4)
+    assert [stats.wilson(k, n)[1] <= k / n <= stats.wilson(k, n)[2] for k, n in ((0, 8), (8, 8), (0, 3))] == [True] * 3
 
 
 @pytest.mark.parametrize('values, verdict', [([0.50, 0.55, 0.45], 'holds'), ([-0.50, -0.55, -0.45], 'reversed'),

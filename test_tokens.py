@@ -86,7 +86,7 @@ def test_a_moved_text_is_named_with_its_override(trained, tmp_path, capsys):
         tokens.evaluation_batch({**cfg, 'data_file': str(tmp_path / 'gone.txt')})
     (tmp_path / 'other.txt').write_text(text(40_000, seed=1), encoding='utf-8')
     with pytest.raises(folders.Skip, match='not the one the run was trained on'):
-        tokens.evaluation_batch(cfg, data_file=str(tmp_path / 'other.txt'))
+        tokens.evaluation_batch(cfg, (str(tmp_path / 'other.txt'), '', ''))
 
 
 def test_planted_token_series_give_the_token_claims():

@@ -45,10 +45,9 @@ SOURCES = {'tokens': 'our checkpoints', 'pretrained': 'pretrained models'}
 
 
 # ----------------------------------------------------------------------------- our checkpoints
-def evaluation_batch(cfg, data_file='', data_dir='', cache_dir=''):
-    """The run's fixed evaluation batch as train.py builds it; a non-empty argument overrides config.json's."""
-    cfg = dict(cfg)
-    cfg.update({k: v for k, v in zip(('data_file', 'data_dir', 'cache_dir'), (data_file, data_dir, cache_dir)) if v})
+def evaluation_batch(cfg, overrides=('', '', '')):
+    """The run's fixed evaluation batch as train.py builds it; overrides: data_file, data_dir, cache_dir if moved."""
+    cfg = {**cfg, **{k: v for k, v in zip(('data_file', 'data_dir', 'cache_dir'), overrides) if v}}
     needs = [cfg['data_file']] if cfg.get('data_file') else [os.path.join(cfg.get('data_dir', ''), n) for n in (
         ('wiki.test.raw',) if cfg.get('dataset') == 'wikitext103-test' else ('wiki.train.raw', 'wiki.valid.raw'))]
     if not all(map(os.path.isfile, needs)):
@@ -105,7 +104,7 @@ def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', pdf=Fa
                 raise Skip(folders.check_config(cfg) or 'no model checkpoints in models/')
             data = json.dumps([cfg.get(k) for k in ('data_file', 'dataset', 'data_dir', 'data_sha256',
                                                     'min_char_count', 'block_size', 'eval_windows')])
-            batches[data] = batches[data] if data in batches else evaluation_batch(cfg, *overrides)
+            batches[data] = batches[data] if data in batches else evaluation_batch(cfg, overrides)
             rows = measure_run(path, cfg, batches[data], device)
         except Skip as e:
             log(f'warning: skipped {path}: {e}')
@@ -278,7 +277,7 @@ def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rop
                   figures)
 
 
-# ----------------------------------------------------------------------------- tables
+# ----------------------------------------------------------------------------- tables and fig6, fig7
 def token_rows(series, step, layers):
     """(per-layer rows, per-head rows) of one checkpoint; contrast = tok_pr_q - tok_pr_k."""
     keys = ('tok_pr_q', 'tok_pr_k', 'tok_pr_q_head', 'tok_pr_k_head', 'tok_pr_qk', 'entropy', 'entropy_norm')
@@ -350,7 +349,6 @@ def finish(out, prefix, layer_rows, head_rows, label_of, figures, pdf=False, run
     return {'out': out, 'files': folders.write_files(out, files) if layer_rows else [], 'summary': summary}
 
 
-# ----------------------------------------------------------------------------- fig6 and fig7
 def token_figure(layer_rows, head_rows, label_of, title):
     """Per setting (model): contrast, entropy over checkpoints per layer; tok_pr_qk ~ entropy at the last one."""
     groups = group(layer_rows, label_of)
