@@ -74,9 +74,8 @@ class Run:
 
     def final(self, key, layers=None):
         """The mean over the last FINAL_LOGS records and over layers (all, or the given ones); NaN if not logged."""
-        if key not in self.m:
-            return math.nan
-        v = self.m[key][-FINAL_LOGS:] if layers is None else self.m[key][-FINAL_LOGS:, layers]
+        v = self.m[key][-FINAL_LOGS:, slice(None) if layers is None else layers] if key in self.m else \
+            np.full(1, np.nan)
         return float(np.mean(v[np.isfinite(v)])) if np.isfinite(v).any() else math.nan
 
     def final_loss(self, key):

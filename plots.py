@@ -62,11 +62,11 @@ def iteration_axis(ax, ylabel=None, title=None):
 
 
 def settings_of(study):
-    """{setting name: its uncontrolled runs}."""
-    groups = group([r for r in study.runs if r.control == 'none'], lambda r: study.label[r.setting])
+    """{setting name: its uncontrolled runs with geometry records}."""
+    groups = group([r for r in study.runs if r.control == 'none' and len(r.iters)], lambda r: study.label[r.setting])
     if groups:
         return groups
-    raise Skip('no uncontrolled runs')
+    raise Skip('no uncontrolled runs with geometry records')
 
 
 def pr_over_training(study, t):

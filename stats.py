@@ -76,10 +76,9 @@ def f_sf(f, d1, d2):
 def nanmean(a, axis=None):
     """The mean of the finite values (along axis); NaN where there are none."""
     a = np.asarray(a, dtype=float)
-    ok = np.isfinite(a)
-    n = ok.sum(axis)
+    n = np.isfinite(a).sum(axis)
     with np.errstate(invalid='ignore', divide='ignore'):
-        m = np.where(ok, a, 0).sum(axis) / n
+        m = np.where(np.isfinite(a), a, 0).sum(axis) / n
     return float(m) if np.ndim(m) == 0 else np.where(n > 0, m, np.nan)
 
 
@@ -131,12 +130,14 @@ def ranks(a):
 
 def pearson_rows(x, y):
     x, y = np.broadcast_arrays(np.asarray(x, dtype=float), np.asarray(y, dtype=float))
+    if x.shape[-1] < 3:
+        return np.full(x.shape[:-1], np.nan)
     xc, yc = x - x.mean(-1, keepdims=True), y - y.mean(-1, keepdims=True)
     xy, xx, yy = (xc * yc).sum(-1), (xc * xc).sum(-1), (yc * yc).sum(-1)
     with np.errstate(invalid='ignore', divide='ignore'):
         r = xy / np.sqrt(xx * yy)
     tiny = (xx <= 1e-24 * np.maximum(1, (x * x).sum(-1))) | (yy <= 1e-24 * np.maximum(1, (y * y).sum(-1)))
-    return np.where(tiny | (x.shape[-1] < 3), np.nan, np.clip(r, -1, 1))
+    return np.where(tiny, np.nan, np.clip(r, -1, 1))
 
 
 def spearman_rows(x, y):
