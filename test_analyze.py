@@ -1,6 +1,6 @@
-"""Tests of the analysis on synthetic run folders: loading (settings from config.json, bad records, a missing metric,
-a broken config), the interval rule and its coverage, each verdict reachable with 3 seeds, the control claims per
-(setting, arm), the output folder's safety, and the report end to end."""
+"""Tests of the analysis on synthetic run folders (write_run plants the study's effects; test_claims.py uses it too):
+settings read from config.json, bad records, a missing metric, a broken config, a cut or compressed log, the output
+folder's safety, and the row correlations against geometry's one definition."""
 import gzip
 import json
 import math
@@ -116,7 +116,7 @@ def test_a_bfloat16_seed_is_a_setting_of_its_own_and_the_report_names_dtype(tmp_
     assert claim(s, 'c')['n'] == 4 and 'in 2 settings' in claim(s, 'c')['scope']
 
 
-def test_a_key_a_forker_adds_is_a_setting_and_no_run_is_a_duplicate(tmp_path):
+def test_a_key_a_forker_adds_is_a_setting_and_only_a_true_copy_is_a_duplicate(tmp_path):
     write_run(str(tmp_path), 'plain', seed=1)
     write_run(str(tmp_path), 'rotary', seed=1, rotary=True)
     write_run(str(tmp_path), 'again', seed=1)        # the same settings and seed as plain: a duplicate
