@@ -172,6 +172,19 @@ def test_a_local_checkpoint_series_enters_the_report(tf, tmp_path, capsys):
     assert 'fig7_pretrained.png' in (out / 'REPORT.md').read_text()
 
 
+def test_an_unsupported_architecture_names_the_supported_ones_and_windows_carry_special_tokens(tf):
+    with pytest.raises(ValueError, match=r"'gptj' is not supported.*gpt2, gpt_neox, opt, llama"):
+        tokens.family_of(tf.GPTJConfig())
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(['[UNK]', '[CLS]', '[SEP]', *string.ascii_lowercase,
+                                                                  ' '])}, unk_token='[UNK]'))
+    tok.pre_tokenizer = pre_tokenizers.Split('', 'isolated')
+    tok.post_processor = processors.TemplateProcessing(single='[CLS] $A [SEP]', special_tokens=[('[CLS]', 1),
+                                                                                                ('[SEP]', 2)])
+    ids = tokens.text_windows(tf.PreTrainedTokenizerFast(tokenizer_object=tok), 'the cat sat on a mat' * 5, 3, 10)
+    assert ids.shape == (3, 10) and (ids[:, 0] == 1).all() and (ids[:, -1] == 2).all()
+
+
 def test_without_transformers_one_line_says_how_to_install(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, 'transformers', None)
     assert analyze.main(['pretrained', '--model=gpt2', f'--out={tmp_path}']) == 2
