@@ -1,215 +1,206 @@
 """
-The statistics of the analysis: pure functions on numpy arrays, no I/O (analyze.py, regime.py, report.py and
-tokens.py call them; the geometry itself is geometry.py's). Every random draw comes from a fixed seed, so a report
-is reproducible to the last digit.
+The statistics of the analysis: pure functions of numpy arrays, no I/O, no random draws.
 
-- Spearman correlation: the Pearson correlation of the ranks, ties given their average rank.
-- Pearson correlation, and the partial correlation of x and y given z: geometry.partial_correlation (the one place
-  the formula lives), the Pearson correlation of what is left of x and y once a linear fit on z is taken out of
-  each. Used on the values with z = log ||W_QK||_2, and set beside the Pearson correlation without z (one family):
-  a partial Spearman (on ranks) is biased upward (about +0.08 at 16 heads, +0.05 at 32) when x and y both depend
-  linearly on z, which would read as shape beyond scale where there is none.
-- Percentile bootstrap interval of a mean (N_BOOT resamples), exact one-sided sign test, one-sided permutation
-  test of a positive Spearman correlation (N_PERM shuffles).
-- Least-squares fit of y on [1, X] with jackknife-t intervals over groups (seeds): the arms of one seed share its
-  baseline run and are not independent, so a seed is left out whole.
+One interval rule over independent units (a seed, a seed pair, a trajectory, a model), at LEVEL:
+    mean    Student-t   m -/+ t(n - 1) s / sqrt(n)                           n >= 2
+    share   Wilson      (p + z^2/2n -/+ z sqrt(p(1 - p)/n + z^2/4n^2)) / (1 + z^2/n)
+There is no percentile bootstrap: over 3 to 5 units it is their min and max and covers far less than its level.
+
+A verdict (verdict) compares the interval with a reference r (0 for an effect or a correlation, a share for a
+share claim), a predicted sign s and a margin m, in this order:
+    holds       the interval lies on the predicted side of r
+    reversed    it lies on the other side
+    no effect   it lies inside [r - m, r + m]
+    undecided   otherwise, or no interval (fewer than 2 units for a mean)
+
+A trend (trend) is the least-squares line of per-unit values y on x pooled over the P points of a line (N units):
+the slope's t interval from the residuals (N - 2 degrees of freedom), and the lack-of-fit test
+F = (SS_lof / (P - 2)) / (SS_pe / (N - P)), SS_pe the squared deviations of the units from their point's mean,
+SS_lof = SS_residual - SS_pe; with p < ALPHA a line does not describe the points.
+
+Correlations row by row over (rows, n) arrays, so that every record of a run is correlated at once: Pearson;
+Spearman (the Pearson correlation of ranks, ties given their average rank); and the partial correlation of x and
+y given one control z in the closed form of geometry.partial_correlation,
+(r_xy - r_xz r_yz) / sqrt((1 - r_xz^2)(1 - r_yz^2)). A row with a NaN, fewer than 3 values (4 for the partial)
+or a constant series gives NaN.
 """
 import functools
 import math
 
 import numpy as np
 
-import geometry
-
-N_BOOT = 10000             # bootstrap resamples
-BOOT_SEED = 0              # every bootstrap and permutation draws from this seed: the report is reproducible
-LEVEL = 0.95               # interval level
-N_PERM = 2000              # shuffles of the one-sided permutation test
+LEVEL = 0.95
+ALPHA = 0.05
+Z = 1.959963984540054      # the 0.975 quantile of the standard normal (Wilson at LEVEL)
 
 
-def rankdata(x):
-    """Ranks 1..n of x; tied values get the average of the ranks they span."""
-    x = np.asarray(x, dtype=float)
-    order = np.argsort(x, kind='mergesort')
-    xs = x[order]
-    starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])
-    ends = np.r_[starts[1:], len(x)]
-    ranks = np.empty(len(x))
-    ranks[order] = np.repeat((starts + 1 + ends) / 2, ends - starts)
-    return ranks
-
-
-def spearman(x, y):
-    """Spearman rank correlation: the Pearson correlation of the (average-tied) ranks. Pairs with a NaN
-    are dropped; NaN with fewer than 3 pairs or a constant series."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    ok = np.isfinite(x) & np.isfinite(y)
-    if ok.sum() < 3:
-        return float('nan')
-    rx, ry = rankdata(x[ok]), rankdata(y[ok])
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    denom = math.sqrt((rx ** 2).sum() * (ry ** 2).sum())
-    return float((rx * ry).sum() / denom) if denom > 0 else float('nan')
-
-
-def pearson(x, y):
-    """Pearson correlation (geometry.partial_correlation without a control); pairs with a NaN are dropped; NaN with
-    fewer than 3 pairs or a constant series."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    ok = np.isfinite(x) & np.isfinite(y)
-    return geometry.partial_correlation(x[ok], y[ok]) if ok.sum() >= 3 else float('nan')
-
-
-def partial(x, y, z):
-    """Partial correlation of x and y given z (geometry.partial_correlation); triples with a NaN are dropped;
-    NaN with fewer than 4 triples or when nothing is left to correlate."""
-    x, y, z = (np.asarray(v, dtype=float) for v in (x, y, z))
-    ok = np.isfinite(x) & np.isfinite(y) & np.isfinite(z)
-    return geometry.partial_correlation(x[ok], y[ok], z[ok]) if ok.sum() >= 4 else float('nan')
-
-
-# ---- across the (layer, head) pairs of one run, per record: claims (c) and (c2), and the regime's by layer position
-
-# claim (c): name -> (x, y), Spearman of per-head values; the claim is judged on its two links, PR_K with entropy and
-# with PR_QK (report.C_LINKS); PR_QK with entropy is shown beside them
-HEAD_LINKS = {'pr_k~entropy': ('k', 'entropy'), 'pr_k~pr_qk': ('k', 'qk'), 'pr_qk~entropy': ('qk', 'entropy')}
-# scale against shape (c2): the statistics of shape_stats (Pearson), across heads and within runs
-SHAPE_STATS = ('pr_k~entropy', 'pr_k~entropy|scale', 'pr_qk~entropy', 'pr_qk~entropy|scale', 'scale~entropy')
-
-
-def by_record(a):
-    """An array of shape (records, pairs...) as (records, pairs)."""
-    return np.asarray(a, dtype=float).reshape(len(a), -1)
-
-
-def head_links(entropy, k, qk):
-    """Arrays of shape (records, pairs...): per record, the Spearman correlation across its pairs of each of
-    HEAD_LINKS; and per step between consecutive records, the same of the changes over that step.
-    ({link: per-record values}, {link: per-step values})."""
-    v = {'entropy': by_record(entropy), 'k': by_record(k), 'qk': by_record(qk)}
-    d = {role: np.diff(a, axis=0) for role, a in v.items()}
-    corr = lambda m, x, y: [spearman(a, b) for a, b in zip(m[x], m[y])]
-    return ({name: corr(v, x, y) for name, (x, y) in HEAD_LINKS.items()},
-            {name: corr(d, x, y) for name, (x, y) in HEAD_LINKS.items()})
-
-
-def head_shapes(entropy, scale, k, qk):
-    """Arrays of shape (records, pairs...), scale the log logit scale: per record, shape_stats across its pairs."""
-    return [shape_stats(*row) for row in zip(*map(by_record, (entropy, scale, k, qk)))]
-
-
-def shape_stats(entropy, scale, pr_k, pr_qk):
-    """Pearson throughout (one family with the partials): entropy with PR_K and PR_QK, without and with the log
-    scale held fixed, and entropy with the log scale."""
-    return {'pr_k~entropy': pearson(pr_k, entropy), 'pr_k~entropy|scale': partial(pr_k, entropy, scale),
-            'pr_qk~entropy': pearson(pr_qk, entropy), 'pr_qk~entropy|scale': partial(pr_qk, entropy, scale),
-            'scale~entropy': pearson(scale, entropy)}
-
-
-def bootstrap_means(x, n_boot=N_BOOT, seed=BOOT_SEED):
-    """Means of n_boot resamples (with replacement) of x, from a fixed seed."""
-    x = np.asarray(x, dtype=float)
-    idx = np.random.default_rng(seed).integers(0, len(x), size=(n_boot, len(x)))
-    return x[idx].mean(1)
-
-
-def bootstrap_ci(x, level=LEVEL, n_boot=N_BOOT, seed=BOOT_SEED):
-    """Percentile bootstrap interval of the mean of x (NaNs dropped); (nan, nan) for fewer than 2 values,
-    where resampling says nothing."""
-    x = np.asarray(x, dtype=float)
-    x = x[np.isfinite(x)]
-    if len(x) < 2:
-        return float('nan'), float('nan')
-    lo, hi = np.percentile(bootstrap_means(x, n_boot, seed), [50 * (1 - level), 50 * (1 + level)])
-    return float(lo), float(hi)
-
-
-def sign_test_p(n_predicted, n):
-    """Exact one-sided sign test: P(X >= n_predicted) for X ~ Binomial(n, 1/2); NaN when n = 0."""
-    if n == 0:
-        return float('nan')
-    return sum(math.comb(n, i) for i in range(n_predicted, n + 1)) / 2 ** n
-
-
-def paired_effect(diffs, sign=None):
-    """Mean paired difference with its bootstrap interval; with a predicted sign (+1 or -1) also the
-    count with that sign, the sign test (exact zeros dropped) and the directional confidence: the share
-    of bootstrap means with the predicted sign."""
-    d = np.asarray([v for v in diffs if np.isfinite(v)], dtype=float)
-    out = {'n': len(d), 'mean': float(d.mean()) if len(d) else float('nan')}
-    out['ci_lo'], out['ci_hi'] = bootstrap_ci(d)
-    out.update(predicted='' if sign is None else '+' if sign > 0 else '-', n_predicted=None, sign_p=None,
-               confidence=None)
-    if sign is not None and len(d):
-        nonzero = d[d != 0]
-        out['n_predicted'] = int((sign * nonzero > 0).sum())
-        out['sign_p'] = sign_test_p(out['n_predicted'], len(nonzero))
-        out['confidence'] = float((sign * bootstrap_means(d) > 0).mean())
-    return out
-
-
-def mean_ci(values):
-    """{'mean', 'lo', 'hi', 'n'} of the finite values: mean and bootstrap interval."""
-    v = np.asarray([x for x in values if np.isfinite(x)], dtype=float)
-    lo, hi = bootstrap_ci(v)
-    return {'mean': float(v.mean()) if len(v) else float('nan'), 'lo': lo, 'hi': hi, 'n': len(v)}
-
-
-def permutation_p(x, y, n_perm=N_PERM, seed=BOOT_SEED):
-    """One-sided permutation test of a positive Spearman correlation: (1 + the shuffles of y whose correlation
-    with x reaches the observed one) / (1 + n_perm), shuffles from a fixed seed; NaN where spearman is NaN."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    rho = spearman(x, y)
-    if not np.isfinite(rho):
-        return float('nan')
-    ok = np.isfinite(x) & np.isfinite(y)
-    rx, ry = rankdata(x[ok]), rankdata(y[ok])
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    shuffled = np.random.default_rng(seed).permuted(np.tile(ry, (n_perm, 1)), axis=1)
-    null = shuffled @ rx / math.sqrt((rx ** 2).sum() * (ry ** 2).sum())
-    return float((1 + (null >= rho - 1e-12).sum()) / (1 + n_perm))
-
-
-def fit_groups(y, X, groups, level=LEVEL):
-    """Least-squares fit of y (n,) on [1, X] (X (n,) or (n, k)) with an interval for each coefficient from a
-    delete-one-group jackknife: the fit is repeated leaving out each group (a seed: its rows share a baseline run and
-    go together), se^2 = (G - 1) / G * sum (coef_-g - their mean)^2, interval coef -/+ t * se with Student's t on
-    G - 1 degrees of freedom. With a handful of seeds a percentile bootstrap of groups gives intervals narrower than
-    their level (84% coverage at 95%, 5 seeds, in a planted check), the jackknife-t close to it (95%). Rows with a
-    NaN are dropped. Returns {'coef', 'lo', 'hi'}, arrays of k + 1 (the intercept first): NaN coefficients when the
-    design is rank-deficient, NaN intervals with fewer than 3 groups or a rank-deficient leave-one-out design."""
-    y, X = np.asarray(y, dtype=float), np.asarray(X, dtype=float).reshape(len(y), -1)
-    ok = np.isfinite(y) & np.isfinite(X).all(1)
-    A, y, groups = np.column_stack([np.ones(ok.sum()), X[ok]]), y[ok], np.asarray(groups)[ok]
-    coef, nan = least_squares(A, y), np.full(A.shape[1], np.nan)
-    names = np.unique(groups)
-    if len(names) < 3:
-        return {'coef': coef, 'lo': nan, 'hi': nan}
-    jack = np.array([least_squares(A[groups != g], y[groups != g]) for g in names])
-    se = np.sqrt((len(names) - 1) / len(names) * ((jack - jack.mean(0)) ** 2).sum(0))
-    t = t_quantile(0.5 + level / 2, len(names) - 1)
-    return {'coef': coef, 'lo': coef - t * se, 'hi': coef + t * se}
-
-
-def least_squares(A, y):
-    """The least-squares coefficients of y on the columns of A; NaN when A is rank-deficient."""
-    if np.linalg.matrix_rank(A) < A.shape[1]:
-        return np.full(A.shape[1], np.nan)
-    return np.linalg.lstsq(A, y, rcond=None)[0]
+# ----------------------------------------------------------------------------- distributions
+def betainc(a, b, x):
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
+    if x <= 0 or x >= 1:
+        return float(x >= 1)
+    if x > (a + 1) / (a + b + 2):   # the fraction converges fast on this side only
+        return 1 - betainc(b, a, 1 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    f, c, d = 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        num = 1.0 if i == 0 else (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)) if i % 2 == 0 else
+                                  -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)))
+        d = 1 + num * d
+        d = 1 / (d if abs(d) > 1e-300 else 1e-300)
+        c = 1 + num / (c if abs(c) > 1e-300 else 1e-300)
+        f *= c * d
+        if abs(1 - c * d) < 1e-14:
+            break
+    return front * (f - 1)
 
 
 @functools.lru_cache(maxsize=None)
 def t_quantile(p, df):
-    """The p-quantile (0.5 <= p < 1) of Student's t with df degrees of freedom: its density integrated on a fine
-    grid (trapezoids; about 1e-6 off), then inverted by interpolation."""
-    x = np.linspace(0, 100, 200001)
-    pdf = np.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi) * \
-        (1 + x ** 2 / df) ** (-(df + 1) / 2)
-    cdf = 0.5 + np.concatenate([[0], np.cumsum((pdf[1:] + pdf[:-1]) / 2 * np.diff(x))])
-    return float(np.interp(p, cdf, x))
+    """The p-quantile (p > 0.5) of Student's t with df degrees of freedom: bisection of its tail
+    P(T > t) = I_{df / (df + t^2)}(df / 2, 1 / 2) / 2."""
+    lo, hi = 0.0, 1e4
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if 1 - 0.5 * betainc(df / 2, 0.5, df / (df + mid * mid)) < p else (lo, mid)
+    return (lo + hi) / 2
 
 
-def mean_or_nan(values):
-    """The mean of the finite values; NaN when there are none."""
-    values = np.asarray(values, dtype=float)
-    return float(np.nanmean(values)) if np.isfinite(values).any() else float('nan')
+def f_sf(f, d1, d2):
+    """P(F > f) for the F distribution with d1, d2 degrees of freedom."""
+    return betainc(d2 / 2, d1 / 2, d2 / (d2 + d1 * f)) if f > 0 else 1.0
+
+
+# ----------------------------------------------------------------------------- intervals and verdicts
+def nanmean(a, axis=None):
+    """The mean of the finite values (along axis); NaN where there are none."""
+    a = np.asarray(a, dtype=float)
+    n = np.isfinite(a).sum(axis)
+    with np.errstate(invalid='ignore', divide='ignore'):
+        m = np.where(np.isfinite(a), a, 0).sum(axis) / n
+    return float(m) if np.ndim(m) == 0 else np.where(n > 0, m, np.nan)
+
+
+def t_interval(values):
+    """(mean, lo, hi, n) of the finite values: Student-t interval of the mean; no interval below 2 units."""
+    v = np.asarray(values, dtype=float)
+    v, m = v[np.isfinite(v)], nanmean(v)
+    if len(v) < 2:
+        return m, math.nan, math.nan, len(v)
+    half = t_quantile(0.5 + LEVEL / 2, len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v))
+    return m, m - half, m + half, len(v)
+
+
+def wilson(k, n):
+    """(share, lo, hi) of k successes in n units, Wilson's interval."""
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    p = k / n
+    centre, half = p + Z * Z / (2 * n), Z * math.sqrt(p * (1 - p) / n + Z * Z / (4 * n * n))
+    return p, min(p, max(0.0, (centre - half) / (1 + Z * Z / n))), max(p, min(1.0, (centre + half) / (1 + Z * Z / n)))
+
+
+def verdict(lo, hi, sign, ref, margin, n):
+    """(holds | reversed | no effect | undecided, why) of an interval against a claim (see the docstring)."""
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return 'undecided', f'n = {n}: no interval'
+    if sign * (lo - ref) > 0 and sign * (hi - ref) > 0:
+        return 'holds', ''
+    if sign * (lo - ref) < 0 and sign * (hi - ref) < 0:
+        return 'reversed', ''
+    if ref - margin <= lo and hi <= ref + margin:
+        return 'no effect', ''
+    wide = f' and is wider than +/-{margin:g}' if margin else ''
+    return 'undecided', f'n = {n}: the interval spans {ref:g}{wide}'
+
+
+def sign_test_p(k, n):
+    """Exact one-sided sign test: P(X >= k), X ~ Binomial(n, 1/2); NaN for n = 0."""
+    return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n if n else math.nan
+
+
+# ----------------------------------------------------------------------------- correlations, row by row
+def ranks(a):
+    """Ranks 1..n along the last axis, ties given their average rank (pairwise comparison: n is small)."""
+    a = np.asarray(a, dtype=float)
+    x, y = a[..., :, None], a[..., None, :]
+    return (y < x).sum(-1) + ((y == x).sum(-1) + 1) / 2
+
+
+def pearson_rows(x, y):
+    x, y = np.broadcast_arrays(np.asarray(x, dtype=float), np.asarray(y, dtype=float))
+    if x.shape[-1] < 3:
+        return np.full(x.shape[:-1], np.nan)
+    xc, yc = x - x.mean(-1, keepdims=True), y - y.mean(-1, keepdims=True)
+    xy, xx, yy = (xc * yc).sum(-1), (xc * xc).sum(-1), (yc * yc).sum(-1)
+    with np.errstate(invalid='ignore', divide='ignore'):
+        r = xy / np.sqrt(xx * yy)
+    tiny = (xx <= 1e-24 * np.maximum(1, (x * x).sum(-1))) | (yy <= 1e-24 * np.maximum(1, (y * y).sum(-1)))
+    return np.where(tiny, np.nan, np.clip(r, -1, 1))
+
+
+def spearman_rows(x, y):
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    bad = ~(np.isfinite(x).all(-1) & np.isfinite(y).all(-1))
+    return np.where(bad, np.nan, pearson_rows(ranks(x), ranks(y)))
+
+
+def partial_rows(x, y, z):
+    """Partial correlation of x and y given z, row by row (NaN with fewer than 4 values)."""
+    rxy, rxz, ryz = pearson_rows(x, y), pearson_rows(x, z), pearson_rows(y, z)
+    with np.errstate(invalid='ignore', divide='ignore'):
+        r = (rxy - rxz * ryz) / np.sqrt((1 - rxz ** 2) * (1 - ryz ** 2))
+    return np.where((np.asarray(x).shape[-1] < 4) | (np.abs(rxz) > 1 - 1e-12) | (np.abs(ryz) > 1 - 1e-12),
+                    np.nan, np.clip(r, -1, 1))
+
+
+def spearman(x, y):
+    """Spearman correlation of two series, pairs with a NaN dropped."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    ok = np.isfinite(x) & np.isfinite(y)
+    return float(spearman_rows(x[ok], y[ok])) if ok.sum() >= 3 else math.nan
+
+
+def trend(x, y, point):
+    """The least-squares line of y on x over units grouped by point (see the docstring): {slope, lo, hi, n,
+    points, lof_p} (lof_p NaN where P < 3 or no unit repeats a point)."""
+    x, y, point = np.asarray(x, dtype=float), np.asarray(y, dtype=float), np.asarray(point)
+    ok = np.isfinite(x) & np.isfinite(y)
+    x, y, point = x[ok], y[ok], point[ok]
+    P, N = len(set(point.tolist())), len(y)
+    out = {'slope': math.nan, 'lo': math.nan, 'hi': math.nan, 'n': N, 'points': P, 'lof_p': math.nan}
+    if P < 2 or np.ptp(x) == 0:
+        return out
+    xc = x - x.mean()
+    slope = float(xc @ (y - y.mean()) / (xc @ xc))
+    resid = y - y.mean() - slope * xc
+    out['slope'] = slope
+    if N > 2:
+        half = t_quantile(0.5 + LEVEL / 2, N - 2) * math.sqrt((resid @ resid) / (N - 2) / (xc @ xc))
+        out.update(lo=slope - half, hi=slope + half)
+    pure = sum(float(((y[point == p] - y[point == p].mean()) ** 2).sum()) for p in set(point.tolist()))
+    lof = float(resid @ resid) - pure
+    if P > 2 and N > P and pure > 0:
+        out['lof_p'] = f_sf((lof / (P - 2)) / (pure / (N - P)), P - 2, N - P)
+    elif P > 2 and N > P and lof > 1e-12 * float(y @ y):   # no spread within points, some off the line
+        out['lof_p'] = 0.0
+    return out
+
+
+def fit_groups(y, X, groups):
+    """Least squares of y on [1, X] with jackknife-t intervals over groups (a seed: its rows share one baseline
+    run): se^2 = (G - 1) / G sum (coef_-g - mean)^2, t on G - 1 df. {'coef', 'lo', 'hi'}, intercept first; NaN
+    intervals with fewer than 3 groups."""
+    y, X = np.asarray(y, dtype=float), np.asarray(X, dtype=float).reshape(len(y), -1)
+    ok = np.isfinite(y) & np.isfinite(X).all(1)
+    A, y, groups = np.column_stack([np.ones(ok.sum()), X[ok]]), y[ok], np.asarray(groups)[ok]
+    solve = lambda A, y: np.linalg.lstsq(A, y, rcond=None)[0] if np.linalg.matrix_rank(A) == A.shape[1] else \
+        np.full(A.shape[1], np.nan)
+    coef, names = solve(A, y), np.unique(groups)
+    if len(names) < 3:
+        return {'coef': coef, 'lo': coef * np.nan, 'hi': coef * np.nan}
+    jack = np.array([solve(A[groups != g], y[groups != g]) for g in names])
+    se = np.sqrt((len(names) - 1) / len(names) * ((jack - jack.mean(0)) ** 2).sum(0))
+    t = t_quantile(0.5 + LEVEL / 2, len(names) - 1)
+    return {'coef': coef, 'lo': coef - t * se, 'hi': coef + t * se}
