@@ -2,7 +2,7 @@
 Turn the run folders train.py writes into the study's evidence: REPORT.md, tables and figures, every verdict computed
 by a rule generated from its CLAIMS row and printed beside it.
 
-    python analyze.py out/ [more/] [--out=DIR] [--pdf] [--no_figures] [--from_iter=N]   # -> out/analysis/
+    python analyze.py out/ [more/] [--out=DIR] [--no_figures] [--from_iter=N]   # -> out/analysis/
     python analyze.py tokens out/ [--data_file=...]         # token level of our checkpoints (tokens.py)
     python analyze.py pretrained --model=EleutherAI/pythia-160m --revisions=pythia   # a pretrained series
 
@@ -17,21 +17,17 @@ Adding a metric that train.py logs, with a claim and a figure (say it now logs `
 
 Units, each independent and giving one value: a seed (a run), a seed pair (a controlled run and the control='none'
 run of the same other settings and seed), a trajectory (the seed mean of one layer of one setting), a model (token
-level). Intervals and verdicts are stats.py's: Student-t over seeds, pairs and models, Wilson over trajectories;
-holds, reversed, no effect, undecided. A claim is measured in a view: a lens (LENSES; the learned part W - W(0)
-starts after iteration 0), a window of records (all, or from the end of warm-up on: warmup_iters, or --from_iter)
-and a layer position (all layers, the first, the ones between, the last). A run's final value of a metric is its
-mean over its last folders.FINAL_LOGS records.
+level). Intervals and verdicts are stats.py's. A claim is measured in a view: a lens (LENSES; the learned part starts
+after iteration 0), a window (all records, or from the end of warm-up: warmup_iters, or --from_iter) and a layer
+position. A run's final value of a metric is its mean over its last folders.FINAL_LOGS records.
 
-Every table of claims is judge() over another grouping of units: the robustness map is every claim in every lens x
-window over the uncontrolled runs, in its own view per weight decay on W_Q, W_K, and (d), (e) per (setting, arm); the
-claims table is its cells in each claim's own view; the regime table is each claim per regime point (the uncontrolled
-runs of one setting) and layer position, with trends along each numeric setting that varies, on lines holding every
-other setting fixed (a setting that is a constant multiple of the axis, as min_lr = lr / 10, moves with it).
-(a) counts a trajectory when PR_Q ends above and PR_K below their values at each of three reference records: the end
-of warm-up, twice that, and the record at 10% of training (over all records: the first record). (d) is judged at the
-strongest shrink dose whose relative change of per-head PR_K has its interval below WELL_BELOW: a null result from a
-weak manipulation says little. Sign tests (control_dose) are printed and gate nothing.
+Every table of claims is judge() over another grouping of units: the robustness map (every claim in every lens x
+window over the uncontrolled runs, in its own view per weight decay on W_Q, W_K, and (d), (e) per (setting, arm));
+the claims table (its cells in each claim's own view); the regime table (each claim per uncontrolled setting and layer
+position, with trends along each numeric setting on lines holding the others fixed; a setting that is a constant
+multiple of the axis, as min_lr = lr / 10, moves with it). (a) counts a trajectory when PR_Q ends above and PR_K
+below their values at each of three references: the end of warm-up, twice that, and 10% of training. (d) is judged
+at the strongest shrink dose whose per-head PR_K change has its interval below WELL_BELOW.
 
 Outputs in --out (default <first dir>/analysis; folders.py says what it never overwrites): REPORT.md, the tables it
 links (.csv, .md), the figures (plots.py); the token tables written there enter (f1), (f2) for the runs measured.
@@ -166,16 +162,15 @@ def final_layers(run, key, layers):
     return nanmean(run.m[key][-FINAL_LOGS:, layers], 0) if key in run.m else np.full(len(layers), np.nan)
 
 
-def final_gap(run, view):
-    """Final (PR_Q - PR_K) / C (whole matrix) or / d (per head): comparable across widths."""
-    lens, layers = LENSES[view.lens], layers_of(run, view)
-    return nanmean(final_layers(run, lens.q, layers) - final_layers(run, lens.k, layers)) / getattr(run, lens.size)
-
-
-def final_log_ratio(run, view):
-    lens, layers = LENSES[view.lens], layers_of(run, view)
-    with np.errstate(divide='ignore', invalid='ignore'):
-        return nanmean(np.log(final_layers(run, lens.q, layers) / final_layers(run, lens.k, layers)))
+def final_pr(stat):
+    """A statistic of a run: final (PR_Q - PR_K) / C (whole matrix; / d per head: comparable across widths), or
+    log(PR_Q / PR_K) (shown as the geometric mean of the ratio)."""
+    def fn(run, view):
+        lens, layers = LENSES[view.lens], layers_of(run, view)
+        q, k = final_layers(run, lens.q, layers), final_layers(run, lens.k, layers)
+        with np.errstate(divide='ignore', invalid='ignore'):
+            return nanmean(q - k) / getattr(run, lens.size) if stat == 'gap' else nanmean(np.log(q / k))
+    return fn
 
 
 def value(key, at='final'):
@@ -257,44 +252,40 @@ CLAIMS = [
           correlation('qk', 'entropy', kind='partial'), lenses=HEADS, window='warmup', where='map'),
     Claim('scale~entropy', '', f'Pearson of log ||W_QK^h||_2 with entropy {PAIRS}', 'seed',
           correlation('scale', 'entropy', kind='pearson'), lenses=HEADS, window='warmup'),
-    Claim('k~entropy over time', '', f'Spearman of PR_K with entropy {TIME} (two trends correlate, linked or not)',
-          'seed', correlation('k', 'entropy', 'time'), lenses=ALL4, where='map'),
-    Claim('dk~dentropy over time', '', f'Spearman of their changes between records {TIME}', 'seed',
-          correlation('k', 'entropy', 'time', changes=True), lenses=ALL4, where='map'),
-    Claim('k~qk over time', '', f'Spearman of PR_K with PR_QK {TIME}', 'seed', correlation('k', 'qk', 'time'),
-          lenses=ALL4, where='map'),
-    Claim('k~entropy|scale over time', '', f'Pearson partial of PR_K with entropy given the log scale {TIME}', 'seed',
-          correlation('k', 'entropy', 'time', 'partial'), lenses=ALL4, where='map'),
+    *[Claim(key, '', f'{stat} {TIME}', 'seed', fn, lenses=ALL4, where='map') for key, stat, fn in (
+        ('k~entropy over time', 'Spearman of PR_K with entropy (two trends correlate, linked or not)',
+         correlation('k', 'entropy', 'time')),
+        ('dk~dentropy over time', 'Spearman of their changes between records',
+         correlation('k', 'entropy', 'time', changes=True)),
+        ('k~qk over time', 'Spearman of PR_K with PR_QK', correlation('k', 'qk', 'time')),
+        ('k~entropy|scale over time', 'Pearson partial of PR_K with entropy given the log scale',
+         correlation('k', 'entropy', 'time', 'partial')))],
     *[Claim(f'{stat}_end{suffix}', '', f'final {what} in the {LENSES[lens].what}', 'seed', fn, lenses=(lens,),
             log=stat == 'ratio', where='regime') for lens, suffix in (('whole', ''), ('head', '_head'),
                                                                        ('learned', '_learned'))
-      for stat, what, fn in (('gap', f'(PR_Q - PR_K) / {LENSES[lens].size}', final_gap),
-                             ('ratio', 'PR_Q / PR_K (geometric mean)', final_log_ratio))],
-    Claim('imbalance_start', '', 'qk_imbalance at the first record', 'seed', value('qk_imbalance', 'first'),
-          where='regime'),
-    Claim('imbalance_end', '', 'final qk_imbalance', 'seed', value('qk_imbalance'), where='regime'),
-    Claim('imbalance_conserved', '', 'final qk_imbalance had D_h kept its initial norm', 'seed', conserved_imbalance,
-          where='regime'),
-    Claim('drift_end', '', 'final qk_drift, ||D_h(t) - D_h(0)||_F / gram(t)', 'seed', value('qk_drift'),
-          where='regime'),
-    Claim('val_loss', '', 'final validation loss', 'seed', lambda r, view: r.final_loss('val_loss'), where='regime'),
-    Claim('train_val_gap', '', 'final val_loss - train_loss', 'seed',
-          lambda r, view: r.final_loss('val_loss') - r.final_loss('train_loss'), where='regime'),
+      for stat, what, fn in (('gap', f'(PR_Q - PR_K) / {LENSES[lens].size}', final_pr('gap')),
+                             ('ratio', 'PR_Q / PR_K (geometric mean)', final_pr('ratio')))],
+    *[Claim(key, '', stat, 'seed', fn, where='regime') for key, stat, fn in (
+        ('imbalance_start', 'qk_imbalance at the first record', value('qk_imbalance', 'first')),
+        ('imbalance_end', 'final qk_imbalance', value('qk_imbalance')),
+        ('imbalance_conserved', 'final qk_imbalance had D_h kept its initial norm', conserved_imbalance),
+        ('drift_end', 'final qk_drift, ||D_h(t) - D_h(0)||_F / gram(t)', value('qk_drift')),
+        ('val_loss', 'final validation loss', lambda r, view: r.final_loss('val_loss')),
+        ('train_val_gap', 'final val_loss - train_loss', lambda r, v: r.final_loss('val_loss') -
+         r.final_loss('train_loss')))],
     Claim('d', '(d) shrinking the key spectrum sharpens attention', f'final attention entropy, {D}', 'pair',
           change('entropy'), -1, 0, 0.02, control='shrink'),
     Claim('e', '(e) freezing the key spectrum softens attention', f'final attention entropy, {D}', 'pair',
           change('entropy'), +1, 0, 0.02, control='freeze'),
-    Claim('d_entropy', '', f'final entropy, {D}', 'pair', change('entropy'), where=''),
-    Claim('d_pr_head', '', f'final per-head PR of the controlled projection, {D}', 'pair', change('pr_ctl_head'),
-          where=''),
-    Claim('d_pr_head_rel', '', "the same relative to the baseline's", 'pair', change('pr_ctl_head', 'relative'),
-          where=''),
-    Claim('d_qk_spec_norm', '', f'final qk_spec_norm, {D}', 'pair', change('qk_spec_norm')),
-    Claim('d_log_qk_spec_norm', '', f'final log qk_spec_norm, {D}', 'pair', change('qk_spec_norm', 'log'), where=''),
-    Claim('d_k_spec_norm', '', f'final k_spec_norm (top singular value of W_K^h), {D}', 'pair', change('k_spec_norm'),
-          where=''),
-    Claim('d_q_spec_norm', '', f'final q_spec_norm, {D}', 'pair', change('q_spec_norm'), where=''),
-    Claim('d_val_loss', '', f'final val_loss, {D}', 'pair', change('val_loss')),
+    *[Claim(f'd_{key}', '', f'{stat}, {D}', 'pair', fn, where=where) for key, stat, fn, where in (
+        ('entropy', 'final entropy', change('entropy'), ''),
+        ('pr_head', 'final per-head PR of the controlled projection', change('pr_ctl_head'), ''),
+        ('pr_head_rel', "the same relative to the baseline's", change('pr_ctl_head', 'relative'), ''),
+        ('qk_spec_norm', 'final qk_spec_norm', change('qk_spec_norm'), 'map regime'),
+        ('log_qk_spec_norm', 'final log qk_spec_norm', change('qk_spec_norm', 'log'), ''),
+        ('k_spec_norm', 'final k_spec_norm (top singular value of W_K^h)', change('k_spec_norm'), ''),
+        ('q_spec_norm', 'final q_spec_norm', change('q_spec_norm'), ''),
+        ('val_loss', 'final val_loss', change('val_loss'), 'map regime'))],
     Claim('f1-early', '(f1) token-level PR_Q - PR_K rises early', "Spearman of tok_pr_q - tok_pr_k with log(1 + step) "
           "over a model's early checkpoints (log step at or below its median), mean over layers", 'model',
           token_column('rho_early'), +1, 0, 0.1),
@@ -497,7 +488,6 @@ def control_tables(study):
             f"pr_{dict(arm)['control_target']}_head") for _, b in pairs]), **{c.key[2:]: shown(c, res[c.key])
                                                                              for c in PAIRED},
             'well below': bool(res['d_pr_head_rel']['hi'] < WELL_BELOW), 'predicted sign': f"{k}/{ent['n']}",
-            'sign test p': stats.sign_test_p(k, ent['n']),
             'verdict': verdict_text(ent) if dict(arm)['control_target'] == 'k' else 'mirror: no verdict'})
     return per_pair, dose
 
@@ -591,7 +581,7 @@ def load(paths, out=None, from_iter=None, log=print):
     return study
 
 
-def analyze(paths, out=None, pdf=False, figures=True, from_iter=None, log=print):
+def analyze(paths, out=None, figures=True, from_iter=None, log=print):
     """Load, compute, write; the Study. Skip (no usable run) or OutError (out refused) before anything is written."""
     study = load(paths, out, from_iter, log)
     folders.check_out(study.out)
@@ -603,7 +593,7 @@ def analyze(paths, out=None, pdf=False, figures=True, from_iter=None, log=print)
                         dose_fits(study), 'timeline': timeline_rows(study), 'runs': runs_rows(study),
                         'settings': setting_rows(study), 'regime_rows': reg.get('rows', []),
                         'regime_trend': reg.get('trends', [])}
-    figs = plots.draw(study, t, pdf, log) if figures else {'files': {}, 'notes': []}
+    figs = plots.draw(study, t, log) if figures else {'files': {}, 'notes': []}
     files = {**figs['files'], **report.map_tables(t['cells'], CLAIM), **folders.table('regime', t['regime_rows'])}
     for stem in ('claims', 'trajectories', 'control', 'control_dose', 'control_dose_fit', 'timeline', 'runs',
                  'settings', 'regime_trend'):
@@ -635,7 +625,6 @@ def main(argv=None):
     p.add_argument('--out', default=os.path.join('out', 'analysis') if what == 'pretrained' else None,
                    help='where to write; default <first dir>/analysis (pretrained: out/analysis)')
     p.add_argument('--no_figures', action='store_true', help='tables only')
-    p.add_argument('--pdf', action='store_true', help='every figure as PDF too')
     p.add_argument('--device', default='cpu', help='where models run (token level)')
     for name, kind, default, text in OPTIONS[what]:
         p.add_argument(f'--{name}', type=kind, default=default, help=text, required=name == 'model')
@@ -645,12 +634,12 @@ def main(argv=None):
         if bad:
             raise Skip(f'{", ".join(bad)}: not a folder (pass the out_dir of train.py, or a folder above it)')
         if what == 'runs':
-            s = analyze(a.dirs, a.out, a.pdf, not a.no_figures, a.from_iter)
+            s = analyze(a.dirs, a.out, not a.no_figures, a.from_iter)
             res = {'files': s.files, 'lines': [f'{len(s.runs)} runs used, {len(s.skipped)} skipped, {len(s.label)} '
                                                f'settings'] + [f"{r['key']:<9} {r['verdict'][:46]:<46} "
                                                                f"{r['scope'][:60]}" for r in s.tables['claims']]}
         elif what == 'tokens':
-            res = tokens.analyze_tokens(a.dirs, a.out, (a.data_file, a.data_dir, a.cache_dir), a.device, a.pdf,
+            res = tokens.analyze_tokens(a.dirs, a.out, (a.data_file, a.data_dir, a.cache_dir), a.device,
                                         not a.no_figures)
         else:
             revisions = tokens.REVISION_PRESETS.get(a.revisions) or [r for r in a.revisions.split(',') if r] or [None]

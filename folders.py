@@ -7,14 +7,11 @@ was not logged). fig4 alone opens snapshots/, where they exist.
 Settings are every config.json key but BOOKKEEPING: a key a forker adds is a setting with no edit here, and the data
 enter as data_sha256, the hash of the text's content, not its file name. A control arm is the values of CONTROL_KEYS.
 
-Left out, each with one line: a run whose config.json lacks or mistypes a field of REQUIRED; an unfinished run; a
-duplicate (same settings and seed); a line of metrics.jsonl that is not a record (a cut last line too); a bad record,
-one with a value not finite or outside its definitional range (bounds: PR outside [1, C] whole matrix and token whole,
-[1, d] per head and for PR_QK, 0 being the convention for an all-zero spectrum; entropy outside [0, log T];
-entropy_norm outside [0, 1]; a negative norm). A metric some seeds of a setting did not log is noted.
-
-Output folders: only files named as the analysis' own, listed in MANIFEST; a file of such a name that the analysis
-did not write stops the write before it starts; nothing is deleted; /, a run folder and a folder inside one are refused.
+Left out with one line each: a run whose config.json lacks or mistypes a field of REQUIRED; an unfinished run; a
+duplicate (same settings and seed); a line of metrics.jsonl that is not a record; a bad record, with a value not
+finite or outside its definitional range (bounds). A metric some seeds of a setting did not log is noted.
+Output folders: the analysis writes only files of its own names, listed in MANIFEST, refuses to replace one it did not
+write, deletes nothing, and refuses /, a run folder and a folder inside one.
 """
 import csv
 import gzip
@@ -165,11 +162,8 @@ def layer_arrays(geo, n_layer, notes):
                 cells.setdefault(k, {})[r, i] = v
     out = {}
     for key, found in cells.items():
-        widths = {len(v) if isinstance(v, list) else None for v in found.values()}
-        if len(widths) > 1:
-            notes.append(f'{key}: lists of different lengths (or lists and numbers): left out')
-            continue
-        (width,) = widths
+        width = max(len(v) if isinstance(v, list) else -1 for v in found.values())
+        width = None if width < 0 else width
         out[key] = np.full((len(geo), n_layer) + (() if width is None else (width,)), np.nan)
         for (r, i), v in found.items():
             out[key][r, i] = [number(x) for x in v] if width is not None else number(v)
@@ -329,10 +323,7 @@ def write_files(out, files):
     """Write {name: text or bytes} into out and MANIFEST; OutError first if one is there that it did not write."""
     check_out(out)
     path = os.path.join(out, MANIFEST)
-    try:
-        ours = set(json.load(open(path))) if os.path.exists(path) else set()
-    except (OSError, ValueError, TypeError):
-        raise OutError(f'{path}, the list of files the analysis wrote, is unreadable; pass another --out') from None
+    ours = set(json.load(open(path))) if os.path.exists(path) else set()
     foreign = sorted(n for n in files if os.path.lexists(os.path.join(out, n)) and n not in ours)
     if foreign:
         raise OutError(f'{out} holds {", ".join(foreign[:3])}{" ..." if len(foreign) > 3 else ""}, not written by '

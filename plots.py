@@ -12,6 +12,7 @@ the same, the files are a third of the size).
     fig5_control            per arm family: the controlled PR and the entropy over training; the dose response, each
                             seed pair's entropy change against the change in the controlled PR it achieved
     fig9_regime             each claim per regime point along each axis, a line per line of points
+    fig10_imbalance         the Q/K imbalance and its drift over training per setting; the per-head PR gap against it
 """
 import io
 import os
@@ -29,19 +30,16 @@ from folders import Skip, families, group, stack
 matplotlib.rcParams['axes.formatter.useoffset'] = False
 
 
-def save(name, fig, with_pdf=False):
-    """{name.png: bytes}, and name.pdf with with_pdf."""
+def save(name, fig):
+    """{name.png: bytes}."""
     buf, out = io.BytesIO(), io.BytesIO()
     fig.savefig(buf, format='png', dpi=110, bbox_inches='tight')
     Image.open(buf).convert('RGB').quantize(colors=256, method=Image.Quantize.MEDIANCUT,
                                             dither=Image.Dither.NONE).save(out, format='png', optimize=True)
-    if with_pdf:
-        pdf = io.BytesIO()
-        fig.savefig(pdf, format='pdf', bbox_inches='tight')
-    return {f'{name}.png': out.getvalue(), **({f'{name}.pdf': pdf.getvalue()} if with_pdf else {})}
+    return {f'{name}.png': out.getvalue()}
 
 
-def draw(study, t, with_pdf=False, log=print):
+def draw(study, t, log=print):
     """{'files': {name: bytes}, 'notes': [why a figure was skipped]} of every figure in FIGURES."""
     files, notes = {}, []
     for stem, make in FIGURES:
@@ -52,7 +50,7 @@ def draw(study, t, with_pdf=False, log=print):
             log(f'note: {stem} skipped: {e}')
             continue
         for i, fig in enumerate(made if isinstance(made, list) else [made]):
-            files.update(save(stem + (f'_{i + 1}' if i else ''), fig, with_pdf))
+            files.update(save(stem + (f'_{i + 1}' if i else ''), fig))
     return {'files': files, 'notes': notes}
 
 
@@ -140,11 +138,8 @@ def spectra(study, t):
     fig = Figure(layout='constrained', figsize=(13, 3.3 * len(reps[:3])))
     for row, (name, run, paths) in zip(fig.subplots(len(reps[:3]), 3, squeeze=False), reps):
         for path, color in zip(paths, ('tab:blue', 'tab:red')):
-            try:
-                with np.load(path) as z:
-                    q, k, n_head = z['q'][run.n_layer // 2], z['k'][run.n_layer // 2], int(z['n_head'])
-            except Exception as e:   # a truncated or foreign file
-                raise Skip(f'{path} is unreadable ({type(e).__name__})') from None
+            with np.load(path) as z:
+                q, k, n_head = z['q'][run.n_layer // 2], z['k'][run.n_layer // 2], int(z['n_head'])
             s_qk = geometry.interaction_singular_values(q, k, n_head).mean(0)
             for ax, s in zip(row, (geometry.singular_values(q), geometry.singular_values(k), s_qk)):
                 ax.semilogy(np.arange(1, len(s) + 1), np.maximum(s.numpy(), 1e-12), color=color,
@@ -180,8 +175,7 @@ def control(study, t):
         fit = fits.get((study.label[setting], study.arm_name(rest)))
         if fit and np.isfinite(fit['slope']):   # least squares passes through the points' mean
             x0 = np.array([min(xs), max(xs)])
-            axes[2].plot(x0, np.nanmean(ys) + fit['slope'] * (x0 - np.nanmean(xs)), 'k:', label=f"slope "
-                         f"{fit['slope']:+.3g} [{fit['slope_lo']:+.3g}, {fit['slope_hi']:+.3g}]")
+            axes[2].plot(x0, np.nanmean(ys) + fit['slope'] * (x0 - np.nanmean(xs)), 'k:', label='least squares')
             axes[2].legend(fontsize=7)
         axes[2].axhline(0, color='k', lw=0.8)
         axes[2].set(xlabel=f'{key} change', ylabel='final entropy change', title='controlled - baseline per seed pair; '
@@ -219,6 +213,27 @@ def regime_points(study, t):
     return figs
 
 
+def imbalance(study, t):
+    """qk_imbalance, qk_drift over training per uncontrolled setting; per head, the final PR gap against imbalance."""
+    groups = {n: [r for r in rs if 'qk_imbalance_heads' in r.m] for n, rs in settings_of(study).items()}
+    if not any(groups.values()):
+        raise Skip('qk_imbalance is not logged (runs trained before train.py logged it)')
+    fig = Figure(layout='constrained', figsize=(14, 4.8))
+    ax_t, ax_s = fig.subplots(1, 2)
+    for i, (name, runs) in enumerate((n, rs) for n, rs in groups.items() if rs):
+        color = colormaps['tab20'](i % 20)
+        for key, style in (('qk_imbalance', '-'), ('qk_drift', '--')):
+            its, v = stack(runs, key)
+            ax_t.plot(its, stats.nanmean(v, 0).mean(1), style, color=color, label=name if style == '-' else None)
+        gap = np.concatenate([(r.m['pr_q_heads'][-1] - r.m['pr_k_heads'][-1]).ravel() / r.d for r in runs])
+        ax_s.scatter(np.concatenate([r.m['qk_imbalance_heads'][-1].ravel() for r in runs]), gap, s=12, color=color)
+    iteration_axis(ax_t, '||D_h||_F / Gram norm', 'qk_imbalance (solid) and qk_drift (dashed), layer and seed mean')
+    ax_t.legend(fontsize=6)
+    ax_s.axhline(0, color='k', lw=0.8)
+    ax_s.set(xlabel='final qk_imbalance of the head', ylabel='final (PR_Q^h - PR_K^h) / d', title='run x layer x head')
+    return fig
+
+
 FIGURES = [('fig1_pr_over_training', pr_over_training), ('fig2_pr_gap', pr_gap),
            ('fig3_entropy_and_pr', entropy_and_pr), ('fig4_spectra', spectra), ('fig5_control', control),
-           ('fig9_regime', regime_points)]
+           ('fig9_regime', regime_points), ('fig10_imbalance', imbalance)]

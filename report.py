@@ -82,9 +82,8 @@ def write(study, t, claims, figure_notes, files):
          'verdict is computed from the run folders by the rules printed here.', '', '## Claims', '',
          folders.markdown(rows, ['claim', 'in', 'value', 'verdict']), '### Rules', '']
     L += [f'- {rule(by_key[k])}.' for k in dict.fromkeys(r['key'] for r in t['claims'])]
-    L += ['', 'Intervals are over independent units; sign tests (control_dose) gate nothing. (a): from the end of '
-          'warm-up, twice that and 10% of training. (d): at the strongest shrink dose whose per-head PR_K change lies '
-          'below -20% of the baseline\'s.', '']
+    L += ['', 'Intervals are over independent units. (a): from the end of warm-up, twice that and 10% of training. '
+          '(d): at the strongest shrink dose whose per-head PR_K change lies below -20% of the baseline\'s.', '']
     L += section('Robustness map', 'Each claim in every lens and window over every uncontrolled run, in its own '
                  'view with and without weight decay on W_Q, W_K; (d), (e) by control_keep. "-": no per-head values.',
                  files, 'robustness_map.md', embed=True)
@@ -94,7 +93,7 @@ def write(study, t, claims, figure_notes, files):
                  '(a) from each reference and (b).', files, 'trajectories.md')
     L += sum((figures(files, f'fig{i}_') for i in range(1, 5)), [])
     L += control_lines(t, files) + regime_lines(t, files, {k for k, c in by_key.items() if c.sign} | {
-        'gap_end', 'ratio_end', 'gap_end_head', 'ratio_end_head'}) + token_lines(study)
+        'gap_end', 'ratio_end', 'gap_end_head', 'ratio_end_head'}) + imbalance_lines(t, files) + token_lines(study)
     L += ['## Settings', '', f'Seeds of one setting share every config.json key but {", ".join(folders.BOOKKEEPING)}.',
           '', folders.markdown(t['settings'])]
     L += ['## Notes: known confounds', ''] + [f'- {n}' for n in confounds(study)]
@@ -127,26 +126,43 @@ def control_lines(t, files):
     return L + figures(files, 'fig5_')
 
 
-def regime_lines(t, files, shown_trends):
-    if not t['regime']:
-        return ['## Regime', '', 'One setting of uncontrolled runs: nothing to compare across settings.', '']
-    rows = [r for r in t['regime_rows'] if r['position'] == 'all']
-    points, pivot = list(dict.fromkeys(r['point'] for r in rows)), {}
-    measured = {r['statistic'] for r in rows if r['n']}
+def by_point(t, keep=None):
+    """The regime rows of all layers as a table: a row per statistic (those in keep), a column per point."""
+    rows = [r for r in t['regime_rows'] if r['position'] == 'all' and (keep is None or r['statistic'] in keep)]
+    points, measured = list(dict.fromkeys(r['point'] for r in rows)), {r['statistic'] for r in rows if r['n']}
+    pivot = {}
     for r in (r for r in rows if r['statistic'] in measured):
         cell = f"{r['value']} {r['verdict']}" if r['verdict'] and r['n'] else r['value']
         pivot.setdefault(r['statistic'], {'statistic': r['statistic']})[r['point']] = cell
+    return folders.markdown([pivot[k] for k in (keep or pivot) if k in pivot], ['statistic'] + points)
+
+
+def regime_lines(t, files, shown_trends):
+    if not t['regime']:
+        return ['## Regime', '', 'One setting of uncontrolled runs: nothing to compare across settings.', '']
+    points = list(dict.fromkeys(r['point'] for r in t['regime_rows']))
     trends = [{**{k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading', 'verdicts')},
                'slope per doubling': f"{signed(r['slope'])} [{signed(r['lo'])}, {signed(r['hi'])}]"}
               for r in t['regime_trend'] if r['position'] == 'all' and r['statistic'].split(' [')[0] in shown_trends]
     return ['## Regime', '', f'{len(points)} points (uncontrolled settings), each claim over its own units, all layers '
-            '(regime.md: by layer position).', '', folders.markdown(list(pivot.values()), ['statistic'] + points),
+            '(regime.md: by layer position).', '', by_point(t),
             '### Trends', '',
             'Slopes per doubling fitted to the units\' values along lines that hold every other setting fixed; a '
             'lack-of-fit F test with p < 0.05 reads "no linear trend"; regime_trend.md has every statistic. Nothing '
             'is projected beyond the points.', '',
             folders.markdown(trends) if trends else 'No numeric setting with two points on a line.\n'] + \
         figures(files, 'fig9_')
+
+
+def imbalance_lines(t, files):
+    """Per setting: val loss, the Q/K imbalance beside what the conservation law leaves of it, (a)-(c2); if logged."""
+    if not any(r['n'] for r in t['regime_rows'] if r['statistic'] == 'imbalance_end'):
+        return []
+    return ['## Queries, keys and the optimizer', '', 'Under gradient flow D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is '
+            'conserved (geometry.py): imbalance_conserved is the final qk_imbalance the law leaves of the initial '
+            'one, drift_end how far D_h moved, ratio_end_head the final per-head PR_Q / PR_K.', '',
+            by_point(t, ('val_loss', 'imbalance_start', 'imbalance_end', 'imbalance_conserved', 'drift_end',
+                         'ratio_end_head', 'a', 'b', 'c', 'c-qk', 'c2'))] + figures(files, 'fig10_')
 
 
 def token_lines(study):
@@ -163,16 +179,15 @@ def token_lines(study):
 def confounds(study):
     """Weight decay on W_Q, W_K; the random init's PR near C/2; learning rate and length; near-uniform records."""
     runs, base = study.runs, [r for r in study.runs if r.control == 'none']
-    notes = [f'weight decay {w} {"on" if d and w else "not on"} W_Q, W_K in {n} run(s): it shrinks both spectra.'
+    notes = [f'weight decay {w} on W_Q, W_K in {n} run(s): it shrinks both spectra.' if d and w else
+             f'no weight decay on W_Q, W_K in {n} run(s).'
              for (w, d), n in sorted(Counter((r.cfg['weight_decay'], r.cfg['decay_qk']) for r in runs).items())]
     start = folders.group([r for r in base if len(r.iters) and r.iters[0] == 0 and 'pr_q' in r.m],
                           lambda r: r.cfg['qk_init'])
     ratio = {i: np.mean([np.nanmean(r.m['pr_q'][0]) / r.C for r in rs]) for i, rs in start.items()}
     notes += ['a random (C, C) matrix starts near PR = C/2 (an orthogonal one at C): early training lowers every PR; '
               'at iteration 0 ' + '; '.join(f'{i}: PR_Q/C = {v:.2f}' for i, v in ratio.items()) + '.'] * bool(start)
-    notes.append('learning rate, warm-up and length set how fast both PRs move: ' + '; '.join(
-        f'lr {a}, warmup_iters {b}, max_iters {c} in {n} run(s)' for (a, b, c), n in sorted(Counter(
-            (r.cfg.get('lr'), r.cfg['warmup_iters'], r.cfg['max_iters']) for r in runs).items(), key=str)) + '.')
+    notes.append('learning rate, warm-up and length set how fast both PRs move (their values: Settings).')
     near = [r.m['entropy_norm'][r.iters >= r.cfg['warmup_iters']].mean(1) for r in base if 'entropy_norm' in r.m]
     return notes + [f'{sum(int((v >= NEAR_UNIFORM).sum()) for v in near)} of the {sum(map(len, near))} records from '
                     f'warm-up on have near-uniform attention (layer-mean entropy_norm >= {NEAR_UNIFORM}), where '

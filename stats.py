@@ -18,11 +18,9 @@ the slope's t interval from the residuals (N - 2 degrees of freedom), and the la
 F = (SS_lof / (P - 2)) / (SS_pe / (N - P)), SS_pe the squared deviations of the units from their point's mean,
 SS_lof = SS_residual - SS_pe; with p < ALPHA a line does not describe the points.
 
-Correlations row by row over (rows, n) arrays, so that every record of a run is correlated at once: Pearson;
-Spearman (the Pearson correlation of ranks, ties given their average rank); and the partial correlation of x and
-y given one control z in the closed form of geometry.partial_correlation,
-(r_xy - r_xz r_yz) / sqrt((1 - r_xz^2)(1 - r_yz^2)). A row with a NaN, fewer than 3 values (4 for the partial)
-or a constant series gives NaN.
+Correlations row by row over (rows, n) arrays: Pearson, Spearman (ties at their average rank), and the partial
+correlation given one control in geometry.partial_correlation's closed form; NaN for a row with a NaN, fewer than 3
+values (4 for the partial) or a constant series.
 """
 import functools
 import math
@@ -113,11 +111,6 @@ def verdict(lo, hi, sign, ref, margin, n):
         return 'no effect', ''
     wide = f' and is wider than +/-{margin:g}' if margin else ''
     return 'undecided', f'n = {n}: the interval spans {ref:g}{wide}'
-
-
-def sign_test_p(k, n):
-    """Exact one-sided sign test: P(X >= k), X ~ Binomial(n, 1/2); NaN for n = 0."""
-    return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n if n else math.nan
 
 
 # ----------------------------------------------------------------------------- correlations, row by row

@@ -92,7 +92,7 @@ def measure_run(path, cfg, x, device):
     return layer_rows, head_rows
 
 
-def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', pdf=False, figures=True, log=print):
+def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', figures=True, log=print):
     """Token metrics of every model checkpoint of the runs under paths (one that cannot be measured: one line)."""
     out = out or os.path.join(paths[0], 'analysis')
     folders.check_out(out)
@@ -116,7 +116,7 @@ def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', pdf=Fa
     names = dict(zip(cfgs, folders.labels(settings, folders.varying(settings))))
     for r in layer_rows + head_rows:
         r['setting'] = names[r['model']]
-    return finish(out, 'tokens', layer_rows, head_rows, lambda r: r['setting'], figures, pdf, runs)
+    return finish(out, 'tokens', layer_rows, head_rows, lambda r: r['setting'], figures, runs)
 
 
 def token_tables(out, runs, warn):
@@ -179,8 +179,6 @@ def text_windows(tokenizer, text, n_seqs, seq_len):
     at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
     head, tail = (full[:at], full[at + len(bare):]) if bare else ([], [])
     n = seq_len - len(head) - len(tail)
-    if n < 2 or len(ids) < 2:
-        raise ValueError(f'seq_len={seq_len} leaves {n} text tokens per window and the text has {len(ids)}')
     return torch.tensor([head + ids[i * n:(i + 1) * n] + tail for i in range(min(n_seqs, len(ids) // n) or 1)])
 
 
@@ -332,7 +330,7 @@ def summary_rows(trend, link):
             for series, rs in group(trend, series_of).items()]
 
 
-def finish(out, prefix, layer_rows, head_rows, label_of, figures, pdf=False, runs=()):
+def finish(out, prefix, layer_rows, head_rows, label_of, figures, runs=()):
     """The prefix* tables, prefix.json (the rows, which the report reads back) and the figure, written into out."""
     trend, link = trend_rows(layer_rows), link_rows(head_rows)
     summary = summary_rows(trend, link)
@@ -344,8 +342,7 @@ def finish(out, prefix, layer_rows, head_rows, label_of, figures, pdf=False, run
     for n, part in enumerate((set(labels[i:i + 4]) for i in range(0, len(labels), 4)), 1):   # 4 rows a figure
         fig = token_figure([r for r in layer_rows if label_of(r) in part],
                            [h for h in head_rows if label_of(h) in part], label_of, SOURCES[prefix])
-        files.update(plots.save(('fig6_tokens' if prefix == 'tokens' else 'fig7_pretrained') + f'_{n}' * (n > 1),
-                                fig, pdf))
+        files.update(plots.save(('fig6_tokens' if prefix == 'tokens' else 'fig7_pretrained') + f'_{n}' * (n > 1), fig))
     return {'out': out, 'files': folders.write_files(out, files) if layer_rows else [], 'summary': summary}
 
 
