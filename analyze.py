@@ -270,6 +270,7 @@ CLAIMS = [
         ('imbalance_end', 'final qk_imbalance', value('qk_imbalance')),
         ('imbalance_conserved', 'final qk_imbalance had D_h kept its initial norm', conserved_imbalance),
         ('drift_end', 'final qk_drift, ||D_h(t) - D_h(0)||_F / gram(t)', value('qk_drift')),
+        ('dq_rel_end', 'final ||W_Q - W_Q(0)||_F / ||W_Q(0)||_F: how far training moved W_Q', value('dq_rel')),
         ('val_loss', 'final validation loss', lambda r, view: r.final_loss('val_loss')),
         ('train_val_gap', 'final val_loss - train_loss', lambda r, v: r.final_loss('val_loss') -
          r.final_loss('train_loss')))],

@@ -145,8 +145,7 @@ def regime_lines(t, files, shown_trends):
                'slope per doubling': f"{signed(r['slope'])} [{signed(r['lo'])}, {signed(r['hi'])}]"}
               for r in t['regime_trend'] if r['position'] == 'all' and r['statistic'].split(' [')[0] in shown_trends]
     return ['## Regime', '', f'{len(points)} points (uncontrolled settings), each claim over its own units, all layers '
-            '(regime.md: by layer position).', '', by_point(t),
-            '### Trends', '',
+            '(regime.md: by layer position).', '', by_point(t), '### Trends', '',
             'Slopes per doubling fitted to the units\' values along lines that hold every other setting fixed; a '
             'lack-of-fit F test with p < 0.05 reads "no linear trend"; regime_trend.md has every statistic. Nothing '
             'is projected beyond the points.', '',
@@ -156,13 +155,13 @@ def regime_lines(t, files, shown_trends):
 
 def imbalance_lines(t, files):
     """Per setting: val loss, the Q/K imbalance beside what the conservation law leaves of it, (a)-(c2); if logged."""
-    if not any(r['n'] for r in t['regime_rows'] if r['statistic'] == 'imbalance_end'):
-        return []
-    return ['## Queries, keys and the optimizer', '', 'Under gradient flow D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is '
-            'conserved (geometry.py): imbalance_conserved is the final qk_imbalance the law leaves of the initial '
-            'one, drift_end how far D_h moved, ratio_end_head the final per-head PR_Q / PR_K.', '',
-            by_point(t, ('val_loss', 'imbalance_start', 'imbalance_end', 'imbalance_conserved', 'drift_end',
-                         'ratio_end_head', 'a', 'b', 'c', 'c-qk', 'c2'))] + figures(files, 'fig10_')
+    keys = ('val_loss', 'dq_rel_end', 'imbalance_start', 'imbalance_end', 'imbalance_conserved', 'drift_end',
+            'ratio_end_head', 'a', 'b', 'c', 'c-qk', 'c2')
+    return [] if not any(r['n'] for r in t['regime_rows'] if r['statistic'] == 'imbalance_end') else [
+        '## Queries, keys and the optimizer', '', 'Under gradient flow D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is '
+        'conserved (geometry.py): imbalance_conserved is the final qk_imbalance the law leaves of the initial one, '
+        'drift_end how far D_h moved, dq_rel_end how far W_Q moved, ratio_end_head the final per-head PR_Q / PR_K.', '',
+        by_point(t, keys)] + figures(files, 'fig10_')
 
 
 def token_lines(study):
