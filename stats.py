@@ -161,7 +161,7 @@ def trend(x, y, point):
     x, y, point = np.asarray(x, dtype=float), np.asarray(y, dtype=float), np.asarray(point)
     ok = np.isfinite(x) & np.isfinite(y)
     x, y, point = x[ok], y[ok], point[ok]
-    P, N = len(set(point.tolist())), len(y)
+    P, N = len(np.unique(point)), len(y)
     out = {'slope': math.nan, 'lo': math.nan, 'hi': math.nan, 'n': N, 'points': P, 'lof_p': math.nan}
     if P < 2 or np.ptp(x) == 0:
         return out
@@ -172,7 +172,7 @@ def trend(x, y, point):
     if N > 2:
         half = t_quantile(0.5 + LEVEL / 2, N - 2) * math.sqrt((resid @ resid) / (N - 2) / (xc @ xc))
         out.update(lo=slope - half, hi=slope + half)
-    pure = sum(float(((y[point == p] - y[point == p].mean()) ** 2).sum()) for p in set(point.tolist()))
+    pure = sum(float(((y[point == p] - y[point == p].mean()) ** 2).sum()) for p in np.unique(point))
     lof = float(resid @ resid) - pure
     if P > 2 and N > P and pure > 0:
         out['lof_p'] = f_sf((lof / (P - 2)) / (pure / (N - P)), P - 2, N - P)
