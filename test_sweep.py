@@ -101,3 +101,16 @@ def test_slurm_submits_one_array_task_per_run_left_then_the_analysis(tmp_path):
     assert task.returncode == 0, task.stderr
     assert [n for n in os.listdir(tmp_path / 'out') if os.path.exists(tmp_path / 'out' / n / 'done.json')] == \
         [re.search(r'--run_name=(\S+)', (tmp_path / 'out' / 'slurm' / 'commands.txt').read_text().splitlines()[1])[1]]
+
+
+def test_ci_runs_the_readme_s_test_lines_and_no_user_file_names_a_path_outside_the_repository():
+    readme = open(os.path.join(HERE, 'README.md')).read()
+    lines = [line.strip() for line in readme.splitlines() if line.startswith('    python -m p')]
+    tests = lines[lines.index('python -m pip install -r requirements-dev.txt'):][:2]
+    ci = [line for line in open(os.path.join(HERE, '.ci', 'run')).read().splitlines() if line and line[0] != '#']
+    assert tests == ['python -m pip install -r requirements-dev.txt', 'python -m pytest -q'] == ci[-2:]
+    users = ['README.md', 'sweep.sh', *(f for f in os.listdir(HERE) if f.endswith('.py') and not f.startswith(
+        ('test_', 'conftest')))]
+    for name in users:
+        text = open(os.path.join(HERE, name)).read()
+        assert not [p for p in ('../shared', '/work/', 'DESIGN.md') if p in text], name
