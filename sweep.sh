@@ -9,7 +9,7 @@
 #   BACKEND=slurm bash sweep.sh            # a Slurm job array, then the analysis as a dependent job
 #
 # Environment [default]:
-#   PRESET     paper | cpu | ladder | optim | smoke [paper]       OUT     where the runs go [out/$PRESET]
+#   PRESET     paper | cpu | ladder | length | optim | smoke [paper]   OUT  where the runs go [out/$PRESET]
 #   JOBS       runs at once [the number of visible GPUs, else of CPU cores]
 #   DATA_FILE  a UTF-8 text to train every run on [the preset's dataset]
 #   RUN_LIST   a file of runs instead of the grid, one per line: NAME --key=value ...
@@ -20,6 +20,7 @@
 #                      CONTROL_SEEDS [1 2 3 4 5] CONTROL_KEEPS [fro spec] SHRINK_TOS [0.2 0.14 0.1]
 #   ladder:            WIDTHS [32 64 128 256 384] LADDER_SEEDS [1 2 3] LONG_ITERS [8000] LRS [3e-4 3e-3]
 #                      CONTROL_WIDTH [256]
+#   length:            LENGTHS [2000 4000 8000 16000] DROPOUT_LENGTHS [8000 16000] LENGTH_SEEDS [1 2 3]
 #   optim:             ADAMW_LRS [1e-3 3e-3 1e-2 3e-2] SGD_LRS [0.1 0.3 1 3] SCAN_SEEDS [1 2]
 #                      ADAMW_LR [1e-2] SGD_LR [0.3] ARM_SEEDS [1 2 3 4 5] OPTIM_SHRINK [0.1] (the tuned lrs:
 #                      results/cpu-optim/README.md says how they were picked)
@@ -38,12 +39,14 @@ paper)  ARGS=(--n_embd=384 --n_head=6 --block_size=256 --batch_size=64 --max_ite
         SLURM=(--gres=gpu:1 --cpus-per-task=4 --mem=16G --time=4:00:00) ;;
 cpu)    ARGS=("${CPU_SIZE[@]}") SLURM=(--cpus-per-task=1 --mem=2G --time=1:00:00) ;;
 ladder) ARGS=("${CPU_SIZE[@]}" --n_layer=4 --qk_init=normal) SLURM=(--cpus-per-task=1 --mem=4G --time=4:00:00) ;;
+length) ARGS=("${CPU_SIZE[@]}" --n_layer=4 --n_embd=128 --qk_init=tied --decay_qk=False)
+        SLURM=(--cpus-per-task=1 --mem=4G --time=8:00:00) ;;
 optim)  ARGS=("${CPU_SIZE[@]}" --n_layer=4) SLURM=(--cpus-per-task=1 --mem=2G --time=1:00:00) ;;
 smoke)  ARGS=(--n_embd=16 --n_head=2 --block_size=16 --batch_size=4 --max_iters=6 --warmup_iters=2 --eval_interval=3
               --geom_interval=3 --eval_iters=1 --eval_windows=2 --ckpt_interval=3 --model_ckpts=3 --shrink_iters=4
               --dataset=wikitext103-test)
         SLURM=(--cpus-per-task=1 --mem=1G --time=0:10:00) ;;
-*)      die "unknown PRESET=$PRESET; use paper, cpu, ladder, optim or smoke" ;;
+*)      die "unknown PRESET=$PRESET; use paper, cpu, ladder, length, optim or smoke" ;;
 esac
 [ "${PRINT_ARGS:-0}" = 1 ] && { echo "${ARGS[*]}"; exit 0; }  # the preset's sizes, for bench.py
 [ -n "${DATA_FILE:-}" ] && ARGS+=(--data_file="$DATA_FILE")
@@ -83,6 +86,11 @@ ladder() {  # width (4 heads up to head size 64, then heads of 64), length, lr, 
         for lr in ${LRS-3e-4 3e-3}; do add --lr="$lr" --min_lr="$(awk "BEGIN {print $lr / 10}")" --seed="$seed"; done
     done
 }
+length() {  # how far training goes (the cosine schedule spans each length), and the same with dropout
+    for seed in ${LENGTH_SEEDS-1 2 3}; do
+        for iters in ${LENGTHS-2000 4000 8000 16000}; do add --max_iters="$iters" --seed="$seed"; done
+        for iters in ${DROPOUT_LENGTHS-8000 16000}; do add --max_iters="$iters" --dropout=0.1 --seed="$seed"; done; done
+}
 optim() {  # the lr scan of each optimizer, the arms at the tuned lrs, the key control at AdamW's
     local sgd="--optimizer=sgd --weight_decay=0"  # SGD's coupled decay at these lrs takes W_Q, W_K to zero
     for seed in ${SCAN_SEEDS-1 2}; do
@@ -97,7 +105,7 @@ optim() {  # the lr scan of each optimizer, the arms at the tuned lrs, the key c
     done
     controls "$a" "${ARM_SEEDS-1 2 3 4 5}" "${OPTIM_SHRINK-0.1}"
 }
-case $PRESET in ladder) ladder ;; optim) optim ;; *) study ;; esac
+case $PRESET in ladder) ladder ;; length) length ;; optim) optim ;; *) study ;; esac
 
 NAMES=() RUNS=()  # the runs to do, each once: a grid line whose name is already listed is shared
 if [ -n "${RUN_LIST:-}" ]; then

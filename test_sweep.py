@@ -20,7 +20,7 @@ def commands(out):
     return [line for line in out.stdout.splitlines() if 'train.py' in line]
 
 
-@pytest.mark.parametrize('preset, n', [('paper', 77), ('cpu', 77), ('smoke', 77), ('ladder', 30), ('optim', 57)])
+@pytest.mark.parametrize('preset, n', [('paper', 77), ('cpu', 77), ('smoke', 77), ('ladder', 30), ('length', 18), ('optim', 57)])
 def test_dry_run_lists_each_preset_s_grid_and_writes_nothing(tmp_path, preset, n):
     out = sweep(tmp_path, PRESET=preset, DRY_RUN='1')
     assert out.returncode == 0, out.stderr
