@@ -11,7 +11,8 @@ from conftest import HERE, make_text
 
 
 def sweep(tmp_path, *args, **env):
-    env = {**os.environ, 'PYTHON': sys.executable, 'OUT': str(tmp_path / 'out'), **env}
+    env = {**os.environ, 'PYTHON': sys.executable, 'OUT': str(tmp_path / 'out'), 'QKGEOM_CACHE': str(tmp_path / 'cache'),
+           **env}
     return subprocess.run(['bash', os.path.join(HERE, 'sweep.sh'), *args], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=600)
 
@@ -97,7 +98,8 @@ def test_slurm_submits_one_array_task_per_run_left_then_the_analysis(tmp_path):
     script = (tmp_path / 'out' / 'slurm' / 'array.sbatch').read_text()
     assert '#SBATCH --array=0-1%' in script
     task = subprocess.run(['bash', str(tmp_path / 'out' / 'slurm' / 'array.sbatch')], cwd=tmp_path,
-                          env={**os.environ, 'SLURM_ARRAY_TASK_ID': '1'}, capture_output=True, text=True)
+                          env={**os.environ, 'SLURM_ARRAY_TASK_ID': '1', 'QKGEOM_CACHE': str(tmp_path / 'cache')},
+                          capture_output=True, text=True)
     assert task.returncode == 0, task.stderr
     assert [n for n in os.listdir(tmp_path / 'out') if os.path.exists(tmp_path / 'out' / n / 'done.json')] == \
         [re.search(r'--run_name=(\S+)', (tmp_path / 'out' / 'slurm' / 'commands.txt').read_text().splitlines()[1])[1]]
