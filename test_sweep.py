@@ -1,6 +1,7 @@
 """sweep.sh: the grids, DRY_RUN, RUN_LIST checked before anything runs, a real sweep and its resume, Slurm."""
 import os
 import re
+import shlex
 import stat
 import subprocess
 import sys
@@ -81,28 +82,41 @@ def test_a_failed_run_is_named_and_the_sweep_exits_1(tmp_path):
     assert out.returncode == 1 and 'done ok' in out.stdout and 'FAILED bad' in out.stdout
 
 
-def test_slurm_submits_one_array_task_per_run_left_then_the_analysis(tmp_path):
-    bin_dir = tmp_path / 'bin'
+def test_a_second_slurm_submission_leaves_the_pending_first_array_s_files_alone(tmp_path):
+    """Each submission has its own commands file and array script (a dry run prints them and writes nothing); OUT
+    may hold spaces."""
+    bin_dir, log = tmp_path / 'bin', tmp_path / 'sbatch.log'
     bin_dir.mkdir()
-    fake = bin_dir / 'sbatch'
-    fake.write_text('#!/usr/bin/env bash\necho "$@" >> "$SBATCH_LOG"\necho 42\n')
+    fake = bin_dir / 'sbatch'  # records its arguments, one call per line, and answers job id 42
+    fake.write_text('#!/usr/bin/env bash\nprintf "%q " "$@" >> "$SBATCH_LOG"; echo >> "$SBATCH_LOG"; echo 42\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    text = tmp_path / 'text.txt'
+    text, out_dir = tmp_path / 'text.txt', tmp_path / 'the runs'
     text.write_text(make_text(20_000))
-    out = sweep(tmp_path, '--min_char_count=1', PRESET='smoke', BACKEND='slurm', DATA_FILE=str(text), DEPTHS='2',
-                INITS='normal', SEEDS='1 2', CONTROL_SEEDS='', PATH=f'{bin_dir}:{os.environ["PATH"]}',
-                SBATCH_LOG=str(tmp_path / 'sbatch.log'))
-    assert out.returncode == 0, out.stderr
-    calls = (tmp_path / 'sbatch.log').read_text().splitlines()
-    assert len(calls) == 2 and calls[0].endswith('array.sbatch') and '--dependency=afterok:42' in calls[1]
-    script = (tmp_path / 'out' / 'slurm' / 'array.sbatch').read_text()
-    assert '#SBATCH --array=0-1%' in script
-    task = subprocess.run(['bash', str(tmp_path / 'out' / 'slurm' / 'array.sbatch')], cwd=tmp_path,
-                          env={**os.environ, 'SLURM_ARRAY_TASK_ID': '1', 'QKGEOM_CACHE': str(tmp_path / 'cache')},
-                          capture_output=True, text=True)
-    assert task.returncode == 0, task.stderr
-    assert [n for n in os.listdir(tmp_path / 'out') if os.path.exists(tmp_path / 'out' / n / 'done.json')] == \
-        [re.search(r'--run_name=(\S+)', (tmp_path / 'out' / 'slurm' / 'commands.txt').read_text().splitlines()[1])[1]]
+    env = dict(PRESET='smoke', BACKEND='slurm', DATA_FILE=str(text), OUT=str(out_dir), DEPTHS='2', INITS='normal',
+               CONTROL_SEEDS='', PATH=f'{bin_dir}:{os.environ["PATH"]}', SBATCH_LOG=str(log))
+    dry = sweep(tmp_path, '--min_char_count=1', SEEDS='1 2', DRY_RUN='1', **env)
+    assert '#SBATCH --array=0-1%16' in dry.stdout and len(commands(dry)) == 2
+    assert not out_dir.exists() and not log.exists() and not (tmp_path / 'cache').exists()
+    first = sweep(tmp_path, '--min_char_count=1', SEEDS='1 2', **env)
+    assert first.returncode == 0, first.stderr
+    script = shlex.split(log.read_text().splitlines()[0])[-1]
+    tasks = os.path.join(os.path.dirname(script), 'commands.txt')
+    before = open(tasks).read()
+    second = sweep(tmp_path, '--min_char_count=1', SEEDS='3', ARRAY_JOBS='4', **env)  # the first array still pending
+    assert second.returncode == 0, second.stderr
+    calls = [shlex.split(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 4 and calls[0][-1] == script != calls[2][-1] and '--dependency=afterok:42' in calls[1]
+    assert open(tasks).read() == before and len(before.splitlines()) == 2
+    assert '#SBATCH --array=0-0%4' in open(calls[2][-1]).read()
+    wrap = [a for a in calls[1] if a.startswith('--wrap=')][0][len('--wrap='):]
+    assert shlex.split(wrap) == [sys.executable, os.path.join(HERE, 'analyze.py'), str(out_dir)]
+    name = re.search(r'--run_name=(\S+)', before.splitlines()[1])[1]
+    task = dict(os.environ, SLURM_ARRAY_TASK_ID='1', QKGEOM_CACHE=str(tmp_path / 'cache'))
+    for _ in range(2):  # the second time its run is done, and the task does nothing
+        ran = subprocess.run(['bash', script], cwd=tmp_path, env=task, capture_output=True, text=True)
+        assert ran.returncode == 0, ran.stderr
+    assert '_s2-' in name and os.path.exists(out_dir / name / 'done.json')
+    assert [n for n in os.listdir(out_dir) if os.path.exists(out_dir / n / 'done.json')] == [name]
 
 
 def test_ci_runs_the_readme_s_test_lines_and_no_user_file_names_a_path_outside_the_repository():
