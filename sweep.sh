@@ -107,7 +107,7 @@ if [ -n "${RUN_LIST:-}" ]; then
     [ "${#EXTRA[@]}" = 0 ] || die "extra arguments with RUN_LIST: put them into its lines"
     [ -f "$RUN_LIST" ] || die "RUN_LIST=$RUN_LIST is not a file"
     GRID=() n=0 seen=' '
-    while read -r name args; do
+    while read -r name args || [ -n "$name" ]; do  # a last line without a newline counts too
         n=$((n + 1))
         case $name in ''|'#'*) continue ;; --*|*/*|*..*|.) die "RUN_LIST line $n: '$name' is not a run name (NAME --key=value ...)" ;; esac
         case $seen in *" $name "*) die "RUN_LIST line $n: $name is listed twice" ;; esac
@@ -115,13 +115,29 @@ if [ -n "${RUN_LIST:-}" ]; then
     done < "$RUN_LIST"
 fi
 [ "${#GRID[@]}" -gt 0 ] || die "the grid is empty"
-names=$(for line in "${GRID[@]}"; do echo "${ARGS[*]} $line ${EXTRA[*]}"; done |
-        "$PYTHON" "$REPO/train.py" --print_run_names) || die "the settings above are not usable (nothing ran)"
-i=0
-while read -r name; do
-    case " ${NAMES[*]} " in *" $name "*) ;; *) NAMES+=("$name") RUNS+=("${GRID[$i]}") ;; esac
-    i=$((i + 1))
-done <<< "$names"
+# train.py checks and names every line's run (each once) before anything runs; a finished run must have its settings
+names=$(for line in "${GRID[@]}"; do printf '%q ' "${ARGS[@]}" $line ${EXTRA[@]+"${EXTRA[@]}"}; echo; done |
+        "$PYTHON" -c 'import json, os, shlex, sys
+sys.path.insert(0, sys.argv[1])
+try:
+    import configurator, train
+    cfgs = [train.get_config(shlex.split(line)) for line in sys.stdin]
+except ModuleNotFoundError as e:
+    sys.exit(f"sweep.sh: {sys.executable} has no {e.name}: activate the venv you installed requirements.txt into, "
+             "or set PYTHON=/path/to/venv/bin/python (nothing ran)")
+first = {}
+for i, cfg in enumerate(cfgs):
+    run = os.path.join(sys.argv[2], cfg["run_name"])
+    old = json.load(open(run + "/config.json")) if os.path.exists(run + "/done.json") else cfg
+    # every setting but where and how fast (NOT_IN_NAME); config.json holds the dtype that auto chose
+    diff = "; ".join(f"{k} {old.get(k)} there, {v} here" for k, v in cfg.items() if old.get(k) != v
+                     and k not in configurator.NOT_IN_NAME and (k, v) != ("dtype", "auto"))
+    if diff:
+        sys.exit(f"sweep.sh: {run} is finished with other settings ({diff}): move it away to train it again, "
+                 "or give the run another name (nothing ran)")
+    first.setdefault(cfg["run_name"], i)
+print("\n".join(f"{i} {name}" for name, i in first.items()))' "$REPO" "$OUT") || exit 2
+while read -r i name; do NAMES+=("$name") RUNS+=("${GRID[$i]}"); done <<< "$names"
 command_of() { CMD=("$PYTHON" "$REPO/train.py" "${ARGS[@]}" ${RUNS[$1]} ${EXTRA[@]+"${EXTRA[@]}"} --out_dir="$OUT"
                     --run_name="${NAMES[$1]}"); }  # the train.py command of run $1
 shown() { command_of "$1"; printf '%q ' "${CMD[@]}"; echo "--threads=$THREADS${2-}"; }  # as a shell line
@@ -170,7 +186,7 @@ run_one() {  # run_one I SLOT: train run I, on GPU SLOT mod the number of GPUs w
     echo "FAILED $name after $((SECONDS - t0)) s: $(tail -n 1 "$log.log")"; touch "$log.failed"
 }
 rm -f "$OUT"/logs/*.failed
-trap 'trap - INT TERM; kill 0; exit 130' INT TERM  # Ctrl-C stops every run; each resumes from its checkpoint
+trap 'trap "" INT TERM; echo "sweep.sh: stopped; the same command resumes the runs in $OUT" >&2; kill 0; exit 130' INT TERM
 slot=0
 for i in "${!NAMES[@]}"; do
     [ -f "$OUT/${NAMES[$i]}/done.json" ] && { echo "skip ${NAMES[$i]} (done)"; continue; }

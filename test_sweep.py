@@ -53,7 +53,7 @@ def test_extra_arguments_are_in_the_names(tmp_path):
     ('a --seed=1\n../b --seed=2\n', "'../b' is not a run name"),
     ('a/b --seed=1\n', "'a/b' is not a run name"),
     ('a --seed=1\nb --seed=2\na --seed=3\n', 'line 3: a is listed twice'),
-    ('a --seed=1\nb --sed=2\n', "unknown config key 'sed'"),
+    ('a --seed=1\nb --sed=2', "unknown config key 'sed'"),   # a last line without a newline is read too
 ])
 def test_run_list_lines_are_checked_before_anything_runs(tmp_path, lines, words):
     (tmp_path / 'runs.txt').write_text(lines)
@@ -72,6 +72,10 @@ def test_a_sweep_trains_its_grid_in_parallel_and_the_same_command_skips_what_is_
     assert len(done) == 4 and first.stdout.count('done ') == 4   # L2 normal, L2 tied, L4 normal, L4 freeze
     again = sweep(tmp_path, '--min_char_count=1', **grid)
     assert again.returncode == 0 and again.stdout.count('skip ') == 4 and 'done ' not in again.stdout
+    (tmp_path / 'runs.txt').write_text(f'{done[0]} --n_layer=2 --seed=2 --min_char_count=1\n')  # done[0] has seed 1
+    changed = sweep(tmp_path, RUN_LIST=str(tmp_path / 'runs.txt'), **grid)
+    assert changed.returncode == 2 and changed.stdout == '' and changed.stderr.count('\n') == 1
+    assert f'{done[0]} is finished with other settings (seed 1 there, 2 here)' in changed.stderr
 
 
 def test_a_failed_run_is_named_and_the_sweep_exits_1(tmp_path):
@@ -82,15 +86,23 @@ def test_a_failed_run_is_named_and_the_sweep_exits_1(tmp_path):
     assert out.returncode == 1 and 'done ok' in out.stdout and 'FAILED bad' in out.stdout
 
 
+def test_a_python_without_torch_is_named_with_how_to_point_at_the_right_one(tmp_path):
+    (tmp_path / 'no_torch').mkdir()
+    (tmp_path / 'no_torch' / 'torch.py').write_text('raise ModuleNotFoundError("no torch here", name="torch")\n')
+    out = sweep(tmp_path, PRESET='smoke', PYTHONPATH=str(tmp_path / 'no_torch'))
+    assert out.returncode == 2 and out.stderr.count('\n') == 1, out.stderr
+    assert f'{sys.executable} has no torch' in out.stderr and 'PYTHON=/path/to/venv/bin/python' in out.stderr
+
+
 def test_a_second_slurm_submission_leaves_the_pending_first_array_s_files_alone(tmp_path):
     """Each submission has its own commands file and array script (a dry run prints them and writes nothing); OUT
-    may hold spaces."""
+    and DATA_FILE may hold spaces."""
     bin_dir, log = tmp_path / 'bin', tmp_path / 'sbatch.log'
     bin_dir.mkdir()
     fake = bin_dir / 'sbatch'  # records its arguments, one call per line, and answers job id 42
     fake.write_text('#!/usr/bin/env bash\nprintf "%q " "$@" >> "$SBATCH_LOG"; echo >> "$SBATCH_LOG"; echo 42\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    text, out_dir = tmp_path / 'text.txt', tmp_path / 'the runs'
+    text, out_dir = tmp_path / 'my text.txt', tmp_path / 'the runs'
     text.write_text(make_text(20_000))
     env = dict(PRESET='smoke', BACKEND='slurm', DATA_FILE=str(text), OUT=str(out_dir), DEPTHS='2', INITS='normal',
                CONTROL_SEEDS='', PATH=f'{bin_dir}:{os.environ["PATH"]}', SBATCH_LOG=str(log))
