@@ -10,7 +10,7 @@
 #
 # Environment [default]:
 #   PRESET     paper | cpu | ladder | length | optim | smoke [paper]   OUT  where the runs go [out/$PRESET]
-#   JOBS       runs at once [the number of visible GPUs, else of CPU cores]
+#   JOBS       runs at once [the number of visible GPUs, else of CPU cores]   ARRAY_JOBS  the same under Slurm [16]
 #   DATA_FILE  a UTF-8 text to train every run on [the preset's dataset]
 #   RUN_LIST   a file of runs instead of the grid, one per line: NAME --key=value ...
 #   ANALYZE    1: python analyze.py OUT at the end [1]          BACKEND  local | slurm [local]
@@ -18,12 +18,10 @@
 #   the grid (set one to "" to leave that part out):
 #   cpu, paper, smoke: DEPTHS [4 6 8] INITS [normal orthogonal tied] SEEDS [1 2 3 4]
 #                      CONTROL_SEEDS [1 2 3 4 5] CONTROL_KEEPS [fro spec] SHRINK_TOS [0.2 0.14 0.1]
-#   ladder:            WIDTHS [32 64 128 256 384] LADDER_SEEDS [1 2 3] LONG_ITERS [8000] LRS [3e-4 3e-3]
-#                      CONTROL_WIDTH [256]
+#   ladder:            WIDTHS [32 64 128 256 384] CONTROL_WIDTH [256] LADDER_SEEDS [1 2 3] LONG_ITERS [8000] LRS [3e-4 3e-3]
 #   length:            LENGTHS [2000 4000 8000 16000] DROPOUT_LENGTHS [8000 16000] LENGTH_SEEDS [1 2 3]
-#   optim:             ADAMW_LRS [1e-3 3e-3 1e-2 3e-2] SGD_LRS [0.1 0.3 1 3] SCAN_SEEDS [1 2]
-#                      ADAMW_LR [1e-2] SGD_LR [0.3] ARM_SEEDS [1 2 3 4 5] OPTIM_SHRINK [0.1] (the tuned lrs:
-#                      results/cpu-optim/README.md says how they were picked)
+#   optim:             ADAMW_LRS [1e-3 3e-3 1e-2 3e-2] SGD_LRS [0.1 0.3 1 3] SCAN_SEEDS [1 2] ARM_SEEDS [1 2 3 4 5]
+#                      ADAMW_LR [1e-2] SGD_LR [0.3] (tuned: results/cpu-optim/README.md) OPTIM_SHRINK [0.1]
 for arg; do case $arg in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac; done
 set -u
 die() { echo "sweep.sh: $*" >&2; exit 2; }
@@ -44,16 +42,13 @@ length) ARGS=("${CPU_SIZE[@]}" --n_layer=4 --n_embd=128 --qk_init=tied --decay_q
 optim)  ARGS=("${CPU_SIZE[@]}" --n_layer=4) SLURM=(--cpus-per-task=1 --mem=2G --time=1:00:00) ;;
 smoke)  ARGS=(--n_embd=16 --n_head=2 --block_size=16 --batch_size=4 --max_iters=6 --warmup_iters=2 --eval_interval=3
               --geom_interval=3 --eval_iters=1 --eval_windows=2 --ckpt_interval=3 --model_ckpts=3 --shrink_iters=4
-              --dataset=wikitext103-test)
-        SLURM=(--cpus-per-task=1 --mem=1G --time=0:10:00) ;;
+              --dataset=wikitext103-test) SLURM=(--cpus-per-task=1 --mem=1G --time=0:10:00) ;;
 *)      die "unknown PRESET=$PRESET; use paper, cpu, ladder, length, optim or smoke" ;;
 esac
 [ "${PRINT_ARGS:-0}" = 1 ] && { echo "${ARGS[*]}"; exit 0; }  # the preset's sizes, for bench.py
 [ -n "${DATA_FILE:-}" ] && ARGS+=(--data_file="$DATA_FILE")
 EXTRA=("$@")
-for arg in ${EXTRA[@]+"${EXTRA[@]}"}; do
-    case $arg in --run_name=*|--out_dir=*) die "$arg: sweep.sh names each run and puts it under OUT" ;; esac
-done
+case " $* " in *" --run_name="*|*" --out_dir="*) die "--run_name, --out_dir: sweep.sh names each run and puts it under OUT" ;; esac
 
 # ----------------------------------------------------------------------------- the grid
 GRID=()  # one line of --key=value settings per run; its name comes from train.py, so every setting is in it
@@ -112,80 +107,86 @@ if [ -n "${RUN_LIST:-}" ]; then
     [ "${#EXTRA[@]}" = 0 ] || die "extra arguments with RUN_LIST: put them into its lines"
     [ -f "$RUN_LIST" ] || die "RUN_LIST=$RUN_LIST is not a file"
     GRID=() n=0 seen=' '
-    while read -r name args; do
+    while read -r name args || [ -n "$name" ]; do  # a last line without a newline counts too
         n=$((n + 1))
         case $name in ''|'#'*) continue ;; --*|*/*|*..*|.) die "RUN_LIST line $n: '$name' is not a run name (NAME --key=value ...)" ;; esac
         case $seen in *" $name "*) die "RUN_LIST line $n: $name is listed twice" ;; esac
         seen="$seen$name " GRID+=("$args --run_name=$name")
     done < "$RUN_LIST"
 fi
-names=$(for line in "${GRID[@]}"; do echo "${ARGS[*]} $line ${EXTRA[*]}"; done |
-        "$PYTHON" "$REPO/train.py" --print_run_names) || die "the settings above are not usable (nothing ran)"
-i=0
-while read -r name; do
-    case " ${NAMES[*]} " in *" $name "*) ;; *) NAMES+=("$name") RUNS+=("${GRID[$i]}") ;; esac
-    i=$((i + 1))
-done <<< "$names"
 [ "${#GRID[@]}" -gt 0 ] || die "the grid is empty"
-command_of() {  # the train.py command of run $1
-    CMD=("$PYTHON" "$REPO/train.py" "${ARGS[@]}" ${RUNS[$1]} ${EXTRA[@]+"${EXTRA[@]}"} --out_dir="$OUT"
-         --run_name="${NAMES[$1]}")
-}
+# train.py checks and names every line's run (each once) before anything runs; a finished run must have its settings
+names=$(for line in "${GRID[@]}"; do printf '%q ' "${ARGS[@]}" $line ${EXTRA[@]+"${EXTRA[@]}"}; echo; done |
+        "$PYTHON" -c 'import json, os, shlex, sys
+sys.path.insert(0, sys.argv[1])
+try:
+    import configurator, train
+    cfgs = [train.get_config(shlex.split(line)) for line in sys.stdin]
+except ModuleNotFoundError as e:
+    sys.exit(f"sweep.sh: {sys.executable} has no {e.name}: activate the venv you installed requirements.txt into, "
+             "or set PYTHON=/path/to/venv/bin/python (nothing ran)")
+first = {}
+for i, cfg in enumerate(cfgs):
+    run = os.path.join(sys.argv[2], cfg["run_name"])
+    old = json.load(open(run + "/config.json")) if os.path.exists(run + "/done.json") else cfg
+    # every setting but where and how fast (NOT_IN_NAME); config.json holds the dtype that auto chose
+    diff = "; ".join(f"{k} {old.get(k)} there, {v} here" for k, v in cfg.items() if old.get(k) != v
+                     and k not in configurator.NOT_IN_NAME and (k, v) != ("dtype", "auto"))
+    if diff:
+        sys.exit(f"sweep.sh: {run} is finished with other settings ({diff}): move it away to train it again, "
+                 "or give the run another name (nothing ran)")
+    first.setdefault(cfg["run_name"], i)
+print("\n".join(f"{i} {name}" for name, i in first.items()))' "$REPO" "$OUT") || exit 2
+while read -r i name; do NAMES+=("$name") RUNS+=("${GRID[$i]}"); done <<< "$names"
+command_of() { CMD=("$PYTHON" "$REPO/train.py" "${ARGS[@]}" ${RUNS[$1]} ${EXTRA[@]+"${EXTRA[@]}"} --out_dir="$OUT"
+                    --run_name="${NAMES[$1]}"); }  # the train.py command of run $1
+shown() { command_of "$1"; printf '%q ' "${CMD[@]}"; echo "--threads=$THREADS${2-}"; }  # as a shell line
 
 # ----------------------------------------------------------------------------- run them
 if [ -n "${CUDA_VISIBLE_DEVICES-}" ]; then IFS=', ' read -ra GPUS <<< "$CUDA_VISIBLE_DEVICES"
 else GPUS=($(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null)); fi
-NCPU=$(nproc 2>/dev/null || echo 1)
-JOBS=${JOBS:-${#GPUS[@]}}
+NCPU=$(nproc 2>/dev/null || echo 1) JOBS=${JOBS:-${#GPUS[@]}}
 [ "$JOBS" -gt 0 ] 2>/dev/null || JOBS=$NCPU
 THREADS=$(( NCPU / JOBS > 0 ? NCPU / JOBS : 1 ))
+if [ "$BACKEND" = slurm ]; then  # one array task per run not done, read from this submission's own files
+    JOBS=${ARRAY_JOBS:-16} THREADS='${SLURM_CPUS_PER_TASK:-1}' SUB=$OUT/slurm/$(date +%Y%m%d-%H%M%S)-$$ dep=
+    TASKS=$(for i in "${!NAMES[@]}"; do  # a task whose run another submission has finished does nothing
+        run=$OUT/${NAMES[$i]} && [ -f "$run/done.json" ] && continue
+        printf '[ -f %q ] || ' "$run/done.json"; shown "$i" " >> $(printf %q "$OUT/logs/${NAMES[$i]}.log") 2>&1"
+    done) && n=$(grep -c . <<< "$TASKS")
+    SCRIPT=$(echo '#!/usr/bin/env bash'; printf '#SBATCH %q\n' --job-name="qkgeom-$PRESET" --array="0-$((n - 1))%$JOBS" \
+        --output="$SUB/%A_%a.out" "${SLURM[@]}"; printf 'eval "$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" %q)"\n' "$SUB/commands.txt")
+fi
 echo "sweep: PRESET=$PRESET, ${#NAMES[@]} runs in $OUT, JOBS=$JOBS, --threads=$THREADS each"
-if [ "${DRY_RUN:-0}" = 1 ]; then
-    for i in "${!NAMES[@]}"; do command_of "$i"; echo "${CMD[*]} --threads=$THREADS"; done
-    exit 0
+if [ "${DRY_RUN:-0}" = 1 ]; then  # what would run, and nothing written
+    [ "$BACKEND" = slurm ] && printf '%s\n' "# $SUB/array.sbatch:" "$SCRIPT" "# $SUB/commands.txt:" "$TASKS" && exit 0
+    for i in "${!NAMES[@]}"; do shown "$i"; done; exit 0
 fi
 mkdir -p "$OUT/logs"
 "$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); import train, prepare
 prepare.prepare_data(train.get_config(sys.argv[2:]))' "$REPO" "${ARGS[@]}" ${EXTRA[@]+"${EXTRA[@]}"} ||
     die "cannot prepare the data (nothing ran)"
-
-if [ "$BACKEND" = slurm ]; then  # one array task per run that is not done; the analysis after all of them
-    mkdir -p "$OUT/slurm"
-    : > "$OUT/slurm/commands.txt"
-    for i in "${!NAMES[@]}"; do
-        [ -f "$OUT/${NAMES[$i]}/done.json" ] && continue
-        command_of "$i"
-        printf '%q ' "${CMD[@]}" >> "$OUT/slurm/commands.txt"
-        echo "--threads=\${SLURM_CPUS_PER_TASK:-1} >> $(printf %q "$OUT/logs/${NAMES[$i]}.log") 2>&1" >> "$OUT/slurm/commands.txt"
-    done
-    n=$(wc -l < "$OUT/slurm/commands.txt")
-    printf '#!/usr/bin/env bash\n%s\neval "$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" %q)"\n' \
-        "$(printf '#SBATCH %s\n' --job-name="qkgeom-$PRESET" --array="0-$((n - 1))%$JOBS" \
-           --output="$OUT/slurm/%A_%a.out" "${SLURM[@]}")" "$OUT/slurm/commands.txt" > "$OUT/slurm/array.sbatch"
-    dep=
+if [ "$BACKEND" = slurm ]; then  # the analysis after all of the array's tasks
     if [ "$n" -gt 0 ]; then
-        job=$(sbatch --parsable ${SBATCH_ARGS:-} "$OUT/slurm/array.sbatch") || die "sbatch failed"
-        echo "submitted array job $job: $n runs"; dep="--dependency=afterok:${job%%;*}"
+        mkdir -p "$SUB" && echo "$TASKS" > "$SUB/commands.txt" && echo "$SCRIPT" > "$SUB/array.sbatch" || exit 2
+        job=$(sbatch --parsable ${SBATCH_ARGS:-} "$SUB/array.sbatch") || die "sbatch failed"
+        echo "submitted array job $job: $n runs, from $SUB"; dep="--dependency=afterok:${job%%;*}"
     fi
-    [ "${ANALYZE:-1}" = 1 ] && sbatch ${SBATCH_ARGS:-} $dep --job-name="qkgeom-$PRESET-analyze" --cpus-per-task=2 \
-        --mem=8G --time=1:00:00 --output="$OUT/slurm/analyze_%j.out" --wrap="$PYTHON $REPO/analyze.py $OUT"
+    [ "${ANALYZE:-1}" = 1 ] && sbatch ${SBATCH_ARGS:-} $dep --job-name="qkgeom-$PRESET-analyze" --cpus-per-task=2 --mem=8G \
+        --time=1:00:00 --output="$OUT/logs/analyze_%j.out" --wrap="$(printf '%q ' "$PYTHON" "$REPO/analyze.py" "$OUT")"
     exit 0
 fi
-
 run_one() {  # run_one I SLOT: train run I, on GPU SLOT mod the number of GPUs when there are any
     command_of "$1"
-    local name=${NAMES[$1]} t0=$SECONDS env=()
+    local name=${NAMES[$1]} log=$OUT/logs/${NAMES[$1]} t0=$SECONDS env=()
     [ "${#GPUS[@]}" -gt 0 ] && env=(env CUDA_VISIBLE_DEVICES="${GPUS[$(($2 % ${#GPUS[@]}))]}")
-    echo "# $(date): ${CMD[*]}" >> "$OUT/logs/$name.log"
-    if ${env[@]+"${env[@]}"} "${CMD[@]}" --threads="$THREADS" >> "$OUT/logs/$name.log" 2>&1 < /dev/null; then
-        echo "done $name in $((SECONDS - t0)) s"
-    else
-        echo "FAILED $name after $((SECONDS - t0)) s: $(tail -n 1 "$OUT/logs/$name.log")"
-        touch "$OUT/logs/$name.failed"
-    fi
+    echo "# $(date): ${CMD[*]}" >> "$log.log"
+    ${env[@]+"${env[@]}"} "${CMD[@]}" --threads="$THREADS" >> "$log.log" 2>&1 < /dev/null &&
+        { echo "done $name in $((SECONDS - t0)) s"; return; }
+    echo "FAILED $name after $((SECONDS - t0)) s: $(tail -n 1 "$log.log")"; touch "$log.failed"
 }
 rm -f "$OUT"/logs/*.failed
-trap 'trap - INT TERM; kill 0; exit 130' INT TERM  # Ctrl-C stops every run; each resumes from its checkpoint
+trap 'trap "" INT TERM; echo "sweep.sh: stopped; the same command resumes the runs in $OUT" >&2; kill 0; exit 130' INT TERM
 slot=0
 for i in "${!NAMES[@]}"; do
     [ -f "$OUT/${NAMES[$i]}/done.json" ] && { echo "skip ${NAMES[$i]} (done)"; continue; }
@@ -196,5 +197,4 @@ done
 wait
 failed=$(ls "$OUT"/logs/*.failed 2>/dev/null | wc -l)
 [ "$failed" = 0 ] || { echo "$failed runs failed (logs in $OUT/logs/); fix the cause and run the same command again"; exit 1; }
-[ "${ANALYZE:-1}" = 1 ] && "$PYTHON" "$REPO/analyze.py" "$OUT"
-exit 0
+[ "${ANALYZE:-1}" != 1 ] || "$PYTHON" "$REPO/analyze.py" "$OUT"

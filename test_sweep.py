@@ -1,6 +1,7 @@
 """sweep.sh: the grids, DRY_RUN, RUN_LIST checked before anything runs, a real sweep and its resume, Slurm."""
 import os
 import re
+import shlex
 import stat
 import subprocess
 import sys
@@ -11,7 +12,8 @@ from conftest import HERE, make_text
 
 
 def sweep(tmp_path, *args, **env):
-    env = {**os.environ, 'PYTHON': sys.executable, 'OUT': str(tmp_path / 'out'), **env}
+    env = {**os.environ, 'PYTHON': sys.executable, 'OUT': str(tmp_path / 'out'), 'QKGEOM_CACHE': str(tmp_path / 'cache'),
+           **env}
     return subprocess.run(['bash', os.path.join(HERE, 'sweep.sh'), *args], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=600)
 
@@ -51,7 +53,7 @@ def test_extra_arguments_are_in_the_names(tmp_path):
     ('a --seed=1\n../b --seed=2\n', "'../b' is not a run name"),
     ('a/b --seed=1\n', "'a/b' is not a run name"),
     ('a --seed=1\nb --seed=2\na --seed=3\n', 'line 3: a is listed twice'),
-    ('a --seed=1\nb --sed=2\n', "unknown config key 'sed'"),
+    ('a --seed=1\nb --sed=2', "unknown config key 'sed'"),   # a last line without a newline is read too
 ])
 def test_run_list_lines_are_checked_before_anything_runs(tmp_path, lines, words):
     (tmp_path / 'runs.txt').write_text(lines)
@@ -70,6 +72,10 @@ def test_a_sweep_trains_its_grid_in_parallel_and_the_same_command_skips_what_is_
     assert len(done) == 4 and first.stdout.count('done ') == 4   # L2 normal, L2 tied, L4 normal, L4 freeze
     again = sweep(tmp_path, '--min_char_count=1', **grid)
     assert again.returncode == 0 and again.stdout.count('skip ') == 4 and 'done ' not in again.stdout
+    (tmp_path / 'runs.txt').write_text(f'{done[0]} --n_layer=2 --seed=2 --min_char_count=1\n')  # done[0] has seed 1
+    changed = sweep(tmp_path, RUN_LIST=str(tmp_path / 'runs.txt'), **grid)
+    assert changed.returncode == 2 and changed.stdout == '' and changed.stderr.count('\n') == 1
+    assert f'{done[0]} is finished with other settings (seed 1 there, 2 here)' in changed.stderr
 
 
 def test_a_failed_run_is_named_and_the_sweep_exits_1(tmp_path):
@@ -80,27 +86,49 @@ def test_a_failed_run_is_named_and_the_sweep_exits_1(tmp_path):
     assert out.returncode == 1 and 'done ok' in out.stdout and 'FAILED bad' in out.stdout
 
 
-def test_slurm_submits_one_array_task_per_run_left_then_the_analysis(tmp_path):
-    bin_dir = tmp_path / 'bin'
+def test_a_python_without_torch_is_named_with_how_to_point_at_the_right_one(tmp_path):
+    (tmp_path / 'no_torch').mkdir()
+    (tmp_path / 'no_torch' / 'torch.py').write_text('raise ModuleNotFoundError("no torch here", name="torch")\n')
+    out = sweep(tmp_path, PRESET='smoke', PYTHONPATH=str(tmp_path / 'no_torch'))
+    assert out.returncode == 2 and out.stderr.count('\n') == 1, out.stderr
+    assert f'{sys.executable} has no torch' in out.stderr and 'PYTHON=/path/to/venv/bin/python' in out.stderr
+
+
+def test_a_second_slurm_submission_leaves_the_pending_first_array_s_files_alone(tmp_path):
+    """Each submission has its own commands file and array script (a dry run prints them and writes nothing); OUT
+    and DATA_FILE may hold spaces."""
+    bin_dir, log = tmp_path / 'bin', tmp_path / 'sbatch.log'
     bin_dir.mkdir()
-    fake = bin_dir / 'sbatch'
-    fake.write_text('#!/usr/bin/env bash\necho "$@" >> "$SBATCH_LOG"\necho 42\n')
+    fake = bin_dir / 'sbatch'  # records its arguments, one call per line, and answers job id 42
+    fake.write_text('#!/usr/bin/env bash\nprintf "%q " "$@" >> "$SBATCH_LOG"; echo >> "$SBATCH_LOG"; echo 42\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    text = tmp_path / 'text.txt'
+    text, out_dir = tmp_path / 'my text.txt', tmp_path / 'the runs'
     text.write_text(make_text(20_000))
-    out = sweep(tmp_path, '--min_char_count=1', PRESET='smoke', BACKEND='slurm', DATA_FILE=str(text), DEPTHS='2',
-                INITS='normal', SEEDS='1 2', CONTROL_SEEDS='', PATH=f'{bin_dir}:{os.environ["PATH"]}',
-                SBATCH_LOG=str(tmp_path / 'sbatch.log'))
-    assert out.returncode == 0, out.stderr
-    calls = (tmp_path / 'sbatch.log').read_text().splitlines()
-    assert len(calls) == 2 and calls[0].endswith('array.sbatch') and '--dependency=afterok:42' in calls[1]
-    script = (tmp_path / 'out' / 'slurm' / 'array.sbatch').read_text()
-    assert '#SBATCH --array=0-1%' in script
-    task = subprocess.run(['bash', str(tmp_path / 'out' / 'slurm' / 'array.sbatch')], cwd=tmp_path,
-                          env={**os.environ, 'SLURM_ARRAY_TASK_ID': '1'}, capture_output=True, text=True)
-    assert task.returncode == 0, task.stderr
-    assert [n for n in os.listdir(tmp_path / 'out') if os.path.exists(tmp_path / 'out' / n / 'done.json')] == \
-        [re.search(r'--run_name=(\S+)', (tmp_path / 'out' / 'slurm' / 'commands.txt').read_text().splitlines()[1])[1]]
+    env = dict(PRESET='smoke', BACKEND='slurm', DATA_FILE=str(text), OUT=str(out_dir), DEPTHS='2', INITS='normal',
+               CONTROL_SEEDS='', PATH=f'{bin_dir}:{os.environ["PATH"]}', SBATCH_LOG=str(log))
+    dry = sweep(tmp_path, '--min_char_count=1', SEEDS='1 2', DRY_RUN='1', **env)
+    assert '#SBATCH --array=0-1%16' in dry.stdout and len(commands(dry)) == 2
+    assert not out_dir.exists() and not log.exists() and not (tmp_path / 'cache').exists()
+    first = sweep(tmp_path, '--min_char_count=1', SEEDS='1 2', **env)
+    assert first.returncode == 0, first.stderr
+    script = shlex.split(log.read_text().splitlines()[0])[-1]
+    tasks = os.path.join(os.path.dirname(script), 'commands.txt')
+    before = open(tasks).read()
+    second = sweep(tmp_path, '--min_char_count=1', SEEDS='3', ARRAY_JOBS='4', **env)  # the first array still pending
+    assert second.returncode == 0, second.stderr
+    calls = [shlex.split(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 4 and calls[0][-1] == script != calls[2][-1] and '--dependency=afterok:42' in calls[1]
+    assert open(tasks).read() == before and len(before.splitlines()) == 2
+    assert '#SBATCH --array=0-0%4' in open(calls[2][-1]).read()
+    wrap = [a for a in calls[1] if a.startswith('--wrap=')][0][len('--wrap='):]
+    assert shlex.split(wrap) == [sys.executable, os.path.join(HERE, 'analyze.py'), str(out_dir)]
+    name = re.search(r'--run_name=(\S+)', before.splitlines()[1])[1]
+    task = dict(os.environ, SLURM_ARRAY_TASK_ID='1', QKGEOM_CACHE=str(tmp_path / 'cache'))
+    for _ in range(2):  # the second time its run is done, and the task does nothing
+        ran = subprocess.run(['bash', script], cwd=tmp_path, env=task, capture_output=True, text=True)
+        assert ran.returncode == 0, ran.stderr
+    assert '_s2-' in name and os.path.exists(out_dir / name / 'done.json')
+    assert [n for n in os.listdir(out_dir) if os.path.exists(out_dir / n / 'done.json')] == [name]
 
 
 def test_ci_runs_the_readme_s_test_lines_and_no_user_file_names_a_path_outside_the_repository():
