@@ -508,6 +508,18 @@ def record_tensors(W_Q, W_K, W_Q0, W_K0, q, k, att, n_head):
     return {**_layer(W_Q, W_K, n_head), **_learned(W_Q, W_K, W_Q0, W_K0, n_head), **_token(q, k, att, n_head)}
 
 
+def record(qk, qk0, probe, loss, n_head):
+    """A training record: (loss, one dict per layer of layer_geometry, learned_geometry and token_geometry), from the
+    weights and W(0) (a (W_Q, W_K) pair per layer), the (q, k, att) of each layer on the evaluation batch and its loss;
+    computed where they are and copied to the host at once. The layers are None if any input is not finite."""
+    inputs = [(*w, *w0, *acts) for w, w0, acts in zip(qk, qk0, probe)]
+    finite = torch.stack([loss.isfinite()] + [torch.isfinite(t).all() for layer in inputs for t in layer]).all()
+    # zeros in place of a record that is not finite keep the linear algebra from failing on it
+    layers = [record_tensors(*(torch.where(finite, t, 0.0) for t in layer), n_head) for layer in inputs]
+    head, *layers = host_values([{"loss": loss, "finite": finite}, *layers])
+    return head["loss"], layers if head["finite"] else None
+
+
 def host_values(rows):
     """Dicts of 0-D and 1-D tensors (on one device) -> the same dicts of floats and lists, in one copy to the host."""
     flat = [v.detach().reshape(-1) for row in rows for v in row.values()]
