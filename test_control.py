@@ -364,6 +364,30 @@ def test_out_of_reach_target_clamps_and_warns_once_per_run():
     assert all(abs(p - 1) < 1e-3 for layer in state['pr'] for p in layer)   # clamped to (about) rank 1
 
 
+@pytest.mark.parametrize('name, scope', [('shrink', 'head'), ('freeze', 'layer')])
+def test_a_control_step_and_a_record_copy_nothing_to_the_host_but_the_record_s_values_once(monkeypatch, name, scope):
+    """On a GPU each host copy stalls the device: a control step makes none (Tensor.cpu, .item, .tolist, .numpy and
+    bool() of a tensor raise inside it), and a geometry record makes one .tolist of its finished values."""
+    import train
+    torch.manual_seed(0)
+    model = train.GPT(train.GPTConfig(vocab_size=20, block_size=8, n_layer=2, n_head=4, n_embd=32))
+    cfg = ctl_cfg(control=name, control_scope=scope, shrink_iters=2)
+    state, w0 = control.record(cfg, model.qk_weights()), torch.stack([torch.stack(p) for p in model.qk_weights()])
+    x = torch.randint(20, (2, 8))
+    for method in ('cpu', 'item', 'tolist', 'numpy', '__bool__'):
+        monkeypatch.setattr(torch.Tensor, method, lambda t, *a, m=method, **k: pytest.fail(f'a host copy: Tensor.{m}'))
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.qk_weights()[0][1].add_(0.01 * torch.ones(32, 32))   # a move for the control to undo
+        control.apply(state, cfg, model.qk_weights(), step)
+    monkeypatch.undo()
+    tolist, copies = torch.Tensor.tolist, []
+    monkeypatch.setattr(torch.Tensor, 'tolist', lambda t: copies.append('tolist') or tolist(t))
+    loss, layers = train.measure_geometry(model, x, x, 4, w0)
+    assert copies == ['tolist'] and len(layers) == 2 and isinstance(loss, float)
+    assert layers[0] == {**geometry.layer_geometry(*model.qk_weights()[0], 4), **layers[0]}
+
+
 # ----------------------------------------------------------------------------- control inside train.py
 
 @pytest.fixture
