@@ -10,10 +10,10 @@ Every speed figure the README quotes, and the GPU check, each from one command:
     python bench.py --control [--widths=128,256,384]   ms per control.apply on 4 layers (freeze: every block moves)
     python bench.py --overhead [--device=cuda]  a training step, a control step and a geometry record of train.py at
                       the paper shape (n_layer 4, n_embd 384, 6 heads, block 256, batch 64), and their ratios
-    python bench.py --gpu_check [--small]  the GPU path end to end, going on after a failed step: the tests, paper-
-                      preset runs (plain, controlled, compiled), --overhead, DDP on 2 GPUs, --jobs=1,2,4,8 at that
-                      size, a smoke sweep; --small shrinks every step (smoke sizes, a few tests) to check it on a
-                      CPU. Logs, and each step's status and time, in --log (summary.txt)
+    python bench.py --gpu_check [--small] [--steps=a,b]  the GPU path end to end, going on after a failed step: the
+                      tests, paper-preset runs (plain, controlled, compiled), --overhead, DDP on 2 GPUs,
+                      --jobs=1,2,4,8 at that size, a smoke sweep; --small shrinks every step (smoke sizes, a few
+                      tests) to check it on a CPU. Logs, and each step's status and time, in --log (summary.txt)
 
 The text is --data_file=PATH, else WikiText-103's test split (train.py's --dataset=wikitext103-test, downloaded
 once into its data_dir). Other --key=value arguments go to every train.py run.
@@ -221,7 +221,7 @@ def gpu_check(a, data_args):
                                                       '--eval_windows=2', '--repeats=1'] if small else [])],
         'ddp': f'skipped (DDP needs 2 GPUs, {ngpu} here)' if ngpu < 2 else
         [py, '-m', 'torch.distributed.run', '--nproc_per_node=2', *run[1:], '--grad_accum=2', '--run_name=ddp'],
-        'jobs': [py, 'bench.py', f"--jobs={'1,2' if small else '1,2,4,8'}", f'--preset={preset}',
+        'jobs': [py, 'bench.py', f"--jobs={'2' if small else '1,2,4,8'}", f'--preset={preset}',
                  f'--iters={4 if small else 200}', *data_args],
         'sweep': ['bash', 'sweep.sh'],
     }
@@ -229,6 +229,7 @@ def gpu_check(a, data_args):
                      DEPTHS='4', INITS='normal tied', SEEDS='1', CONTROL_SEEDS='' if small else '1', SHRINK_TOS='0.2',
                      CONTROL_KEEPS='fro', PYTHON=py,
                      **({'DATA_FILE': a.data_file} if a.data_file else {}))
+    steps = {name: cmd for name, cmd in steps.items() if not a.steps or name in a.steps.split(',')}
     with open(os.path.join(a.log, 'summary.txt'), 'a') as summary:
         summary.write(f'torch {torch.__version__}, CUDA {torch.version.cuda}, {ngpu} GPUs\n')
         for name, cmd in steps.items():
@@ -265,6 +266,7 @@ def main(argv):
     p.add_argument('--repeats', type=int, default=3, help='(--whole) interleaved rounds; (--overhead) timed steps')
     p.add_argument('--widths', default='128,256,384', help='(--geometry, --control) the widths C')
     p.add_argument('--small', action='store_true', help='(--gpu_check) every step at smoke sizes')
+    p.add_argument('--steps', default='', help='(--gpu_check) only these steps, comma-separated [all]')
     p.add_argument('--log', default=os.path.join('out', 'gpu_check', time.strftime('%Y%m%d-%H%M%S')))
     a, extra = p.parse_known_args(argv)
     data_args = [f'--data_file={a.data_file}'] if a.data_file else ['--dataset=wikitext103-test']

@@ -318,20 +318,20 @@ def run_killed(tmp_path, args, point, at):
     ('ckpt', 16, 'none', ['--threads=2']),   # threads change round-off: the resumed run keeps its checkpoint's
     ('sigint', 4, 'none', [])])   # Ctrl-C: a checkpoint at the next iteration, then one line
 def test_a_kill_or_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterrupted_records(
-        tmp_path, reference, point, at, control, again):
+        tmp_path, reference, capsys, point, at, control, again):
     text, ref_dir = reference
     args = tiny_args(tmp_path, text, f'--control={control}', '--shrink_iters=8', '--run_name=r')
     killed = run_killed(tmp_path, args, point, at)
     assert killed.returncode == (1 if point == 'sigint' else -signal.SIGKILL)
     assert point != 'sigint' or killed.stderr.strip().splitlines() == [
         'stopped at iteration 5: ckpt.pt holds it, and the same command resumes from there']
-    out = run_train(args + again)
-    assert out.returncode == 0, out.stderr
+    resumed = records(train.train(train.get_config(args + again)))   # the same command, here in this process
+    out = capsys.readouterr().out
     expected = records(ref_dir) if control == 'none' else records(train.train(train.get_config(
         tiny_args(tmp_path / 'ref', text, f'--control={control}', '--shrink_iters=8'))))
-    assert records(tmp_path / 'out' / 'r') == expected
-    assert ('resuming' in out.stdout) == (at == 16 or point == 'sigint')
-    assert ('resuming in float32 on 1 threads as ckpt.pt was trained' in out.stdout) == bool(again)
+    assert resumed == expected
+    assert ('resuming' in out) == (at == 16 or point == 'sigint')
+    assert ('resuming in float32 on 1 threads as ckpt.pt was trained' in out) == bool(again)
 
 
 def test_a_checkpoint_resumes_only_with_its_own_settings_and_text_in_its_own_dtype(tmp_path, text_file, capsys):
@@ -366,8 +366,7 @@ def test_a_nan_loss_stops_the_run_and_keeps_its_checkpoint(tmp_path, text_file):
 
 def test_two_ddp_processes_match_one_process(tmp_path, text_file):
     args = tiny_args(tmp_path, text_file, '--grad_accum=2', '--model_ckpts=0', '--save_snapshots=False', '--device=cpu')
-    one = run_train(args + ['--run_name=one'])
-    assert one.returncode == 0, one.stderr
+    train.train(train.get_config(args + ['--run_name=one']))
     ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_port=29533',
                           'train.py', *args, '--run_name=two'], cwd=HERE, capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS='1'), timeout=300)
