@@ -13,16 +13,17 @@ import os
 
 class Stop(SystemExit):
     """A clean stop with one line for the user: train.py prints 'error: msg' and exits with status 2."""
-
     def __init__(self, msg):
         super().__init__(f'error: {msg}')
         self.msg = msg
 
 
-# the settings with a fixed set of values (train.py adds qk_init and optimizer from its own tables)
-CHOICES = {'control': ('none', 'shrink', 'freeze'), 'control_target': ('k', 'q'), 'control_scope': ('head', 'layer'),
-           'control_keep': ('fro', 'spec'), 'dtype': ('auto', 'float32', 'bfloat16'),
-           'dataset': ('wikitext103', 'wikitext103-test')}
+POSITIVE = range(1, 1 << 62)
+# the values a setting may take where its type allows more (train.py adds qk_init, optimizer and the control's):
+# counts, intervals and sizes are positive (geom_interval, model_ckpts, max_iters and threads may be 0)
+CHOICES = {'dtype': ('auto', 'float32', 'bfloat16'), 'dataset': ('wikitext103', 'wikitext103-test'), **dict.fromkeys((
+               'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'grad_accum', 'eval_interval', 'eval_iters',
+               'eval_windows', 'ckpt_interval', 'control_interval', 'min_char_count'), POSITIVE)}
 # where things are and how fast, not what is computed: left out of the run name's settings hash
 NOT_IN_NAME = ('out_dir', 'run_name', 'overwrite', 'device', 'threads', 'compile', 'cache_dir', 'data_dir', 'data_url',
                'ckpt_interval')
@@ -51,37 +52,42 @@ def typed(key, value, default, text=None):
 def file_settings(path):
     if not os.path.isfile(path):
         raise Stop(f'config file {path} does not exist')
-    with open(path, encoding='utf-8') as f:
-        text = f.read()
-    if path.endswith('.json'):
-        return json.loads(text)
-    namespace = {}
-    exec(compile(text, path, 'exec'), namespace)
+    text, namespace = open(path, encoding='utf-8').read(), {}
+    try:
+        if path.endswith('.json'):
+            return json.loads(text)
+        exec(compile(text, path, 'exec'), namespace)
+    except (ValueError, SyntaxError) as e:  # a JSONDecodeError is a ValueError
+        raise Stop(f"config file {path} line {getattr(e, 'lineno', '?')}: {getattr(e, 'msg', e)}") from None
     return {k: v for k, v in namespace.items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 
 
-def get_config(argv, defaults, choices):
-    """defaults <- config files (in order) <- --key=value (in order, always last); checked; run name resolved."""
+def get_config(argv, defaults, choices, check=None):
+    """defaults <- config files (in order) <- --key=value (in order, always last); checked (check(cfg) may raise a
+    ValueError naming a setting); run name resolved."""
     files = [a for a in argv if not a.startswith('--')]
     pairs = [a[2:].partition('=') for a in argv if a.startswith('--')]
     cfg = dict(defaults)
-    updates = [(k, v, None) for path in files for k, v in file_settings(path).items()]
-    for key, eq, text in pairs:
+    for key, eq, _ in pairs:
         if not eq:
             raise Stop(f'--{key} needs a value: --{key}=VALUE')
-        updates.append((key, None, text))
-    for key, value, text in updates:
+    updates = [(k, v, None) for path in files for k, v in file_settings(path).items()]
+    for key, value, text in updates + [(key, None, text) for key, _, text in pairs]:
         if key not in defaults:
             close = difflib.get_close_matches(key, defaults, n=1)
             raise Stop(f"unknown config key {key!r}" + (f"; did you mean {close[0]}?" if close else ''))
         cfg[key] = typed(key, value, defaults[key], text)
     for key, valid in {**CHOICES, **choices}.items():
-        if cfg[key] not in valid:
-            raise Stop(f"{key}={cfg[key]!r} is not one of {', '.join(valid)}")
+        if key in cfg and cfg[key] not in valid:
+            raise Stop(f'{key}={cfg[key]!r}: expected ' + ('an integer >= 1' if valid is POSITIVE else
+                                                           f"one of {', '.join(valid)}"))
     if cfg['n_embd'] % cfg['n_head']:
         raise Stop(f"n_embd={cfg['n_embd']} is not divisible by n_head={cfg['n_head']}")
-    cfg['run_name'] = cfg['run_name'] or run_name(cfg, defaults)
-    name = cfg['run_name']
+    try:
+        check and check(cfg)
+    except ValueError as e:
+        raise Stop(str(e)) from None
+    name = cfg['run_name'] = cfg['run_name'] or run_name(cfg, defaults)
     if name in ('.', '..') or '/' in name or os.sep in name or not name.isprintable():
         raise Stop(f'run_name={name!r} must be one plain folder name inside out_dir')
     return cfg
@@ -101,9 +107,3 @@ def run_name(cfg, defaults):
         name += '-' + hashlib.sha1(json.dumps(other, sort_keys=True).encode()).hexdigest()[:6]
     return name
 
-
-def usage(source):
-    """--help: the config block of train.py, every key with its default and comment."""
-    text = open(source, encoding='utf-8').read()
-    return ('usage: python train.py [CONFIG_FILE ...] [--key=value ...]\n'
-            + text[text.index('# config'):text.index('config_keys')])

@@ -21,6 +21,12 @@ def make_text(n_chars, seed=0):
     return ''.join(out)[:n_chars]
 
 
+@pytest.fixture(autouse=True, scope='session')
+def private_cache(tmp_path_factory):
+    """Every data cache the tests build, in subprocesses too, goes to a temporary folder, not ~/.cache/qkgeom."""
+    os.environ['QKGEOM_CACHE'] = str(tmp_path_factory.mktemp('cache'))
+
+
 @pytest.fixture
 def text_file(tmp_path):
     path = tmp_path / 'text.txt'

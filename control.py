@@ -26,9 +26,13 @@ Schedules (pr0 = the step-0 PR of each controlled head, or layer with control_sc
     freeze  target = pr0 at every step, enforced both ways
     none    the baseline: the same calls, the weights untouched
 
+Where: on the weights' device, in float64 (MPS, which has neither float64 nor an SVD: on the CPU), with no
+copy to the host during training: every block goes through the SVD (a fixed amount of work, no data-dependent
+branch), the state holds tensors, and report() reads them once per record.
+
 Edge cases: singular values below max(m, n) * eps(weight dtype) * s_max count as zero and stay as they
 are, so the most reachable PR is the rank; a target outside the reachable range is clamped to it, with
-one warning per run; a flat spectrum (every nonzero value equal) is left as it is, since no alpha
+one warning per run (at the next record); a flat spectrum (every nonzero value equal) is left as it is, since no alpha
 changes its PR; an all-zero block is left as it is.
 
 train.py checks the settings with control.check_settings(cfg, n_layer) before training, then calls it in
@@ -63,7 +67,7 @@ def _reach(s, rtol):
     keep = s > rtol * s_max   # smaller values are round-off of zero ones: they stay as they are
     # x = s / s_max is in (0, 1], so x^alpha = exp(alpha * log x) neither overflows nor loses the top value
     logx = torch.where(keep, torch.log(s / torch.where(s_max > 0, s_max, 1.0)), 0.0)
-    pr_min = _pr_of_power(logx, keep, torch.full(s.shape[:-1], LOG_ALPHA_MAX, dtype=s.dtype))
+    pr_min = _pr_of_power(logx, keep, torch.full(s.shape[:-1], LOG_ALPHA_MAX, dtype=s.dtype, device=s.device))
     return keep, logx, pr_min, keep.sum(-1).to(s.dtype)
 
 
@@ -148,17 +152,6 @@ KINDS = ('none', 'shrink', 'freeze')   # control: the baseline and the two sched
 KEEPS = ('fro', 'spec')   # control_keep: what the reshaping holds fixed (the module docstring says why)
 
 
-def control_label(cfg):
-    """The control part of a run's name and of analyze.py's group labels: '' for none, else e.g. 'shrink-k',
-    with '-spec' when the top singular value is kept instead of the Frobenius norm ('freeze-k-spec'), and
-    shrink_to after shrink ('shrink0.1-k')."""
-    if cfg['control'] == 'none':
-        return ''
-    keep = '-spec' if cfg['control_keep'] == 'spec' else ''
-    dose = f"{cfg['shrink_to']:g}" if cfg['control'] == 'shrink' else ''   # shrink0.1-k: the dose is in the name
-    return f"{cfg['control']}{dose}-{cfg['control_target']}{keep}"
-
-
 def check_settings(cfg, n_layer):
     """The controlled layers of an n_layer model, or a ValueError naming the control setting that cannot
     work (train.py checks with this before training and shows it as a config error)."""
@@ -168,32 +161,34 @@ def check_settings(cfg, n_layer):
     if cfg['control_target'] not in ('k', 'q') or cfg['control_scope'] not in ('head', 'layer'):
         raise ValueError('control_target must be k or q, and control_scope head or layer')
     if cfg['control'] == 'shrink' and (cfg['shrink_to'] <= 0 or cfg['shrink_iters'] < 0):
-        raise ValueError(f"shrink needs shrink_to > 0 and shrink_iters >= 0, got {cfg['shrink_to']} "
-                         f"and {cfg['shrink_iters']}")
+        raise ValueError(f"control=shrink needs shrink_to > 0 and shrink_iters >= 0 (got shrink_to={cfg['shrink_to']}, "
+                         f"shrink_iters={cfg['shrink_iters']})")
     return parse_layers(cfg['control_layers'], n_layer)
 
 
 def _blocks(W, scope, n_head):
-    """The controlled blocks of one weight, float64 on the CPU: (n_head, d, C) heads or (1, C, C)."""
-    return geometry.split_heads(W, n_head) if scope == 'head' else W.detach().to('cpu', torch.float64)[None]
+    """The controlled blocks of one weight, float64 where it is: (n_head, d, C) heads or (1, C, C)."""
+    W = geometry.as_float64(W)
+    return W.reshape(n_head, -1, W.shape[1]) if scope == 'head' else W[None]
 
 
 def record(cfg, qk_weights):
     """The control state at step 0: which layers, and the step-0 PR per controlled head (or layer).
 
-    qk_weights: a list per layer of (W_Q, W_K) pairs. The state is a plain dict of Python values,
-    so it goes into a checkpoint and comes back with torch.load(weights_only=True).
+    qk_weights: a list per layer of (W_Q, W_K) pairs. The state is a dict of Python values and float64 tensors
+    (L, B) over the controlled layers and their blocks, so it goes into a checkpoint and comes back with
+    torch.load(weights_only=True); apply moves its tensors to the weights' device.
     """
     layers = check_settings(cfg, len(qk_weights))
     if cfg['control'] == 'none':
         layers = []   # the baseline controls nothing and reports nothing
     side = 1 if cfg['control_target'] == 'k' else 0
-    pr0 = [geometry.matrix_pr(_blocks(qk_weights[i][side], cfg['control_scope'], cfg['n_head'])).tolist()
-           for i in layers]
+    pr0 = torch.stack([geometry.matrix_pr(_blocks(qk_weights[i][side], cfg['control_scope'], cfg['n_head']),
+                                          checked=False) for i in layers]) if layers else torch.zeros(0, 0)
     return {'control': cfg['control'], 'target': cfg['control_target'], 'scope': cfg['control_scope'],
             'keep': cfg['control_keep'], 'n_head': cfg['n_head'], 'n_layer': len(qk_weights), 'layers': layers,
-            'pr0': pr0, 'target_pr': target_pr(pr0, cfg, 0) if layers else [], 'pr': [list(p) for p in pr0],
-            'step': 0, 'warned': False}
+            'pr0': pr0, 'target_pr': target_pr(pr0, cfg, 0) if layers else pr0, 'pr': pr0.clone(),
+            'out_of_reach': torch.zeros(pr0.shape, dtype=torch.bool, device=pr0.device), 'step': 0, 'warned': False}
 
 
 def apply(state, cfg, qk_weights, step):
@@ -214,40 +209,43 @@ def apply(state, cfg, qk_weights, step):
     blocks = torch.stack([_blocks(p, state['scope'], state['n_head']) for p in params])  # (L, B, m, n)
     L, B, m, n = blocks.shape
     flat = blocks.view(L * B, m, n)
-    pr = geometry.matrix_pr(flat)
-    target = torch.tensor(target_pr(state, cfg, step), dtype=torch.float64).view(L * B)
+    for key in ('pr0', 'out_of_reach'):   # a state from a checkpoint is loaded on the CPU
+        state[key] = state[key].to(flat.device)
+    pr = geometry.matrix_pr(flat, checked=False)
+    target = target_pr(state, cfg, step).view(L * B)
     # which blocks to change: shrink only lowers a PR, freeze moves it either way; a zero block has no spectrum
     act = (pr > 0) & ((pr > target) if state['control'] == 'shrink' else (pr != target))
-    if act.any():
-        U, s, Vh = torch.linalg.svd(flat[act], full_matrices=False)
-        rtol = max(m, n) * torch.finfo(params[0].dtype).eps   # zero up to the round-off of the stored weight
-        s_new, _, pr_min, pr_max = _control(s, target[act], rtol, keep)
-        out = (target[act] > pr_max * (1 + REACH_RTOL)) | (target[act] < pr_min * (1 - REACH_RTOL))
-        if out.any() and not state['warned']:
-            i = int(out.nonzero()[0, 0])      # the first out-of-reach block among those acted on
-            j = int(act.nonzero()[i, 0])      # ... and its index among all controlled blocks
-            where = f"layer {state['layers'][j // B]}" + (f' head {j % B}' if state['scope'] == 'head' else '')
-            warnings.warn(f"control: target PR {target[j].item():.6g} of {where} (step {step}) is out of reach "
-                          f"[{pr_min[i].item():.6g}, {pr_max[i].item():.6g}]; clamped to the nearest end. "
-                          f"This warning is given once per run.", RuntimeWarning, stacklevel=2)
-            state['warned'] = True
-        # back in the parameter's dtype, as it will be stored; the PR logged is the one of that weight
-        flat[act] = ((U * s_new[:, None, :]) @ Vh).to(params[0].dtype).to(torch.float64)
-        pr[act] = geometry.matrix_pr(flat[act])
-        with torch.no_grad():
-            for p, block, changed in zip(params, blocks, act.view(L, B).any(1).tolist()):
-                if changed:   # unchanged heads of a changed layer go back bit for bit (float64 holds them exactly)
-                    p.copy_(block.reshape(p.shape))
-    state['target_pr'] = target.view(L, B).tolist()
-    state['pr'] = pr.view(L, B).tolist()
-    state['step'] = step
+    # every block goes through the SVD, the others as zeros (a weight that is not finite would make it fail)
+    U, s, Vh = torch.linalg.svd(torch.where(act[:, None, None], flat, 0.0), full_matrices=False)
+    rtol = max(m, n) * torch.finfo(params[0].dtype).eps   # zero up to the round-off of the stored weight
+    s_new, _, pr_min, pr_max = _control(s, target, rtol, keep)
+    out = act & ((target > pr_max * (1 + REACH_RTOL)) | (target < pr_min * (1 - REACH_RTOL)))
+    state['out_of_reach'] |= out.view(L, B)
+    # back in the parameter's dtype, as it will be stored; the PR logged is the one of that weight
+    new = ((U * s_new[:, None, :]) @ Vh).to(params[0].dtype).to(torch.float64)
+    flat = torch.where(act[:, None, None], new, flat)
+    pr = torch.where(act, geometry.matrix_pr(flat, checked=False), pr)
+    with torch.no_grad():   # blocks left alone go back bit for bit (float64 holds them exactly)
+        for p, block in zip(params, flat.view(L, B, m, n)):
+            p.copy_(block.reshape(p.shape))
+    state['target_pr'], state['pr'], state['step'] = target.view(L, B), pr.view(L, B), step
 
 
 def report(state):
     """One dict per layer for metrics.jsonl: ctl_target_pr, ctl_pr (mean over heads in head scope) and,
     in head scope, ctl_target_pr_heads, ctl_pr_heads; {} for a layer that is not controlled."""
     rows = [{} for _ in range(state['n_layer'])]
-    for layer, target, pr in zip(state['layers'], state['target_pr'], state['pr']):
+    if not state['layers']:
+        return rows
+    targets, prs, out = (state[key].tolist() for key in ('target_pr', 'pr', 'out_of_reach'))   # once per record
+    if any(map(any, out)) and not state['warned']:
+        i, j = next((i, j) for i, row in enumerate(out) for j, o in enumerate(row) if o)
+        where = f"layer {state['layers'][i]}" + (f' head {j}' if state['scope'] == 'head' else '')
+        warnings.warn(f"control: the target PR of {where} was out of reach by step {state['step']} (now "
+                      f"{targets[i][j]:.6g}, reached {prs[i][j]:.6g}); clamped to the nearest reachable PR. "
+                      f"This warning is given once per run.", RuntimeWarning, stacklevel=2)
+        state['warned'] = True
+    for layer, target, pr in zip(state['layers'], targets, prs):
         rows[layer] = {'ctl_target_pr': sum(target) / len(target), 'ctl_pr': sum(pr) / len(pr)}
         if state['scope'] == 'head':
             rows[layer].update(ctl_target_pr_heads=list(target), ctl_pr_heads=list(pr))

@@ -45,9 +45,11 @@ With ranks for x, y, z (for example entropy, PR_K_head, log qk_spec_norm over (l
 is the partial Spearman correlation.
 
 Conventions. Inputs are torch tensors (any device, any dtype) or numpy arrays. Everything is
-computed in float64 on the CPU, so a metric logged during a GPU run and the same metric recomputed
-later from a saved float32 snapshot agree to float64 round-off. Scalars come back as Python floats,
-per-head lists as Python lists, batched results as float64 CPU tensors. An all-zero spectrum (a
+computed in float64 where the first input is (numpy: the CPU; MPS, which has neither float64 nor these
+linalg kernels: the CPU), so a metric logged during a GPU run and the same metric recomputed later from a
+saved float32 snapshot agree to float64 round-off. Scalars come back as Python floats, per-head lists as
+Python lists, batched results as float64 tensors. A training record uses record_tensors and host_values
+instead: the same math on trusted inputs, no checks, one copy to the host per record. An all-zero spectrum (a
 zero matrix, constant activations) has PR, effective rank and stable rank 0.0, never NaN; so has
 the learned part of an unchanged weight (W == W(0): PR 0.0, rel 0.0), and a zero W(0) has rel 0.0 (no
 scale to compare with). The one exception is a correlation with nothing to correlate (fewer than
@@ -74,12 +76,18 @@ def _first(mask):
     return tuple(mask.nonzero()[0].tolist())
 
 
-def _as_f64(x, name, ndim=None, min_ndim=0, shape_hint="", dtype=torch.float64):
-    """x as a float64 CPU tensor (dtype=None: its own float precision, float32 at least); ValueError on the
-    wrong number of dims or on NaN/Inf."""
+def _home(x):
+    """Where x is computed on: its device, but the CPU for numpy and for MPS (no float64, no eigvalsh there)."""
+    return torch.device("cpu") if not isinstance(x, torch.Tensor) or x.device.type == "mps" else x.device
+
+
+def _as_f64(x, name, ndim=None, min_ndim=0, shape_hint="", dtype=torch.float64, device=None):
+    """x as a float64 tensor on device (default _home(x); dtype=None: its own float precision, float32 at
+    least); ValueError on the wrong number of dims or on NaN/Inf."""
+    device = device or _home(x)
     if not isinstance(x, torch.Tensor):
         x = torch.from_numpy(np.array(x))  # a copy: from_numpy rejects negative strides
-    x = x.detach().to(device="cpu", dtype=dtype or torch.promote_types(x.dtype, torch.float32))
+    x = x.detach().to(device=device, dtype=dtype or torch.promote_types(x.dtype, torch.float32))
     if (ndim is not None and x.ndim != ndim) or x.ndim < min_ndim:
         want = f"{ndim}-D" if ndim is not None else f"at least {min_ndim}-D"
         raise ValueError(f"{name} must be {want}{shape_hint}, got shape {tuple(x.shape)}")
@@ -203,7 +211,7 @@ def _check_probs(att):
                          "attention must be causal (row i nonzero only for j <= i)")
 
 
-def _entropy(att, normalized):
+def _check_att(att):
     T = att.shape[-1]
     if att.shape[-2] != T:
         raise ValueError(f"att must be square in its last two dims (..., T, T), got shape {tuple(att.shape)}")
@@ -211,8 +219,21 @@ def _entropy(att, normalized):
         raise ValueError(f"att needs T >= 2 (row 0 has a single key and is left out), "
                          f"got shape {tuple(att.shape)}")
     _check_probs(att)
-    H = -torch.special.xlogy(att, att).sum(-1)[..., 1:].double()
-    return H / torch.log(torch.arange(2, T + 1, dtype=torch.float64)) if normalized else H
+
+
+def _entropy(att, normalized):
+    _check_att(att)
+    H = _entropies(att)
+    return H / _log_keys(H) if normalized else H
+
+
+def _entropies(att):
+    return -torch.special.xlogy(att, att).sum(-1)[..., 1:].double()
+
+
+def _log_keys(H):
+    """log(i + 1) for rows i = 1..T-1: the entropy of a uniform row, where H is."""
+    return torch.log(torch.arange(2, H.shape[-1] + 2, dtype=torch.float64, device=H.device))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,13 +257,14 @@ def singular_values(M):
     return _singular_values(_as_f64(M, "M", min_ndim=2))
 
 
-def matrix_pr(M):
+def matrix_pr(M, checked=True):
     """PR(M) = (sum s^2)^2 / sum s^4 over the singular values s of M (..., m, n).
 
     No SVD: with G the smaller Gram matrix, sum s^2 = tr(G) and sum s^4 = ||G||_F^2.
-    2-D -> float, batched -> tensor. Scale-invariant. Zero matrix -> 0.0.
+    2-D -> float, batched -> tensor. Scale-invariant. Zero matrix -> 0.0. checked=False: M is a trusted
+    float64 tensor (as_float64) and the result a tensor where M is, with no check and no copy to the host.
     """
-    return _ret(_matrix_pr(_as_f64(M, "M", min_ndim=2)))
+    return _ret(_matrix_pr(_as_f64(M, "M", min_ndim=2))) if checked else _matrix_pr(M)
 
 
 def split_heads(W, n_head):
@@ -253,7 +275,7 @@ def split_heads(W, n_head):
 
 def _qk_heads(W_Q, W_K, n_head):
     W_Q = _as_f64(W_Q, "W_Q", ndim=2, shape_hint=" (C, C) = (out, in)")
-    W_K = _as_f64(W_K, "W_K", ndim=2, shape_hint=" (C, C) = (out, in)")
+    W_K = _as_f64(W_K, "W_K", ndim=2, shape_hint=" (C, C) = (out, in)", device=W_Q.device)
     if W_Q.shape != W_K.shape:
         raise ValueError(f"W_Q and W_K must have the same shape, "
                          f"got {tuple(W_Q.shape)} and {tuple(W_K.shape)}")
@@ -327,7 +349,12 @@ def layer_geometry(W_Q, W_K, n_head):
       q_spec_norm, k_spec_norm      mean over heads of ||W_Q^h||_2, ||W_K^h||_2; *_heads per head
       qk_imbalance, qk_gram         mean over heads of ||D_h||_F / qk_gram and of qk_gram; *_heads per head
     """
-    W_Q, W_K, Wq_h, Wk_h = _qk_heads(W_Q, W_K, n_head)
+    return host_values([_layer(*_qk_heads(W_Q, W_K, n_head)[:2], n_head)])[0]
+
+
+def _layer(W_Q, W_K, n_head):
+    d = W_Q.shape[0] // n_head
+    Wq_h, Wk_h = W_Q.reshape(-1, d, W_Q.shape[1]), W_K.reshape(-1, d, W_K.shape[1])
     sq_h, sk_h = _singular_values(Wq_h)[:, 0], _singular_values(Wk_h)[:, 0]
     D, gram = _imbalance(Wq_h, Wk_h)
     rel = _div(D.norm(dim=(-2, -1)), gram)
@@ -337,19 +364,14 @@ def layer_geometry(W_Q, W_K, n_head):
     pr_qk = _pr(s_qk ** 2)
     spec, fro = s_qk[:, 0], s_qk.norm(dim=-1)   # rank <= d: the d values hold all of ||.||_F
     return {
-        "pr_q": _matrix_pr(W_Q).item(), "pr_k": _matrix_pr(W_K).item(),
-        "pr_q_head": hq.mean().item(), "pr_k_head": hk.mean().item(),
-        "pr_q_heads": hq.tolist(), "pr_k_heads": hk.tolist(),
-        "pr_qk": pr_qk.mean().item(), "pr_qk_heads": pr_qk.tolist(),
-        "qk_spec_norm": spec.mean().item(), "qk_fro_norm": fro.mean().item(),
-        "qk_spec_norm_heads": spec.tolist(), "qk_fro_norm_heads": fro.tolist(),
-        "erank_q": _erank(sq).item(), "erank_k": _erank(sk).item(),
-        "srank_q": _srank(sq).item(), "srank_k": _srank(sk).item(),
-        "erank_qk": _erank(s_qk).mean().item(),
-        "q_spec_norm": sq_h.mean().item(), "k_spec_norm": sk_h.mean().item(),
-        "q_spec_norm_heads": sq_h.tolist(), "k_spec_norm_heads": sk_h.tolist(),
-        "qk_imbalance": rel.mean().item(), "qk_imbalance_heads": rel.tolist(),
-        "qk_gram": gram.mean().item(), "qk_gram_heads": gram.tolist(),
+        "pr_q": _matrix_pr(W_Q), "pr_k": _matrix_pr(W_K),
+        "pr_q_head": hq.mean(), "pr_k_head": hk.mean(), "pr_q_heads": hq, "pr_k_heads": hk,
+        "pr_qk": pr_qk.mean(), "pr_qk_heads": pr_qk,
+        "qk_spec_norm": spec.mean(), "qk_fro_norm": fro.mean(), "qk_spec_norm_heads": spec, "qk_fro_norm_heads": fro,
+        "erank_q": _erank(sq), "erank_k": _erank(sk), "srank_q": _srank(sq), "srank_k": _srank(sk),
+        "erank_qk": _erank(s_qk).mean(),
+        "q_spec_norm": sq_h.mean(), "k_spec_norm": sk_h.mean(), "q_spec_norm_heads": sq_h, "k_spec_norm_heads": sk_h,
+        "qk_imbalance": rel.mean(), "qk_imbalance_heads": rel, "qk_gram": gram.mean(), "qk_gram_heads": gram,
     }
 
 
@@ -365,21 +387,25 @@ def learned_geometry(W_Q, W_K, W_Q0, W_K0, n_head):
     W == W(0) gives PR 0.0 and rel 0.0; a zero W(0) gives rel 0.0. The difference is taken in float64.
     """
     W_Q, W_K, _, _ = _qk_heads(W_Q, W_K, n_head)
-    W_Q0 = _as_f64(W_Q0, "W_Q0", ndim=2, shape_hint=" (C, C) = (out, in)")
-    W_K0 = _as_f64(W_K0, "W_K0", ndim=2, shape_hint=" (C, C) = (out, in)")
+    W_Q0 = _as_f64(W_Q0, "W_Q0", ndim=2, shape_hint=" (C, C) = (out, in)", device=W_Q.device)
+    W_K0 = _as_f64(W_K0, "W_K0", ndim=2, shape_hint=" (C, C) = (out, in)", device=W_Q.device)
     if W_Q0.shape != W_Q.shape or W_K0.shape != W_K.shape:
         raise ValueError(f"W_Q0 and W_K0 must have the shape of W_Q and W_K {tuple(W_Q.shape)}, "
                          f"got {tuple(W_Q0.shape)} and {tuple(W_K0.shape)}")
+    return host_values([_learned(W_Q, W_K, W_Q0, W_K0, n_head)])[0]
+
+
+def _learned(W_Q, W_K, W_Q0, W_K0, n_head):
     d = W_Q.shape[0] // n_head
     D, gram = _imbalance(W_Q.reshape(-1, d, W_Q.shape[1]), W_K.reshape(-1, d, W_K.shape[1]))
     D0, _ = _imbalance(W_Q0.reshape(-1, d, W_Q.shape[1]), W_K0.reshape(-1, d, W_K.shape[1]))
     drift = _div((D - D0).norm(dim=(-2, -1)), gram)
-    out = {"qk_drift": drift.mean().item(), "qk_drift_heads": drift.tolist()}
+    out = {"qk_drift": drift.mean(), "qk_drift_heads": drift}
     for name, W, W0 in (("q", W_Q, W_Q0), ("k", W_K, W_K0)):
         dW = W - W0
-        heads = _matrix_pr(dW.reshape(-1, W.shape[0] // n_head, W.shape[1]))
-        out |= {f"pr_d{name}": _matrix_pr(dW).item(), f"pr_d{name}_head": heads.mean().item(),
-                f"pr_d{name}_heads": heads.tolist(), f"d{name}_rel": _div(dW.norm(), W0.norm()).item()}
+        heads = _matrix_pr(dW.reshape(-1, d, W.shape[1]))
+        out |= {f"pr_d{name}": _matrix_pr(dW), f"pr_d{name}_head": heads.mean(), f"pr_d{name}_heads": heads,
+                f"d{name}_rel": _div(dW.norm(), W0.norm())}
     return out
 
 
@@ -393,7 +419,7 @@ def partial_correlation(x, y, z=None):
     x = _as_f64(x, "x", ndim=1, shape_hint=" (n,)")
     y = _as_f64(y, "y", ndim=1, shape_hint=" (n,)")
     n = x.shape[0]
-    z = torch.zeros(n, 0, dtype=torch.float64) if z is None else _as_f64(z, "z", min_ndim=1)
+    z = torch.zeros(n, 0, dtype=torch.float64) if z is None else _as_f64(z, "z", min_ndim=1, device="cpu")
     z = z[:, None] if z.ndim == 1 else z
     if y.shape[0] != n or z.ndim != 2 or z.shape[0] != n:
         raise ValueError(f"x (n,), y (n,) and z (n,) or (n, k) must share n, got shapes {tuple(x.shape)}, "
@@ -428,33 +454,80 @@ def token_geometry(q, k, att, n_head):
     sum s^4 = tr(P P) (the 1/sqrt(d) cancels), so there is no T x T SVD.
     """
     q = _as_f64(q, "q", ndim=3, shape_hint=" (B, T, C)")
-    k = _as_f64(k, "k", ndim=3, shape_hint=" (B, T, C)")
+    k = _as_f64(k, "k", ndim=3, shape_hint=" (B, T, C)", device=q.device)
     if q.shape != k.shape:
         raise ValueError(f"q and k must have the same shape (B, T, C), "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, C = q.shape
     d = _head_dim(C, n_head)
     nh = C // d
-    att = _as_probs(att, ndim=4, shape_hint=" (B, n_head, T, T)")
+    att = _as_probs(att, ndim=4, shape_hint=" (B, n_head, T, T)", device=q.device)
     if att.shape != (B, nh, T, T):
         raise ValueError(f"att must have shape (B, n_head, T, T) = {(B, nh, T, T)} to match q, k of shape "
                          f"{(B, T, C)} and n_head={nh}, got {tuple(att.shape)}")
     if B * T < 2:
         raise ValueError(f"q, k need at least 2 tokens for a covariance, got shape {tuple(q.shape)}")
+    _check_att(att)
+    return host_values([_token(q, k, att, n_head)])[0]
+
+
+def _token(q, k, att, n_head):
+    B, T, C = q.shape
+    nh = n_head
+    d = C // nh
     Qh, Kh = q.view(B, T, nh, d).transpose(1, 2), k.view(B, T, nh, d).transpose(1, 2)  # (B, nh, T, d)
     hq = _activation_pr(Qh.transpose(0, 1).reshape(nh, B * T, d))
     hk = _activation_pr(Kh.transpose(0, 1).reshape(nh, B * T, d))
     Qs, Ks = _unit_scale(Qh, (-2, -1)), _unit_scale(Kh, (-2, -1))
     P = (Qs.mT @ Qs) @ (Ks.mT @ Ks)   # (B, nh, d, d)
     pr_qk = _div(P.diagonal(dim1=-2, dim2=-1).sum(-1) ** 2, (P * P.mT).sum((-2, -1)))   # (B, nh)
-    H = _entropy(att, normalized=False)   # (B, nh, T-1)
-    Hn = H / torch.log(torch.arange(2, T + 1, dtype=torch.float64))
+    H = _entropies(att)   # (B, nh, T-1)
+    Hn = H / _log_keys(H)
     return {
-        "tok_pr_q": _activation_pr(q.reshape(B * T, C)).item(),
-        "tok_pr_k": _activation_pr(k.reshape(B * T, C)).item(),
-        "tok_pr_q_head": hq.mean().item(), "tok_pr_k_head": hk.mean().item(),
-        "tok_pr_q_heads": hq.tolist(), "tok_pr_k_heads": hk.tolist(),
-        "tok_pr_qk": pr_qk.mean().item(), "tok_pr_qk_heads": pr_qk.mean(0).tolist(),
-        "entropy": H.mean().item(), "entropy_norm": Hn.mean().item(),
-        "entropy_heads": H.mean((0, 2)).tolist(), "entropy_norm_heads": Hn.mean((0, 2)).tolist(),
+        "tok_pr_q": _activation_pr(q.reshape(B * T, C)), "tok_pr_k": _activation_pr(k.reshape(B * T, C)),
+        "tok_pr_q_head": hq.mean(), "tok_pr_k_head": hk.mean(), "tok_pr_q_heads": hq, "tok_pr_k_heads": hk,
+        "tok_pr_qk": pr_qk.mean(), "tok_pr_qk_heads": pr_qk.mean(0),
+        "entropy": H.mean(), "entropy_norm": Hn.mean(), "entropy_heads": H.mean((0, 2)),
+        "entropy_norm_heads": Hn.mean((0, 2)),
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# the training path: the same math on trusted tensors, where the model is, with no host copy until the end
+
+def as_float64(x):
+    """A tensor as float64 where it is (MPS: on the CPU), without the checks of the functions above."""
+    return x.detach().to(device=_home(x), dtype=torch.float64)
+
+
+def record_tensors(W_Q, W_K, W_Q0, W_K0, q, k, att, n_head):
+    """layer_geometry, learned_geometry and token_geometry of one layer, as 0-D and 1-D float64 tensors where the
+    inputs are: trusted (no checks, which would each read a value on the host); host_values copies them."""
+    W_Q, W_K, W_Q0, W_K0, q, k = map(as_float64, (W_Q, W_K, W_Q0, W_K0, q, k))
+    att = att.detach().to(device=q.device, dtype=torch.promote_types(att.dtype, torch.float32))
+    return {**_layer(W_Q, W_K, n_head), **_learned(W_Q, W_K, W_Q0, W_K0, n_head), **_token(q, k, att, n_head)}
+
+
+def record(qk, qk0, probe, loss, n_head):
+    """A training record: (loss, one dict per layer of layer_geometry, learned_geometry and token_geometry), from the
+    weights and W(0) (a (W_Q, W_K) pair per layer), the (q, k, att) of each layer on the evaluation batch and its loss;
+    computed where they are and copied to the host at once. The layers are None if any input is not finite."""
+    inputs = [(*w, *w0, *acts) for w, w0, acts in zip(qk, qk0, probe)]
+    finite = torch.stack([loss.isfinite()] + [torch.isfinite(t).all() for layer in inputs for t in layer]).all()
+    # zeros in place of a record that is not finite keep the linear algebra from failing on it
+    layers = [record_tensors(*(torch.where(finite, t, 0.0) for t in layer), n_head) for layer in inputs]
+    head, *layers = host_values([{"loss": loss, "finite": finite}, *layers])
+    return head["loss"], layers if head["finite"] else None
+
+
+def host_values(rows):
+    """Dicts of 0-D and 1-D tensors (on one device) -> the same dicts of floats and lists, in one copy to the host."""
+    flat = [v.detach().reshape(-1) for row in rows for v in row.values()]
+    values = torch.cat([v.to(_home(v)).double() for v in flat]).tolist() if flat else []
+    out, i = [], 0
+    for row in rows:
+        out.append({})
+        for key, v in row.items():
+            out[-1][key] = values[i] if v.ndim == 0 else values[i:i + v.numel()]
+            i += v.numel()
+    return out

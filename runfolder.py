@@ -26,32 +26,22 @@ def file_path(run_dir, sub, it):
     return os.path.join(run_dir, sub, f'qk_{it:07d}.npz' if sub == 'snapshots' else f'model_{it:07d}.pt')
 
 
-def atomic_save(obj, path):
+def atomic_save(obj, path, save=torch.save):
+    """obj (bytes as they are, anything else by save(obj, file)) to path + '.tmp', then renamed into place."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(obj, path + '.tmp')
+    with open(path + '.tmp', 'wb') as f:
+        f.write(obj) if isinstance(obj, bytes) else save(obj, f)
     os.replace(path + '.tmp', path)
 
 
 def write_json(obj, path):
-    with open(path + '.tmp', 'w') as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + '.tmp', path)
-
-
-def save_snapshot(run_dir, it, q, k, n_head):
-    """W_Q and W_K of every layer, (n_layer, C, C) float32, at iteration it."""
-    path = file_path(run_dir, 'snapshots', it)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + '.tmp', 'wb') as f:
-        np.savez(f, q=q, k=k, n_head=n_head)
-    os.replace(path + '.tmp', path)
+    atomic_save(json.dumps(obj, indent=1).encode(), path)
 
 
 def git_commit():
     import subprocess
-    out = subprocess.run('git rev-parse HEAD', shell=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                         capture_output=True, text=True).stdout.strip()
-    return out or None
+    return subprocess.run('git rev-parse HEAD', shell=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                          capture_output=True, text=True).stdout.strip() or None
 
 
 def read_metrics(path):
@@ -88,8 +78,7 @@ def lock(run_dir):
         f.seek(0)
         raise Stop(f'another train.py (PID {f.read().strip()}) is training in {run_dir}') from None
     f.truncate(0)
-    f.write(f'{os.getpid()}\n')
-    f.flush()
+    print(os.getpid(), file=f, flush=True)
     return f
 
 
@@ -108,15 +97,14 @@ def start_over(run_dir):
         raise Stop(f'{run_dir} holds {found[0]}, not written by train.py; move it away or choose another --run_name')
     for name in sorted(found, key=lambda n: n == 'config.json'):  # config.json last
         os.remove(os.path.join(run_dir, name))
+    return found
 
 
 def trim(run_dir, keep_below):
     """Drop the records and files of iterations from keep_below on, which the resumed run writes again."""
     path = os.path.join(run_dir, 'metrics.jsonl')
     rows = [r for r in read_metrics(path) if r['iter'] < keep_below]
-    with open(path + '.tmp', 'w') as f:
-        f.writelines(json.dumps(r) + '\n' for r in rows)
-    os.replace(path + '.tmp', path)
+    atomic_save(''.join(json.dumps(r) + '\n' for r in rows).encode(), path)
     for name in own_files(run_dir):
         it = re.search(r'_(\d{7})\.', name)
         if it and int(it[1]) >= keep_below:
@@ -141,9 +129,10 @@ def set_rng_state(state, data_gen):
 
 
 def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
-    """Restore a run from ckpt.pt. Returns (iteration, elapsed seconds, control state, W(0) per layer)."""
+    """Restore the model, optimizer and RNG states from ckpt.pt (refused if its settings or text differ); returns it."""
     ckpt = torch.load(path, map_location='cpu', weights_only=True)
     changed = [k for k in cfg if k not in RESUMABLE and ckpt['config'].get(k) != cfg[k]]
+    changed += ['dtype and threads, which an older train.py did not record'] * ('numerics' not in ckpt)
     changed += ['the training text'] * (ckpt['data_sha256'] != meta['sha256'])
     if changed:
         raise Stop(f"{path} was written with other settings ({', '.join(changed)}); use the same settings to "
@@ -151,20 +140,17 @@ def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
     model.load_state_dict(ckpt['model'])
     optimizer.load_state_dict(ckpt['optimizer'])
     set_rng_state(ckpt['rng'], data_gen)
-    return ckpt['iter'], ckpt['elapsed'], ckpt['control'], [tuple(pair) for pair in ckpt['w0']]
+    return ckpt
 
 
-def pick_device(name):
-    """The device asked for, checked, or (empty) cuda, then mps, then cpu."""
+def start(name):
+    """(ddp, rank, world size, device): the device asked for, checked, or (empty) cuda, then mps, then cpu; under
+    torchrun, a process group, with one GPU per process."""
     cuda = [f'cuda:{i}' for i in range(torch.cuda.device_count())]
     here = ['cpu'] + ['cuda'] * bool(cuda) + cuda + ['mps'] * torch.backends.mps.is_available()
     if name and name not in here:
         raise Stop(f"--device={name} is not available here (available: {', '.join(here)})")
-    return name or ('cuda' if cuda else 'mps' if 'mps' in here else 'cpu')
-
-
-def start_ddp(dev):
-    """(ddp, rank, world size, device) from torchrun's environment; one plain process without it."""
+    dev = name or ('cuda' if cuda else 'mps' if 'mps' in here else 'cpu')
     if int(os.environ.get('RANK', -1)) == -1:
         return False, 0, 1, dev
     import torch.distributed as dist

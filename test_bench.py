@@ -13,7 +13,7 @@ def bench(*args, cwd=HERE):
                           text=True, cwd=cwd, timeout=600)
 
 
-@pytest.mark.parametrize('args, last', [(['--geometry', '--widths=32,64'], '   64'),
+@pytest.mark.parametrize('args, last', [(['--geometry', '--widths=16,32'], '   32'),
                                         (['--control', '--widths=32'], '   32')])
 def test_micro_benchmarks_print_a_row_per_width(args, last):
     out = bench(*args)
@@ -27,7 +27,8 @@ def test_jobs_and_whole_processes_run_on_a_text(tmp_path):
     out = bench('--jobs=1,2', '--preset=smoke', '--iters=4', f'--data_file={text}', f'--cache_dir={tmp_path}')
     assert out.returncode == 0, out.stderr
     assert [line.split()[0] for line in out.stdout.splitlines()[-2:]] == ['1', '2']
-    out = bench('--whole', '--iters=3', '--repeats=1', '--eval_iters=1', f'--data_file={text}', f'--cache_dir={tmp_path}')
+    out = bench('--whole', '--iters=3', '--repeats=1', '--eval_iters=1', '--n_embd=32', '--block_size=32',
+                '--batch_size=4', f'--data_file={text}', f'--cache_dir={tmp_path}')
     assert out.returncode == 0, out.stderr
     assert 'train.py, geometry off' in out.stdout and 'of the plain process' in out.stdout
 
@@ -38,7 +39,12 @@ def test_the_gpu_check_runs_every_step_at_cpu_size_and_goes_on_after_a_failure(t
     out = bench('--gpu_check', '--small', f'--data_file={text}', f'--log={tmp_path / "log"}')
     assert out.returncode == 0, out.stderr
     summary = (tmp_path / 'log' / 'summary.txt').read_text()
-    assert [line.split(':')[0] for line in summary.splitlines()[1:]] == ['tests', 'paper_run', 'jobs', 'sweep']
-    assert 'FAILED' not in summary, summary
-    out = bench('--gpu_check', '--small', f'--data_file={tmp_path / "missing.txt"}', f'--log={tmp_path / "log2"}')
-    assert (tmp_path / 'log2' / 'summary.txt').read_text().count('FAILED') == 3   # the tests still ran
+    assert [line.split(':')[0] for line in summary.splitlines()[1:]] == [
+        'tests', 'paper_run', 'paper_control', 'paper_compile', 'overhead', 'ddp', 'jobs', 'sweep']
+    assert 'FAILED' not in summary and 'paper_control: ok in' in summary and '% of its wall time' in summary, summary
+    assert 'ddp: skipped (DDP needs 2 GPUs, 0 here)' in summary
+    overhead = (tmp_path / 'log' / 'overhead.log').read_text().splitlines()
+    assert [line.split()[:2] for line in overhead[-3:]] == [['training', 'step'], ['control', 'step'], ['geometry', 'record']]
+    out = bench('--gpu_check', '--small', '--steps=paper_run,paper_control', f'--data_file={tmp_path / "missing.txt"}',
+                f'--log={tmp_path / "log2"}')
+    assert (tmp_path / 'log2' / 'summary.txt').read_text().count('FAILED') == 2   # the second ran after the first failed

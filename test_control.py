@@ -188,7 +188,7 @@ def test_apply_spec_keeps_each_blocks_top_singular_value_and_only_the_scale_diff
         kept = top if keep == 'spec' else fro
         assert torch.allclose(kept(after), kept(before), rtol=1e-10, atol=0)
         want = control.target_pr(state, cfg, 1)[0]
-        assert torch.allclose(geometry.matrix_pr(after), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
+        assert torch.allclose(geometry.matrix_pr(after), want, rtol=1e-6, atol=0)
         results[keep] = after
     ratio = results['spec'] / results['fro']   # one factor per block
     factor = ratio.flatten(1)[:, :1, None]
@@ -226,7 +226,7 @@ def test_shrink_never_raises_a_pr_already_below_its_target():
         wk[:16] = wk[:16] + 2 * wk[:1].abs().max() * torch.randn(16, 1) @ torch.randn(1, 32)
     before = qk[0][1].detach().clone()
     heads_before = geometry.matrix_pr(geometry.split_heads(before, 4))
-    target = torch.tensor(control.target_pr(state, cfg, 1)[0], dtype=torch.float64)
+    target = control.target_pr(state, cfg, 1)[0]
     assert torch.all(heads_before[:2] < target[:2])
     control.apply(state, cfg, qk, 1)
     assert torch.equal(qk[0][1][:16], before[:16])   # below the target: bit for bit
@@ -252,12 +252,12 @@ def test_freeze_restores_the_step0_pr_both_ways(direction):
                 else:                        # isotropic noise raises it
                     wk.add_(0.5 * torch.randn(32, 32, generator=g))
         moved = [geometry.matrix_pr(control._blocks(wk, scope, 4)) for _, wk in qk]
-        pr0 = torch.tensor(state['pr0'], dtype=torch.float64)
+        pr0 = state['pr0']
         assert all(((m < p) if direction == 'sharpen' else (m > p)).all() for m, p in zip(moved, pr0))
         control.apply(state, cfg, qk, 1)
         for (_, wk), p in zip(qk, pr0):
             assert torch.allclose(geometry.matrix_pr(control._blocks(wk, scope, 4)), p, rtol=1e-5, atol=0)
-        assert torch.allclose(torch.tensor(state['pr'], dtype=torch.float64), pr0, rtol=1e-5, atol=0)
+        assert torch.allclose(state['pr'], pr0, rtol=1e-5, atol=0)
 
 
 # ----------------------------------------------------------------------------- apply on weights
@@ -319,7 +319,7 @@ def test_head_scope_reaches_each_heads_target():
     cfg = ctl_cfg(shrink_to=0.4, shrink_iters=4)
     state = control.record(cfg, qk)
     control.apply(state, cfg, qk, 2)
-    target = torch.tensor(control.target_pr(state, cfg, 2), dtype=torch.float64)   # 0.7 x pr0
+    target = control.target_pr(state, cfg, 2)   # 0.7 x pr0
     for (_, wk), t in zip(qk, target):
         assert torch.allclose(geometry.matrix_pr(geometry.split_heads(wk, 4)), t, rtol=1e-5, atol=0)
     rows = control.report(state)
@@ -359,8 +359,33 @@ def test_out_of_reach_target_clamps_and_warns_once_per_run():
         warnings.simplefilter('always')
         for step in range(1, 4):
             control.apply(state, cfg, qk, step)
+            control.report(state)   # the warning comes with the record, which reads the state on the host
     assert len(caught) == 1 and 'out of reach' in str(caught[0].message) and state['warned']
     assert all(abs(p - 1) < 1e-3 for layer in state['pr'] for p in layer)   # clamped to (about) rank 1
+
+
+@pytest.mark.parametrize('name, scope', [('shrink', 'head'), ('freeze', 'layer')])
+def test_a_control_step_and_a_record_copy_nothing_to_the_host_but_the_record_s_values_once(monkeypatch, name, scope):
+    """On a GPU each host copy stalls the device: a control step makes none (Tensor.cpu, .item, .tolist, .numpy and
+    bool() of a tensor raise inside it), and a geometry record makes one .tolist of its finished values."""
+    import train
+    torch.manual_seed(0)
+    model = train.GPT(train.GPTConfig(vocab_size=20, block_size=8, n_layer=2, n_head=4, n_embd=32))
+    cfg = ctl_cfg(control=name, control_scope=scope, shrink_iters=2)
+    state, w0 = control.record(cfg, model.qk_weights()), torch.stack([torch.stack(p) for p in model.qk_weights()])
+    x = torch.randint(20, (2, 8))
+    for method in ('cpu', 'item', 'tolist', 'numpy', '__bool__'):
+        monkeypatch.setattr(torch.Tensor, method, lambda t, *a, m=method, **k: pytest.fail(f'a host copy: Tensor.{m}'))
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.qk_weights()[0][1].add_(0.01 * torch.ones(32, 32))   # a move for the control to undo
+        control.apply(state, cfg, model.qk_weights(), step)
+    monkeypatch.undo()
+    tolist, copies = torch.Tensor.tolist, []
+    monkeypatch.setattr(torch.Tensor, 'tolist', lambda t: copies.append('tolist') or tolist(t))
+    loss, layers = train.measure_geometry(model, x, x, 4, w0)
+    assert copies == ['tolist'] and len(layers) == 2 and isinstance(loss, float)
+    assert layers[0] == {**geometry.layer_geometry(*model.qk_weights()[0], 4), **layers[0]}
 
 
 # ----------------------------------------------------------------------------- control inside train.py

@@ -1,6 +1,7 @@
 """train.py and its helpers: settings, names, data, the run folder, exact resume after a kill, DDP."""
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -40,19 +41,28 @@ def test_overrides_take_the_type_of_the_default_and_the_command_line_wins(tmp_pa
     cfg = train.get_config(['--seed=2', str(tmp_path / 'a.py'), str(tmp_path / 'b.json'), '--run_name=123'])
     assert (cfg['n_layer'], cfg['n_head'], cfg['lr'], cfg['seed'], cfg['decay_qk']) == (2, 2, 3.0, 2, False)
     assert cfg['run_name'] == '123' and isinstance(cfg['lr'], float)
+    (tmp_path / 'c.json').write_text('{"seed": 6,\n}')
+    with pytest.raises(configurator.Stop, match=f"config file {tmp_path / 'c.json'} line 2: Expecting property name"):
+        train.get_config([str(tmp_path / 'c.json')])
 
 
 @pytest.mark.parametrize('args, words', [
     (['--n_layers=4'], "unknown config key 'n_layers'; did you mean n_layer?"),
     (['--n_layer=four'], "n_layer='four': expected int"),
-    (['--qk_init=tide'], "qk_init='tide' is not one of"),
-    (['--optimizer=adam'], "optimizer='adam' is not one of adamw, sgd"),
+    (['--qk_init=tide'], "qk_init='tide': expected one of normal, orthogonal, tied"),
+    (['--optimizer=adam'], "optimizer='adam': expected one of adamw, sgd"),
+    *[([f'--{key}=0'], f'{key}=0: expected an integer >= 1') for key in ('eval_interval', 'ckpt_interval',
+                                                                          'control_interval', 'batch_size', 'n_head',
+                                                                          'min_char_count')],
+    (['--control_layers=5'], r"control_layers='5': layer 5 does not exist (n_layer=4: indices 0..3)"),
+    (['--control_layers=a'], "control_layers='a': expected comma-separated layer indices such as '0,2'"),
+    (['--control=shrink', '--shrink_to=0'], 'control=shrink needs shrink_to > 0 and shrink_iters >= 0 (got shrink_to=0.0'),
     (['--n_embd=64', '--n_head=5'], 'n_embd=64 is not divisible by n_head=5'),
     (['--run_name=../x'], 'must be one plain folder name'),
     (['--seed'], '--seed needs a value'),
 ])
 def test_a_plausible_mistake_is_one_line_naming_it(args, words):
-    with pytest.raises(configurator.Stop, match=words.replace('?', r'\?').replace('(', r'\(')):
+    with pytest.raises(configurator.Stop, match=words.replace('?', r'\?').replace('(', r'\(').replace(')', r'\)')):
         train.get_config(args)
 
 
@@ -63,7 +73,7 @@ def test_the_command_line_gives_one_line_and_exit_2(tmp_path):
     out = run_train(['--device=cuda:3', f'--out_dir={tmp_path}'])
     assert out.returncode == 2 and 'error: --device=cuda:3 is not available here (available: cpu' in out.stderr
     help_text = run_train(['--help']).stdout
-    assert all(f'\n{key} = ' in help_text for key in train.config_keys)
+    assert all(f'\n{key} = ' in help_text for key in train.config_keys) and '| --print_run_names <' in help_text
 
 
 def test_run_names_differ_in_every_setting_and_read_the_main_ones():
@@ -112,11 +122,24 @@ def test_the_cache_is_keyed_by_the_text_and_the_encoder_version(tmp_path, text_f
     assert not [n for n in os.listdir(tmp_path / 'cache') if n.startswith('.building')]
 
 
-def test_a_missing_dataset_names_the_file_and_data_file(tmp_path):
-    cfg = train.get_config(['--dataset=wikitext103-test', f'--data_dir={tmp_path / "data"}',
-                            f'--data_url=file://{tmp_path}/no.zip', f'--cache_dir={tmp_path / "cache"}'])
+@pytest.mark.parametrize('download', ['missing', 'not a zip'])
+def test_a_failed_download_names_the_file_and_data_file_and_makes_no_folder(tmp_path, download):
+    (tmp_path / 'page.zip').write_text('<html>not found</html>')
+    cfg = train.get_config(['--dataset=wikitext103-test', f'--data_dir={tmp_path / "data" / "raw"}',
+                            f'--data_url=file://{tmp_path}/{"no" if download == "missing" else "page"}.zip'])
     with pytest.raises(configurator.Stop, match=r'downloading failed .*put wiki\.test\.raw .* --data_file=PATH'):
         prepare.prepare_data(cfg)
+    assert sorted(os.listdir(tmp_path)) == ['page.zip']
+
+
+def test_a_text_that_is_not_utf8_or_has_too_many_characters_is_one_line(tmp_path, text_file):
+    text_file.write_bytes(b'plain ascii \xc3\xa9 then a stray byte \xff and more')   # the stray byte at offset 33
+    with pytest.raises(configurator.Stop, match=r'text.txt is not UTF-8: byte 33 \(invalid start byte\)'):
+        prepare.prepare_data(cfg_of(tmp_path, text_file))
+    text_file.write_text(''.join(map(chr, range(0x10000, 0x10000 + 80_000))))   # 72,000 training characters
+    with pytest.raises(configurator.Stop, match='72000 characters occur at least min_char_count=1 times, more than '
+                                                'uint16 ids hold'):
+        prepare.prepare_data(cfg_of(tmp_path, text_file))
 
 
 def test_the_evaluation_batch_does_not_depend_on_the_seed_or_the_global_rng(tmp_path, text_file):
@@ -203,6 +226,29 @@ def test_a_finished_run_is_kept_and_overwrite_deletes_only_what_train_py_wrote(t
     assert (foreign / 'ckpt.pt').read_text() == 'not ours' and os.path.exists(run_dir)
 
 
+def overwrite_trigger(tmp_path, trigger):
+    """A text file (or --control_layers) that train.py must refuse before --overwrite=True deletes anything."""
+    text = tmp_path / 'trigger.txt'
+    if trigger == 'short':
+        text.write_text(make_text(300))
+    elif trigger == 'not utf-8':
+        text.write_bytes(make_text(60_000).encode()[:-1] + b'\xff')
+    return [f'--data_file={text}'] if trigger != 'control_layers' else ['--control_layers=5']
+
+
+@pytest.mark.parametrize('trigger, words', [('missing', 'trigger.txt is not a file'),
+                                            ('short', 'validation characters, too few for block_size=32'),
+                                            ('not utf-8', 'trigger.txt is not UTF-8: byte 59999'),
+                                            ('control_layers', 'layer 5 does not exist')])
+def test_every_check_runs_before_overwrite_deletes_the_finished_run(tmp_path, reference, trigger, words):
+    text, run_dir = reference[0], pathlib.Path(reference[1])
+    before = {p: p.read_bytes() for p in run_dir.rglob('*') if p.is_file()}
+    args = tiny_args(run_dir.parent.parent, text, '--overwrite=True', f'--run_name={run_dir.name}')
+    with pytest.raises(configurator.Stop, match=words):
+        train.train(train.get_config(args + overwrite_trigger(tmp_path, trigger)))
+    assert {p: p.read_bytes() for p in run_dir.rglob('*') if p.is_file()} == before
+
+
 def test_a_run_folder_cannot_lie_outside_out_dir(tmp_path, text_file):
     (tmp_path / 'out').mkdir()
     os.symlink(tmp_path, tmp_path / 'out' / 'away')
@@ -241,16 +287,18 @@ def killing_record(run, it):
     record(run, it)
     if it == at and point == 'record':
         die()
+    if it == at and point == 'sigint':   # Ctrl-C
+        os.kill(os.getpid(), signal.SIGINT)
     if it == at and point == 'half_line':
         run.metrics.write('{"iter": 99, "train_lo')
         run.metrics.flush()
         die()
 
-def killing_save(obj, path):
+def killing_save(obj, path, *how):
     if point == 'ckpt' and path.endswith('ckpt.pt') and obj['iter'] == at:
         open(path + '.tmp', 'wb').write(b'half a checkpoint')
         die()
-    save(obj, path)
+    save(obj, path, *how)
 
 train.record, runfolder.atomic_save = killing_record, killing_save
 if point == 'nan':
@@ -265,31 +313,46 @@ def run_killed(tmp_path, args, point, at):
     return subprocess.run([sys.executable, str(script), HERE, point, str(at), *args], capture_output=True, text=True)
 
 
-@pytest.mark.parametrize('point, at, control', [('record', 4, 'none'), ('record', 16, 'freeze'),
-                                                ('half_line', 16, 'none'), ('ckpt', 8, 'shrink'),
-                                                ('ckpt', 16, 'none')])
-def test_a_sigkill_at_any_point_then_the_same_command_gives_the_uninterrupted_records(tmp_path, reference, point,
-                                                                                       at, control):
+@pytest.mark.parametrize('point, at, control, again', [
+    ('record', 4, 'none', []), ('record', 16, 'freeze', []), ('half_line', 16, 'none', []), ('ckpt', 8, 'shrink', []),
+    ('ckpt', 16, 'none', ['--threads=2']),   # threads change round-off: the resumed run keeps its checkpoint's
+    ('sigint', 4, 'none', [])])   # Ctrl-C: a checkpoint at the next iteration, then one line
+def test_a_kill_or_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterrupted_records(
+        tmp_path, reference, capsys, point, at, control, again):
     text, ref_dir = reference
     args = tiny_args(tmp_path, text, f'--control={control}', '--shrink_iters=8', '--run_name=r')
     killed = run_killed(tmp_path, args, point, at)
-    assert killed.returncode == -signal.SIGKILL
-    out = run_train(args)
-    assert out.returncode == 0, out.stderr
+    assert killed.returncode == (1 if point == 'sigint' else -signal.SIGKILL)
+    assert point != 'sigint' or killed.stderr.strip().splitlines() == [
+        'stopped at iteration 5: ckpt.pt holds it, and the same command resumes from there']
+    resumed = records(train.train(train.get_config(args + again)))   # the same command, here in this process
+    out = capsys.readouterr().out
     expected = records(ref_dir) if control == 'none' else records(train.train(train.get_config(
         tiny_args(tmp_path / 'ref', text, f'--control={control}', '--shrink_iters=8'))))
-    assert records(tmp_path / 'out' / 'r') == expected
-    assert ('resuming' in out.stdout) == (at == 16)
+    assert resumed == expected
+    assert ('resuming' in out) == (at == 16 or point == 'sigint')
+    assert ('resuming in float32 on 1 threads as ckpt.pt was trained' in out) == bool(again)
 
 
-def test_a_checkpoint_resumes_only_with_its_own_settings_and_text(tmp_path, text_file):
+def test_a_checkpoint_resumes_only_with_its_own_settings_and_text_in_its_own_dtype(tmp_path, text_file, capsys):
     args = tiny_args(tmp_path, text_file, '--run_name=r')
     assert run_killed(tmp_path, args, 'record', 16).returncode == -signal.SIGKILL
     with pytest.raises(configurator.Stop, match=r'written with other settings \(lr\)'):
         train.train(train.get_config(args + ['--lr=0.01']))
+    text = text_file.read_text()
     text_file.write_text(make_text(60_000, seed=1))
     with pytest.raises(configurator.Stop, match=r'other settings \(the training text\)'):
         train.train(train.get_config(args))
+    text_file.write_text(text)
+    path = tmp_path / 'out' / 'r' / 'ckpt.pt'
+    ckpt = torch.load(path, weights_only=True)
+    torch.save({k: v for k, v in ckpt.items() if k != 'numerics'}, path)
+    with pytest.raises(configurator.Stop, match=r'other settings \(dtype and threads, which an older train.py did'):
+        train.train(train.get_config(args))
+    torch.save(dict(ckpt, numerics={'dtype': 'bfloat16', 'threads': 1}), path)   # as if trained on a GPU (dtype=auto)
+    train.train(train.get_config(args))
+    assert 'resuming in bfloat16 on 1 threads as ckpt.pt was trained' in capsys.readouterr().out
+    assert json.load(open(tmp_path / 'out' / 'r' / 'config.json'))['dtype'] == 'bfloat16'
 
 
 def test_a_nan_loss_stops_the_run_and_keeps_its_checkpoint(tmp_path, text_file):
@@ -302,9 +365,8 @@ def test_a_nan_loss_stops_the_run_and_keeps_its_checkpoint(tmp_path, text_file):
 
 
 def test_two_ddp_processes_match_one_process(tmp_path, text_file):
-    args = tiny_args(tmp_path, text_file, '--grad_accum=2', '--model_ckpts=0', '--save_snapshots=False')
-    one = run_train(args + ['--run_name=one'])
-    assert one.returncode == 0, one.stderr
+    args = tiny_args(tmp_path, text_file, '--grad_accum=2', '--model_ckpts=0', '--save_snapshots=False', '--device=cpu')
+    train.train(train.get_config(args + ['--run_name=one']))
     ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_port=29533',
                           'train.py', *args, '--run_name=two'], cwd=HERE, capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS='1'), timeout=300)
@@ -313,6 +375,21 @@ def test_two_ddp_processes_match_one_process(tmp_path, text_file):
     for key in ('val_loss', 'train_loss'):
         assert np.allclose([r[key] for r in a if key in r], [r[key] for r in b if key in r], rtol=1e-4)
     assert np.allclose([r['layers'][1]['pr_k'] for r in a], [r['layers'][1]['pr_k'] for r in b], rtol=1e-4)
+
+
+@pytest.mark.skipif(shutil.which('g++') is None, reason='torch.compile builds C++ on a CPU: no g++ here')
+def test_a_compiled_run_gives_the_uncompiled_losses_to_round_off(tmp_path, text_file):
+    """torch.compile fuses the forward and backward, which changes only round-off: after 4 steps every loss agrees
+    with the uncompiled run's to 1e-5 (relative). In a subprocess, so its compiler cache stays in tmp_path."""
+    args = tiny_args(tmp_path, text_file, '--max_iters=4', '--eval_interval=2', '--geom_interval=0', '--model_ckpts=0',
+                     '--n_layer=1', '--n_embd=16', '--block_size=16', '--batch_size=4')
+    eager = records(train.train(train.get_config(args + ['--run_name=eager'])))
+    out = run_train(args + ['--compile=True', '--run_name=compiled'], env=dict(
+        os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / 'inductor'), TORCHINDUCTOR_COMPILE_THREADS='1'))
+    assert out.returncode == 0, out.stderr
+    compiled = records(tmp_path / 'out' / 'compiled')
+    for key in ('train_loss', 'val_loss'):
+        assert [r[key] for r in compiled] == pytest.approx([r[key] for r in eager], rel=1e-5)
 
 
 def test_bf16_autocast_runs_and_its_weight_metrics_are_those_of_its_float32_snapshots(tmp_path, text_file):

@@ -6,16 +6,18 @@ Train a small character-level GPT on WikiText-103 and log the geometry of its qu
     python train.py my_config.py --seed=2                               # a config file, then overrides
     torchrun --nproc_per_node=4 train.py --n_layer=8 --grad_accum=4     # several GPUs (DDP)
     python train.py --help                                              # every setting
+    python train.py --print_run_names < runs.txt                        # the run name of each line of settings
 
-Each run writes out_dir/run_name/; the same command again resumes it, --overwrite=True starts it over. Reading
-order: config, batches, model, optimizer and schedules, RESEARCH (what each record measures, the key-spectrum
-control), the run. configurator.py, prepare.py and runfolder.py hold plumbing no research change needs.
+Each run writes out_dir/run_name/; the same command again resumes it (Ctrl-C checkpoints first), --overwrite=True
+starts it over. Reading order: config, batches, model, optimizer and schedules, RESEARCH (what each record
+measures, the key-spectrum control), the run; configurator.py, prepare.py and runfolder.py hold the plumbing.
 """
 import contextlib
 import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 import types
@@ -110,8 +112,8 @@ def random_offsets(data, shape, block_size, generator):
 
 
 def eval_batch(val_data, cfg):
-    """The fixed evaluation batch for entropy and token-level PR: eval_windows validation windows drawn from
-    EVAL_SEED, the same tokens for every run whatever its seed (analyze.py rebuilds it from config.json)."""
+    """The fixed evaluation batch (entropy, token-level PR): eval_windows validation windows from EVAL_SEED, alike for
+    every run whatever its seed (analyze.py rebuilds it from config.json)."""
     gen = torch.Generator().manual_seed(EVAL_SEED)
     return get_batch(val_data, random_offsets(val_data, (cfg['eval_windows'],), cfg['block_size'], gen),
                      cfg['block_size'])
@@ -181,24 +183,12 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def init_normal(wq, wk):
-    nn.init.normal_(wq, std=0.02)
-    nn.init.normal_(wk, std=0.02)
-
-
-def init_orthogonal(wq, wk):
+QK_INITS = {  # name -> the init of a layer's (W_Q, W_K), in place
+    'normal': lambda wq, wk: [nn.init.normal_(w, std=0.02) for w in (wq, wk)],
     # E||W||_F^2 of N(0, 0.02^2) entries is C^2 * 0.02^2; an orthogonal matrix has ||W||_F^2 = C
-    for w in (wq, wk):
-        nn.init.orthogonal_(w)
-        w.mul_(0.02 * math.sqrt(w.shape[0]))
-
-
-def init_tied(wq, wk):
-    nn.init.normal_(wq, std=0.02)
-    wk.copy_(wq)
-
-
-QK_INITS = {'normal': init_normal, 'orthogonal': init_orthogonal, 'tied': init_tied}
+    'orthogonal': lambda wq, wk: [nn.init.orthogonal_(w).mul_(0.02 * math.sqrt(w.shape[0])) for w in (wq, wk)],
+    'tied': lambda wq, wk: wk.copy_(nn.init.normal_(wq, std=0.02)),
+}
 
 
 class GPT(nn.Module):
@@ -281,8 +271,8 @@ def loss_iters(cfg):
 
 
 def log_iters(cfg):
-    """The loss iterations and, with geometry on, 1, 2, 4, ... (the fast early change), every geom_interval
-    and the model-checkpoint iterations."""
+    """The loss iterations; with geometry on, also 1, 2, 4, ... (the fast early change), every geom_interval and
+    the model checkpoints'."""
     m, g = cfg['max_iters'], cfg['geom_interval']
     its = loss_iters(cfg)
     if g:
@@ -307,38 +297,33 @@ def estimate_loss(model, data, cfg, dev, ctx):
         for _ in range(cfg['eval_iters']):
             x, y = get_batch(arr, random_offsets(arr, (cfg['batch_size'],), cfg['block_size'], g), cfg['block_size'])
             with ctx:
-                losses.append(model(x.to(dev), y.to(dev))[1].item())
-        out[split] = float(np.mean(losses))
+                losses.append(model(x.to(dev), y.to(dev))[1])
+        out[split] = float(np.mean(torch.stack(losses).tolist()))   # one copy to the host per split
     model.train()
     return out
 
 
 @torch.no_grad()
 def measure_geometry(model, eval_x, eval_y, n_head, w0):
-    """The evaluation batch's loss and per layer every metric of geometry.py (None: not finite)."""
+    """The evaluation batch's loss and every metric of geometry.py per layer (None: not finite), in one host copy."""
     model.eval()
     probe = []
-    loss = model(eval_x, eval_y, probe=probe)[1].item()  # float32, explicit attention
+    loss = model(eval_x, eval_y, probe=probe)[1]  # float32, explicit attention
     model.train()
-    if not math.isfinite(loss) or not all(torch.isfinite(t).all() for acts in probe for t in acts):
-        return loss, None
-    return loss, [{**geometry.layer_geometry(wq, wk, n_head), **geometry.learned_geometry(wq, wk, wq0, wk0, n_head),
-                   **geometry.token_geometry(q, k, att, n_head)}
-                  for (wq, wk), (wq0, wk0), (q, k, att) in zip(model.qk_weights(), w0, probe)]
+    return geometry.record(model.qk_weights(), w0, probe, loss, n_head)
 
 
 def measure(run, it):
     """One metrics.jsonl record: the losses (at loss iterations), the geometry of every layer, the control's PRs."""
-    cfg = run.cfg
-    row = {'iter': it, 'tokens': it * run.tokens_per_iter, 'lr': get_lr(it, cfg)}
+    row = {'iter': it, 'tokens': it * run.tokens_per_iter, 'lr': get_lr(it, run.cfg)}
     if it in run.evals:
-        losses = estimate_loss(run.model, run.data, cfg, run.dev, run.ctx)
+        losses = estimate_loss(run.model, run.data, run.cfg, run.dev, run.ctx)
         row.update(train_loss=losses['train'], val_loss=losses['val'])
         if not all(map(math.isfinite, losses.values())):
             nan_stop(f'the loss became {losses}', it, run)
     t0 = time.time()
-    if cfg['geom_interval']:
-        loss, layers = measure_geometry(run.model, run.eval_x, run.eval_y, cfg['n_head'], run.w0)
+    if run.cfg['geom_interval']:
+        loss, layers = measure_geometry(run.model, run.eval_x, run.eval_y, run.cfg['n_head'], run.w0)
         if layers is None:
             nan_stop('the evaluation batch gave a loss or activations that are not finite', it, run)
         for layer, ctl_row in zip(layers, spectrum_control.report(run.ctl)):
@@ -361,7 +346,7 @@ def control_step(run, step):
 
 def train(cfg):
     """One run from its config: trains, logs, checkpoints; resumes an unfinished run. Returns the run folder."""
-    ddp, rank, world, dev = runfolder.start_ddp(runfolder.pick_device(cfg['device']))
+    ddp, rank, world, dev = runfolder.start(cfg['device'])
     run = types.SimpleNamespace(cfg=cfg, dev=dev, ddp=ddp, rank=rank, world=world, master=rank == 0)
     setup(run)
     loop(run)
@@ -370,32 +355,27 @@ def train(cfg):
 
 
 def setup(run):
-    """Seeds and dtype; the run folder locked, and resumed or started over; the data; the model."""
+    """Seeds and numerics; the data; the run folder locked, and resumed or started over; the model."""
     cfg, dev_type = run.cfg, run.dev.split(':')[0]
     if cfg['grad_accum'] % run.world:
         raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the {run.world} DDP processes")
     # ---- seeding: python, numpy, torch (the data order has its own generator)
-    if cfg['threads']:
-        torch.set_num_threads(cfg['threads'])
     random.seed(cfg['seed'])
     np.random.seed(cfg['seed'])
     torch.manual_seed(cfg['seed'])
     use_bf16 = cfg['dtype'] == 'bfloat16' or (cfg['dtype'] == 'auto' and dev_type == 'cuda'
                                                and torch.cuda.is_bf16_supported())
-    run.dtype = 'bfloat16' if use_bf16 else 'float32'
-    run.ctx = torch.autocast(dev_type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-    # ---- run folder and data (rank 0 writes)
+    set_numerics(run, 'bfloat16' if use_bf16 else 'float32', cfg['threads'] or torch.get_num_threads())
+    # ---- the data, then the run folder: every check that can refuse the command runs before anything is deleted
     run.dir = runfolder.open_folder(cfg)
+    train_data, val_data, run.meta = prepare.prepare_data(cfg)  # one process encodes a text; the others wait
     run.ckpt_path = os.path.join(run.dir, 'ckpt.pt')
     resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
     if run.master:
         run.lock = runfolder.lock(run.dir)
         print(f'run folder {run.dir}', flush=True)
-        if not resuming:  # an overwritten run, or the leftovers of one killed before its first checkpoint
-            runfolder.start_over(run.dir)
-    if run.ddp:
-        torch.distributed.barrier()
-    train_data, val_data, run.meta = prepare.prepare_data(cfg)
+        if not resuming and runfolder.start_over(run.dir) and not cfg['overwrite']:
+            print(f'{run.dir} has no ckpt.pt to resume from: starting at iteration 0', flush=True)
     run.data = {'train': train_data, 'val': val_data}
     run.data_gen = torch.Generator().manual_seed(cfg['seed'])
     run.eval_x, run.eval_y = (t.to(run.dev) for t in eval_batch(val_data, cfg))
@@ -410,42 +390,71 @@ def build_model(run, dev_type, resuming):
     run.model = GPT(run.gcfg, cfg['qk_init']).to(run.dev)
     run.optimizer = make_optimizer(run.model, cfg, dev_type)
     run.ctl = spectrum_control.record(cfg, run.model.qk_weights())  # the step-0 spectra control steers from
-    run.w0 = [(wq.detach().cpu().clone(), wk.detach().cpu().clone()) for wq, wk in run.model.qk_weights()]
+    run.w0 = torch.stack([torch.stack(pair) for pair in run.model.qk_weights()]).detach()  # (n_layer, 2, C, C)
     run.start, run.elapsed, run.saved_at = 0, 0.0, None
     if resuming:
-        run.start, run.elapsed, run.ctl, run.w0 = runfolder.load_checkpoint(run.ckpt_path, cfg, run.meta, run.model,
-                                                                            run.optimizer, run.data_gen)
-        run.saved_at = run.start
-    if run.master:
-        open_run_files(run, resuming)
+        ckpt = runfolder.load_checkpoint(run.ckpt_path, cfg, run.meta, run.model, run.optimizer, run.data_gen)
+        run.start = run.saved_at = ckpt['iter']
+        run.elapsed, run.ctl, run.w0 = ckpt['elapsed'], ckpt['control'], ckpt['w0'].to(run.dev)
+        if ckpt['numerics'] != {'dtype': run.dtype, 'threads': run.threads}:
+            print(f"resuming in {ckpt['numerics']['dtype']} on {ckpt['numerics']['threads']} threads as ckpt.pt was "
+                  f"trained (either changes the numbers), not {run.dtype} on {run.threads}", flush=True)
+            set_numerics(run, **ckpt['numerics'])
+    if run.master:  # the run folder trimmed to the checkpoint, config.json written, metrics.jsonl opened
+        if resuming:
+            runfolder.trim(run.dir, run.start)
+            print(f'resuming {run.dir} from iteration {run.start}', flush=True)
+        meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
+        runfolder.write_json(dict(cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
+                                  git_commit=runfolder.git_commit(), vocab_size=meta['vocab_size'], n_params=n_params,
+                                  data_sha256=meta['sha256'], n_chars=meta['n_train'] + meta['n_val'],
+                                  data_cache=meta['cache_key']), os.path.join(run.dir, 'config.json'))
+        run.metrics = open(os.path.join(run.dir, 'metrics.jsonl'), 'a')
     run.train_model = run.model
     if cfg['compile'] and hasattr(torch, 'compile') and dev_type != 'mps':
         run.train_model = torch.compile(run.model)
     if run.ddp:
-        from torch.nn.parallel import DistributedDataParallel
-        run.train_model = DistributedDataParallel(run.train_model, device_ids=[int(run.dev.split(':')[1])]
-                                                  if ':' in run.dev else None)
+        run.train_model = torch.nn.parallel.DistributedDataParallel(
+            run.train_model, device_ids=[int(run.dev.split(':')[1])] if ':' in run.dev else None)
+
+
+def set_numerics(run, dtype, threads):
+    """The autocast dtype and the CPU threads: both change the numbers, so a resumed run keeps its checkpoint's."""
+    torch.set_num_threads(threads)
+    run.dtype, run.threads = dtype, threads
+    run.ctx = torch.autocast(run.dev.split(':')[0], torch.bfloat16) if dtype == 'bfloat16' else contextlib.nullcontext()
 
 
 def loop(run):
-    """A record at the logged iterations, then one optimizer step and the control; ckpt.pt every ckpt_interval."""
+    """A record at the logged iterations, an optimizer step, the control; ckpt.pt every ckpt_interval, on a signal."""
     cfg = run.cfg
     run.losses, run.logs, run.evals, run.ckpts = [], log_iters(cfg), loss_iters(cfg), model_ckpt_iters(cfg)
     run.tokens_per_iter = cfg['batch_size'] * cfg['grad_accum'] * cfg['block_size']
     run.t_start, run.t_geom, run.t_ctl = time.time(), 0.0, 0.0
     run.t_mark, run.it_mark, run.last = run.t_start, run.start, {}  # for ms/iter: training time only
-    for it in range(run.start, cfg['max_iters'] + 1):
-        ckpt_due = it > run.start and it % cfg['ckpt_interval'] == 0
-        if it in run.logs or ckpt_due:  # DDP ranks read their losses together at these iterations only
-            check_losses(run)
-        if run.master and it in run.logs:
-            record(run, it)
-        if it == cfg['max_iters']:
-            break
-        if ckpt_due:
-            checkpoint(run, it)
-        train_step(run, it)
-        control_step(run, it + 1)
+    caught = []  # Ctrl-C or SIGTERM (a Slurm time limit), acted on between two iterations; a second one as usual
+    catch = lambda num, frame: caught.append(num) or signal.signal(num, handlers[num])
+    handlers = {s: signal.signal(s, catch) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for it in range(run.start, cfg['max_iters'] + 1):
+            ckpt_due = it > run.start and it % cfg['ckpt_interval'] == 0
+            stop = caught and not run.ddp
+            if it in run.logs or ckpt_due:  # DDP ranks read their losses (and a signal) together here only
+                stop = check_losses(run, len(caught))
+            if stop:
+                checkpoint(run, it)
+                sys.exit(f'stopped at iteration {it}: ckpt.pt holds it, and the same command resumes from there')
+            if run.master and it in run.logs:
+                record(run, it)
+            if it == cfg['max_iters']:
+                break
+            if ckpt_due:
+                checkpoint(run, it)
+            train_step(run, it)
+            control_step(run, it + 1)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
 
 
 def train_step(run, it):
@@ -472,17 +481,18 @@ def train_step(run, it):
     run.optimizer.zero_grad(set_to_none=True)
 
 
-def check_losses(run):
-    """The one host read of the training losses since the last: one that is not finite stops every DDP rank."""
-    if not run.losses:
-        return
-    values = torch.stack([loss for _, loss in run.losses])
+def check_losses(run, caught):
+    """The one host read of the training losses since the last, and of the signals caught: a loss that is not finite
+    stops every DDP rank; whether any rank caught a signal is returned."""
+    values = torch.stack([loss for _, loss in run.losses] + [torch.tensor(float(caught), device=run.dev)])
     if run.ddp:
         torch.distributed.all_reduce(values)
-    for (step, _), loss in zip(run.losses, values.tolist()):
+    *losses, signals = values.tolist()
+    for (step, _), loss in zip(run.losses, losses):
         if not math.isfinite(loss):
             nan_stop(f'the loss became {loss}', step, run)
     run.losses = []
+    return signals > 0
 
 
 def nan_stop(what, it, run):
@@ -493,36 +503,21 @@ def nan_stop(what, it, run):
 
 # ----------------------------------------------------------------------------- what the run writes
 
-def open_run_files(run, resuming):
-    """Rank 0: the run folder trimmed to the checkpoint (resuming), config.json written, metrics.jsonl opened."""
-    cfg = run.cfg
-    if resuming:
-        runfolder.trim(run.dir, run.start)
-        print(f'resuming {run.dir} from iteration {run.start}', flush=True)
-    meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
-    runfolder.write_json(dict(cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
-                              git_commit=runfolder.git_commit(), vocab_size=meta['vocab_size'], n_params=n_params,
-                              data_sha256=meta['sha256'], n_chars=meta['n_train'] + meta['n_val'],
-                              data_cache=meta['cache_key']), os.path.join(run.dir, 'config.json'))
-    run.metrics = open(os.path.join(run.dir, 'metrics.jsonl'), 'a')
-
-
 def record(run, it):
     """Measure (RESEARCH above), then write: the snapshot, a model checkpoint at its iterations, the record."""
     ms = 1000 * (time.time() - run.t_mark) / (it - run.it_mark) if it > run.it_mark else float('nan')
     row = measure(run, it)
     t0 = time.time()
     if run.cfg['geom_interval'] and run.cfg['save_snapshots']:
-        q, k = (torch.stack([pair[side].detach().float().cpu() for pair in run.model.qk_weights()]).numpy()
-                for side in (0, 1))
-        runfolder.save_snapshot(run.dir, it, q, k, run.cfg['n_head'])
+        q, k = (np.stack([w[side].detach().float().cpu().numpy() for w in run.model.qk_weights()]) for side in (0, 1))
+        runfolder.atomic_save(dict(q=q, k=k, n_head=run.cfg['n_head']), runfolder.file_path(run.dir, 'snapshots', it),
+                              lambda arrays, f: np.savez(f, **arrays))
     if it in run.ckpts:
         runfolder.atomic_save({'model': run.model.state_dict(), 'model_config': run.gcfg.__dict__, 'iter': it},
                               runfolder.file_path(run.dir, 'models', it))
     run.t_geom += time.time() - t0  # geometry share: measuring (in measure) and these writes, not the losses
     row['time'] = run.elapsed + time.time() - run.t_start
-    run.metrics.write(json.dumps(row) + '\n')
-    run.metrics.flush()
+    print(json.dumps(row), file=run.metrics, flush=True)
     run.last = row
     print_record(row, ms, run)
     run.t_mark, run.it_mark = time.time(), it  # time spent measuring is not training time
@@ -535,9 +530,9 @@ def checkpoint(run, it):
     if not run.master:
         return
     runfolder.atomic_save({'model': run.model.state_dict(), 'optimizer': run.optimizer.state_dict(), 'iter': it,
-                           'elapsed': run.elapsed + time.time() - run.t_start, 'config': run.cfg,
-                           'rng': runfolder.rng_state(run.data_gen), 'data_sha256': run.meta['sha256'],
-                           'control': run.ctl, 'w0': run.w0}, run.ckpt_path)
+                           'elapsed': run.elapsed + time.time() - run.t_start, 'config': run.cfg, 'control': run.ctl,
+                           'rng': runfolder.rng_state(run.data_gen), 'data_sha256': run.meta['sha256'], 'w0': run.w0,
+                           'numerics': {'dtype': run.dtype, 'threads': run.threads}}, run.ckpt_path)
     run.saved_at = it
 
 
@@ -577,16 +572,19 @@ def fmt_time(s):
 # ----------------------------------------------------------------------------- main
 
 def get_config(argv):
-    """The config block above, then config files, then --key=value (configurator.py)."""
+    """The config block above, then config files, then --key=value (configurator.py), the control's checked too."""
     return configurator.get_config(argv, {k: globals()[k] for k in config_keys},
-                                   {'qk_init': sorted(QK_INITS), 'optimizer': sorted(OPTIMIZERS)})
+                                   {'qk_init': sorted(QK_INITS), 'optimizer': sorted(OPTIMIZERS)},
+                                   lambda cfg: spectrum_control.check_settings(cfg, cfg['n_layer']))
 
 
 def main(argv):
     """train.py [CONFIG_FILE ...] [--key=value ...], or --print_run_names (one argument list per stdin line)."""
     try:
-        if '--help' in argv or '-h' in argv:
-            print(configurator.usage(__file__))
+        if '--help' in argv or '-h' in argv:  # the config block above: every key with its default and comment
+            text = open(__file__, encoding='utf-8').read()
+            print('usage: python train.py [CONFIG_FILE ...] [--key=value ...] | --print_run_names < LINES_OF_SETTINGS\n'
+                  + text[text.index('# config'):text.index('config_keys')])
         elif argv == ['--print_run_names']:  # how sweep.sh names its grid, every line checked before any run
             print('\n'.join([get_config(line.split())['run_name'] for line in sys.stdin]))
         else:
@@ -594,6 +592,8 @@ def main(argv):
     except configurator.Stop as e:
         print(e.code, file=sys.stderr, flush=True)
         sys.exit(2)
+    except KeyboardInterrupt:  # before training began
+        sys.exit('stopped: the same command resumes from the last ckpt.pt, if there is one')
 
 
 if __name__ == '__main__':
