@@ -1,22 +1,27 @@
 """
 The statistics of the analysis: pure functions of numpy arrays, no I/O, no random draws.
 
-One interval rule over independent units (a seed, a seed pair, a trajectory, a model), at LEVEL:
-    mean    Student-t   m -/+ t(n - 1) s / sqrt(n)                           n >= 2
-    share   Wilson      (p + z^2/2n -/+ z sqrt(p(1 - p)/n + z^2/4n^2)) / (1 + z^2/n)
-There is no percentile bootstrap: over 3 to 5 units it is their min and max and covers far less than its level.
+Intervals at LEVEL over independent units:
+    mean    Student-t   m -/+ t(n - 1) s / sqrt(n), n >= 2 (no percentile bootstrap: over 3 to 5 units it is
+            their min and max and covers far less than its level)
+    share   of trajectories grouped by the seed they come from (share): Wilson's interval with the effective
+            number of trajectories n_eff = p(1 - p) / var, var the spread of the per-seed shares over seeds,
+            n_eff held between the number of seeds and of trajectories, and t(seeds - 1) in place of z. When
+            every seed gives the same share there is no spread: Wilson's over the trajectories, at z.
+Every interval is the inversion of a test, whose two-sided p-value (p_value) feeds holm().
 
-A verdict (verdict) compares the interval with a reference r (0 for an effect or a correlation, a share for a
-share claim), a predicted sign s and a margin m, in this order:
-    holds       the interval lies on the predicted side of r
-    reversed    it lies on the other side
-    no effect   it lies inside [r - m, r + m]
-    undecided   otherwise, or no interval (fewer than 2 units for a mean)
+A verdict (verdict) compares an interval with a reference r, a predicted sign s and a margin m, in this order:
+    no effect   the interval lies inside [r - m, r + m] (m > 0), whatever its sign
+    holds       it lies on the predicted side of r
+    reversed    on the other side (a share claim: the mirror's interval lies above r)
+    fails       a share claim whose interval and whose mirror's both lie below r
+    undecided   otherwise, or no interval
 
 A trend (trend) is the least-squares line of per-unit values y on x pooled over the P points of a line (N units):
-the slope's t interval from the residuals (N - 2 degrees of freedom), and the lack-of-fit test
-F = (SS_lof / (P - 2)) / (SS_pe / (N - P)), SS_pe the squared deviations of the units from their point's mean,
-SS_lof = SS_residual - SS_pe; with p < ALPHA a line does not describe the points.
+the slope's t interval from the residuals (N - 2 degrees of freedom), the lack-of-fit test
+F = (SS_lof / (P - 2)) / (SS_pe / (N - P)) (SS_pe: the units' squared deviations from their point's mean), and
+a monotone statistic: Spearman's rho of y against x with the Fisher-z interval, standard error
+sqrt(1.06 / (N - 3)) (Fieller, Hartley and Pearson 1957), so a curved rise still reads as a rise.
 
 Correlations row by row over (rows, n) arrays: Pearson, Spearman (ties at their average rank), and the partial
 correlation given one control in geometry.partial_correlation's closed form; NaN for a row with a NaN, fewer than 3
@@ -58,6 +63,8 @@ def betainc(a, b, x):
 def t_quantile(p, df):
     """The p-quantile (p > 0.5) of Student's t with df degrees of freedom: bisection of its tail
     P(T > t) = I_{df / (df + t^2)}(df / 2, 1 / 2) / 2."""
+    if df == math.inf:
+        return Z if p == 0.975 else t_quantile(p, 1e9)
     lo, hi = 0.0, 1e4
     for _ in range(100):
         mid = (lo + hi) / 2
@@ -80,6 +87,14 @@ def nanmean(a, axis=None):
     return float(m) if np.ndim(m) == 0 else np.where(n > 0, m, np.nan)
 
 
+def t_sf(t, df):
+    """P(T > t) for Student's t with df degrees of freedom (df = inf: the standard normal)."""
+    if df == math.inf:
+        return 0.5 * math.erfc(t / math.sqrt(2))
+    tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))
+    return tail if t > 0 else 1 - tail
+
+
 def t_interval(values):
     """(mean, lo, hi, n) of the finite values: Student-t interval of the mean; no interval below 2 units."""
     v = np.asarray(values, dtype=float)
@@ -90,25 +105,63 @@ def t_interval(values):
     return m, m - half, m + half, len(v)
 
 
-def wilson(k, n):
-    """(share, lo, hi) of k successes in n units, Wilson's interval."""
+def wilson(k, n, z=Z):
+    """(share, lo, hi) of k successes in n units (n may be an effective number), Wilson's interval."""
     if n == 0:
         return math.nan, math.nan, math.nan
     p = k / n
-    centre, half = p + Z * Z / (2 * n), Z * math.sqrt(p * (1 - p) / n + Z * Z / (4 * n * n))
-    return p, min(p, max(0.0, (centre - half) / (1 + Z * Z / n))), max(p, min(1.0, (centre + half) / (1 + Z * Z / n)))
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return p, min(p, max(0.0, (centre - half) / (1 + z * z / n))), max(p, min(1.0, (centre + half) / (1 + z * z / n)))
 
 
-def verdict(lo, hi, sign, ref, margin, n):
-    """(holds | reversed | no effect | undecided, why) of an interval against a claim (see the docstring)."""
+def share(hits, counts):
+    """(share, lo, hi, n_eff, df) of hits out of counts trajectories per seed (see the docstring)."""
+    hits, counts = np.asarray(hits, dtype=float), np.asarray(counts, dtype=float)
+    hits, counts = hits[counts > 0], counts[counts > 0]
+    n, N = len(counts), counts.sum()
+    if n == 0:
+        return math.nan, math.nan, math.nan, 0, math.inf
+    p, s = hits.sum() / N, hits / counts
+    # the ratio estimator's variance over seeds: seeds of more trajectories weigh more
+    var = float(((counts / counts.mean()) ** 2 * (s - p) ** 2).sum() / (n * (n - 1))) if n > 1 else 0.0
+    if var <= 1e-15 * max(p, 1e-300):
+        return (*wilson(p * N, N), N, math.inf)
+    n_eff = min(N, max(n, p * (1 - p) / var))
+    return (*wilson(p * n_eff, n_eff, t_quantile(0.5 + LEVEL / 2, n - 1)), n_eff, n - 1)
+
+
+def p_value(est, ref, se, df):
+    """Two-sided p of the test that the interval inverts: (est - ref) / se against t(df)."""
+    if not se > 0:
+        return 0.0 if est != ref else 1.0
+    return min(1.0, 2 * t_sf(abs(est - ref) / se, df))
+
+
+def holm(ps):
+    """Holm's step-down adjusted p-values, in the given order."""
+    order, out, top = np.argsort(ps, kind='stable'), [1.0] * len(ps), 0.0
+    for i, j in enumerate(order):
+        top = max(top, min(1.0, (len(ps) - i) * ps[j]))
+        out[j] = top
+    return out
+
+
+def verdict(lo, hi, sign, ref, margin, n, mirror=None):
+    """(verdict, why) of an interval (and a share claim's mirror interval) against a claim (see the docstring)."""
     if not (np.isfinite(lo) and np.isfinite(hi)):
         return 'undecided', f'n = {n}: no interval'
+    if margin and ref - margin <= lo and hi <= ref + margin:
+        return 'no effect', ''
     if sign * (lo - ref) > 0 and sign * (hi - ref) > 0:
         return 'holds', ''
+    if mirror is not None:
+        if mirror[0] > ref:
+            return 'reversed', ''
+        if hi < ref and mirror[1] < ref:
+            return 'fails', ''
+        return 'undecided', f'n = {n}: an interval spans {ref:g}'
     if sign * (lo - ref) < 0 and sign * (hi - ref) < 0:
         return 'reversed', ''
-    if ref - margin <= lo and hi <= ref + margin:
-        return 'no effect', ''
     wide = f' and is wider than +/-{margin:g}' if margin else ''
     return 'undecided', f'n = {n}: the interval spans {ref:g}{wide}'
 
@@ -162,7 +215,7 @@ def trend(x, y, point):
     ok = np.isfinite(x) & np.isfinite(y)
     x, y, point = x[ok], y[ok], point[ok]
     P, N = len(np.unique(point)), len(y)
-    out = {'slope': math.nan, 'lo': math.nan, 'hi': math.nan, 'n': N, 'points': P, 'lof_p': math.nan}
+    out = dict.fromkeys(('slope', 'lo', 'hi', 'lof_p', 'rho', 'rho_lo', 'rho_hi'), math.nan) | {'n': N, 'points': P}
     if P < 2 or np.ptp(x) == 0:
         return out
     xc = x - x.mean()
@@ -178,6 +231,10 @@ def trend(x, y, point):
         out['lof_p'] = f_sf((lof / (P - 2)) / (pure / (N - P)), P - 2, N - P)
     elif P > 2 and N > P and lof > 1e-12 * float(y @ y):   # no spread within points, some off the line
         out['lof_p'] = 0.0
+    rho = spearman(x, y)
+    half = Z * math.sqrt(1.06 / (N - 3)) if N > 3 else math.nan
+    lo, hi = (math.tanh(math.atanh(min(max(rho, -1 + 1e-12), 1 - 1e-12)) + h) for h in (-half, half))
+    out.update(rho=rho, rho_lo=lo, rho_hi=hi)
     return out
 
 

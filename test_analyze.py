@@ -194,10 +194,10 @@ def test_a_metric_one_seed_did_not_log_leaves_the_other_seeds_in_place(tmp_path)
     write_run(str(tmp_path / 'runs'), 'run_s3', seed=3, lost=('pr_k_heads', 'pr_k_head'))
     s = run([tmp_path / 'runs'], tmp_path / 'out')
     assert any('pr_k_head, pr_k_heads not logged, unlike other seeds of its setting' in w for w in s.warnings)
-    assert claim(s, 'c')['n'] == 2 and claim(s, 'b')['n'] == 2       # (c) per head: 2 seeds; (b) whole matrix
+    assert claim(s, 'c')['n'] == 2 and claim(s, 'b')['n'] == 6       # (c) per head: 2 seeds; (b): 3 seeds x 2 layers
     head = [r for r in s.tables['trajectories'] if r['lens'] == 'head' and r['window'] == 'all']
     assert len(head) == 2 and all(np.isfinite(r['pr_k_end']) and r['seeds'] == 3 for r in head)
-    whole = analyze.judge(analyze.CLAIM['gap_end'], s.runs)
+    whole = analyze.judge(analyze.ALL['gap_end'], s.runs)
     assert whole['n'] == 3
 
 
@@ -241,5 +241,5 @@ def test_c_does_not_hold_when_pr_k_and_entropy_only_trend_together(tmp_path):
     study(tmp_path, link=0.0)    # both fall over training; across heads, entropy does not follow PR_K
     s = run([tmp_path], tmp_path / 'out')
     assert claim(s, 'c')['verdict'].split(' (')[0] in ('no effect', 'undecided')
-    over_time = analyze.judge(analyze.CLAIM['k~entropy over time'], s.runs)
+    over_time = analyze.judge(analyze.ALL['k~entropy over time'], s.runs)
     assert over_time['est'] > 0.9   # within runs over time the trends correlate anyway: descriptive only

@@ -59,7 +59,7 @@ def test_train_then_tokens_then_the_report_end_to_end(trained, capsys):
     printed = capsys.readouterr().out
     assert '2 runs used, 0 skipped, 1 settings' in printed and 'f2 ' in printed
     report = (out / 'REPORT.md').read_text()
-    assert '### our checkpoints' in report and 'fig6_tokens.png' in report and '![fig1_pr_over_training.png]' in report
+    assert '### our checkpoints' in report and '(fig6_tokens.png)' in report and '(fig1_pr_over_training.png)' in report
     claims = {r['key']: r for r in csv.DictReader(open(out / 'claims.csv'))}
     assert claims['f2']['n'] == '2' and claims['f2']['scope'] == 'our checkpoints: 2 series'
     assert claims['a']['scope'].startswith('2 uncontrolled runs in 1 settings')
@@ -96,7 +96,7 @@ def test_planted_token_series_give_the_token_claims():
     assert (t['rho_early'], t['rho_late'], t['peak_step']) == (1.0, -1.0, 16)
     rows = [{'model': f'm{i}', 'rho_early': 0.9 + 0.01 * i, 'rho_late': -0.8 - 0.01 * i, 'link_rho': 0.02 * i - 0.03,
              'control': 'none', 'rope': 'after' if i else 'before'} for i in range(5)]
-    verdicts = {k: analyze.judge(analyze.CLAIM[k], rows) for k in ('f1-early', 'f1-late', 'f2')}
+    verdicts = {k: analyze.judge(analyze.ALL[k], rows) for k in ('f1-early', 'f1-late', 'f2')}
     assert [(v['verdict'], v['n']) for v in verdicts.values()] == [('holds', 4), ('holds', 4), ('no effect', 4)]
 
 
