@@ -1,41 +1,35 @@
 """
-Turn the run folders train.py writes into the study's evidence: REPORT.md, tables and figures.
+Run folders in, the study's evidence out: REPORT.md, tables, figures.
 
     python analyze.py out/ [more/] [--out=DIR] [--no_figures] [--from_iter=N]   # -> out/analysis/
-    python analyze.py tokens out/ [--data_file=...]         # token level of our checkpoints (tokens.py)
-    python analyze.py pretrained --model=EleutherAI/pythia-160m --revisions=pythia   # a pretrained series
+    python analyze.py tokens out/ [--data_file=...]        # token level of our checkpoints (tokens.py)
+    python analyze.py pretrained --model=EleutherAI/pythia-160m --revisions=pythia    # a pretrained series
 
-Adding a metric that train.py logs, with a claim and a figure (say it now logs `qk_cos` per layer):
-    1. a statistic of one unit in a view:  def final_cos(run, view): return run.final('qk_cos', layers_of(run, view))
-    2. a row: Claim(key='g', text='(g) queries and keys align', stat='final qk_cos', fn=final_cos, margin=0.05) in
-       CLAIMS (the seed's claims: the claims table, the map, the regime) or Stat(...) in STATS (descriptive)
-    3. a figure entry: Figure('fig11_cos', a function of (study, tables), 'Regime', 'its title') in plots.FIGURES
-    A definitional range for the value, if it has one: folders.bounds.
+A new logged metric (say `qk_cos` per layer) with a claim and a figure:
+    1. a statistic:  def final_cos(run, view): return run.final('qk_cos', layers_of(run, view))
+    2. a row:        Claim(key='g', text='(g) queries and keys align', stat='final qk_cos', fn=final_cos,
+                     margin=0.05) in CLAIMS (the seed's claims), or Stat(...) in STATS (descriptive)
+    3. a figure:     Figure('fig11_cos', fn(study, tables), 'Regime', 'its title') in plots.FIGURES
+    Its definitional range, if it has one: folders.bounds.
 
-A statistic is fn(unit, view). Units, each independent: a seed (a run), a seed pair (a controlled run and the
-control='none' run of the same other settings and seed), a model (a token series). A trajectory claim ((a), (b)) is
-measured per trajectory, one layer of one run, and summarised per seed (stats.share). A view is a lens (LENSES; the
-learned part starts after iteration 0), a window and a layer position. A final value is the mean over the last
-folders.FINAL_LOGS records.
+A statistic is fn(unit, view). A unit is a seed (a run), a seed pair (a controlled run and the control='none'
+run of its other settings and seed) or a model (a token series); (a), (b) give a sign per trajectory (one layer
+of one run), summarised per seed (stats.share). A view: a lens, a window, a layer position. Final: the mean over
+the last FINAL_LOGS records.
 
-Windows (WINDOWS): all records; from the end of warm-up (or --from_iter) on, with (a)'s early references at the end
-of warm-up, twice that and 10% of training; and after the init is forgotten. A random init starts its whole-matrix
-PR near C/2 and collapses for hundreds of iterations, so a reference inside the collapse tests the collapse, not
-the claim. The init is forgotten at the first record where ||W - W(0)||_F >= ||W(0)||_F for both W_Q and W_K of the
-layers in view (dq_rel, dk_rel): from there on the learned part dominates the weight whose spectrum is measured. The
-post-init references are that record, 25% and 50% of training (each where it lies before the final records), and
-the window starts at the earliest of them. (a) and (b) are judged there; the early ones are shown beside.
+Windows: all records; from warm-up on (or --from_iter), with (a)'s early references; after the init is
+forgotten. A random init's whole-matrix PR starts near C/2 and collapses for hundreds of iterations, so a
+reference inside the collapse tests the collapse. The init is forgotten at the first record where
+||W - W(0)||_F >= ||W(0)||_F for W_Q and W_K (dq_rel, dk_rel): the learned part then dominates the spectrum.
+The post-init references (REFERENCES) are that record, 25% and 50% of training; the window starts at the
+earliest. (a), (b) are judged there.
 
-Every table of claims is judge() over another grouping of units: the claims table (each claim in its own view, with a
-Holm-adjusted verdict), the robustness map (every claim in every lens x window, and per weight decay on W_Q, W_K),
-the regime table (per uncontrolled setting and layer position, with trends along each numeric setting on lines that
-hold the others fixed; a setting that is a constant multiple of the axis, as min_lr = lr / 10, moves with it). (d)
-and (e) are decided on the control_keep=spec arm, which keeps the top singular value and so changes the key
-spectrum's shape, not the logit scale; the fro arm, which also grows the logits, is shown beside with its change in
-qk_spec_norm. (d) is judged at the strongest shrink dose whose per-head PR_K change has its interval below WELL_BELOW.
-
-Outputs in --out (default <first dir>/analysis; folders.py says what it never overwrites): REPORT.md, the tables it
-links (.csv, .md), the figures (plots.py); the token tables written there enter (f1), (f2) for the runs measured.
+Every table is judge() over a grouping: the claims table (own view, Holm beside), the robustness map (lens x
+window; per weight decay on W_Q, W_K), the regime (per uncontrolled setting and layer position; trends along
+each numeric setting, the rest fixed; min_lr = lr / 10 moves with lr). (d), (e) are decided on the
+control_keep=spec arm: the top singular value kept, the spectrum's shape changes and the logits are not pushed
+up; the fro arm (a narrower spectrum, larger logits) is beside with its qk_spec_norm change. (d) takes the
+strongest shrink dose whose per-head PR_K change lies below WELL_BELOW.
 """
 import argparse
 import math
@@ -63,11 +57,14 @@ Lens = namedtuple('Lens', 'q k qk q_heads k_heads qk_heads size what')   # size:
 LENSES = {'whole': Lens('pr_q', 'pr_k', 'pr_qk', None, None, None, 'C', 'whole-matrix weight PR'),
           'head': Lens('pr_q_head', 'pr_k_head', 'pr_qk', 'pr_q_heads', 'pr_k_heads', 'pr_qk_heads', 'd',
                        'per-head weight PR'),
-          'tok': Lens('tok_pr_q', 'tok_pr_k', 'tok_pr_qk', 'tok_pr_q_heads', 'tok_pr_k_heads', 'tok_pr_qk_heads',
-                      'C', 'token-level PR'),
+          'tok': Lens('tok_pr_q', 'tok_pr_k', 'tok_pr_qk', 'tok_pr_q_heads', 'tok_pr_k_heads',
+                      'tok_pr_qk_heads', 'C', 'token-level PR'),
           'learned': Lens('pr_dq', 'pr_dk', 'pr_qk', 'pr_dq_heads', 'pr_dk_heads', 'pr_qk_heads', 'C',
                           'learned part W - W(0)')}
 WINDOWS = {'all': 'all records', 'warmup': 'from warm-up on', 'post': 'after the init is forgotten'}
+REFERENCES = {'all': ('the first record',), 'warmup': ('the end of warm-up', 'twice that', '10% of training'),
+              'post': ('init forgotten (the first record where ||W - W(0)||_F >= ||W(0)||_F for W_Q and W_K)',
+                       '25% of training', '50% of training')}
 POSITIONS = ('all', 'first', 'middle', 'last')
 View = namedtuple('View', 'lens window position from_iter', defaults=('whole', 'all', 'all', None))
 
@@ -83,27 +80,20 @@ def usable(run, it):
     return i if i < len(run.iters) - FINAL_LOGS else None
 
 
-REFERENCES = {'all': ('the first record',), 'warmup': ('the end of warm-up', 'twice that', '10% of training'),
-              'post': ('init forgotten (the first record where ||W - W(0)||_F >= ||W(0)||_F for W_Q and W_K)',
-                       '25% of training', '50% of training')}
-
-
 def references(run, view, layers):
-    """The iterations of the window's REFERENCES (None: not reached; see the docstring)."""
+    """The iterations of the window's REFERENCES (None: not reached)."""
     m, w = run.cfg['max_iters'], run.cfg['warmup_iters'] if view.from_iter is None else view.from_iter
-    if view.window == 'all':
-        return [1 if view.lens == 'learned' else 0]
-    if view.window == 'warmup':
-        return [w, 2 * w, m / 10]
-    rel = [run.m.get(k, np.full((len(run.iters), run.n_layer), np.nan))[:, layers] for k in ('dq_rel', 'dk_rel')]
-    gone = np.flatnonzero(((rel[0] >= 1) & (rel[1] >= 1)).all(1))
+    if view.window != 'post':
+        return [1 if view.lens == 'learned' else 0] if view.window == 'all' else [w, 2 * w, m / 10]
+    no = np.full((len(run.iters), run.n_layer), np.nan)
+    gone = np.flatnonzero(np.all([run.m.get(k, no)[:, layers] >= 1 for k in ('dq_rel', 'dk_rel')], (0, 2)))
     return [int(run.iters[gone[0]]) if len(gone) else None, m / 4, m / 2]
 
 
 def start(run, view, layers):
-    """The first iteration a window keeps; after the init is forgotten: its earliest usable reference."""
+    """The first iteration a window keeps; after the init is forgotten, its earliest usable reference."""
     refs = references(run, view, layers)
-    found = [run.iters[i] for it in refs for i in [usable(run, it)] if i is not None]
+    found = [run.iters[i] for i in map(lambda it: usable(run, it), refs) if i is not None]
     s = (min(found) if found else math.inf) if view.window == 'post' else refs[0]
     return max(s, 1) if view.lens == 'learned' else s
 
@@ -115,24 +105,21 @@ def pr_pair(run, view, i):
 
 
 def moves(run, view):
-    """(a), per trajectory and reference: the signs of PR_Q(end) - PR_Q(ref) and PR_K(ref) - PR_K(end)."""
+    """(a), per trajectory and reference: the signs of PR_Q(end) - PR_Q(ref) and of PR_K(ref) - PR_K(end)."""
     out = []
     for i in layers_of(run, view):
         q, k = pr_pair(run, view, i)
         end = [nanmean(x[-FINAL_LOGS:]) for x in (q, k)]
         at = [usable(run, it) for it in references(run, view, [i])]
-        out.append([(np.sign(end[0] - q[j]), np.sign(k[j] - end[1])) if j is not None else (np.nan, np.nan)
+        out.append([(np.sign(end[0] - q[j]), np.sign(k[j] - end[1])) if j is not None else (np.nan,) * 2
                     for j in at])
     return np.array(out, dtype=float)
 
 
 def gap_signs(run, view):
     """(b), per trajectory and record from the window's start (after iteration 0): the sign of PR_Q - PR_K."""
-    out = []
-    for i in layers_of(run, view):
-        q, k = pr_pair(run, view, i)
-        out.append(np.where(run.iters >= max(start(run, view, [i]), 1), np.sign(q - k), np.nan)[:, None])
-    return np.array(out)
+    return np.array([np.where(run.iters >= max(start(run, view, [i]), 1), np.sign(np.subtract(
+        *pr_pair(run, view, i))), np.nan)[:, None] for i in layers_of(run, view)])
 
 
 def values(run, role, lens, heads, layers):
@@ -151,8 +138,8 @@ def values(run, role, lens, heads, layers):
 
 def correlation(x, y, scope='heads', kind='spearman', changes=False):
     """A statistic of a run: the correlation of roles x and y (partial: given the scale), of levels or of changes
-    between consecutive records. heads: across the (layer, head) pairs of each record, mean over the window's
-    records (steps); time: within the run over the window's records, per layer, mean over layers."""
+    between records. heads: across the (layer, head) pairs of each record, mean over the window's records;
+    time: within the run over the window's records, per layer, mean over layers."""
     roles = (x, y, 'scale') if kind == 'partial' else (x, y)
     corr = {'spearman': stats.spearman_rows, 'pearson': stats.pearson_rows, 'partial': stats.partial_rows}[kind]
 
@@ -199,13 +186,13 @@ def conserved_imbalance(run, view):
 
 
 def change(key, how='difference'):
-    """A statistic of a seed pair: the final value of key (pr_ctl_head: the per-head PR of the controlled
-    projection; *_loss: the final loss), controlled against baseline: difference, relative change or log ratio."""
+    """A statistic of a seed pair: the final value of key (pr_ctl_head: the per-head PR of the controlled projection;
+    *_loss: the final loss), controlled against baseline: difference, relative change or log ratio."""
     def fn(pair, view):
         ctl, base = pair
         name = f'pr_{ctl.cfg["control_target"]}_head' if key == 'pr_ctl_head' else key
         a, b = ((r.final_loss(name) if name.endswith('_loss') else r.final(name, layers_of(r, view)))
-                for r in (ctl, base))
+                for r in pair)
         if how == 'difference':
             return a - b
         return (a / b - 1 if how == 'relative' else math.log(a / b)) if a > 0 and b > 0 else math.nan
@@ -223,13 +210,13 @@ def token_column(column):
 class Stat:
     key: str
     stat: str                   # the statistic of one unit, in words
-    fn: object                  # fn(unit, view) -> a number (a trajectory claim: signs per trajectory)
+    fn: object                  # fn(unit, view): a number (a trajectory claim: signs, see moves)
     unit: str = 'seed'          # seed | pair | model | trajectory
     lenses: tuple = ('whole',)  # its own lens first; the map measures it in each
     window: str = 'warmup'      # its own window
-    tables: tuple = ()          # beyond its own cell: map (lens x window), regime, optimizer, control
-    control: str = ''           # a pair statistic or claim: the control kind it is about ('': every kind)
-    log: bool = False           # values are logs, shown as exp of their mean (a geometric mean)
+    tables: tuple = ()          # map (lens x window), regime, trend (REPORT.md, fig9), optimizer, control
+    control: str = ''           # a pair statistic's or claim's control kind ('': every kind)
+    log: bool = False           # logs, shown as exp of their mean (a geometric mean)
     limits: tuple = (-1, 1)     # an interval is clipped to these
 
 
@@ -239,59 +226,55 @@ class Claim(Stat):
     sign: int = +1              # the predicted sign of (statistic - ref)
     ref: float = 0.0
     margin: float = 0.0         # no effect: the interval inside ref -/+ margin
-    beside: tuple = ()          # 'key' or 'key@window': shown beside the verdict (pair claims: for the fro arm)
+    beside: tuple = ()          # 'key' or 'key@window' shown beside the verdict (a pair claim: of the fro arm)
     tables: tuple = ('map', 'regime')
 
 
 ALL4, HEADS, INF = tuple(LENSES), ('head', 'tok', 'learned'), (-math.inf, math.inf)
 PAIRS, D = 'across the (layer, head) pairs of a record, mean over records', 'controlled - baseline'
-TIME = 'within a run over its records, per layer, mean over layers'
 SHARE = dict(unit='trajectory', lenses=ALL4, window='post', ref=0.5)
+C = dict(lenses=HEADS, margin=0.1)
 CLAIMS = [
-    Claim(key='a', text='(a) PR_Q grows and PR_K falls over training', stat='PR_Q(end) > PR_Q(ref) and PR_K(end) < '
-          'PR_K(ref) from every reference; mirror: PR_Q falls and PR_K rises from every one', fn=moves,
-          beside=('a@warmup',), **SHARE),
-    Claim(key='b', text='(b) PR_Q - PR_K > 0 along every trajectory', stat='PR_Q - PR_K > 0 at every record from the '
-          "window's start; mirror: < 0 at every one", fn=gap_signs, beside=('b@all', 'ratio_end', 'ratio_end_head'),
-          **SHARE),
-    Claim(key='c', text='(c) lower PR_K goes with lower attention entropy, across heads', stat=f'Spearman of PR_K with '
-          f'entropy {PAIRS}', fn=correlation('k', 'entropy'), lenses=HEADS, margin=0.1),
-    Claim(key='c-qk', text='(c) lower PR_K goes with a narrower QK^T spectrum, across heads', stat='Spearman of PR_K '
-          f'with PR_QK {PAIRS}', fn=correlation('k', 'qk'), lenses=HEADS, margin=0.1),
-    Claim(key='c-d', text='(c) changes of PR_K go with changes of entropy, across heads', stat='the same of the '
-          'changes between consecutive records', fn=correlation('k', 'entropy', changes=True), lenses=HEADS,
-          margin=0.1),
-    Claim(key='c-dqk', text='(c) changes of PR_K go with changes of PR_QK, across heads', stat='the same of PR_K with '
-          'PR_QK', fn=correlation('k', 'qk', changes=True), lenses=HEADS, margin=0.1),
-    Claim(key='c2', text="(c2) the key spectrum's shape tracks entropy beyond the logit scale", stat='Pearson partial '
-          f'correlation of PR_K with entropy given log ||W_QK^h||_2 {PAIRS}', fn=correlation('k', 'entropy', 'heads',
-                                                                                            'partial'),
-          lenses=HEADS, margin=0.1),
-    Claim(key='d', text='(d) shrinking the key spectrum sharpens attention', stat=f'final attention entropy, {D}',
-          fn=change('entropy'), unit='pair', sign=-1, margin=0.02, control='shrink', beside=('d_qk_spec_norm',),
-          tables=('regime',), limits=INF),
-    Claim(key='e', text='(e) freezing the key spectrum softens attention', stat=f'final attention entropy, {D}',
-          fn=change('entropy'), unit='pair', margin=0.02, control='freeze', beside=('d_qk_spec_norm',),
-          tables=('regime',), limits=INF),
-    Claim(key='f1-early', text='(f1) token-level PR_Q - PR_K rises early', stat='Spearman of tok_pr_q - tok_pr_k with '
-          "log(1 + step) over a model's early checkpoints (log step at or below its median), mean over layers",
-          fn=token_column('rho_early'), unit='model', margin=0.1, tables=()),
-    Claim(key='f1-late', text='(f1) ... and decays later', stat='the same over the late checkpoints (at or above the '
-          'median)', fn=token_column('rho_late'), unit='model', sign=-1, margin=0.1, tables=()),
-    Claim(key='f2', text='(f2) token-level interaction rank tracks attention entropy', stat='Spearman of tok_pr_qk '
-          "with entropy across the (layer, head) pairs of a model's last checkpoint", fn=token_column('link_rho'),
-          unit='model', margin=0.1, tables=()),
+    Claim(key='a', text='(a) PR_Q grows and PR_K falls over training', fn=moves, beside=('a@warmup',), **SHARE,
+          stat='PR_Q(end) > PR_Q(ref) and PR_K(end) < PR_K(ref) from every reference; mirror: PR_Q falls and PR_K '
+          'rises from every one'),
+    Claim(key='b', text='(b) PR_Q - PR_K > 0 along every trajectory', fn=gap_signs, **SHARE,
+          stat="PR_Q - PR_K > 0 at every record from the first reference; mirror: < 0 at every one",
+          beside=('b@all', 'ratio_end', 'ratio_end_head')),
+    Claim(key='c', text='(c) lower PR_K goes with lower attention entropy, across heads',
+          stat=f'Spearman of PR_K with entropy {PAIRS}', fn=correlation('k', 'entropy'), **C),
+    Claim(key='c-qk', text='(c) lower PR_K goes with a narrower QK^T spectrum, across heads',
+          stat=f'Spearman of PR_K with PR_QK {PAIRS}', fn=correlation('k', 'qk'), **C),
+    Claim(key='c-d', text='(c) changes of PR_K go with changes of entropy, across heads',
+          stat='the same of the changes between records', fn=correlation('k', 'entropy', changes=True), **C),
+    Claim(key='c-dqk', text='(c) changes of PR_K go with changes of PR_QK, across heads',
+          stat='the same of PR_K with PR_QK', fn=correlation('k', 'qk', changes=True), **C),
+    Claim(key='c2', text="(c2) the key spectrum's shape tracks entropy beyond the logit scale", **C,
+          stat=f'Pearson partial correlation of PR_K with entropy given log ||W_QK^h||_2 {PAIRS}',
+          fn=correlation('k', 'entropy', kind='partial')),
+    *[Claim(key=key, text=text, stat=f'final attention entropy, {D}', fn=change('entropy'), unit='pair',
+            sign=sign, margin=0.02, control=kind, beside=('d_qk_spec_norm',), tables=('regime',), limits=INF)
+      for key, kind, sign, text in (('d', 'shrink', -1, '(d) shrinking the key spectrum sharpens attention'),
+                                    ('e', 'freeze', +1, '(e) freezing the key spectrum softens attention'))],
+    *[Claim(key=key, text=text, stat=stat, fn=token_column(col), unit='model', sign=sign, margin=0.1, tables=())
+      for key, text, col, sign, stat in (
+          ('f1-early', '(f1) token-level PR_Q - PR_K rises early', 'rho_early', +1, 'Spearman of tok_pr_q - '
+           "tok_pr_k with log(1 + step) over a model's early checkpoints (log step at or below its median), mean "
+           'over layers'),
+          ('f1-late', '(f1) ... and decays later', 'rho_late', -1, 'the same over the late checkpoints (at or above '
+           'the median)'),
+          ('f2', '(f2) token-level interaction rank tracks attention entropy', 'link_rho', +1, 'Spearman of '
+           "tok_pr_qk with entropy across the (layer, head) pairs of a model's last checkpoint"))],
 ]
+TIME = 'within a run over its records, per layer, mean over layers'
 STATS = [
-    Stat(key='qk~entropy', stat=f'Spearman of PR_QK with entropy {PAIRS}', fn=correlation('qk', 'entropy'),
-         lenses=HEADS, tables=('map',)),
-    Stat(key='k~entropy (r)', stat=f'Pearson of PR_K with entropy {PAIRS}', fn=correlation('k', 'entropy', 'heads',
-                                                                                          'pearson'),
-         lenses=HEADS, tables=('map',)),
-    Stat(key='qk~entropy|scale', stat=f'Pearson partial of PR_QK with entropy given the log scale {PAIRS}',
-         fn=correlation('qk', 'entropy', 'heads', 'partial'), lenses=HEADS, tables=('map',)),
-    Stat(key='scale~entropy', stat=f'Pearson of log ||W_QK^h||_2 with entropy {PAIRS}',
-         fn=correlation('scale', 'entropy', 'heads', 'pearson'), lenses=HEADS, tables=('map', 'regime')),
+    *[Stat(key=key, stat=f'{stat} {PAIRS}', fn=fn, lenses=HEADS, tables=tables) for key, stat, fn, tables in (
+        ('qk~entropy', 'Spearman of PR_QK with entropy', correlation('qk', 'entropy'), ('map',)),
+        ('k~entropy (r)', 'Pearson of PR_K with entropy', correlation('k', 'entropy', kind='pearson'), ('map',)),
+        ('qk~entropy|scale', 'Pearson partial of PR_QK with entropy given the log scale',
+         correlation('qk', 'entropy', kind='partial'), ('map',)),
+        ('scale~entropy', 'Pearson of log ||W_QK^h||_2 with entropy', correlation('scale', 'entropy',
+                                                                                   kind='pearson'), ('map', 'regime')))],
     *[Stat(key=key, stat=f'{stat} {TIME}', fn=fn, lenses=ALL4, window='all', tables=('map',)) for key, stat, fn in (
         ('k~entropy over time', 'Spearman of PR_K with entropy (two trends correlate, linked or not)',
          correlation('k', 'entropy', 'time')),
@@ -300,13 +283,11 @@ STATS = [
         ('k~qk over time', 'Spearman of PR_K with PR_QK', correlation('k', 'qk', 'time')),
         ('k~entropy|scale over time', 'Pearson partial of PR_K with entropy given the log scale',
          correlation('k', 'entropy', 'time', 'partial')))],
-    *[Stat(key=f'{stat}_end{suffix}', stat=f'final {what} in the {LENSES[lens].what}', fn=fn, lenses=(lens,),
-           log=stat == 'ratio', tables=('regime',) + ('trend',) * (stat == 'ratio' and suffix != '_learned')
-           + ('optimizer',) * (suffix == '_head' and stat == 'ratio'),
-           limits=INF)
+    *[Stat(key=f'{stat}_end{suffix}', stat=f'final {what} in the {LENSES[lens].what}', fn=final_pr(stat),
+           lenses=(lens,), log=stat == 'ratio', limits=INF, tables=('regime',) + ('trend',) * (
+               stat == 'ratio' and lens != 'learned') + ('optimizer',) * (lens == 'head' and stat == 'ratio'))
       for lens, suffix in (('whole', ''), ('head', '_head'), ('learned', '_learned'))
-      for stat, what, fn in (('gap', f'(PR_Q - PR_K) / {LENSES[lens].size}', final_pr('gap')),
-                             ('ratio', 'PR_Q / PR_K (geometric mean)', final_pr('ratio')))],
+      for stat, what in (('gap', f'(PR_Q - PR_K) / {LENSES[lens].size}'), ('ratio', 'PR_Q / PR_K'))],
     *[Stat(key=key, stat=stat, fn=fn, tables=tables, limits=INF) for key, stat, fn, tables in (
         ('entropy_end', 'final attention entropy (nats)', value('entropy'), ('regime', 'trend')),
         ('imbalance_start', 'qk_imbalance at the first record', value('qk_imbalance', 'first'), ('optimizer',)),
@@ -314,41 +295,36 @@ STATS = [
         ('imbalance_conserved', 'final qk_imbalance had D_h kept its initial norm', conserved_imbalance,
          ('optimizer',)),
         ('drift_end', 'final qk_drift, ||D_h(t) - D_h(0)||_F / gram(t)', value('qk_drift'), ('regime', 'optimizer')),
-        ('dq_rel_end', 'final ||W_Q - W_Q(0)||_F / ||W_Q(0)||_F: how far training moved W_Q', value('dq_rel'),
-         ('optimizer',)),
+        ('dq_rel_end', 'final ||W_Q - W_Q(0)||_F / ||W_Q(0)||_F', value('dq_rel'), ('optimizer',)),
         ('val_loss', 'final validation loss', lambda r, view: r.final_loss('val_loss'), ('regime', 'optimizer')),
         ('train_val_gap', 'final val_loss - train_loss', lambda r, v: r.final_loss('val_loss') -
          r.final_loss('train_loss'), ('regime', 'trend')))],
-    *[Stat(key=f'd_{key}', stat=f'{stat}, {D}', fn=fn, unit='pair', tables=tables, limits=INF)
-      for key, stat, fn, tables in (
-        ('entropy', 'final entropy', change('entropy'), ('control',)),
-        ('pr_head', 'final per-head PR of the controlled projection', change('pr_ctl_head'), ('control',)),
-        ('pr_head_rel', "the same relative to the baseline's", change('pr_ctl_head', 'relative'), ('control',)),
-        ('qk_spec_norm', 'final qk_spec_norm', change('qk_spec_norm'), ('control', 'map', 'regime')),
-        ('log_qk_spec_norm', 'final log qk_spec_norm', change('qk_spec_norm', 'log'), ('control',)),
-        ('k_spec_norm', 'final k_spec_norm (top singular value of W_K^h)', change('k_spec_norm'), ('control',)),
-        ('q_spec_norm', 'final q_spec_norm', change('q_spec_norm'), ('control',)),
-        ('val_loss', 'final val_loss', change('val_loss'), ('control', 'map', 'regime')))],
+    *[Stat(key=f'd_{key}', stat=f'{stat}, {D}', fn=fn, unit='pair', tables=('control',) + more, limits=INF)
+      for key, stat, fn, more in (
+        ('entropy', 'final entropy', change('entropy'), ()),
+        ('pr_head', 'final per-head PR of the controlled projection', change('pr_ctl_head'), ()),
+        ('pr_head_rel', "the same relative to the baseline's", change('pr_ctl_head', 'relative'), ()),
+        ('qk_spec_norm', 'final qk_spec_norm', change('qk_spec_norm'), ('map', 'regime')),
+        ('log_qk_spec_norm', 'final log qk_spec_norm', change('qk_spec_norm', 'log'), ()),
+        ('k_spec_norm', 'final k_spec_norm (top singular value of W_K^h)', change('k_spec_norm'), ()),
+        ('q_spec_norm', 'final q_spec_norm', change('q_spec_norm'), ()),
+        ('val_loss', 'final val_loss', change('val_loss'), ('map', 'regime')))],
 ]
 ALL = {s.key: s for s in CLAIMS + STATS}
 
 
 def judge(stat, units, view=View()):
-    """A statistic over a group of units, summarised by its interval rule and judged (a Claim): {n, est, lo, hi, p,
-    verdict, why, values}; a trajectory claim adds hits, mirror, seeds, and counts per reference and per part."""
-    view = view._replace(window=view.window or stat.window)
+    """A statistic over a group of units, summarised by its interval rule and, a Claim, judged: {n, est, lo, hi,
+    p, verdict, why, values}; a trajectory claim adds hits, mirror, seeds and counts per reference and part."""
     if stat.unit == 'trajectory':
-        res = shares(stat, [stat.fn(u, view) for u in units])
+        res = shares([stat.fn(u, view) for u in units])
     else:
         v = np.array([stat.fn(u, view) for u in units], dtype=float)
         v = v[np.isfinite(v)]
         est, lo, hi, n = stats.t_interval(v)
-        lo, hi = np.clip([lo, hi], *stat.limits)
-        res = {'values': list(v), 'n': n, 'est': est, 'lo': lo, 'hi': hi, 'df': n - 1,
-               'se': float(v.std(ddof=1)) / math.sqrt(n) if n > 1 else math.nan}
-    res['verdict'], res['why'], res['p'] = '', '', math.nan
-    if isinstance(stat, Claim):
-        res.update(decide(stat, res))
+        res = {'values': list(v), 'n': n, 'est': est, 'lo': max(lo, stat.limits[0]), 'df': n - 1,
+               'hi': min(hi, stat.limits[1]), 'se': float(v.std(ddof=1)) / math.sqrt(n) if n > 1 else math.nan}
+    res.update({'verdict': '', 'why': '', 'p': math.nan, **(decide(stat, res) if isinstance(stat, Claim) else {})})
     if not res['n']:
         res['verdict'], res['why'] = 'not measured', 'no trajectory has a reference record before its final ' \
             'records' if stat.unit == 'trajectory' else 'not logged, or no unit with a value in this view'
@@ -358,49 +334,46 @@ def judge(stat, units, view=View()):
 
 
 def outcomes(signs):
-    """Per trajectory of a (trajectories, references or records, parts) array of signs: +1 when every sign it has is
-    +1, -1 when every one is -1, 0 otherwise, NaN when it has none."""
+    """Per trajectory of a (trajectories, references or records, parts) array of signs: +1 when every sign it has
+    is +1, -1 when every one is -1, 0 otherwise, NaN when it has none."""
     fin = np.isfinite(signs)
     every = lambda x: (np.where(fin, signs, x) == x).all((1, 2))
     return np.where(fin.any((1, 2)), np.where(every(1), 1.0, np.where(every(-1), -1.0, 0.0)), np.nan)
 
 
-def shares(stat, signs):
-    """The per-seed shares of a trajectory claim and its mirror; counted per reference and per part too."""
+def shares(signs):
+    """The per-seed shares of a trajectory claim and of its mirror; (a): counted per reference and per part."""
     signs = [s for s in signs if np.size(s)]
     o = [outcomes(s) for s in signs]
     count, hold, mirror = ([int(x.sum()) for x in (np.isfinite(v) if w is None else v == w for v in o)]
                            for w in (None, 1, -1))
-    est, lo, hi, n_eff, df = stats.share(hold, count)
-    m = stats.share(mirror, count)
+    (est, lo, hi, n_eff, df), m = stats.share(hold, count), stats.share(mirror, count)
     res = {'values': [h / c for h, c in zip(hold, count) if c], 'n': sum(count), 'est': est, 'lo': lo, 'hi': hi,
-           'hits': sum(hold), 'mirror': sum(mirror), 'mirror_est': m[0], 'mirror_lo': m[1], 'mirror_hi': m[2],
-           'mirror_n_eff': m[3], 'seeds': sum(c > 0 for c in count), 'n_eff': n_eff, 'df': df}
-    if signs and len({s.shape[1:] for s in signs}) == 1 and signs[0].shape[2] > 1:   # (a): per reference, per part
+           'hits': sum(hold), 'mirror': sum(mirror), 'seeds': sum(c > 0 for c in count), 'n_eff': n_eff, 'df': df,
+           **dict(zip(('mirror_est', 'mirror_lo', 'mirror_hi', 'mirror_n_eff'), m))}
+    if signs and len({s.shape[1:] for s in signs}) == 1 and signs[0].shape[2] > 1:   # references x parts
         cat = np.concatenate(signs)
-        fin = np.isfinite(cat)
-        res['per_ref'] = [(int((cat[:, r] == 1).all(1).sum()), int(fin[:, r].all(1).sum())) for r in range(cat.shape[1])]
+        res['per_ref'] = [(int((cat[:, r] == 1).all(1).sum()), int(np.isfinite(cat[:, r]).all(1).sum()))
+                          for r in range(cat.shape[1])]
         res['per_part'] = [int((outcomes(cat[..., p:p + 1]) == 1).sum()) for p in range(cat.shape[2])]
     return res
 
 
 def decide(claim, res):
     """The verdict, why it could not decide, and the two-sided p of the test its interval inverts."""
-    n = res['n']
     if claim.unit == 'trajectory':
-        mirror = (res['mirror_lo'], res['mirror_hi'])
-        word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, 0, f"{res['seeds']} seeds", mirror)
-        p = lambda est, n_eff: stats.p_value(est, claim.ref, math.sqrt(claim.ref * (1 - claim.ref) / n_eff),
-                                             res['df']) if n_eff else 1.0
-        pc, pm = p(res['est'], res['n_eff']), p(res['mirror_est'], res['mirror_n_eff'])
-        return {'verdict': word, 'why': why, 'p': {'holds': pc, 'reversed': pm, 'fails': max(pc, pm)}.get(word, 1.0)}
-    word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, claim.margin, n)
-    se, df = res['se'], res['df']
+        word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, 0, f"{res['seeds']} seeds",
+                                  (res['mirror_lo'], res['mirror_hi']))
+        p = [stats.p_value(res[f'{x}est'], claim.ref, math.sqrt(claim.ref * (1 - claim.ref) / res[f'{x}n_eff']),
+                           res['df']) if res[f'{x}n_eff'] else 1.0 for x in ('', 'mirror_')]
+        return {'verdict': word, 'why': why, 'p': {'holds': p[0], 'reversed': p[1], 'fails': max(p)}.get(word, 1.0)}
+    word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, claim.margin, res['n'])
     if word == 'no effect':   # two one-sided tests, doubled to match the two-sided interval
-        p = 2 * max(stats.t_sf((res['est'] - claim.ref + s * claim.margin) * s / se, df) for s in (1, -1))
+        p = 2 * max(stats.t_sf((res['est'] - claim.ref + s * claim.margin) * s / res['se'], res['df'])
+                    for s in (1, -1))
     else:
-        p = stats.p_value(res['est'], claim.ref, se, df) if n > 1 else 1.0
-    return {'verdict': word, 'why': why, 'p': min(p, 1.0) if word in ('holds', 'reversed', 'no effect') else 1.0}
+        p = stats.p_value(res['est'], claim.ref, res['se'], res['df']) if word != 'undecided' else 1.0
+    return {'verdict': word, 'why': why, 'p': min(p, 1.0)}
 
 
 # ----------------------------------------------------------------------------- groupings
@@ -415,12 +388,12 @@ def arms(runs):
     for r in sorted((r for r in runs if r.control != 'none'), key=lambda r: r.seed):
         if (r.base, r.seed) in base:
             found.setdefault((base[(r.base, r.seed)].setting, r.arm), []).append((r, base[(r.base, r.seed)]))
-    order = lambda key: (key[0], *(str(v) for k, v in key[1] if k != 'shrink_to'), -dict(key[1]).get('shrink_to', 0))
+    order = lambda k: (k[0], *(str(v) for n, v in k[1] if n != 'shrink_to'), -dict(k[1]).get('shrink_to', 0))
     return {key: found[key] for key in sorted(found, key=order)}
 
 
 def deciding(claim, study, keep):
-    """[(setting, arm, pairs or None, why)] that decide a control claim on W_K per arm family of one control_keep:
+    """[(setting, arm, pairs or None, why)] deciding a control claim on W_K per arm family of one control_keep:
     (e) every freeze arm; (d) the strongest shrink dose whose per-head PR_K change lies well below the baseline."""
     out, rel = [], ALL['d_pr_head_rel']
     for (setting, rest), keys in folders.families(study.arms, claim.control).items():
@@ -433,75 +406,69 @@ def deciding(claim, study, keep):
         strong = [key for key in keys if found[key]['hi'] < WELL_BELOW]
         why = 'no dose moves per-head PR_K well below the baseline (' + ', '.join(
             f"shrink_to {dict(k[1])['shrink_to']:g}: {shown(rel, found[k])}" for k in keys) + ')'
-        out.append((setting, strong[-1][1], study.arms[strong[-1]], '') if strong else (setting, keys[0][1], None, why))
+        out.append((setting, strong[-1][1], study.arms[strong[-1]], '') if strong else
+                   (setting, keys[0][1], None, why))
     return out
 
 
 def robustness_cells(study):
-    """The map's cells: each statistic in the map in every lens x window over every uncontrolled run; the claims in
+    """The map's cells: each statistic of the map in every lens x window over every uncontrolled run; the claims in
     their own view per weight decay on W_Q, W_K (when the runs have both); (d), (e) per deciding arm and keep."""
     pool, cells = uncontrolled(study.runs), []
     split = group(pool, lambda r: r.cfg['decay_qk'] and r.cfg['weight_decay'] > 0)
-    split = split if len(split) > 1 else {}
     for s in (s for s in CLAIMS + STATS if s.unit in ('trajectory', 'seed') and 'map' in s.tables):
         for lens, window, d, runs in [(lens, w, 'pooled', pool) for lens in s.lenses for w in WINDOWS] + \
-                [(s.lenses[0], s.window, d, rs) for d, rs in split.items() if isinstance(s, Claim)]:
+                [(s.lenses[0], s.window, d, rs) for d, rs in split.items() if isinstance(s, Claim) and len(split) > 1]:
             cells.append({'key': s.key, 'lens': lens, 'window': window, 'decay': d, 'keep': '',
                           **judge(s, runs, View(lens, window, 'all', study.from_iter))})
-    for c in (c for c in CLAIMS if c.unit == 'pair'):
-        for keep in ('spec', 'fro'):
-            for setting, arm, pairs, why in deciding(c, study, keep):
-                cells.append({'key': c.key, 'lens': '', 'window': '', 'decay': '', 'keep': keep,
-                              'setting': study.label[setting], 'arm': study.arm_name(arm), 'pairs': pairs,
-                              **(judge(c, pairs) if pairs else {'n': 0, 'verdict': 'not measured', 'why': why})})
+    for c, keep in ((c, keep) for c in CLAIMS if c.unit == 'pair' for keep in ('spec', 'fro')):
+        for setting, arm, pairs, why in deciding(c, study, keep):
+            cells.append({'key': c.key, 'lens': '', 'window': '', 'decay': '', 'keep': keep, 'pairs': pairs,
+                          'setting': study.label[setting], 'arm': study.arm_name(arm),
+                          **(judge(c, pairs) if pairs else {'n': 0, 'verdict': 'not measured', 'why': why})})
     return cells
 
 
-def beside(claim, study, pool, cell=None):
-    """What the claims table shows beside a claim's verdict (Claim.beside)."""
+def beside(claim, study, pool, cell):
+    """What the claims table shows beside a claim's verdict: Claim.beside (a pair claim: of the fro arm's cell);
+    (a): its count from each reference and of each half."""
     if claim.unit == 'pair':
-        fro = cell
-        if not fro or not fro.get('pairs'):
-            return ''
-        return f"keep=fro ({fro['arm']}): {shown(claim, fro)}; " + '; '.join(
-            f'{k} {shown(ALL[k], judge(ALL[k], fro["pairs"]))}' for k in claim.beside)
-    own = judge(claim, pool, View(claim.lenses[0], claim.window, 'all', study.from_iter))
-    out = [f"{claim.key} from each reference: " + ', '.join(f"{name.split(' (')[0]} {k}/{n}" for name, (k, n) in zip(
-        REFERENCES[claim.window], own['per_ref'])) + '; PR_Q rises in {}, PR_K falls in {}'.format(
-        *own['per_part'])] if own.get('per_ref') else []
-    for entry in claim.beside:
-        key, _, window = entry.partition('@')
+        return f"keep=fro ({cell['arm']}): {shown(claim, cell)}; " + '; '.join(
+            f"{k} {shown(ALL[k], judge(ALL[k], cell['pairs']))}" for k in claim.beside) if cell.get('pairs') else ''
+    out = [f'from each reference: ' + ', '.join(f"{name.split(' (')[0]} {k}/{n}" for name, (k, n) in zip(
+        REFERENCES[claim.window], cell['per_ref'])) + '; PR_Q rises in {}, PR_K falls in {}'.format(
+        *cell['per_part'])] if cell.get('per_ref') else []
+    for key, _, window in (entry.partition('@') for entry in claim.beside):
         res = judge(ALL[key], pool, View(ALL[key].lenses[0], window or ALL[key].window, 'all', study.from_iter))
-        out.append(f"{key}{f' ({window})' if window else ''}: {shown(ALL[key], res)}")
+        out.append(f"{key}{f' ({WINDOWS[window]})' if window else ''}: {shown(ALL[key], res)}")
     return '; '.join(out)
 
 
 def claims_table(study, cells):
     """Each claim in its own view; (d), (e) per setting on the spec arm, the fro arm beside; (f1), (f2) per source;
-    Holm's adjustment over every row that was judged."""
+    Holm's adjustment over every row judged."""
     pool, rows = uncontrolled(study.runs), []
     where = f'{len(pool)} uncontrolled runs in {len(group(pool, lambda r: r.setting))} settings'
     for c in CLAIMS:
         if c.unit == 'pair':
-            mine = [x for x in cells if x['key'] == c.key]
-            fro = {x['setting']: x for x in mine if x['keep'] == 'fro'}
-            spec = [x for x in mine if x['keep'] == 'spec'] or [dict(x, n=0, verdict='not measured', why='no '
-                                                                     'control_keep=spec arm') for x in fro.values()]
-            found = [(x, f"{x['setting']}, {x['arm']}", beside(c, study, pool, fro.get(x['setting']))) for x in spec]
+            fro = {x['setting']: x for x in cells if x['key'] == c.key and x['keep'] == 'fro'}
+            spec = [x for x in cells if x['key'] == c.key and x['keep'] == 'spec'] or [
+                dict(x, n=0, verdict='not measured', why='no control_keep=spec arm') for x in fro.values()]
+            found = [(x, f"{x['setting']}, {x['arm']}", beside(c, study, pool, fro.get(x['setting'], {})))
+                     for x in spec]
         elif c.unit == 'model':
             found = [(judge(c, rows_), f'{source}: {len(rows_)} series', '') for source, rows_ in study.tokens.items()]
         else:
-            found = [(next(x for x in cells if (x['key'], x['lens'], x['window'], x['decay']) == (
-                c.key, c.lenses[0], c.window, 'pooled')), f'{where}; {LENSES[c.lenses[0]].what}, {WINDOWS[c.window]}',
-                      beside(c, study, pool))]
-        rows += [{'key': c.key, 'claim': c.text, 'scope': scope, 'n': x['n'], 'est': x.get('est'), 'lo': x.get('lo'),
-                  'hi': x.get('hi'), 'p': x.get('p', math.nan), 'value': shown(c, x) if x['n'] else x['why'],
-                  'verdict': verdict_text(x) if x['n'] else x['verdict'], 'beside': also}
+            x = next(x for x in cells if (x['key'], x['lens'], x['window'], x['decay']) == (
+                c.key, c.lenses[0], c.window, 'pooled'))
+            found = [(x, f'{where}; {LENSES[c.lenses[0]].what}, {WINDOWS[c.window]}', beside(c, study, pool, x))]
+        rows += [{'key': c.key, 'claim': c.text, 'scope': scope, 'n': x['n'], 'est': x.get('est'),
+                  'lo': x.get('lo'), 'hi': x.get('hi'), 'p': x.get('p', math.nan), 'value': shown(c, x) if x['n']
+                  else x['why'], 'verdict': verdict_text(x) if x['n'] else x['verdict'], 'beside': also}
                  for x, scope, also in found]
     judged = [r for r in rows if np.isfinite(r['p'])]
     for r, p in zip(judged, stats.holm([r['p'] for r in judged])):
-        r['p_holm'] = p
-        r['holm'] = r['verdict'].split(' (')[0] if p < stats.ALPHA else 'undecided'
+        r.update(p_holm=p, holm=r['verdict'].split(' (')[0] if p < stats.ALPHA else 'undecided')
     return rows
 
 
@@ -522,8 +489,8 @@ def regime(study):
             res = judge(s, units_, View(s.lenses[0], s.window, pos, study.from_iter))
             units[(setting, key, pos)] = res['values']
             rows.append({'point': study.label[setting], 'statistic': key, 'position': pos, 'seeds': len(runs),
-                         'n': res['n'], 'est': res['est'], 'lo': res['lo'], 'hi': res['hi'], 'value': shown(s, res),
-                         'verdict': res['verdict']})
+                         'n': res['n'], 'est': res['est'], 'lo': res['lo'], 'hi': res['hi'],
+                         'value': shown(s, res), 'verdict': res['verdict']})
     rows = [r for r in rows if r['n'] or r['position'] == 'all']
     return {'rows': rows, 'trends': trends(study, points, units, rows)}
 
@@ -541,9 +508,8 @@ def axes(points):
 
 
 def trends(study, points, units, rows):
-    """Per numeric axis, line (points equal in every other axis) of 2+ points, statistic and position: the slope per
-    doubling and the monotone statistic fitted to the units' values (stats.trend), its reading, and the point
-    verdicts along the line."""
+    """Per numeric axis, line (points equal in every other axis) of 2+ points, statistic and position: the slope
+    per doubling and the monotone statistic over the units' values (stats.trend), their reading, the verdicts."""
     ax, cfg, out = axes(points), {s: runs[0].settings for s, runs in points.items()}, []
     verdicts = {(r['point'], r['statistic'], r['position']): r['verdict'] for r in rows}
     for axis in (a for a in ax if all(type(c.get(a)) in folders.NUMBER for c in cfg.values())):
@@ -554,20 +520,23 @@ def trends(study, points, units, rows):
                 have = [s for s in line if units.get((s, key, pos))]
                 fit = stats.trend(*zip(*[(x[s], v, s) for s in have for v in units[(s, key, pos)]])) if have else {}
                 if fit.get('points', 0) > 1:
+                    log = ALL.get(key.split(' [')[0], STATS[0]).log
                     out.append({'axis': axis, 'line': ', '.join(f'{a}={v}' for a, v in fixed) or 'all points',
                                 'members': ' | '.join(study.label[s] for s in have), 'statistic': key,
-                                'position': pos, **fit, 'reading': reading(fit, [units[(s, key, pos)] for s in have]),
+                                'position': pos, **fit, 'reading': reading(fit, [
+                                    np.exp(np.mean(units[(s, key, pos)])) if log else np.mean(units[(s, key, pos)])
+                                    for s in have]),
                                 'verdicts': ', '.join(verdicts[(study.label[s], key, pos)] or '-' for s in have)})
     return out
 
 
-def reading(fit, samples):
-    """The line (up, down, no clear slope; not a line when the lack-of-fit test rejects it, with the point means)
+def reading(fit, means):
+    """The line (up, down, no clear slope; not a line where the lack-of-fit test rejects one, with the point means)
     and the monotone statistic (rises, falls, or no monotone trend)."""
     word = lambda lo, hi, up, down, none: up if lo > 0 else down if hi < 0 else none
     line = word(fit['lo'], fit['hi'], 'up', 'down', 'no clear slope')
     if fit['lof_p'] < stats.ALPHA:
-        line = 'not a line: point means ' + ', '.join(f'{np.mean(s):+.3g}' for s in samples)
+        line = 'not a line: point means ' + ', '.join(f'{m:.3g}' for m in means)
     elif fit['points'] == 2:
         line += ' (2 points: no lack-of-fit test)'
     mono = word(fit['rho_lo'], fit['rho_hi'], 'rises monotonically', 'falls monotonically', 'no monotone trend')
@@ -576,24 +545,23 @@ def reading(fit, samples):
 
 # ----------------------------------------------------------------------------- the other tables
 def trajectory_rows(study):
-    """Per setting, layer, lens and window: the seed means of PR_Q, PR_K at the window's start and at the end, the
-    gap and ratio at the end, and how many seeds hold (a), (b) and their mirrors."""
+    """Per setting, layer, lens and window: seed means of PR_Q, PR_K at the window's start and at the end, the gap
+    and ratio at the end, and how many seeds hold (a), (b) or their mirrors."""
     rows = []
-    for (setting, runs), lens, window in ((g, lens, w) for g in group(uncontrolled(study.runs), lambda r:
-                                                                       r.setting).items() for lens in LENSES
-                                          for w in WINDOWS):
+    for (setting, runs), lens, window in ((g, lens, w) for g in group(
+            uncontrolled(study.runs), lambda r: r.setting).items() for lens in LENSES for w in WINDOWS):
         view = View(lens, window, 'all', study.from_iter)
-        a, b = ([outcomes(ALL[k].fn(r, view)) for r in runs] for k in 'ab')
+        ab = [('a', [outcomes(moves(r, view)) for r in runs]), ('b', [outcomes(gap_signs(r, view)) for r in runs])]
         for i in range(runs[0].n_layer):
             q, k = zip(*[pr_pair(r, view, i) for r in runs])
             at = [usable(r, start(r, view, [i])) for r in runs]
-            first, end = ([nanmean([x[j] for x, j in zip(v, at) if j is not None]) for v in (q, k)],
-                          [nanmean(np.concatenate([x[-FINAL_LOGS:] for x in v])) for v in (q, k)])
+            first = [nanmean([x[j] for x, j in zip(v, at) if j is not None]) for v in (q, k)]
+            end = [nanmean(np.concatenate([x[-FINAL_LOGS:] for x in v])) for v in (q, k)]
             rows.append({'setting': study.label[setting], 'layer': i, 'lens': lens, 'window': window,
                          'seeds': len(runs), 'pr_q_start': first[0], 'pr_q_end': end[0], 'pr_k_start': first[1],
                          'pr_k_end': end[1], 'gap_end/size': (end[0] - end[1]) / getattr(runs[0], LENSES[lens].size),
-                         'ratio_end': end[0] / end[1], **{f'{c}{m}': sum(o[i] == x for o in v) for c, v in
-                                                          (('a', a), ('b', b)) for m, x in (('', 1), (' mirror', -1))}})
+                         'ratio_end': end[0] / end[1], **{f'{c}{m}': int(sum(o[i] == x for o in v)) for c, v in ab
+                                                          for m, x in (('', 1), (' mirror', -1))}})
     return rows
 
 
@@ -608,9 +576,9 @@ def control_tables(study):
                       **{s.key: s.fn((c, b), View()) for s in paired}} for c, b in pairs]
         k = sum(v * claim.sign > 0 for v in eff['values'])
         dose.append({**head, 'n': len(pairs), 'baseline PR/head': nanmean([b.final(
-            f"pr_{dict(arm)['control_target']}_head") for _, b in pairs]), **{s.key[2:]: shown(s, res[s.key])
-                                                                             for s in paired},
-            'well below': bool(res['d_pr_head_rel']['hi'] < WELL_BELOW), 'predicted sign': f"{k}/{eff['n']}",
+            f"pr_{dict(arm)['control_target']}_head") for _, b in pairs]),
+            **{s.key[2:]: shown(s, res[s.key]) for s in paired}, 'well below': bool(
+                res['d_pr_head_rel']['hi'] < WELL_BELOW), 'predicted sign': f"{k}/{eff['n']}",
             'verdict': verdict_text(eff) if dict(arm)['control_target'] == 'k' else 'mirror: no verdict'})
     return per_pair, dose
 
@@ -732,7 +700,8 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
 
 # ----------------------------------------------------------------------------- the command line
 OPTIONS = {'runs': [('from_iter', int, None, "where 'from warm-up on' starts; default each run's warmup_iters")],
-           'tokens': [(k, str, '', f"the runs' {k}, where it moved") for k in ('data_file', 'data_dir', 'cache_dir')],
+           'tokens': [(k, str, '', f"the runs' {k}, where it moved") for k in ('data_file', 'data_dir',
+                                                                                'cache_dir')],
            'pretrained': [('model', str, None, 'a local folder or a model name'),
                           ('revisions', str, '', 'comma-separated revisions, or the preset pythia'),
                           ('text', str, '', "a UTF-8 text; default wiki.test.raw in train.py's data_dir"),
@@ -773,7 +742,8 @@ def main(argv=None):
             res = tokens.analyze_tokens(a.dirs, a.out, (a.data_file, a.data_dir, a.cache_dir), a.device,
                                         not a.no_figures)
         else:
-            revisions = tokens.REVISION_PRESETS.get(a.revisions) or [r for r in a.revisions.split(',') if r] or [None]
+            revisions = tokens.REVISION_PRESETS.get(a.revisions) or [r for r in a.revisions.split(',') if r] \
+                or [None]
             res = tokens.analyze_pretrained(a.model, list(revisions), a.text, a.out, a.rope, a.n_seqs, a.seq_len,
                                             a.device, not a.no_figures)
     except (Skip, OutError) + ((ImportError, ValueError, OSError) if what == 'pretrained' else ()) as e:

@@ -115,10 +115,10 @@ def test_a_zigzag_is_not_a_line_a_line_is_recovered_and_a_curved_rise_reads_mono
     x, point = np.repeat(np.arange(5.0), 3), np.repeat(np.arange(5), 3)
     rng = np.random.default_rng(1)
     zigzag = stats.trend(x, np.where(point % 2, 1.0, -1.0) + rng.normal(0, 0.1, 15), point)
-    assert zigzag['lof_p'] < 0.05 and analyze.reading(zigzag, [[0]] * 5).startswith('not a line')
-    assert analyze.reading(zigzag, [[0]] * 5).endswith('no monotone trend')
+    assert zigzag['lof_p'] < 0.05 and analyze.reading(zigzag, [0] * 5).startswith('not a line')
+    assert analyze.reading(zigzag, [0] * 5).endswith('no monotone trend')
     curve = stats.trend(x, 1 - np.exp(-2 * x) + rng.normal(0, 0.02, 15), point)   # rises, then saturates
-    assert curve['lof_p'] < 0.05 and analyze.reading(curve, [[0]] * 5).endswith('rises monotonically')
+    assert curve['lof_p'] < 0.05 and analyze.reading(curve, [0] * 5).endswith('rises monotonically')
     hits = 0
     for _ in range(1000):
         fit = stats.trend(x, 0.5 - 0.2 * x + rng.normal(0, 0.3, 15), point)
