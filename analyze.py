@@ -13,9 +13,9 @@ A new logged metric (say `qk_cos` per layer) with a claim and a figure:
     Its definitional range, if it has one: folders.bounds.
 
 A statistic is fn(unit, view). A unit is a seed (a run), a seed pair (a controlled run and the control='none'
-run of its other settings and seed) or a model (a token series); (a), (b) give a sign per trajectory (one layer
-of one run), summarised per seed (stats.share). A view: a lens, a window, a layer position. Final: the mean over
-the last FINAL_LOGS records.
+run of its other settings and seed) or a model (a token series); (a), (b) give a sign per trajectory (one
+layer of one run), summarised per seed (stats.share). A view: a lens, a window, a layer position. Final: the
+mean over the last FINAL_LOGS records.
 
 Windows: all records; from warm-up on (or --from_iter), with (a)'s early references; after the init is
 forgotten. A random init's whole-matrix PR starts near C/2 and collapses for hundreds of iterations, so a
@@ -71,7 +71,8 @@ View = namedtuple('View', 'lens window position from_iter', defaults=('whole', '
 
 def layers_of(run, view):
     n = run.n_layer
-    return {'all': list(range(n)), 'first': [0], 'middle': list(range(1, n - 1)), 'last': [n - 1]}[view.position]
+    return {'all': list(range(n)), 'first': [0], 'middle': list(range(1, n - 1)), 'last': [n - 1]}[
+        view.position]
 
 
 def usable(run, it):
@@ -123,8 +124,8 @@ def gap_signs(run, view):
 
 
 def values(run, role, lens, heads, layers):
-    """(records, values): a role's values (k, qk: the lens' PR_K, PR_QK; entropy; scale: log ||W_QK^h||_2) at the
-    layers, per (layer, head) pair with heads, else per layer; None when not logged."""
+    """(records, values): a role's values (k, qk: the lens' PR_K, PR_QK; entropy; scale: log ||W_QK^h||_2) at
+    the layers, per (layer, head) pair with heads, else per layer; None when not logged."""
     key = {'entropy': 'entropy', 'scale': 'qk_spec_norm'}.get(role)
     key = key + '_heads' * heads if key else getattr(LENSES[lens], role + '_heads' * heads)
     if key not in run.m:
@@ -137,11 +138,11 @@ def values(run, role, lens, heads, layers):
 
 
 def correlation(x, y, scope='heads', kind='spearman', changes=False):
-    """A statistic of a run: the correlation of roles x and y (partial: given the scale), of levels or of changes
-    between records. heads: across the (layer, head) pairs of each record, mean over the window's records;
-    time: within the run over the window's records, per layer, mean over layers."""
+    """A statistic of a run: the correlation of roles x and y (partial: given the scale), of levels or of
+    changes between records. heads: across the (layer, head) pairs of each record, mean over the window's
+    records; time: within the run over the window's records, per layer, mean over layers."""
     roles = (x, y, 'scale') if kind == 'partial' else (x, y)
-    corr = {'spearman': stats.spearman_rows, 'pearson': stats.pearson_rows, 'partial': stats.partial_rows}[kind]
+    corr = dict(spearman=stats.spearman_rows, pearson=stats.pearson_rows, partial=stats.partial_rows)[kind]
 
     def fn(run, view):
         layers = layers_of(run, view)
@@ -160,8 +161,8 @@ def correlation(x, y, scope='heads', kind='spearman', changes=False):
 
 
 def final_pr(stat):
-    """A statistic of a run: final (PR_Q - PR_K) / C (whole matrix; / d per head: comparable across widths), or
-    log(PR_Q / PR_K) (shown as the geometric mean of the ratio)."""
+    """A statistic of a run: final (PR_Q - PR_K) / C (whole matrix; / d per head: comparable across widths),
+    or log(PR_Q / PR_K) (shown as the geometric mean of the ratio)."""
     def fn(run, view):
         lens, layers = LENSES[view.lens], layers_of(run, view)
         q, k = (np.array([run.final(key, [i]) for i in layers]) for key in (lens.q, lens.k))
@@ -177,7 +178,8 @@ def value(key, at='final'):
 
 
 def conserved_imbalance(run, view):
-    """What the final qk_imbalance would be had D_h kept its initial norm: imbalance_h(0) gram_h(0) / gram_h(t)."""
+    """What the final qk_imbalance would be had D_h kept its initial norm: imbalance_h(0) gram_h(0) /
+    gram_h(t)."""
     if not {'qk_imbalance_heads', 'qk_gram_heads'} <= set(run.m) or not len(run.iters):
         return math.nan
     imb, gram = (run.m[k][:, layers_of(run, view)] for k in ('qk_imbalance_heads', 'qk_gram_heads'))
@@ -186,8 +188,9 @@ def conserved_imbalance(run, view):
 
 
 def change(key, how='difference'):
-    """A statistic of a seed pair: the final value of key (pr_ctl_head: the per-head PR of the controlled projection;
-    *_loss: the final loss), controlled against baseline: difference, relative change or log ratio."""
+    """A statistic of a seed pair: the final value of key (pr_ctl_head: the per-head PR of the controlled
+    projection; *_loss: the final loss), controlled against baseline: difference, relative change or log
+    ratio."""
     def fn(pair, view):
         ctl, base = pair
         name = f'pr_{ctl.cfg["control_target"]}_head' if key == 'pr_ctl_head' else key
@@ -200,7 +203,8 @@ def change(key, how='difference'):
 
 
 def token_column(column):
-    """A statistic of a model: a column of its token summary row (uncontrolled; q, k as attention uses them)."""
+    """A statistic of a model: a column of its token summary row (uncontrolled; q, k as attention uses
+    them)."""
     return lambda row, view: row[column] if (row.get('control') or 'none') == 'none' and (
         row.get('rope') or 'none') in ('none', 'after') else math.nan
 
@@ -226,20 +230,19 @@ class Claim(Stat):
     sign: int = +1              # the predicted sign of (statistic - ref)
     ref: float = 0.0
     margin: float = 0.0         # no effect: the interval inside ref -/+ margin
-    beside: tuple = ()          # 'key' or 'key@window' shown beside the verdict (a pair claim: of the fro arm)
+    beside: tuple = ()          # 'key' or 'key@window' shown beside the verdict (a pair claim: the fro arm's)
     tables: tuple = ('map', 'regime')
 
 
 ALL4, HEADS, INF = tuple(LENSES), ('head', 'tok', 'learned'), (-math.inf, math.inf)
 PAIRS, D = 'across the (layer, head) pairs of a record, mean over records', 'controlled - baseline'
-SHARE = dict(unit='trajectory', lenses=ALL4, window='post', ref=0.5)
-C = dict(lenses=HEADS, margin=0.1)
+SHARE, C = dict(unit='trajectory', lenses=ALL4, window='post', ref=0.5), dict(lenses=HEADS, margin=0.1)
 CLAIMS = [
-    Claim(key='a', text='(a) PR_Q grows and PR_K falls over training', fn=moves, beside=('a@warmup',), **SHARE,
-          stat='PR_Q(end) > PR_Q(ref) and PR_K(end) < PR_K(ref) from every reference; mirror: PR_Q falls and PR_K '
-          'rises from every one'),
+    Claim(key='a', text='(a) PR_Q grows and PR_K falls over training', fn=moves, **SHARE,
+          stat='PR_Q(end) > PR_Q(ref) and PR_K(end) < PR_K(ref) from every reference; mirror: PR_Q falls and '
+          'PR_K rises from every one', beside=('a@warmup',)),
     Claim(key='b', text='(b) PR_Q - PR_K > 0 along every trajectory', fn=gap_signs, **SHARE,
-          stat="PR_Q - PR_K > 0 at every record from the first reference; mirror: < 0 at every one",
+          stat='PR_Q - PR_K > 0 at every record from the first reference; mirror: < 0 at every one',
           beside=('b@all', 'ratio_end', 'ratio_end_head')),
     Claim(key='c', text='(c) lower PR_K goes with lower attention entropy, across heads',
           stat=f'Spearman of PR_K with entropy {PAIRS}', fn=correlation('k', 'entropy'), **C),
@@ -256,26 +259,28 @@ CLAIMS = [
             sign=sign, margin=0.02, control=kind, beside=('d_qk_spec_norm',), tables=('regime',), limits=INF)
       for key, kind, sign, text in (('d', 'shrink', -1, '(d) shrinking the key spectrum sharpens attention'),
                                     ('e', 'freeze', +1, '(e) freezing the key spectrum softens attention'))],
-    *[Claim(key=key, text=text, stat=stat, fn=token_column(col), unit='model', sign=sign, margin=0.1, tables=())
-      for key, text, col, sign, stat in (
-          ('f1-early', '(f1) token-level PR_Q - PR_K rises early', 'rho_early', +1, 'Spearman of tok_pr_q - '
-           "tok_pr_k with log(1 + step) over a model's early checkpoints (log step at or below its median), mean "
-           'over layers'),
-          ('f1-late', '(f1) ... and decays later', 'rho_late', -1, 'the same over the late checkpoints (at or above '
-           'the median)'),
-          ('f2', '(f2) token-level interaction rank tracks attention entropy', 'link_rho', +1, 'Spearman of '
-           "tok_pr_qk with entropy across the (layer, head) pairs of a model's last checkpoint"))],
+    *[Claim(key=key, text=text, stat=stat, fn=token_column(col), unit='model', sign=sign, margin=0.1,
+            tables=()) for key, text, col, sign, stat in (
+        ('f1-early', '(f1) token-level PR_Q - PR_K rises early', 'rho_early', +1, 'Spearman of tok_pr_q - '
+         "tok_pr_k with log(1 + step) over a model's early checkpoints (log step at or below its median), "
+         'mean over layers'),
+        ('f1-late', '(f1) ... and decays later', 'rho_late', -1,
+         'the same over the late checkpoints (at or above the median)'),
+        ('f2', '(f2) token-level interaction rank tracks attention entropy', 'link_rho', +1, 'Spearman of '
+         "tok_pr_qk with entropy across the (layer, head) pairs of a model's last checkpoint"))],
 ]
 TIME = 'within a run over its records, per layer, mean over layers'
 STATS = [
-    *[Stat(key=key, stat=f'{stat} {PAIRS}', fn=fn, lenses=HEADS, tables=tables) for key, stat, fn, tables in (
-        ('qk~entropy', 'Spearman of PR_QK with entropy', correlation('qk', 'entropy'), ('map',)),
-        ('k~entropy (r)', 'Pearson of PR_K with entropy', correlation('k', 'entropy', kind='pearson'), ('map',)),
+    *[Stat(key=key, stat=f'{stat} {PAIRS}', fn=fn, lenses=HEADS, tables=('map',) + more)
+      for key, stat, fn, more in (
+        ('qk~entropy', 'Spearman of PR_QK with entropy', correlation('qk', 'entropy'), ()),
+        ('k~entropy (r)', 'Pearson of PR_K with entropy', correlation('k', 'entropy', kind='pearson'), ()),
         ('qk~entropy|scale', 'Pearson partial of PR_QK with entropy given the log scale',
-         correlation('qk', 'entropy', kind='partial'), ('map',)),
-        ('scale~entropy', 'Pearson of log ||W_QK^h||_2 with entropy', correlation('scale', 'entropy',
-                                                                                   kind='pearson'), ('map', 'regime')))],
-    *[Stat(key=key, stat=f'{stat} {TIME}', fn=fn, lenses=ALL4, window='all', tables=('map',)) for key, stat, fn in (
+         correlation('qk', 'entropy', kind='partial'), ()),
+        ('scale~entropy', 'Pearson of log ||W_QK^h||_2 with entropy',
+         correlation('scale', 'entropy', kind='pearson'), ('regime',)))],
+    *[Stat(key=key, stat=f'{stat} {TIME}', fn=fn, lenses=ALL4, window='all', tables=('map',))
+      for key, stat, fn in (
         ('k~entropy over time', 'Spearman of PR_K with entropy (two trends correlate, linked or not)',
          correlation('k', 'entropy', 'time')),
         ('dk~dentropy over time', 'Spearman of their changes between records',
@@ -290,13 +295,16 @@ STATS = [
       for stat, what in (('gap', f'(PR_Q - PR_K) / {LENSES[lens].size}'), ('ratio', 'PR_Q / PR_K'))],
     *[Stat(key=key, stat=stat, fn=fn, tables=tables, limits=INF) for key, stat, fn, tables in (
         ('entropy_end', 'final attention entropy (nats)', value('entropy'), ('regime', 'trend')),
-        ('imbalance_start', 'qk_imbalance at the first record', value('qk_imbalance', 'first'), ('optimizer',)),
+        ('imbalance_start', 'qk_imbalance at the first record', value('qk_imbalance', 'first'),
+         ('optimizer',)),
         ('imbalance_end', 'final qk_imbalance', value('qk_imbalance'), ('regime', 'optimizer', 'trend')),
         ('imbalance_conserved', 'final qk_imbalance had D_h kept its initial norm', conserved_imbalance,
          ('optimizer',)),
-        ('drift_end', 'final qk_drift, ||D_h(t) - D_h(0)||_F / gram(t)', value('qk_drift'), ('regime', 'optimizer')),
+        ('drift_end', 'final qk_drift, ||D_h(t) - D_h(0)||_F / gram(t)', value('qk_drift'),
+         ('regime', 'optimizer')),
         ('dq_rel_end', 'final ||W_Q - W_Q(0)||_F / ||W_Q(0)||_F', value('dq_rel'), ('optimizer',)),
-        ('val_loss', 'final validation loss', lambda r, view: r.final_loss('val_loss'), ('regime', 'optimizer')),
+        ('val_loss', 'final validation loss', lambda r, view: r.final_loss('val_loss'),
+         ('regime', 'optimizer')),
         ('train_val_gap', 'final val_loss - train_loss', lambda r, v: r.final_loss('val_loss') -
          r.final_loss('train_loss'), ('regime', 'trend')))],
     *[Stat(key=f'd_{key}', stat=f'{stat}, {D}', fn=fn, unit='pair', tables=('control',) + more, limits=INF)
@@ -314,8 +322,9 @@ ALL = {s.key: s for s in CLAIMS + STATS}
 
 
 def judge(stat, units, view=View()):
-    """A statistic over a group of units, summarised by its interval rule and, a Claim, judged: {n, est, lo, hi,
-    p, verdict, why, values}; a trajectory claim adds hits, mirror, seeds and counts per reference and part."""
+    """A statistic over a group of units, summarised by its interval rule and, a Claim, judged: {n, est, lo,
+    hi, p, verdict, why, values}; a trajectory claim adds hits, mirror, seeds and counts per reference and
+    part."""
     if stat.unit == 'trajectory':
         res = shares([stat.fn(u, view) for u in units])
     else:
@@ -323,34 +332,36 @@ def judge(stat, units, view=View()):
         v = v[np.isfinite(v)]
         est, lo, hi, n = stats.t_interval(v)
         res = {'values': list(v), 'n': n, 'est': est, 'lo': max(lo, stat.limits[0]), 'df': n - 1,
-               'hi': min(hi, stat.limits[1]), 'se': float(v.std(ddof=1)) / math.sqrt(n) if n > 1 else math.nan}
-    res.update({'verdict': '', 'why': '', 'p': math.nan, **(decide(stat, res) if isinstance(stat, Claim) else {})})
+               'hi': min(hi, stat.limits[1]), 'se': float(v.std(ddof=1)) / math.sqrt(n) if n > 1 else 0}
+    res.update({'verdict': '', 'why': '', 'p': math.nan})
+    res.update(decide(stat, res) if isinstance(stat, Claim) else {})
     if not res['n']:
-        res['verdict'], res['why'] = 'not measured', 'no trajectory has a reference record before its final ' \
-            'records' if stat.unit == 'trajectory' else 'not logged, or no unit with a value in this view'
+        res['verdict'], res['why'] = 'not measured', 'no trajectory has a reference record before its ' \
+            'final records' if stat.unit == 'trajectory' else 'not logged, or no unit with a value here'
     if stat.log:
         res.update(zip(('est', 'lo', 'hi'), np.exp([res['est'], res['lo'], res['hi']])))
     return {k: float(v) if isinstance(v, np.floating) else v for k, v in res.items()}
 
 
 def outcomes(signs):
-    """Per trajectory of a (trajectories, references or records, parts) array of signs: +1 when every sign it has
-    is +1, -1 when every one is -1, 0 otherwise, NaN when it has none."""
+    """Per trajectory of a (trajectories, references or records, parts) array of signs: +1 when every sign it
+    has is +1, -1 when every one is -1, 0 otherwise, NaN when it has none."""
     fin = np.isfinite(signs)
     every = lambda x: (np.where(fin, signs, x) == x).all((1, 2))
     return np.where(fin.any((1, 2)), np.where(every(1), 1.0, np.where(every(-1), -1.0, 0.0)), np.nan)
 
 
 def shares(signs):
-    """The per-seed shares of a trajectory claim and of its mirror; (a): counted per reference and per part."""
+    """The per-seed shares of a trajectory claim and of its mirror; (a): counted per reference and per
+    part."""
     signs = [s for s in signs if np.size(s)]
     o = [outcomes(s) for s in signs]
     count, hold, mirror = ([int(x.sum()) for x in (np.isfinite(v) if w is None else v == w for v in o)]
                            for w in (None, 1, -1))
     (est, lo, hi, n_eff, df), m = stats.share(hold, count), stats.share(mirror, count)
-    res = {'values': [h / c for h, c in zip(hold, count) if c], 'n': sum(count), 'est': est, 'lo': lo, 'hi': hi,
-           'hits': sum(hold), 'mirror': sum(mirror), 'seeds': sum(c > 0 for c in count), 'n_eff': n_eff, 'df': df,
-           **dict(zip(('mirror_est', 'mirror_lo', 'mirror_hi', 'mirror_n_eff'), m))}
+    res = {'values': [h / c for h, c in zip(hold, count) if c], 'n': sum(count), 'est': est, 'lo': lo,
+           'hi': hi, 'hits': sum(hold), 'mirror': sum(mirror), 'seeds': sum(c > 0 for c in count),
+           'n_eff': n_eff, 'df': df, **dict(zip(('mirror_est', 'mirror_lo', 'mirror_hi', 'mirror_n_eff'), m))}
     if signs and len({s.shape[1:] for s in signs}) == 1 and signs[0].shape[2] > 1:   # references x parts
         cat = np.concatenate(signs)
         res['per_ref'] = [(int((cat[:, r] == 1).all(1).sum()), int(np.isfinite(cat[:, r]).all(1).sum()))
@@ -364,9 +375,10 @@ def decide(claim, res):
     if claim.unit == 'trajectory':
         word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, 0, f"{res['seeds']} seeds",
                                   (res['mirror_lo'], res['mirror_hi']))
-        p = [stats.p_value(res[f'{x}est'], claim.ref, math.sqrt(claim.ref * (1 - claim.ref) / res[f'{x}n_eff']),
-                           res['df']) if res[f'{x}n_eff'] else 1.0 for x in ('', 'mirror_')]
-        return {'verdict': word, 'why': why, 'p': {'holds': p[0], 'reversed': p[1], 'fails': max(p)}.get(word, 1.0)}
+        se = lambda n_eff: math.sqrt(claim.ref * (1 - claim.ref) / n_eff)
+        p = [stats.p_value(res[f'{x}est'], claim.ref, se(res[f'{x}n_eff']), res['df']) if res[f'{x}n_eff']
+             else 1.0 for x in ('', 'mirror_')]
+        return {'verdict': word, 'why': why, 'p': dict(holds=p[0], reversed=p[1], fails=max(p)).get(word, 1)}
     word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, claim.margin, res['n'])
     if word == 'no effect':   # two one-sided tests, doubled to match the two-sided interval
         p = 2 * max(stats.t_sf((res['est'] - claim.ref + s * claim.margin) * s / res['se'], res['df'])
@@ -382,8 +394,8 @@ def uncontrolled(runs):
 
 
 def arms(runs):
-    """{(the baseline's setting, arm): [(controlled run, baseline run)] by seed}, in reading order: setting, the
-    other control keys, shrink from the weakest dose to the strongest."""
+    """{(the baseline's setting, arm): [(controlled run, baseline run)] by seed}, in reading order: setting,
+    the other control keys, shrink from the weakest dose to the strongest."""
     base, found = {(r.base, r.seed): r for r in uncontrolled(runs)}, {}
     for r in sorted((r for r in runs if r.control != 'none'), key=lambda r: r.seed):
         if (r.base, r.seed) in base:
@@ -393,8 +405,9 @@ def arms(runs):
 
 
 def deciding(claim, study, keep):
-    """[(setting, arm, pairs or None, why)] deciding a control claim on W_K per arm family of one control_keep:
-    (e) every freeze arm; (d) the strongest shrink dose whose per-head PR_K change lies well below the baseline."""
+    """[(setting, arm, pairs or None, why)] deciding a control claim on W_K per arm family of one
+    control_keep: (e) every freeze arm; (d) the strongest shrink dose whose per-head PR_K change lies well
+    below the baseline."""
     out, rel = [], ALL['d_pr_head_rel']
     for (setting, rest), keys in folders.families(study.arms, claim.control).items():
         if (dict(rest).get('control_target'), dict(rest).get('control_keep')) != ('k', keep):
@@ -412,13 +425,15 @@ def deciding(claim, study, keep):
 
 
 def robustness_cells(study):
-    """The map's cells: each statistic of the map in every lens x window over every uncontrolled run; the claims in
-    their own view per weight decay on W_Q, W_K (when the runs have both); (d), (e) per deciding arm and keep."""
+    """The map's cells: each statistic of the map in every lens x window over every uncontrolled run; the
+    claims in their own view per weight decay on W_Q, W_K (when the runs have both); (d), (e) per deciding arm
+    and keep."""
     pool, cells = uncontrolled(study.runs), []
     split = group(pool, lambda r: r.cfg['decay_qk'] and r.cfg['weight_decay'] > 0)
     for s in (s for s in CLAIMS + STATS if s.unit in ('trajectory', 'seed') and 'map' in s.tables):
-        for lens, window, d, runs in [(lens, w, 'pooled', pool) for lens in s.lenses for w in WINDOWS] + \
-                [(s.lenses[0], s.window, d, rs) for d, rs in split.items() if isinstance(s, Claim) and len(split) > 1]:
+        views = [(lens, w, 'pooled', pool) for lens in s.lenses for w in WINDOWS]
+        for lens, window, d, runs in views + [(s.lenses[0], s.window, d, rs) for d, rs in split.items()
+                                              if isinstance(s, Claim) and len(split) > 1]:
             cells.append({'key': s.key, 'lens': lens, 'window': window, 'decay': d, 'keep': '',
                           **judge(s, runs, View(lens, window, 'all', study.from_iter))})
     for c, keep in ((c, keep) for c in CLAIMS if c.unit == 'pair' for keep in ('spec', 'fro')):
@@ -430,23 +445,25 @@ def robustness_cells(study):
 
 
 def beside(claim, study, pool, cell):
-    """What the claims table shows beside a claim's verdict: Claim.beside (a pair claim: of the fro arm's cell);
-    (a): its count from each reference and of each half."""
+    """What the claims table shows beside a claim's verdict: Claim.beside (a pair claim: of the fro arm's
+    cell); (a): its count from each reference and of each half."""
     if claim.unit == 'pair':
         return f"keep=fro ({cell['arm']}): {shown(claim, cell)}; " + '; '.join(
-            f"{k} {shown(ALL[k], judge(ALL[k], cell['pairs']))}" for k in claim.beside) if cell.get('pairs') else ''
+            f"{k} {shown(ALL[k], judge(ALL[k], cell['pairs']))}" for k in claim.beside) \
+            if cell.get('pairs') else ''
     out = [f'from each reference: ' + ', '.join(f"{name.split(' (')[0]} {k}/{n}" for name, (k, n) in zip(
         REFERENCES[claim.window], cell['per_ref'])) + '; PR_Q rises in {}, PR_K falls in {}'.format(
         *cell['per_part'])] if cell.get('per_ref') else []
     for key, _, window in (entry.partition('@') for entry in claim.beside):
-        res = judge(ALL[key], pool, View(ALL[key].lenses[0], window or ALL[key].window, 'all', study.from_iter))
+        s = ALL[key]
+        res = judge(s, pool, View(s.lenses[0], window or s.window, 'all', study.from_iter))
         out.append(f"{key}{f' ({WINDOWS[window]})' if window else ''}: {shown(ALL[key], res)}")
     return '; '.join(out)
 
 
 def claims_table(study, cells):
-    """Each claim in its own view; (d), (e) per setting on the spec arm, the fro arm beside; (f1), (f2) per source;
-    Holm's adjustment over every row judged."""
+    """Each claim in its own view; (d), (e) per setting on the spec arm, the fro arm beside; (f1), (f2) per
+    source; Holm's adjustment over every row judged."""
     pool, rows = uncontrolled(study.runs), []
     where = f'{len(pool)} uncontrolled runs in {len(group(pool, lambda r: r.setting))} settings'
     for c in CLAIMS:
@@ -457,15 +474,16 @@ def claims_table(study, cells):
             found = [(x, f"{x['setting']}, {x['arm']}", beside(c, study, pool, fro.get(x['setting'], {})))
                      for x in spec]
         elif c.unit == 'model':
-            found = [(judge(c, rows_), f'{source}: {len(rows_)} series', '') for source, rows_ in study.tokens.items()]
+            found = [(judge(c, rs), f'{source}: {len(rs)} series', '') for source, rs in study.tokens.items()]
         else:
             x = next(x for x in cells if (x['key'], x['lens'], x['window'], x['decay']) == (
                 c.key, c.lenses[0], c.window, 'pooled'))
-            found = [(x, f'{where}; {LENSES[c.lenses[0]].what}, {WINDOWS[c.window]}', beside(c, study, pool, x))]
+            scope = f'{where}; {LENSES[c.lenses[0]].what}, {WINDOWS[c.window]}'
+            found = [(x, scope, beside(c, study, pool, x))]
         rows += [{'key': c.key, 'claim': c.text, 'scope': scope, 'n': x['n'], 'est': x.get('est'),
-                  'lo': x.get('lo'), 'hi': x.get('hi'), 'p': x.get('p', math.nan), 'value': shown(c, x) if x['n']
-                  else x['why'], 'verdict': verdict_text(x) if x['n'] else x['verdict'], 'beside': also}
-                 for x, scope, also in found]
+                  'lo': x.get('lo'), 'hi': x.get('hi'), 'p': x.get('p', math.nan),
+                  'value': shown(c, x) if x['n'] else x['why'], 'beside': also,
+                  'verdict': verdict_text(x) if x['n'] else x['verdict']} for x, scope, also in found]
     judged = [r for r in rows if np.isfinite(r['p'])]
     for r, p in zip(judged, stats.holm([r['p'] for r in judged])):
         r.update(p_holm=p, holm=r['verdict'].split(' (')[0] if p < stats.ALPHA else 'undecided')
@@ -474,7 +492,8 @@ def claims_table(study, cells):
 
 # ----------------------------------------------------------------------------- the regime
 def regime(study):
-    """Each statistic per point (a setting's uncontrolled runs) and layer position, and trends; None below 2 points."""
+    """Each statistic per point (a setting's uncontrolled runs) and layer position, and trends; None below 2
+    points."""
     points = group(uncontrolled(study.runs), lambda r: r.setting)
     if len(points) < 2:
         return None
@@ -496,8 +515,8 @@ def regime(study):
 
 
 def axes(points):
-    """The settings that vary between points, but for one that is a constant multiple of an earlier axis (min_lr =
-    lr / 10): it moves with that axis."""
+    """The settings that vary between points, but for one that is a constant multiple of an earlier axis
+    (min_lr = lr / 10): it moves with that axis."""
     cfgs = [runs[0].settings for runs in points.values()]
     numeric = lambda k: all(type(c.get(k)) in folders.NUMBER and c.get(k) for c in cfgs)
     out = []
@@ -508,60 +527,65 @@ def axes(points):
 
 
 def trends(study, points, units, rows):
-    """Per numeric axis, line (points equal in every other axis) of 2+ points, statistic and position: the slope
-    per doubling and the monotone statistic over the units' values (stats.trend), their reading, the verdicts."""
+    """Per numeric axis, line (points equal in every other axis) of 2+ points, statistic and position: the
+    slope per doubling and the monotone statistic over the units' values (stats.trend), their reading."""
     ax, cfg, out = axes(points), {s: runs[0].settings for s, runs in points.items()}, []
     verdicts = {(r['point'], r['statistic'], r['position']): r['verdict'] for r in rows}
     for axis in (a for a in ax if all(type(c.get(a)) in folders.NUMBER for c in cfg.values())):
-        for fixed, line in group(points, lambda s: tuple((a, cfg[s].get(a)) for a in ax if a != axis)).items():
+        others = lambda s: tuple((a, cfg[s].get(a)) for a in ax if a != axis)
+        for fixed, line in group(points, others).items():
             line = sorted(line, key=lambda s: cfg[s][axis])
-            x = {s: math.log2(cfg[s][axis]) if all(cfg[t][axis] > 0 for t in line) else cfg[s][axis] for s in line}
-            for key, pos in dict.fromkeys((k, p) for (s, k, p) in units if s in line) if len(line) > 1 else ():
+            log2 = all(cfg[s][axis] > 0 for s in line)
+            x = {s: math.log2(cfg[s][axis]) if log2 else cfg[s][axis] for s in line}
+            for key, pos in dict.fromkeys((k, p) for (s, k, p) in units if s in line and len(line) > 1):
                 have = [s for s in line if units.get((s, key, pos))]
-                fit = stats.trend(*zip(*[(x[s], v, s) for s in have for v in units[(s, key, pos)]])) if have else {}
-                if fit.get('points', 0) > 1:
-                    log = ALL.get(key.split(' [')[0], STATS[0]).log
-                    out.append({'axis': axis, 'line': ', '.join(f'{a}={v}' for a, v in fixed) or 'all points',
-                                'members': ' | '.join(study.label[s] for s in have), 'statistic': key,
-                                'position': pos, **fit, 'reading': reading(fit, [
-                                    np.exp(np.mean(units[(s, key, pos)])) if log else np.mean(units[(s, key, pos)])
-                                    for s in have]),
-                                'verdicts': ', '.join(verdicts[(study.label[s], key, pos)] or '-' for s in have)})
+                fit = stats.trend(*zip(*[(x[s], v, s) for s in have for v in units[(s, key, pos)]])) \
+                    if have else {}
+                if fit.get('points', 0) < 2:
+                    continue
+                means = [np.mean(units[(s, key, pos)]) for s in have]
+                log = ALL.get(key.split(' [')[0], STATS[0]).log
+                out.append({'axis': axis, 'line': ', '.join(f'{a}={v}' for a, v in fixed) or 'all points',
+                            'members': ' | '.join(study.label[s] for s in have), 'statistic': key,
+                            'position': pos, **fit, 'reading': reading(fit, np.exp(means) if log else means),
+                            'verdicts': ', '.join(verdicts[(study.label[s], key, pos)] or '-' for s in have)})
     return out
 
 
 def reading(fit, means):
-    """The line (up, down, no clear slope; not a line where the lack-of-fit test rejects one, with the point means)
-    and the monotone statistic (rises, falls, or no monotone trend)."""
+    """The line (up, down, no clear slope; not a line where the lack-of-fit test rejects one, with the point
+    means) and the monotone statistic (rises, falls, or no monotone trend)."""
     word = lambda lo, hi, up, down, none: up if lo > 0 else down if hi < 0 else none
     line = word(fit['lo'], fit['hi'], 'up', 'down', 'no clear slope')
     if fit['lof_p'] < stats.ALPHA:
         line = 'not a line: point means ' + ', '.join(f'{m:.3g}' for m in means)
     elif fit['points'] == 2:
         line += ' (2 points: no lack-of-fit test)'
-    mono = word(fit['rho_lo'], fit['rho_hi'], 'rises monotonically', 'falls monotonically', 'no monotone trend')
+    mono = word(fit['rho_lo'], fit['rho_hi'], 'rises monotonically', 'falls monotonically',
+                'no monotone trend')
     return f'{line}; {mono}' if np.isfinite(fit['rho_lo']) else line
 
 
 # ----------------------------------------------------------------------------- the other tables
 def trajectory_rows(study):
-    """Per setting, layer, lens and window: seed means of PR_Q, PR_K at the window's start and at the end, the gap
-    and ratio at the end, and how many seeds hold (a), (b) or their mirrors."""
+    """Per setting, layer, lens and window: seed means of PR_Q, PR_K at the window's start and at the end, the
+    gap and ratio at the end, and how many seeds hold (a), (b) or their mirrors."""
     rows = []
     for (setting, runs), lens, window in ((g, lens, w) for g in group(
             uncontrolled(study.runs), lambda r: r.setting).items() for lens in LENSES for w in WINDOWS):
         view = View(lens, window, 'all', study.from_iter)
-        ab = [('a', [outcomes(moves(r, view)) for r in runs]), ('b', [outcomes(gap_signs(r, view)) for r in runs])]
+        ab = [(c, [outcomes(ALL[c].fn(r, view)) for r in runs]) for c in 'ab']
         for i in range(runs[0].n_layer):
             q, k = zip(*[pr_pair(r, view, i) for r in runs])
             at = [usable(r, start(r, view, [i])) for r in runs]
             first = [nanmean([x[j] for x, j in zip(v, at) if j is not None]) for v in (q, k)]
             end = [nanmean(np.concatenate([x[-FINAL_LOGS:] for x in v])) for v in (q, k)]
+            size = getattr(runs[0], LENSES[lens].size)
             rows.append({'setting': study.label[setting], 'layer': i, 'lens': lens, 'window': window,
-                         'seeds': len(runs), 'pr_q_start': first[0], 'pr_q_end': end[0], 'pr_k_start': first[1],
-                         'pr_k_end': end[1], 'gap_end/size': (end[0] - end[1]) / getattr(runs[0], LENSES[lens].size),
-                         'ratio_end': end[0] / end[1], **{f'{c}{m}': int(sum(o[i] == x for o in v)) for c, v in ab
-                                                          for m, x in (('', 1), (' mirror', -1))}})
+                         'seeds': len(runs), 'pr_q_start': first[0], 'pr_q_end': end[0],
+                         'pr_k_start': first[1], 'pr_k_end': end[1], 'gap_end/size': (end[0] - end[1]) / size,
+                         'ratio_end': end[0] / end[1], **{f'{c}{m}': int(sum(o[i] == x for o in v)) for c, v
+                                                          in ab for m, x in (('', 1), (' mirror', -1))}})
     return rows
 
 
@@ -584,8 +608,8 @@ def control_tables(study):
 
 
 def dose_fits(study):
-    """Per arm family with 2+ shrink doses: the entropy change against the per-head PR change, alone and with the
-    change in log qk_spec_norm; jackknife-t over seeds (the arms of a seed share its baseline)."""
+    """Per arm family with 2+ shrink doses: the entropy change against the per-head PR change, alone and with
+    the change in log qk_spec_norm; jackknife-t over seeds (the arms of a seed share its baseline)."""
     out = []
     for (setting, rest), keys in folders.families(study.arms, 'shrink').items():
         pairs = [p for k in keys for p in study.arms[k]]
@@ -608,7 +632,8 @@ TIMELINE = ('pr_q', 'pr_k', 'pr_q_head', 'pr_k_head', 'pr_qk', 'pr_dq', 'pr_dk',
 
 
 def timeline_rows(study):
-    """Per setting: the mean over seeds of the layer means at every iteration a seed logged, and how many did."""
+    """Per setting: the mean over seeds of the layer means at every iteration a seed logged, and how many
+    did."""
     rows = []
     for setting, rs in group(study.runs, lambda r: r.setting).items():
         its = folders.stack(rs, 'pr_q')[0]
@@ -623,7 +648,8 @@ def runs_rows(study):
     return [{'run': r.name, 'setting': study.label[r.setting], 'seed': r.seed, 'arm': study.arm_name(r.arm),
              'records': len(r.iters), 'last_iter': int(r.iters[-1]) if len(r.iters) else None,
              'train_loss': r.final_loss('train_loss'), 'val_loss': r.final_loss('val_loss'),
-             'wall_time': r.done.get('wall_time'), 'notes': len(r.notes), 'path': r.path} for r in study.runs] + \
+             'wall_time': r.done.get('wall_time'), 'notes': len(r.notes), 'path': r.path}
+            for r in study.runs] + \
         [{'run': os.path.basename(p), 'path': p, 'notes': f'skipped: {why}'} for p, why in study.skipped]
 
 
@@ -671,25 +697,29 @@ def load(paths, out=None, from_iter=None, log=print):
                       if k not in named]
     paired = {c for pairs in study.arms.values() for c, _ in pairs}
     for r in (r for r in runs if r.control != 'none' and r not in paired):
-        warn(f'{r.path}: no control=none run with the same other settings and seed: left out of the control tables')
+        warn(f'{r.path}: no control=none run with the same other settings and seed: left out of the control '
+             'tables')
     study.tokens = tokens.token_tables(study.out, runs, warn)
     return study
 
 
 def analyze(paths, out=None, figures=True, from_iter=None, log=print):
-    """Load, compute, write; the Study. Skip (no usable run) or OutError (out refused) before anything is written."""
+    """Load, compute, write; the Study. Skip (no usable run) or OutError (out refused) before anything is
+    written."""
     study = load(paths, out, from_iter, log)
     folders.check_out(study.out)
     if not study.runs:
         raise Skip(f'no usable run folder under {", ".join(paths)} ({len(study.skipped)} skipped)')
     (per_pair, dose), reg, cells = control_tables(study), regime(study) or {}, robustness_cells(study)
-    t = study.tables = {'claims': claims_table(study, cells), 'cells': cells, 'regime': reg, 'control': per_pair,
+    t = study.tables = {'claims': claims_table(study, cells), 'cells': cells, 'regime': reg,
+                        'control': per_pair,
                         'trajectories': trajectory_rows(study), 'control_dose': dose,
                         'control_dose_fit': dose_fits(study), 'timeline': timeline_rows(study),
                         'runs': runs_rows(study), 'settings': setting_rows(study),
                         'regime_rows': reg.get('rows', []), 'regime_trend': reg.get('trends', [])}
     figs = plots.draw(study, t, log) if figures else {'files': {}, 'notes': []}
-    files = {**figs['files'], **report.map_tables(t['cells'], ALL), **folders.table('regime', t['regime_rows'])}
+    files = {**figs['files'], **report.map_tables(t['cells'], ALL),
+             **folders.table('regime', t['regime_rows'])}
     for stem in ('claims', 'trajectories', 'control', 'control_dose', 'control_dose_fit', 'timeline', 'runs',
                  'settings', 'regime_trend'):
         files.update(folders.table(stem, t[stem]))
@@ -699,14 +729,14 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
 
 
 # ----------------------------------------------------------------------------- the command line
-OPTIONS = {'runs': [('from_iter', int, None, "where 'from warm-up on' starts; default each run's warmup_iters")],
+OPTIONS = {'runs': [('from_iter', int, None, "where 'from warm-up on' starts; default: warmup_iters")],
            'tokens': [(k, str, '', f"the runs' {k}, where it moved") for k in ('data_file', 'data_dir',
                                                                                 'cache_dir')],
            'pretrained': [('model', str, None, 'a local folder or a model name'),
                           ('revisions', str, '', 'comma-separated revisions, or the preset pythia'),
                           ('text', str, '', "a UTF-8 text; default wiki.test.raw in train.py's data_dir"),
-                          ('rope', str, 'after', 'rotary families: q, k after the rotary embedding (as attention '
-                           'uses them) or before it'), ('n_seqs', int, 8, 'windows of the text'),
+                          ('rope', str, 'after', 'rotary families: q, k after the rotary embedding (as '
+                           'attention uses them) or before it'), ('n_seqs', int, 8, 'windows of the text'),
                           ('seq_len', int, 256, 'tokens per window')]}
 USAGE = """
   python analyze.py DIR [DIR ...] [--out=DIR] [--no_figures] [--from_iter=N]
@@ -717,11 +747,11 @@ USAGE = """
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     what = argv.pop(0) if argv[:1] and argv[0] in OPTIONS else 'runs'
-    p = argparse.ArgumentParser(usage=USAGE, description='REPORT.md, tables and figures from run folders; tokens: '
-                                'the token level of their model checkpoints; pretrained: of a pretrained model '
-                                '(needs transformers). Options of this form:')
+    p = argparse.ArgumentParser(usage=USAGE, description='REPORT.md, tables and figures from run folders; '
+                                'tokens: the token level of their model checkpoints; pretrained: of a '
+                                'pretrained model (needs transformers). Options of this form:')
     if what != 'pretrained':
-        p.add_argument('dirs', nargs='+', help='folders searched for run folders (folders holding config.json)')
+        p.add_argument('dirs', nargs='+', help='folders searched for run folders (holding config.json)')
     p.add_argument('--out', default=os.path.join('out', 'analysis') if what == 'pretrained' else None,
                    help='where to write; default <first dir>/analysis (pretrained: out/analysis)')
     p.add_argument('--no_figures', action='store_true', help='tables only')
@@ -744,15 +774,16 @@ def main(argv=None):
         else:
             revisions = tokens.REVISION_PRESETS.get(a.revisions) or [r for r in a.revisions.split(',') if r] \
                 or [None]
-            res = tokens.analyze_pretrained(a.model, list(revisions), a.text, a.out, a.rope, a.n_seqs, a.seq_len,
-                                            a.device, not a.no_figures)
+            res = tokens.analyze_pretrained(a.model, list(revisions), a.text, a.out, a.rope, a.n_seqs,
+                                            a.seq_len, a.device, not a.no_figures)
     except (Skip, OutError) + ((ImportError, ValueError, OSError) if what == 'pretrained' else ()) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
     model = [(c, judge(c, res.get('summary', []))) for c in CLAIMS if c.unit == 'model']
-    print('\n'.join(res.get('lines') or [f'{c.key:<9} {verdict_text(j):<46} {shown(c, j)}' for c, j in model]))
-    hint = f"; `python analyze.py {' '.join(a.dirs)}{' --out=' + a.out if a.out else ''}` puts (f1), (f2) into " \
-           f"its REPORT.md" if what == 'tokens' else ''
+    print('\n'.join(res.get('lines') or [f'{c.key:<9} {verdict_text(j):<46} {shown(c, j)}'
+                                         for c, j in model]))
+    again = f"python analyze.py {' '.join(a.dirs)}{' --out=' + a.out if a.out else ''}"
+    hint = f'; `{again}` puts (f1), (f2) into its REPORT.md' if what == 'tokens' else ''
     print(f"wrote {len(res['files'])} files in {time.time() - t0:.1f}s{hint}" if res['files'] else
           'error: nothing could be measured (reasons above)', file=sys.stdout if res['files'] else sys.stderr)
     return 0 if res['files'] else 1

@@ -1,9 +1,9 @@
 """
-The figures: FIGURES, a list of Figure(file stem, function of the Study and its tables, the REPORT.md section it is
-shown in, its title). A function returns a matplotlib Figure (or a list of them) or raises folders.Skip with the
-reason the report lists; fn None: drawn by another command (analyze.py tokens, pretrained). Headless; PNGs in 256
-colours (line plots look the same, the files are a third of the size). fig4 alone reads snapshots/, and is drawn
-from the runs that kept them.
+The figures: FIGURES, a list of Figure(file stem, function of the Study and its tables, the REPORT.md section
+it is shown in, its title). A function returns a matplotlib Figure (or a list of them) or raises folders.Skip
+with the reason the report lists; fn None: drawn by another command (analyze.py tokens, pretrained). Headless;
+PNGs in 256 colours (line plots look the same, the files are a third of the size). fig4 alone reads
+snapshots/, and is drawn from the runs that kept them.
 """
 import io
 import os
@@ -54,12 +54,13 @@ def iteration_axis(ax, ylabel=None, title=None):
     """Iterations on a symlog axis that starts at 0."""
     ax.set_xscale('symlog', linthresh=1)
     ax.set_xlim(left=0)
-    ax.set(xlabel='iteration', **({'ylabel': ylabel} if ylabel else {}), **({'title': title} if title else {}))
+    ax.set(xlabel='iteration', ylabel=ylabel or ax.get_ylabel(), title=title or ax.get_title())
 
 
 def settings_of(study):
     """{setting name: its uncontrolled runs with geometry records}."""
-    groups = group([r for r in study.runs if r.control == 'none' and len(r.iters)], lambda r: study.label[r.setting])
+    groups = group([r for r in study.runs if r.control == 'none' and len(r.iters)],
+                   lambda r: study.label[r.setting])
     if groups:
         return groups
     raise Skip('no uncontrolled runs with geometry records')
@@ -79,7 +80,7 @@ def band(ax, its, v, **kw):
     """The seed mean of v (seeds, iterations) with its min-max band."""
     ok = np.isfinite(v).any(0)
     ax.plot(its[ok], stats.nanmean(v, 0)[ok], **kw)
-    ax.fill_between(its[ok], np.nanmin(v[:, ok], 0), np.nanmax(v[:, ok], 0), color=kw.get('color'), alpha=0.15)
+    ax.fill_between(its[ok], np.nanmin(v[:, ok], 0), np.nanmax(v[:, ok], 0), color=kw['color'], alpha=0.15)
 
 
 def pr_over_training(study, t):
@@ -90,7 +91,8 @@ def pr_over_training(study, t):
         for key, style in (('pr_q', '-'), ('pr_k', '--')):
             its, v = stack(runs, key)
             for i in range(v.shape[2]):
-                band(ax, its, v[:, :, i], ls=style, color=colors[i], lw=1.1, label=f'layer {i}' * (style == '-'))
+                band(ax, its, v[:, :, i], ls=style, color=colors[i], lw=1.1,
+                     label=f'layer {i}' * (style == '-'))
         iteration_axis(ax, f'whole-matrix {PR}', f'{name} ({len(runs)} seeds)')
     axes[0].legend(fontsize=7, title='solid PR_Q, dashed PR_K', title_fontsize=7)
     return fig
@@ -102,7 +104,8 @@ def pr_gap(study, t):
     for i, (name, runs) in enumerate(settings_of(study).items()):
         its, q = stack(runs, 'pr_q')
         gap = stats.nanmean(q, 0) - stats.nanmean(stack(runs, 'pr_k', its)[1], 0)
-        ax.plot(its, gap, color=colormaps['tab20'](i % 20), lw=0.9, label=[name] + [None] * (gap.shape[1] - 1))
+        ax.plot(its, gap, color=colormaps['tab20'](i % 20), lw=0.9,
+                label=[name] + [None] * (gap.shape[1] - 1))
     ax.axhline(0, color='k', lw=1)
     iteration_axis(ax, 'PR_Q - PR_K (whole matrix, seed mean)', 'a line per layer, a colour per setting')
     ax.legend(fontsize=6, ncol=2)
@@ -121,11 +124,12 @@ def entropy_and_pr(study, t):
     runs = [r for g in groups.values() for r in g if 'entropy' in r.m]
     color = np.log10(1 + np.concatenate([np.repeat(r.iters, r.n_layer) for r in runs]))
     for ax, key, what in zip(scatter, ('pr_k', 'pr_qk'), ('PR_K (whole matrix)', 'PR_QK (mean over heads)')):
-        x = np.concatenate([r.m[key].ravel() if key in r.m else np.full(r.m['entropy'].size, np.nan) for r in runs])
-        sc = ax.scatter(x, np.concatenate([r.m['entropy'].ravel() for r in runs]), c=color, s=4, alpha=0.6, lw=0)
+        x = np.concatenate([r.m.get(key, r.m['entropy'] * np.nan).ravel() for r in runs])
+        y = np.concatenate([r.m['entropy'].ravel() for r in runs])
+        sc = ax.scatter(x, y, c=color, s=4, alpha=0.6, lw=0)
         ax.set(xlabel=what, ylabel='attention entropy (nats)', title='each run, layer and record')
     fig.colorbar(sc, ax=scatter, label='log10(1 + iteration)')
-    keys = ('qk_spec_norm_heads', 'entropy_heads', 'pr_k_heads')   # shape beyond scale: per head, from warm-up on
+    keys = ('qk_spec_norm_heads', 'entropy_heads', 'pr_k_heads')   # shape beyond scale, from warm-up on
     s, h, k = (np.concatenate([r.m[key][r.iters >= r.cfg['warmup_iters']].ravel() for r in runs
                                if set(keys) <= set(r.m)] or [np.zeros(0)]) for key in keys)
     order = np.argsort(k)[::-1]
@@ -140,9 +144,10 @@ def spectra(study, t):
     reps = []
     for name, runs in settings_of(study).items():
         folder = os.path.join(runs[0].path, 'snapshots')
-        found = sorted(n for n in os.listdir(folder) if re.fullmatch(r'qk_\d+\.npz', n)) if os.path.isdir(folder) \
-            else []
-        reps += [(name, runs[0], [os.path.join(folder, n) for n in (found[0], found[-1])])] if len(found) > 1 else []
+        found = sorted(n for n in os.listdir(folder) if re.fullmatch(r'qk_\d+\.npz', n)) \
+            if os.path.isdir(folder) else []
+        if len(found) > 1:
+            reps.append((name, runs[0], [os.path.join(folder, n) for n in (found[0], found[-1])]))
     if not reps:
         raise Skip('no run kept snapshots/ (save_snapshots=False, or compact logs only)')
     fig = Canvas(layout='constrained', figsize=(13, 3.3 * len(reps[:3])))
@@ -164,28 +169,31 @@ def control(study, t):
     fams = families(study.arms)
     if not fams:
         raise Skip('no controlled runs paired with a baseline')
-    fig, fits = Canvas(layout='constrained', figsize=(15, 4.2 * len(fams))), {(r['setting'], r['arm']): r for r in
-                                                                              t['control_dose_fit']}
+    fig = Canvas(layout='constrained', figsize=(15, 4.2 * len(fams)))
+    fits = {(r['setting'], r['arm']): r for r in t['control_dose_fit']}
     for axes, ((setting, rest), keys) in zip(fig.subplots(len(fams), 3, squeeze=False), fams.items()):
-        key, colors = f"pr_{dict(rest)['control_target']}_head", colormaps['Blues'](np.linspace(0.45, 0.95, len(keys)))
+        key = f"pr_{dict(rest)['control_target']}_head"
+        colors = colormaps['Blues'](np.linspace(0.45, 0.95, len(keys)))
         lines = [('none', list(dict.fromkeys(b for k in keys for _, b in study.arms[k])), 'k')]
-        lines += [(study.arm_name(k[1]), [c for c, _ in study.arms[k]], colors[i]) for i, k in enumerate(keys)]
+        lines += [(study.arm_name(k[1]), [c for c, _ in study.arms[k]], col) for col, k in zip(colors, keys)]
         for label, runs, color in lines:
             for ax, metric in zip(axes, (key, 'entropy')):
                 its, v = stack(runs, metric)
-                ax.plot(its, stats.nanmean(stats.nanmean(v, 0), 1), color=color, label=f'{label} ({len(runs)})')
+                ax.plot(its, stats.nanmean(stats.nanmean(v, 0), 1), color=color,
+                        label=f'{label} ({len(runs)})')
         xs, ys = [], []
         for color, k in zip(colors, keys):   # the dose response: each pair at the change it achieved
             x, y = ([c.final(m) - b.final(m) for c, b in study.arms[k]] for m in (key, 'entropy'))
             axes[2].scatter(x, y, color=color, s=16)
             xs, ys = xs + x, ys + y
             (mx, *_), (my, lo, hi, _) = stats.t_interval(x), stats.t_interval(y)
-            axes[2].errorbar([mx], [my], yerr=np.nan_to_num([[my - lo], [hi - my]]), fmt='D', color=color, mec='k',
-                             capsize=4)
+            axes[2].errorbar([mx], [my], yerr=np.nan_to_num([[my - lo], [hi - my]]), fmt='D', color=color,
+                             mec='k', capsize=4)
         fit = fits.get((study.label[setting], study.arm_name(rest)))
         if fit and np.isfinite(fit['slope']):   # least squares passes through the points' mean
             x0 = np.array([min(xs), max(xs)])
-            axes[2].plot(x0, np.nanmean(ys) + fit['slope'] * (x0 - np.nanmean(xs)), 'k:', label='least squares')
+            axes[2].plot(x0, np.nanmean(ys) + fit['slope'] * (x0 - np.nanmean(xs)), 'k:',
+                         label='least squares')
             axes[2].legend(fontsize=7)
         axes[2].axhline(0, color='k', lw=0.8)
         axes[2].set(xlabel=f'change in {key}', ylabel='change in final entropy (nats)',
@@ -202,10 +210,11 @@ def trended(stat):
 
 
 def regime_points(study, t):
-    """Each statistic shown with trends, per point along each axis: a line per line of points, a point alone too."""
+    """Each statistic shown with trends, per point along each axis: a line per line of points, a point alone
+    too."""
     shown = {k for k, s in study.stats.items() if trended(s) and s.unit != 'pair'}
     trends = [r for r in t['regime_trend'] if r['position'] == 'all' and r['statistic'] in shown]
-    names, axes = list(dict.fromkeys(r['statistic'] for r in trends)), list(dict.fromkeys(r['axis'] for r in trends))
+    names, axes = (list(dict.fromkeys(r[k] for r in trends)) for k in ('statistic', 'axis'))
     if not names:
         raise Skip('no numeric setting with two points on a line')
     coords = {study.label[r.setting]: r.settings for r in study.runs}
@@ -223,8 +232,9 @@ def regime_points(study, t):
                                                      [([p], p) for p in alone]):
                     pts = [rows[(p, name)] for p in members]
                     m, lo, hi = (np.array([p[k] for p in pts], dtype=float) for k in ('est', 'lo', 'hi'))
-                    ax.errorbar([coords[p['point']][axis] for p in pts], m, yerr=np.nan_to_num([m - lo, hi - m]),
-                                marker='os^D'[j % 4], ms=4, capsize=2, ls=('-', '--', ':', '-.')[j % 4], label=label)
+                    x = [coords[p['point']][axis] for p in pts]
+                    ax.errorbar(x, m, yerr=np.nan_to_num([m - lo, hi - m]), marker='os^D'[j % 4], ms=4,
+                                capsize=2, ls=('-', '--', ':', '-.')[j % 4], label=label)
                 ax.legend(fontsize=6)
                 ticks = sorted({c[axis] for c in coords.values() if axis in c})
                 if all(v > 0 for v in ticks):
@@ -237,7 +247,8 @@ def regime_points(study, t):
 
 
 def imbalance(study, t):
-    """qk_imbalance, qk_drift over training per uncontrolled setting; per head, the final PR gap against imbalance."""
+    """qk_imbalance, qk_drift over training per uncontrolled setting; per head, the final PR gap against
+    imbalance."""
     groups = {n: [r for r in rs if 'qk_imbalance_heads' in r.m] for n, rs in settings_of(study).items()}
     if not any(groups.values()):
         raise Skip('qk_imbalance is not logged (runs trained before train.py logged it)')
@@ -250,28 +261,31 @@ def imbalance(study, t):
             ax_t.plot(its, stats.nanmean(stats.nanmean(v, 0), 1), style, color=color,
                       label=name if style == '-' else None)
         gap = np.concatenate([(r.m['pr_q_heads'][-1] - r.m['pr_k_heads'][-1]).ravel() / r.d for r in runs])
-        ax_s.scatter(np.concatenate([r.m['qk_imbalance_heads'][-1].ravel() for r in runs]), gap, s=12, color=color)
-    iteration_axis(ax_t, '||D_h||_F / Gram norm', 'qk_imbalance (solid) and qk_drift (dashed), layer and seed mean')
+        x = np.concatenate([r.m['qk_imbalance_heads'][-1].ravel() for r in runs])
+        ax_s.scatter(x, gap, s=12, color=color)
+    iteration_axis(ax_t, '||D_h||_F / Gram norm', 'qk_imbalance (solid), qk_drift (dashed): layer, seed mean')
     ax_t.legend(fontsize=6)
     ax_s.axhline(0, color='k', lw=0.8)
-    ax_s.set(xlabel='final qk_imbalance of the head', ylabel='final (PR_Q^h - PR_K^h) / d', title='run x layer x head')
+    ax_s.set(xlabel='final qk_imbalance of the head', ylabel='final (PR_Q^h - PR_K^h) / d',
+             title='run x layer x head')
     return fig
 
 
 FIGURES = [
-    Figure('fig1_pr_over_training', pr_over_training, 'Trajectories', 'PR_Q and PR_K over training per setting '
-           '(seed mean, min-max band)'),
+    Figure('fig1_pr_over_training', pr_over_training, 'Trajectories',
+           'PR_Q and PR_K over training per setting (seed mean, min-max band)'),
     Figure('fig2_pr_gap', pr_gap, 'Trajectories', 'PR_Q - PR_K along every trajectory'),
-    Figure('fig3_entropy_and_pr', entropy_and_pr, 'Descriptive statistics', 'Attention entropy over training; PR_K '
-           'and PR_QK against entropy; entropy against the logit scale, coloured by PR_K'),
-    Figure('fig4_spectra', spectra, 'Trajectories', 'Singular values of W_Q, W_K and W_QK at the first and last '
-           'snapshot'),
-    Figure('fig5_control', control, 'Control experiment', 'The controlled PR and the entropy over training per arm '
-           'family; the dose response'),
-    Figure('fig9_regime', regime_points, 'Regime', 'Each statistic per regime point (all layers): estimate and 95% '
-           'interval'),
-    Figure('fig10_imbalance', imbalance, 'Queries, keys and the optimizer', 'The Q/K imbalance and its drift over '
-           'training; the per-head PR gap against the imbalance'),
+    Figure('fig3_entropy_and_pr', entropy_and_pr, 'Descriptive statistics',
+           'Attention entropy over training; PR_K and PR_QK against entropy; entropy against the logit '
+           'scale, coloured by PR_K'),
+    Figure('fig4_spectra', spectra, 'Trajectories',
+           'Singular values of W_Q, W_K and W_QK at the first and last snapshot'),
+    Figure('fig5_control', control, 'Control experiment',
+           'The controlled PR and the entropy over training per arm family; the dose response'),
+    Figure('fig9_regime', regime_points, 'Regime',
+           'Each statistic per regime point (all layers): estimate and 95% interval'),
+    Figure('fig10_imbalance', imbalance, 'Queries, keys and the optimizer',
+           'The Q/K imbalance and its drift over training; the per-head PR gap against the imbalance'),
     Figure('fig6_tokens', None, 'Token level', 'Token-level contrast and entropy over our checkpoints'),
-    Figure('fig7_pretrained', None, 'Token level', 'Token-level contrast and entropy over a pretrained series'),
+    Figure('fig7_pretrained', None, 'Token level', 'Token-level contrast and entropy, a pretrained series'),
 ]

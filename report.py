@@ -1,8 +1,7 @@
 """
-REPORT.md and the formatting of results: a value with its interval and n (shown), a verdict with why it could not
-decide (verdict_text), each claim's rule generated from its row (rule), the robustness map and descriptive tables
-pivoted from their cells (map_tables). The sections are SECTIONS, in order; a statistic's `tables` and a figure's
-section (plots.FIGURES) place them. Nothing here computes a statistic or names one.
+REPORT.md: a value with its interval (shown), a verdict with why it could not decide (verdict_text), each
+claim's rule from its row (rule), the map pivoted from its cells (map_tables), then SECTIONS in order. A
+statistic's `tables` and a figure's section (plots.FIGURES) place them; nothing here names a statistic.
 """
 import os
 import time
@@ -14,27 +13,27 @@ import folders
 import plots
 import stats
 
-UNITS = {'trajectory': 'seeds', 'seed': 'seeds (runs)',
-         'pair': 'seed pairs (controlled - baseline)', 'model': 'models (a run, or a pretrained model)'}
-NEAR_UNIFORM = 0.98        # a record whose layer-mean entropy_norm is at least this has near-uniform attention
-SECTIONS = {   # title: what it says; its tables follow (write), then its figures
-    'Robustness map': 'Exploratory. Each claim in every lens and window over every uncontrolled run, in its own view '
-                      'with and without weight decay on W_Q, W_K; (d), (e) per control_keep. "-": not measured there.',
-    'Descriptive statistics': 'Exploratory, without a predicted sign: links across heads beside (c); |scale: given '
-                              'log ||W_QK^h||_2; within runs over time, which two trends show linked or not.',
-    'Trajectories': 'Per setting, layer, lens and window: seed means of PR_Q, PR_K at the window\'s start and end, '
-                    'the gap and ratio at the end, and the seeds whose trajectory holds (a), (b) or their mirrors.',
-    'Control experiment': 'Exploratory beyond the claims table. Final values, controlled - baseline (the control=none '
-                          'run of the same other settings and seed), over seed pairs; pr_head: of the controlled '
-                          'projection. control_keep=spec keeps the top singular value each step sets, not the logit '
-                          'scale (qk_spec_norm).',
-    'Regime': 'Exploratory. Each statistic per point (an uncontrolled setting) over its own units, all layers '
-              '(regime.md: by layer position); trends per doubling along lines that hold every other setting fixed, '
-              'with the lack-of-fit test (p < 0.05: not a line) and Spearman\'s rho with its Fisher-z interval (a '
-              'monotone rise or fall); regime_trend.md has every statistic. Nothing is projected beyond the points.',
-    'Queries, keys and the optimizer': 'Exploratory. Under gradient flow D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is '
-                                       'conserved (geometry.py): imbalance_conserved is the final qk_imbalance the '
-                                       'law leaves of the initial one, drift_end how far D_h moved.',
+UNITS = {'seed': 'seeds (runs)', 'pair': 'seed pairs (controlled - baseline)', 'model': 'models'}
+NEAR_UNIFORM = 0.98     # a record whose layer-mean entropy_norm is this or more has near-uniform attention
+SECTIONS = {   # title: what it says; its tables follow, then its figures
+    'Robustness map': 'Each claim in every lens and window over every uncontrolled run; in its own view with '
+                      'and without weight decay on W_Q, W_K; (d), (e) per control_keep. "-": not measured.',
+    'Descriptive statistics': 'Without a predicted sign: links across heads beside (c) (|scale: given '
+                              'log ||W_QK^h||_2); within runs over time, where two trends correlate, '
+                              'linked or not.',
+    'Trajectories': "Per setting, layer, lens and window: seed means of PR_Q, PR_K at the window's start and "
+                    'end, and how many seeds hold (a), (b) or their mirrors there.',
+    'Control experiment': 'Final values, controlled - baseline (the control=none run of the same other '
+                          'settings and seed); pr_head: of the controlled projection. spec keeps the top '
+                          'singular value each step sets, not the logit scale (qk_spec_norm).',
+    'Regime': 'Each statistic per point (an uncontrolled setting), all layers (regime.md: per layer '
+              'position); trends per doubling on lines that hold the other settings fixed, with the '
+              "lack-of-fit test (p < 0.05: not a line) and Spearman's rho with its Fisher-z interval "
+              '(monotone or not); regime_trend.md has every statistic. Nothing is projected beyond the '
+              'points.',
+    'Queries, keys and the optimizer': 'Under gradient flow D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is conserved '
+                                       '(geometry.py); imbalance_conserved is what the law leaves of the '
+                                       'initial imbalance, drift_end how far D_h moved.',
     'Token level': '',
 }
 
@@ -49,11 +48,10 @@ def shown(stat, res):
     if not res.get('n'):
         return 'not logged'
     if stat.unit == 'trajectory':
-        return f"{res['hits']}/{res['n']} = {res['est']:.0%} [{res['lo']:.0%}, {res['hi']:.0%}], {res['seeds']} " \
-               f"seeds; mirror {res['mirror']}/{res['n']}"
+        return '{hits}/{n} = {est:.0%} [{lo:.0%}, {hi:.0%}], {seeds} seeds; mirror {mirror}/{n}'.format(**res)
     f = (lambda v: f'{v:.4g}') if stat.log or stat.key.endswith('loss') else signed
-    return f"{f(res['est'])}" + (f" [{f(res['lo'])}, {f(res['hi'])}]" if np.isfinite(res['lo']) else '') + \
-        f", n = {res['n']}"
+    interval = f" [{f(res['lo'])}, {f(res['hi'])}]" if np.isfinite(res['lo']) else ''
+    return f"{f(res['est'])}{interval}, n = {res['n']}"
 
 
 def verdict_text(res):
@@ -62,43 +60,44 @@ def verdict_text(res):
 
 def rule(claim, refs):
     """A claim's rule, from its row (refs: each window's reference records)."""
-    side = ('above', 'below') if claim.sign > 0 else ('below', 'above')
-    level = f'{stats.LEVEL:.0%}'
+    level, side = f'{stats.LEVEL:.0%}', ('above', 'below')[::claim.sign]
     if claim.unit == 'trajectory':
         return (f"`{claim.key}`: per trajectory (one layer of one run), {claim.stat}; references: "
-                f"{', '.join(refs[claim.window])}. The share of each seed's trajectories, the {level} interval over "
-                f"seeds (stats.share): holds if it lies above {claim.ref:g}, reversed if the mirror's does, fails if "
-                f"both lie below, else undecided")
-    lo, hi = claim.ref - claim.margin, claim.ref + claim.margin
+                f"{', '.join(refs[claim.window])}. The share of each seed's trajectories, its {level} "
+                f'interval over seeds (stats.share): holds if it lies above {claim.ref:g}, reversed if the '
+                "mirror's does, fails if both lie below, else undecided")
     where = f' (from {refs[claim.window][0]} on)' if claim.unit == 'seed' else ''
-    arm = '; decided on the control_keep=spec arm (the top singular value kept: the shape of the key spectrum ' \
-          'changes, the logit scale is not pushed up), the fro arm (the Frobenius norm kept: a narrower spectrum ' \
-          'has larger logits) beside with its change in qk_spec_norm' if claim.unit == 'pair' else ''
+    arm = '; decided on the control_keep=spec arm (the top singular value kept: the shape of the key ' \
+          'spectrum changes, the logits are not pushed up), the fro arm beside (the Frobenius norm kept: a ' \
+          'narrower spectrum has larger logits) with its qk_spec_norm change' if claim.unit == 'pair' else ''
     return (f"`{claim.key}`: per {claim.unit.replace('pair', 'seed pair')}, {claim.stat}{where}; the {level} "
-            f"Student-t interval over {UNITS[claim.unit]}: no effect if inside [{lo:g}, {hi:g}], holds if it lies "
-            f"{side[0]} {claim.ref:g}, reversed if {side[1]}, else undecided{arm}")
+            f'Student-t interval over {UNITS[claim.unit]}: no effect if inside '
+            f'[{claim.ref - claim.margin:g}, {claim.ref + claim.margin:g}], holds if it lies {side[0]} '
+            f'{claim.ref:g}, reversed if {side[1]}, else undecided{arm}')
 
 
 def map_tables(cells, registry):
-    """robustness_map (claims) and descriptive: every cell in .csv, in .md a row per statistic, a column per view."""
-    out, views = {}, list(dict.fromkeys(f"{c['lens']}, {c['window']}" for c in cells if c['decay'] == 'pooled'))
+    """robustness_map (claims) and descriptive: every cell in .csv; in .md a row per statistic, a column per
+    view."""
+    out = {}
+    views = list(dict.fromkeys(f"{c['lens']}, {c['window']}" for c in cells if c['decay'] == 'pooled'))
     views += ['decay on W_Q, W_K', 'no decay on W_Q, W_K', 'keep=spec', 'keep=fro']
-    for stem, mine in (('robustness_map', [c for c in cells if hasattr(registry[c['key']], 'sign')]),
-                       ('descriptive', [c for c in cells if not hasattr(registry[c['key']], 'sign')])):
-        pivot = {}
+    keys = ('key', 'lens', 'window', 'decay', 'keep', 'setting', 'n', 'est', 'lo', 'hi', 'verdict', 'why')
+    for stem, claims in (('robustness_map', True), ('descriptive', False)):
+        mine, pivot = [c for c in cells if hasattr(registry[c['key']], 'sign') == claims], {}
         for c in mine:
             s = registry[c['key']]
             text = (f"{c['verdict']} ({shown(s, c)})" if c['verdict'] else shown(s, c)) if c['n'] else \
                 c.get('why') or 'not logged'
             row = pivot.setdefault(c['key'], {'statistic': getattr(s, 'text', '') or f"{c['key']}: {s.stat}"})
-            col = f"keep={c['keep']}" if c['keep'] else f"{c['lens']}, {c['window']}" if c['decay'] == 'pooled' \
-                else ('no ' if c['decay'] is False else '') + 'decay on W_Q, W_K'
-            row[col] = (row[col] + '; ' if col in row else '') + (f"{c['setting']}: " if c['keep'] else '') + text
+            col = f"keep={c['keep']}" if c['keep'] else f"{c['lens']}, {c['window']}" if \
+                c['decay'] == 'pooled' else ('no ' if c['decay'] is False else '') + 'decay on W_Q, W_K'
+            text = (f"{c['setting']}: " if c['keep'] else '') + text
+            row[col] = row[col] + '; ' + text if col in row else text
         used = ['statistic'] + [c for c in views if any(c in r for r in pivot.values())]
-        keys = ('key', 'lens', 'window', 'decay', 'keep', 'setting', 'n', 'est', 'lo', 'hi', 'verdict', 'why')
-        out.update({f'{stem}.csv': folders.table(stem, [{k: c.get(k) for k in keys} for c in mine])[f'{stem}.csv'],
-                    f'{stem}.md': folders.markdown([{k: r.get(k, '-') for k in used} for r in pivot.values()], used)}
-                   if mine else {})
+        csv = folders.table(stem, [{k: c.get(k) for k in keys} for c in mine])
+        md = folders.markdown([{k: r.get(k, '-') for k in used} for r in pivot.values()], used)
+        out.update({f'{stem}.csv': csv[stem + '.csv'], f'{stem}.md': md} if mine else {})
     return out
 
 
@@ -108,33 +107,33 @@ def write(study, t, claims, registry, figure_notes, files, refs):
     rows = [{'claim': r['claim'], 'in': r['scope'], 'value': r['value'], 'verdict': r['verdict'],
              'Holm': r.get('holm', '-'), 'beside': r['beside']} for r in t['claims']]
     keys = [k for k in t['settings'][0] if k not in ('setting', 'runs', 'seeds')] if t['settings'] else []
-    n_holm = sum('holm' in r for r in t['claims'])
+    differ = f' that differ in {", ".join(keys)}' if keys else ''
     L = ['# qkgeom: claims report', '', f'Generated by `python analyze.py {" ".join(study.paths)}` on '
-         f'{time.strftime("%Y-%m-%d %H:%M")}: {len(study.runs)} runs used, {len(study.skipped)} skipped, in '
-         f'{len(study.label)} settings' + (f' that differ in {", ".join(keys)}' if keys else '') + '. Every value and '
-         'verdict is computed from the run folders by the rules printed here.', '', '## Claims', '',
-         'The claims of the seed\'s study, fixed before the runs: each row a test at 95%; Holm: its verdict after '
-         f'Holm\'s step-down adjustment over the {n_holm} rows judged (family-wise 5%; a verdict it does not keep '
-         'reads undecided). Every other table of this report is exploratory.', '',
+         f'{time.strftime("%Y-%m-%d %H:%M")}: {len(study.runs)} runs used, {len(study.skipped)} skipped, '
+         f'in {len(study.label)} settings{differ}. Every value and verdict is computed from the run folders '
+         'by the rules printed here.', '', '## Claims', '', "The seed's claims, fixed before the runs, "
+         "each a test at 95%. Holm: the verdict after Holm's step-down adjustment over the "
+         f"{sum('holm' in r for r in t['claims'])} rows judged (family-wise 5%; a verdict it does not keep "
+         'reads undecided). Every other table here is exploratory.', '',
          folders.markdown(rows, list(rows[0]) if rows else ['claim']), '### Rules', '']
     L += [f'- {rule(c, refs)}.' for c in claims if any(r['key'] == c.key for r in t['claims'])]
-    L += [f'- (d) is judged at the strongest shrink dose whose per-head PR_K change lies below -20% of the '
-          f'baseline\'s. Intervals are over independent units (stats.py).', '']
+    L += ["- (d) is judged at the strongest shrink dose whose per-head PR_K change lies below -20% of the "
+          "baseline's.", '']
+    optimizer = [s.key for s in registry.values() if 'optimizer' in s.tables]
     tables = {'Robustness map': [files.get('robustness_map.md', '')],
               'Descriptive statistics': ['[descriptive.md](descriptive.md)'] * ('descriptive.md' in files),
               'Trajectories': ['[trajectories.md](trajectories.md)'] * ('trajectories.md' in files),
               'Control experiment': control_lines(t), 'Regime': regime_lines(t, registry),
-              'Queries, keys and the optimizer': [by_point(t, [s.key for s in registry.values()
-                                                               if 'optimizer' in s.tables])],
-              'Token level': token_lines(study)}
+              'Queries, keys and the optimizer': [by_point(t, optimizer)], 'Token level': token_lines(study)}
+    names = list(files) + (sorted(os.listdir(study.out)) if os.path.isdir(study.out) else [])
     for title, text in SECTIONS.items():
-        body = [x for x in tables[title] if x] + figures(title, list(files) + sorted(os.listdir(study.out)
-                                                                                   if os.path.isdir(study.out) else []))
-        L += [f'## {title}', ''] + ([text, ''] if text and body else []) + (body or ['Nothing measured.']) + ['']
-    L += ['## Settings', '', f'Seeds of one setting share every config.json key but {", ".join(folders.BOOKKEEPING)} '
-          '(and the control keys their control kind ignores).', '', folders.markdown(t['settings'])]
-    L += ['## Notes: known confounds', ''] + [f'- {n}' for n in confounds(study)]
-    L += ['', '## Skipped runs and warnings', ''] + ([f'- {w}' for w in study.warnings] or ['- none'])
+        body = [x for x in tables[title] if x] + figures(title, names)
+        L += [f'## {title}', ''] + [text, ''] * bool(text and body) + (body or ['Nothing measured.']) + ['']
+    L += ['## Settings', '', 'Seeds of one setting share every config.json key but '
+          f'{", ".join(folders.BOOKKEEPING)} (and the control keys their control kind ignores).', '',
+          folders.markdown(t['settings']), '## Notes: known confounds', '']
+    L += [f'- {n}' for n in confounds(study)] + ['', '## Skipped runs and warnings', '']
+    L += [f'- {w}' for w in study.warnings] or ['- none']
     L += ['', '## Files', ''] + [f'- [{n}]({n})' for n in files if n.endswith('.md')]
     return '\n'.join(L + [f'- figure skipped: {n}' for n in figure_notes]) + '\n'
 
@@ -143,7 +142,7 @@ def figures(section, names):
     """The figures of a section (plots.FIGURES), in their order, with their titles."""
     out = []
     for f in (f for f in plots.FIGURES if f.section == section):
-        found = sorted(dict.fromkeys(n for n in names if n.startswith(f.stem) and n.endswith('.png')),
+        found = sorted({n for n in names if n.startswith(f.stem) and n.endswith('.png')},
                        key=lambda n: (len(n), n))
         out += [f'![{f.title}]({n})' for n in found]
     return out + [''] * bool(out)
@@ -152,17 +151,16 @@ def figures(section, names):
 def control_lines(t):
     if not t['control_dose']:
         return []
-    L = [folders.markdown(t['control_dose'])]
-    if t['control_dose_fit']:
-        L += ['Dose response over the doses x seeds of an arm family: the entropy change on the per-head PR change '
-              '(slope), and on it with the change in log qk_spec_norm; jackknife-t over seeds.', '',
-              folders.markdown(t['control_dose_fit'])]
-    return L
+    return [folders.markdown(t['control_dose'])] + ([
+        'Dose response over the doses x seeds of an arm family: the entropy change on the per-head PR change '
+        '(slope), and on it with the change in log qk_spec_norm; jackknife-t over seeds.', '',
+        folders.markdown(t['control_dose_fit'])] if t['control_dose_fit'] else [])
 
 
 def by_point(t, keep=None):
     """The regime rows of all layers as a table: a row per statistic (those in keep), a column per point."""
-    rows = [r for r in t['regime_rows'] if r['position'] == 'all' and (keep is None or r['statistic'] in keep)]
+    rows = [r for r in t['regime_rows'] if r['position'] == 'all'
+            and (keep is None or r['statistic'] in keep)]
     points, measured = list(dict.fromkeys(r['point'] for r in rows)), {r['statistic'] for r in rows if r['n']}
     pivot = {}
     for r in (r for r in rows if r['statistic'] in measured):
@@ -175,10 +173,11 @@ def by_point(t, keep=None):
 def regime_lines(t, registry):
     if not t['regime']:
         return []
+    interval = lambda r, k='': f"{signed(r[k or 'slope'])} [{signed(r[k + '_lo' if k else 'lo'])}, " \
+                               f"{signed(r[k + '_hi' if k else 'hi'])}]"
     trends = [{**{k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading', 'verdicts')},
-               'slope per doubling': f"{signed(r['slope'])} [{signed(r['lo'])}, {signed(r['hi'])}]",
-               'Spearman': f"{signed(r['rho'])} [{signed(r['rho_lo'])}, {signed(r['rho_hi'])}]"}
-              for r in t['regime_trend'] if r['position'] == 'all' and plots.trended(registry.get(r['statistic'].split(' [')[0]))]
+               'slope per doubling': interval(r), 'Spearman': interval(r, 'rho')} for r in t['regime_trend']
+              if r['position'] == 'all' and plots.trended(registry.get(r['statistic'].split(' [')[0]))]
     return [by_point(t), '### Trends', '', folders.markdown(trends) if trends else
             'No numeric setting with two points on a line.']
 
@@ -191,18 +190,20 @@ def token_lines(study):
 
 
 def confounds(study):
-    """Weight decay on W_Q, W_K; the random init's PR near C/2; learning rate and length; near-uniform records."""
+    """Weight decay on W_Q, W_K; the init's PR near C/2; learning rate and length; near-uniform records."""
     runs, base = study.runs, [r for r in study.runs if r.control == 'none']
+    decay = Counter((r.cfg['weight_decay'], r.cfg['decay_qk']) for r in runs)
     notes = [f'weight decay {w} on W_Q, W_K in {n} run(s): it shrinks both spectra.' if d and w else
-             f'no weight decay on W_Q, W_K in {n} run(s).'
-             for (w, d), n in sorted(Counter((r.cfg['weight_decay'], r.cfg['decay_qk']) for r in runs).items())]
+             f'no weight decay on W_Q, W_K in {n} run(s).' for (w, d), n in sorted(decay.items())]
     start = folders.group([r for r in base if len(r.iters) and r.iters[0] == 0 and 'pr_q' in r.m],
                           lambda r: r.cfg['qk_init'])
-    ratio = {i: np.mean([np.nanmean(r.m['pr_q'][0]) / r.C for r in rs]) for i, rs in start.items()}
-    notes += ['a random (C, C) matrix starts near PR = C/2 (an orthogonal one at C): early training lowers every PR; '
-              'at iteration 0 ' + '; '.join(f'{i}: PR_Q/C = {v:.2f}' for i, v in ratio.items()) + '.'] * bool(start)
+    ratio = '; '.join(f"{i}: PR_Q/C = {np.mean([np.nanmean(r.m['pr_q'][0]) / r.C for r in rs]):.2f}"
+                      for i, rs in start.items())
+    notes += ['a random (C, C) matrix starts near PR = C/2 (an orthogonal one at C): early training lowers '
+              f'every PR; at iteration 0 {ratio}.'] * bool(start)
     notes.append('learning rate, warm-up and length set how fast both PRs move (their values: Settings).')
-    near = [r.m['entropy_norm'][r.iters >= r.cfg['warmup_iters']].mean(1) for r in base if 'entropy_norm' in r.m]
-    return notes + [f'{sum(int((v >= NEAR_UNIFORM).sum()) for v in near)} of the {sum(map(len, near))} records from '
-                    f'warm-up on have near-uniform attention (layer-mean entropy_norm >= {NEAR_UNIFORM}), where '
-                    f'entropy differs across heads by round-off.'] * bool(near)
+    near = [r.m['entropy_norm'][r.iters >= r.cfg['warmup_iters']].mean(1) for r in base
+            if 'entropy_norm' in r.m]
+    return notes + [f'{sum(int((v >= NEAR_UNIFORM).sum()) for v in near)} of the {sum(map(len, near))} '
+                    'records from warm-up on have near-uniform attention (layer-mean entropy_norm >= '
+                    f'{NEAR_UNIFORM}), where entropy differs across heads by round-off.'] * bool(near)

@@ -17,15 +17,15 @@ A verdict (verdict) compares an interval with a reference r, a predicted sign s 
     fails       a share claim whose interval and whose mirror's both lie below r
     undecided   otherwise, or no interval
 
-A trend (trend) is the least-squares line of per-unit values y on x pooled over the P points of a line (N units):
-the slope's t interval from the residuals (N - 2 degrees of freedom), the lack-of-fit test
-F = (SS_lof / (P - 2)) / (SS_pe / (N - P)) (SS_pe: the units' squared deviations from their point's mean), and
-a monotone statistic: Spearman's rho of y against x with the Fisher-z interval, standard error
-sqrt(1.06 / (N - 3)) (Fieller, Hartley and Pearson 1957), so a curved rise still reads as a rise.
+A trend (trend) is the least-squares line of per-unit values y on x pooled over the P points of a line (N
+units): the slope's t interval from the residuals (N - 2 degrees of freedom), the lack-of-fit test F = (SS_lof
+/ (P - 2)) / (SS_pe / (N - P)) (SS_pe: the units' squared deviations from their point's mean), and a monotone
+statistic: Spearman's rho of y against x with the Fisher-z interval, standard error sqrt(1.06 / (N - 3))
+(Fieller, Hartley and Pearson 1957), so a curved rise still reads as a rise.
 
 Correlations row by row over (rows, n) arrays: Pearson, Spearman (ties at their average rank), and the partial
-correlation given one control in geometry.partial_correlation's closed form; NaN for a row with a NaN, fewer than 3
-values (4 for the partial) or a constant series.
+correlation given one control in geometry.partial_correlation's closed form; NaN for a row with a NaN, fewer
+than 3 values (4 for the partial) or a constant series.
 """
 import functools
 import math
@@ -44,7 +44,8 @@ def betainc(a, b, x):
         return float(x >= 1)
     if x > (a + 1) / (a + b + 2):   # the fraction converges fast on this side only
         return 1 - betainc(b, a, 1 - x)
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    lg = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+    front = math.exp(lg + a * math.log(x) + b * math.log1p(-x)) / a
     f, c, d = 1.0, 1.0, 0.0
     for i in range(400):
         m = i // 2
@@ -61,8 +62,8 @@ def betainc(a, b, x):
 
 @functools.lru_cache(maxsize=None)
 def t_quantile(p, df):
-    """The p-quantile (p > 0.5) of Student's t with df degrees of freedom: bisection of its tail
-    P(T > t) = I_{df / (df + t^2)}(df / 2, 1 / 2) / 2."""
+    """The p-quantile (p > 0.5) of Student's t with df degrees of freedom: bisection of its tail P(T > t) =
+    I_{df / (df + t^2)}(df / 2, 1 / 2) / 2."""
     if df == math.inf:
         return Z if p == 0.975 else t_quantile(p, 1e9)
     lo, hi = 0.0, 1e4
@@ -111,7 +112,8 @@ def wilson(k, n, z=Z):
         return math.nan, math.nan, math.nan
     p = k / n
     centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return p, min(p, max(0.0, (centre - half) / (1 + z * z / n))), max(p, min(1.0, (centre + half) / (1 + z * z / n)))
+    lo, hi = ((centre + s * half) / (1 + z * z / n) for s in (-1, 1))
+    return p, min(p, max(0.0, lo)), max(p, min(1.0, hi))
 
 
 def share(hits, counts):
@@ -147,7 +149,8 @@ def holm(ps):
 
 
 def verdict(lo, hi, sign, ref, margin, n, mirror=None):
-    """(verdict, why) of an interval (and a share claim's mirror interval) against a claim (see the docstring)."""
+    """(verdict, why) of an interval (and a share claim's mirror interval) against a claim (see the
+    docstring)."""
     if not (np.isfinite(lo) and np.isfinite(hi)):
         return 'undecided', f'n = {n}: no interval'
     if margin and ref - margin <= lo and hi <= ref + margin:
@@ -215,7 +218,8 @@ def trend(x, y, point):
     ok = np.isfinite(x) & np.isfinite(y)
     x, y, point = x[ok], y[ok], point[ok]
     P, N = len(np.unique(point)), len(y)
-    out = dict.fromkeys(('slope', 'lo', 'hi', 'lof_p', 'rho', 'rho_lo', 'rho_hi'), math.nan) | {'n': N, 'points': P}
+    out = dict.fromkeys(('slope', 'lo', 'hi', 'lof_p', 'rho', 'rho_lo', 'rho_hi'), math.nan)
+    out.update(n=N, points=P)
     if P < 2 or np.ptp(x) == 0:
         return out
     xc = x - x.mean()
@@ -239,9 +243,9 @@ def trend(x, y, point):
 
 
 def fit_groups(y, X, groups):
-    """Least squares of y on [1, X] with jackknife-t intervals over groups (a seed: its rows share one baseline
-    run): se^2 = (G - 1) / G sum (coef_-g - mean)^2, t on G - 1 df. {'coef', 'lo', 'hi'}, intercept first; NaN
-    intervals with fewer than 3 groups."""
+    """Least squares of y on [1, X] with jackknife-t intervals over groups (a seed: its rows share one
+    baseline run): se^2 = (G - 1) / G sum (coef_-g - mean)^2, t on G - 1 df. {'coef', 'lo', 'hi'}, intercept
+    first; NaN intervals with fewer than 3 groups."""
     y, X = np.asarray(y, dtype=float), np.asarray(X, dtype=float).reshape(len(y), -1)
     ok = np.isfinite(y) & np.isfinite(X).all(1)
     A, y, groups = np.column_stack([np.ones(ok.sum()), X[ok]]), y[ok], np.asarray(groups)[ok]
