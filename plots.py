@@ -8,6 +8,7 @@ snapshots/, and is drawn from the runs that kept them.
 import io
 import os
 import re
+import textwrap
 from collections import namedtuple
 
 import matplotlib
@@ -241,7 +242,8 @@ def regime_points(study, t):
                     ax.set_xscale('log', base=2)
                 ax.set_xticks(ticks, [f'{v:g}' for v in ticks], minor=False)
                 ax.minorticks_off()
-                ax.set(xlabel=axis, ylabel=name, title=(getattr(s, 'text', '') or s.stat)[:60])
+                ax.set(xlabel=axis, ylabel=f"{name}{': share of trajectories' * (s.unit == 'trajectory')}")
+                ax.set_title(textwrap.fill(getattr(s, 'text', '') or s.stat, 48), fontsize=9)
         figs.append(fig)
     return figs
 
