@@ -336,8 +336,9 @@ def judge(stat, units, view=View()):
     res.update({'verdict': '', 'why': '', 'p': math.nan})
     res.update(decide(stat, res) if isinstance(stat, Claim) else {})
     if not res['n']:
-        res['verdict'], res['why'] = 'not measured', 'no trajectory has a reference record before its ' \
-            'final records' if stat.unit == 'trajectory' else 'not logged, or no unit with a value here'
+        res['verdict'], res['why'] = 'not measured', 'no trajectory has a reference record before its last ' \
+            f'{FINAL_LOGS} records (runs too short for this window)' if stat.unit == 'trajectory' else \
+            'not logged, or no unit with a value in this view'
     if stat.log:
         res.update(zip(('est', 'lo', 'hi'), np.exp([res['est'], res['lo'], res['hi']])))
     return {k: float(v) if isinstance(v, np.floating) else v for k, v in res.items()}
