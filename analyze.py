@@ -2,7 +2,7 @@
 Run folders in, the study's evidence out: REPORT.md, tables, figures.
 
     python analyze.py out/ [more/] [--out=DIR] [--no_figures] [--from_iter=N]   # -> out/analysis/
-    python analyze.py tokens out/ [--data_file=...]        # token level of our checkpoints (tokens.py)
+    python analyze.py tokens out/        # the token level of our checkpoints (tokens.py)
     python analyze.py pretrained --model=EleutherAI/pythia-160m --revisions=pythia    # a pretrained series
 
 A new logged metric (say `qk_cos` per layer) with a claim and a figure:
@@ -10,26 +10,20 @@ A new logged metric (say `qk_cos` per layer) with a claim and a figure:
     2. a row:        Claim(key='g', text='(g) queries and keys align', stat='final qk_cos', fn=final_cos,
                      margin=0.05) in CLAIMS (the seed's claims), or Stat(...) in STATS (descriptive)
     3. a figure:     Figure('fig11_cos', fn(study, tables), 'Regime', 'its title') in plots.FIGURES
-    Its definitional range, if it has one: folders.bounds.
 
-A statistic is fn(unit, view). A unit is a seed (a run), a seed pair (a controlled run and the control='none'
-run of its other settings and seed) or a model (a token series); (a), (b) give a sign per trajectory (one
-layer of one run), summarised per seed (stats.share). A view: a lens, a window, a layer position. Final: the
-mean over the last FINAL_LOGS records.
+A statistic is fn(unit, view); a unit is a seed (a run), a seed pair (a controlled run and the control='none'
+run of its other settings and seed) or a model (a token series). (a), (b) give signs per trajectory (one layer
+of one run), summarised per seed (stats.share). A view: a lens, a window, a layer position.
 
-Windows: all records; from warm-up on (or --from_iter), with (a)'s early references; after the init is
-forgotten. A random init's whole-matrix PR starts near C/2 and collapses for hundreds of iterations, so a
-reference inside the collapse tests the collapse. The init is forgotten at the first record where
-||W - W(0)||_F >= ||W(0)||_F for W_Q and W_K (dq_rel, dk_rel): the learned part then dominates the spectrum.
-The post-init references (REFERENCES) are that record, 25% and 50% of training; the window starts at the
-earliest. (a), (b) are judged there.
+Windows: all records; from warm-up on; after the init is forgotten. A random init's whole-matrix PR starts
+near C/2 and collapses for hundreds of iterations, so a reference there tests the collapse. The init is
+forgotten at the first record where ||W - W(0)||_F >= ||W(0)||_F for W_Q and W_K: the learned part then
+dominates the spectrum. (a), (b) are judged from that record, 25% and 50% of training (REFERENCES), the early
+ones beside.
 
-Every table is judge() over a grouping: the claims table (own view, Holm beside), the robustness map (lens x
-window; per weight decay on W_Q, W_K), the regime (per uncontrolled setting and layer position; trends along
-each numeric setting, the rest fixed; min_lr = lr / 10 moves with lr). (d), (e) are decided on the
-control_keep=spec arm: the top singular value kept, the spectrum's shape changes and the logits are not pushed
-up; the fro arm (a narrower spectrum, larger logits) is beside with its qk_spec_norm change. (d) takes the
-strongest shrink dose whose per-head PR_K change lies below WELL_BELOW.
+(d), (e) are decided on the control_keep=spec arm: the top singular value kept, the spectrum changes shape and
+the logits are not pushed up; the fro arm (a narrower spectrum, larger logits) is beside with its qk_spec_norm
+change. (d) takes the strongest shrink dose whose per-head PR_K change lies below WELL_BELOW.
 """
 import argparse
 import math
@@ -53,14 +47,11 @@ from stats import nanmean
 WELL_BELOW = -0.20
 
 # ----------------------------------------------------------------------------- views
-Lens = namedtuple('Lens', 'q k qk q_heads k_heads qk_heads size what')   # size: a gap is divided by C or d
-LENSES = {'whole': Lens('pr_q', 'pr_k', 'pr_qk', None, None, None, 'C', 'whole-matrix weight PR'),
-          'head': Lens('pr_q_head', 'pr_k_head', 'pr_qk', 'pr_q_heads', 'pr_k_heads', 'pr_qk_heads', 'd',
-                       'per-head weight PR'),
-          'tok': Lens('tok_pr_q', 'tok_pr_k', 'tok_pr_qk', 'tok_pr_q_heads', 'tok_pr_k_heads',
-                      'tok_pr_qk_heads', 'C', 'token-level PR'),
-          'learned': Lens('pr_dq', 'pr_dk', 'pr_qk', 'pr_dq_heads', 'pr_dk_heads', 'pr_qk_heads', 'C',
-                          'learned part W - W(0)')}
+Lens = namedtuple('Lens', 'q k qk size what')   # a per-head list: the key without _head, with _heads
+LENSES = {'whole': Lens('pr_q', 'pr_k', 'pr_qk', 'C', 'whole-matrix weight PR'),
+          'head': Lens('pr_q_head', 'pr_k_head', 'pr_qk', 'd', 'per-head weight PR'),
+          'tok': Lens('tok_pr_q', 'tok_pr_k', 'tok_pr_qk', 'C', 'token-level PR'),
+          'learned': Lens('pr_dq', 'pr_dk', 'pr_qk', 'C', 'learned part W - W(0)')}
 WINDOWS = {'all': 'all records', 'warmup': 'from warm-up on', 'post': 'after the init is forgotten'}
 REFERENCES = {'all': ('the first record',), 'warmup': ('the end of warm-up', 'twice that', '10% of training'),
               'post': ('init forgotten (the first record where ||W - W(0)||_F >= ||W(0)||_F for W_Q and W_K)',
@@ -76,8 +67,8 @@ def layers_of(run, view):
 
 
 def usable(run, it):
-    """The index of the first record at or after iteration it, if it lies before the final records."""
-    i = int(np.searchsorted(run.iters, it)) if it is not None else len(run.iters)
+    """The index of the first record at or after iteration it, if before the final records."""
+    i = len(run.iters) if it is None else int(np.searchsorted(run.iters, it))
     return i if i < len(run.iters) - FINAL_LOGS else None
 
 
@@ -85,62 +76,58 @@ def references(run, view, layers):
     """The iterations of the window's REFERENCES (None: not reached)."""
     m, w = run.cfg['max_iters'], run.cfg['warmup_iters'] if view.from_iter is None else view.from_iter
     if view.window != 'post':
-        return [1 if view.lens == 'learned' else 0] if view.window == 'all' else [w, 2 * w, m / 10]
-    no = np.full((len(run.iters), run.n_layer), np.nan)
-    gone = np.flatnonzero(np.all([run.m.get(k, no)[:, layers] >= 1 for k in ('dq_rel', 'dk_rel')], (0, 2)))
+        return [int(view.lens == 'learned')] if view.window == 'all' else [w, 2 * w, m / 10]
+    gone = np.flatnonzero(np.all([run.m[k][:, layers] >= 1 for k in ('dq_rel', 'dk_rel') if k in run.m]
+                                 or [[[False]]], (0, 2)))
     return [int(run.iters[gone[0]]) if len(gone) else None, m / 4, m / 2]
 
 
 def start(run, view, layers):
-    """The first iteration a window keeps; after the init is forgotten, its earliest usable reference."""
+    """The first iteration a window keeps (after the init is forgotten: the earliest usable reference)."""
     refs = references(run, view, layers)
-    found = [run.iters[i] for i in map(lambda it: usable(run, it), refs) if i is not None]
-    s = (min(found) if found else math.inf) if view.window == 'post' else refs[0]
-    return max(s, 1) if view.lens == 'learned' else s
+    found = [run.iters[i] for i in (usable(run, it) for it in refs) if i is not None] + [math.inf]
+    return max(min(found) if view.window == 'post' else refs[0], int(view.lens == 'learned'))
 
 
 # ----------------------------------------------------------------------------- statistics of one unit
-def pr_pair(run, view, i):
-    lens = LENSES[view.lens]
-    return [run.m[k][:, i] if k in run.m else np.full(len(run.iters), np.nan) for k in (lens.q, lens.k)]
+def series(run, key, i):
+    return run.m[key][:, i] if key in run.m else np.full(len(run.iters), np.nan)
 
 
 def moves(run, view):
-    """(a), per trajectory and reference: the signs of PR_Q(end) - PR_Q(ref) and of PR_K(ref) - PR_K(end)."""
-    out = []
+    """(a), per trajectory and reference: the signs of PR_Q(end) - PR_Q(ref) and PR_K(ref) - PR_K(end)."""
+    out, lens = [], LENSES[view.lens]
     for i in layers_of(run, view):
-        q, k = pr_pair(run, view, i)
-        end = [nanmean(x[-FINAL_LOGS:]) for x in (q, k)]
+        q, k = series(run, lens.q, i), series(run, lens.k, i)
+        q1, k1 = nanmean(q[-FINAL_LOGS:]), nanmean(k[-FINAL_LOGS:])
         at = [usable(run, it) for it in references(run, view, [i])]
-        out.append([(np.sign(end[0] - q[j]), np.sign(k[j] - end[1])) if j is not None else (np.nan,) * 2
-                    for j in at])
+        out.append([(np.nan, np.nan) if j is None else (np.sign(q1 - q[j]), np.sign(k[j] - k1)) for j in at])
     return np.array(out, dtype=float)
 
 
 def gap_signs(run, view):
-    """(b), per trajectory and record from the window's start (after iteration 0): the sign of PR_Q - PR_K."""
-    return np.array([np.where(run.iters >= max(start(run, view, [i]), 1), np.sign(np.subtract(
-        *pr_pair(run, view, i))), np.nan)[:, None] for i in layers_of(run, view)])
+    """(b), per trajectory and record from the window's start (after iteration 0): sign(PR_Q - PR_K)."""
+    lens = LENSES[view.lens]
+    return np.array([np.where(run.iters >= max(start(run, view, [i]), 1), np.sign(
+        series(run, lens.q, i) - series(run, lens.k, i)), np.nan)[:, None] for i in layers_of(run, view)])
 
 
 def values(run, role, lens, heads, layers):
-    """(records, values): a role's values (k, qk: the lens' PR_K, PR_QK; entropy; scale: log ||W_QK^h||_2) at
-    the layers, per (layer, head) pair with heads, else per layer; None when not logged."""
-    key = {'entropy': 'entropy', 'scale': 'qk_spec_norm'}.get(role)
-    key = key + '_heads' * heads if key else getattr(LENSES[lens], role + '_heads' * heads)
+    """(records, values) of a role (k, qk: the lens' PR_K, PR_QK; entropy; scale: log ||W_QK^h||_2), per
+    (layer, head) with heads, else per layer; None if not logged."""
+    key = {'entropy': 'entropy', 'scale': 'qk_spec_norm'}.get(role) or getattr(LENSES[lens], role)
+    key = key.removesuffix('_head') + '_heads' if heads else key
     if key not in run.m:
         return None
     a = run.m[key][:, layers]
-    if role == 'scale':
-        with np.errstate(divide='ignore', invalid='ignore'):
-            a = np.log(np.where(a > 0, a, np.nan))
-    return a.reshape(len(a), -1)
+    with np.errstate(divide='ignore', invalid='ignore'):
+        return (np.log(np.where(a > 0, a, np.nan)) if role == 'scale' else a).reshape(len(a), -1)
 
 
 def correlation(x, y, scope='heads', kind='spearman', changes=False):
     """A statistic of a run: the correlation of roles x and y (partial: given the scale), of levels or of
-    changes between records. heads: across the (layer, head) pairs of each record, mean over the window's
-    records; time: within the run over the window's records, per layer, mean over layers."""
+    changes between records; across the (layer, head) pairs of each record, mean over records (heads), or
+    within the run over its records, mean over layers (time)."""
     roles = (x, y, 'scale') if kind == 'partial' else (x, y)
     corr = dict(spearman=stats.spearman_rows, pearson=stats.pearson_rows, partial=stats.partial_rows)[kind]
 
@@ -151,8 +138,7 @@ def correlation(x, y, scope='heads', kind='spearman', changes=False):
             return math.nan
         keep = run.iters >= start(run, view, layers)
         if scope == 'time':
-            vals = [np.diff(v[keep], axis=0) if changes else v[keep] for v in vals]
-            return nanmean(corr(*(v.T for v in vals)))
+            return nanmean(corr(*((np.diff(v[keep], axis=0) if changes else v[keep]).T for v in vals)))
         key = (x, y, kind, changes, view.lens, view.position)
         if key not in run.memo:   # every window of the run reads the same per-record correlations
             run.memo[key] = corr(*(np.diff(v, axis=0) if changes else v for v in vals))
@@ -161,8 +147,8 @@ def correlation(x, y, scope='heads', kind='spearman', changes=False):
 
 
 def final_pr(stat):
-    """A statistic of a run: final (PR_Q - PR_K) / C (whole matrix; / d per head: comparable across widths),
-    or log(PR_Q / PR_K) (shown as the geometric mean of the ratio)."""
+    """A statistic of a run: final (PR_Q - PR_K) / C (/ d per head: comparable across widths), or
+    log(PR_Q / PR_K)."""
     def fn(run, view):
         lens, layers = LENSES[view.lens], layers_of(run, view)
         q, k = (np.array([run.final(key, [i]) for i in layers]) for key in (lens.q, lens.k))
@@ -172,14 +158,13 @@ def final_pr(stat):
 
 
 def value(key, at='final'):
-    """A statistic of a run: a metric's mean over the layers of the view, at its first record or final."""
+    """A statistic of a run: a metric's mean over the view's layers, final or at the first record."""
     return lambda run, view: run.final(key, layers_of(run, view)) if at == 'final' else \
         nanmean(run.m[key][0, layers_of(run, view)]) if key in run.m and len(run.iters) else math.nan
 
 
 def conserved_imbalance(run, view):
-    """What the final qk_imbalance would be had D_h kept its initial norm: imbalance_h(0) gram_h(0) /
-    gram_h(t)."""
+    """The final qk_imbalance had D_h kept its initial norm: imbalance_h(0) gram_h(0) / gram_h(t)."""
     if not {'qk_imbalance_heads', 'qk_gram_heads'} <= set(run.m) or not len(run.iters):
         return math.nan
     imb, gram = (run.m[k][:, layers_of(run, view)] for k in ('qk_imbalance_heads', 'qk_gram_heads'))
@@ -188,13 +173,11 @@ def conserved_imbalance(run, view):
 
 
 def change(key, how='difference'):
-    """A statistic of a seed pair: the final value of key (pr_ctl_head: the per-head PR of the controlled
-    projection; *_loss: the final loss), controlled against baseline: difference, relative change or log
-    ratio."""
+    """A statistic of a seed pair: key's final value (pr_ctl_head: the controlled projection's per-head PR),
+    controlled against baseline: difference, relative change or log ratio."""
     def fn(pair, view):
-        ctl, base = pair
-        name = f'pr_{ctl.cfg["control_target"]}_head' if key == 'pr_ctl_head' else key
-        a, b = ((r.final_loss(name) if name.endswith('_loss') else r.final(name, layers_of(r, view)))
+        name = f'pr_{pair[0].cfg["control_target"]}_head' if key == 'pr_ctl_head' else key
+        a, b = (r.final_loss(name) if name.endswith('_loss') else r.final(name, layers_of(r, view))
                 for r in pair)
         if how == 'difference':
             return a - b
@@ -203,8 +186,7 @@ def change(key, how='difference'):
 
 
 def token_column(column):
-    """A statistic of a model: a column of its token summary row (uncontrolled; q, k as attention uses
-    them)."""
+    """A statistic of a model: a column of its token summary (uncontrolled; q, k as attention uses them)."""
     return lambda row, view: row[column] if (row.get('control') or 'none') == 'none' and (
         row.get('rope') or 'none') in ('none', 'after') else math.nan
 
@@ -322,9 +304,8 @@ ALL = {s.key: s for s in CLAIMS + STATS}
 
 
 def judge(stat, units, view=View()):
-    """A statistic over a group of units, summarised by its interval rule and, a Claim, judged: {n, est, lo,
-    hi, p, verdict, why, values}; a trajectory claim adds hits, mirror, seeds and counts per reference and
-    part."""
+    """A statistic over units, summarised by its interval rule and, a Claim, judged: {n, est, lo, hi, p,
+    verdict, why, values}; a trajectory claim adds hits, mirror, seeds, per_ref, per_part."""
     if stat.unit == 'trajectory':
         res = shares([stat.fn(u, view) for u in units])
     else:
@@ -345,15 +326,15 @@ def judge(stat, units, view=View()):
 
 
 def outcomes(signs):
-    """Per trajectory of a (trajectories, references or records, parts) array of signs: +1 when every sign it
-    has is +1, -1 when every one is -1, 0 otherwise, NaN when it has none."""
+    """Per trajectory of (trajectories, references or records, parts) signs: +1 if all it has are +1, -1 if
+    all are -1, else 0; NaN with none."""
     fin = np.isfinite(signs)
     every = lambda x: (np.where(fin, signs, x) == x).all((1, 2))
     return np.where(fin.any((1, 2)), np.where(every(1), 1.0, np.where(every(-1), -1.0, 0.0)), np.nan)
 
 
 def shares(signs):
-    """The per-seed shares of a trajectory claim and of its mirror; (a): counted per reference and per
+    """The per-seed shares of a trajectory claim and of its mirror; with parts, counts per reference and
     part."""
     signs = [s for s in signs if np.size(s)]
     o = [outcomes(s) for s in signs]
@@ -395,8 +376,8 @@ def uncontrolled(runs):
 
 
 def arms(runs):
-    """{(the baseline's setting, arm): [(controlled run, baseline run)] by seed}, in reading order: setting,
-    the other control keys, shrink from the weakest dose to the strongest."""
+    """{(the baseline's setting, arm): [(controlled, baseline run)] by seed}: setting, other control keys,
+    shrink from the weakest dose."""
     base, found = {(r.base, r.seed): r for r in uncontrolled(runs)}, {}
     for r in sorted((r for r in runs if r.control != 'none'), key=lambda r: r.seed):
         if (r.base, r.seed) in base:
@@ -406,9 +387,8 @@ def arms(runs):
 
 
 def deciding(claim, study, keep):
-    """[(setting, arm, pairs or None, why)] deciding a control claim on W_K per arm family of one
-    control_keep: (e) every freeze arm; (d) the strongest shrink dose whose per-head PR_K change lies well
-    below the baseline."""
+    """[(setting, arm, pairs or None, why)] deciding a control claim on W_K per arm family of one keep: every
+    freeze arm; the strongest shrink dose moving PR_K well below the baseline."""
     out, rel = [], ALL['d_pr_head_rel']
     for (setting, rest), keys in folders.families(study.arms, claim.control).items():
         if (dict(rest).get('control_target'), dict(rest).get('control_keep')) != ('k', keep):
@@ -426,9 +406,8 @@ def deciding(claim, study, keep):
 
 
 def robustness_cells(study):
-    """The map's cells: each statistic of the map in every lens x window over every uncontrolled run; the
-    claims in their own view per weight decay on W_Q, W_K (when the runs have both); (d), (e) per deciding arm
-    and keep."""
+    """The map's cells: each map statistic in every lens x window over every uncontrolled run; claims in their
+    own view per weight decay on W_Q, W_K; (d), (e) per deciding arm and keep."""
     pool, cells = uncontrolled(study.runs), []
     split = group(pool, lambda r: r.cfg['decay_qk'] and r.cfg['weight_decay'] > 0)
     for s in (s for s in CLAIMS + STATS if s.unit in ('trajectory', 'seed') and 'map' in s.tables):
@@ -446,8 +425,8 @@ def robustness_cells(study):
 
 
 def beside(claim, study, pool, cell):
-    """What the claims table shows beside a claim's verdict: Claim.beside (a pair claim: of the fro arm's
-    cell); (a): its count from each reference and of each half."""
+    """Shown beside a claim's verdict: Claim.beside (a pair claim: the fro arm's); (a)'s count per reference
+    and half."""
     if claim.unit == 'pair':
         return f"keep=fro ({cell['arm']}): {shown(claim, cell)}; " + '; '.join(
             f"{k} {shown(ALL[k], judge(ALL[k], cell['pairs']))}" for k in claim.beside) \
@@ -463,8 +442,8 @@ def beside(claim, study, pool, cell):
 
 
 def claims_table(study, cells):
-    """Each claim in its own view; (d), (e) per setting on the spec arm, the fro arm beside; (f1), (f2) per
-    source; Holm's adjustment over every row judged."""
+    """Each claim in its own view; (d), (e) per setting on the spec arm; (f1), (f2) per source; Holm over the
+    rows judged."""
     pool, rows = uncontrolled(study.runs), []
     where = f'{len(pool)} uncontrolled runs in {len(group(pool, lambda r: r.setting))} settings'
     for c in CLAIMS:
@@ -516,8 +495,8 @@ def regime(study):
 
 
 def axes(points):
-    """The settings that vary between points, but for one that is a constant multiple of an earlier axis
-    (min_lr = lr / 10): it moves with that axis."""
+    """The settings that vary between points, but for a constant multiple of an earlier axis (min_lr = lr /
+    10)."""
     cfgs = [runs[0].settings for runs in points.values()]
     numeric = lambda k: all(type(c.get(k)) in folders.NUMBER and c.get(k) for c in cfgs)
     out = []
@@ -528,8 +507,8 @@ def axes(points):
 
 
 def trends(study, points, units, rows):
-    """Per numeric axis, line (points equal in every other axis) of 2+ points, statistic and position: the
-    slope per doubling and the monotone statistic over the units' values (stats.trend), their reading."""
+    """Per numeric axis, line of 2+ points (equal in every other axis), statistic and position: stats.trend
+    over the units' values, its reading, the verdicts."""
     ax, cfg, out = axes(points), {s: runs[0].settings for s, runs in points.items()}, []
     verdicts = {(r['point'], r['statistic'], r['position']): r['verdict'] for r in rows}
     for axis in (a for a in ax if all(type(c.get(a)) in folders.NUMBER for c in cfg.values())):
@@ -554,8 +533,7 @@ def trends(study, points, units, rows):
 
 
 def reading(fit, means):
-    """The line (up, down, no clear slope; not a line where the lack-of-fit test rejects one, with the point
-    means) and the monotone statistic (rises, falls, or no monotone trend)."""
+    """The line (up, down, no clear slope; not a line where lack of fit rejects it) and the monotone trend."""
     word = lambda lo, hi, up, down, none: up if lo > 0 else down if hi < 0 else none
     line = word(fit['lo'], fit['hi'], 'up', 'down', 'no clear slope')
     if fit['lof_p'] < stats.ALPHA:
@@ -569,15 +547,15 @@ def reading(fit, means):
 
 # ----------------------------------------------------------------------------- the other tables
 def trajectory_rows(study):
-    """Per setting, layer, lens and window: seed means of PR_Q, PR_K at the window's start and at the end, the
-    gap and ratio at the end, and how many seeds hold (a), (b) or their mirrors."""
+    """Per setting, layer, lens and window: seed means of PR_Q, PR_K at the window's start and end, and how
+    many seeds hold (a), (b) or their mirrors."""
     rows = []
     for (setting, runs), lens, window in ((g, lens, w) for g in group(
             uncontrolled(study.runs), lambda r: r.setting).items() for lens in LENSES for w in WINDOWS):
         view = View(lens, window, 'all', study.from_iter)
         ab = [(c, [outcomes(ALL[c].fn(r, view)) for r in runs]) for c in 'ab']
         for i in range(runs[0].n_layer):
-            q, k = zip(*[pr_pair(r, view, i) for r in runs])
+            q, k = ([series(r, key, i) for r in runs] for key in LENSES[lens][:2])
             at = [usable(r, start(r, view, [i])) for r in runs]
             first = [nanmean([x[j] for x, j in zip(v, at) if j is not None]) for v in (q, k)]
             end = [nanmean(np.concatenate([x[-FINAL_LOGS:] for x in v])) for v in (q, k)]
@@ -591,7 +569,7 @@ def trajectory_rows(study):
 
 
 def control_tables(study):
-    """(control: every paired statistic per seed pair; control_dose: each over the pairs of an arm)."""
+    """(control: every paired statistic per seed pair; control_dose: each over an arm's pairs)."""
     per_pair, dose, paired = [], [], [s for s in STATS if 'control' in s.tables]
     for (setting, arm), pairs in study.arms.items():
         head, kind = {'setting': study.label[setting], 'arm': study.arm_name(arm)}, dict(arm)['control']
@@ -609,8 +587,8 @@ def control_tables(study):
 
 
 def dose_fits(study):
-    """Per arm family with 2+ shrink doses: the entropy change against the per-head PR change, alone and with
-    the change in log qk_spec_norm; jackknife-t over seeds (the arms of a seed share its baseline)."""
+    """Per family of 2+ shrink doses: the entropy change on the per-head PR change, alone and with the change
+    in log qk_spec_norm; jackknife-t over seeds (the arms of a seed share its baseline)."""
     out = []
     for (setting, rest), keys in folders.families(study.arms, 'shrink').items():
         pairs = [p for k in keys for p in study.arms[k]]
@@ -626,23 +604,6 @@ def dose_fits(study):
             row['pr_coef_hi'] < 0 else 'undecided'
         out += [row] if len(keys) > 1 else []
     return out
-
-
-TIMELINE = ('pr_q', 'pr_k', 'pr_q_head', 'pr_k_head', 'pr_qk', 'pr_dq', 'pr_dk', 'qk_spec_norm', 'entropy',
-            'entropy_norm', 'qk_imbalance', 'qk_drift')
-
-
-def timeline_rows(study):
-    """Per setting: the mean over seeds of the layer means at every iteration a seed logged, and how many
-    did."""
-    rows = []
-    for setting, rs in group(study.runs, lambda r: r.setting).items():
-        its = folders.stack(rs, 'pr_q')[0]
-        have = {k: nanmean(folders.stack(rs, k, its)[1], 2) for k in TIMELINE if any(k in r.m for r in rs)}
-        seeds = sum(np.isin(its, r.iters) for r in rs)
-        rows += [{'setting': study.label[setting], 'seeds': int(seeds[i]), 'iter': int(it),
-                  **{k: nanmean(v[:, i]) for k, v in have.items()}} for i, it in enumerate(its)]
-    return rows
 
 
 def runs_rows(study):
@@ -705,8 +666,7 @@ def load(paths, out=None, from_iter=None, log=print):
 
 
 def analyze(paths, out=None, figures=True, from_iter=None, log=print):
-    """Load, compute, write; the Study. Skip (no usable run) or OutError (out refused) before anything is
-    written."""
+    """Load, compute, write; the Study. Skip (no usable run) or OutError (out refused) before writing."""
     study = load(paths, out, from_iter, log)
     folders.check_out(study.out)
     if not study.runs:
@@ -715,14 +675,14 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
     t = study.tables = {'claims': claims_table(study, cells), 'cells': cells, 'regime': reg,
                         'control': per_pair,
                         'trajectories': trajectory_rows(study), 'control_dose': dose,
-                        'control_dose_fit': dose_fits(study), 'timeline': timeline_rows(study),
+                        'control_dose_fit': dose_fits(study),
                         'runs': runs_rows(study), 'settings': setting_rows(study),
                         'regime_rows': reg.get('rows', []), 'regime_trend': reg.get('trends', [])}
     figs = plots.draw(study, t, log) if figures else {'files': {}, 'notes': []}
     files = {**figs['files'], **report.map_tables(t['cells'], ALL),
              **folders.table('regime', t['regime_rows'])}
-    for stem in ('claims', 'trajectories', 'control', 'control_dose', 'control_dose_fit', 'timeline', 'runs',
-                 'settings', 'regime_trend'):
+    for stem in ('claims', 'trajectories', 'control', 'control_dose', 'control_dose_fit', 'runs', 'settings',
+                 'regime_trend'):
         files.update(folders.table(stem, t[stem]))
     files['REPORT.md'] = report.write(study, t, CLAIMS, ALL, figs['notes'], files, REFERENCES)
     study.files = folders.write_files(study.out, files)

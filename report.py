@@ -16,24 +16,20 @@ import stats
 UNITS = {'seed': 'seeds (runs)', 'pair': 'seed pairs (controlled - baseline)', 'model': 'models'}
 NEAR_UNIFORM = 0.98     # a record whose layer-mean entropy_norm is this or more has near-uniform attention
 SECTIONS = {   # title: what it says; its tables follow, then its figures
-    'Robustness map': 'Each claim in every lens and window over every uncontrolled run; in its own view with '
-                      'and without weight decay on W_Q, W_K; (d), (e) per control_keep. "-": not measured.',
-    'Descriptive statistics': 'Without a predicted sign: links across heads beside (c) (|scale: given '
-                              'log ||W_QK^h||_2); within runs over time, where two trends correlate, '
-                              'linked or not.',
-    'Trajectories': "Per setting, layer, lens and window: seed means of PR_Q, PR_K at the window's start and "
-                    'end, and how many seeds hold (a), (b) or their mirrors there.',
-    'Control experiment': 'Final values, controlled - baseline (the control=none run of the same other '
-                          'settings and seed); pr_head: of the controlled projection. spec keeps the top '
-                          'singular value each step sets, not the logit scale (qk_spec_norm).',
-    'Regime': 'Each statistic per point (an uncontrolled setting), all layers (regime.md: per layer '
-              'position); trends per doubling on lines that hold the other settings fixed, with the '
-              "lack-of-fit test (p < 0.05: not a line) and Spearman's rho with its Fisher-z interval "
-              '(monotone or not); regime_trend.md has every statistic. Nothing is projected beyond the '
-              'points.',
-    'Queries, keys and the optimizer': 'Under gradient flow D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is conserved '
-                                       '(geometry.py); imbalance_conserved is what the law leaves of the '
-                                       'initial imbalance, drift_end how far D_h moved.',
+    'Robustness map': 'Each claim in every lens and window over the uncontrolled runs; in its own view with '
+                      'and without weight decay on W_Q, W_K; (d), (e) per control_keep.',
+    'Descriptive statistics': 'Links across heads beside (c) (|scale: given log ||W_QK^h||_2); within runs '
+                              'over time, where two trends correlate, linked or not.',
+    'Trajectories': "Seed means of PR_Q, PR_K at each window's start and end; the seeds holding (a), (b) or "
+                    'their mirrors.',
+    'Control experiment': 'Final values, controlled - baseline (the control=none run of its other settings '
+                          'and seed); pr_head: of the controlled projection.',
+    'Regime': "Each statistic per point (an uncontrolled setting), all layers (regime.md: per position); "
+              "trends per doubling on lines that hold the other settings fixed: the slope, the lack-of-fit "
+              "test (p < 0.05: not a line) and Spearman's rho (monotone or not). Nothing is projected beyond "
+              "the points.",
+    'Queries, keys and the optimizer': 'D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is conserved under gradient '
+                                       'flow (geometry.py); imbalance_conserved: what the law leaves of it.',
     'Token level': '',
 }
 
@@ -67,9 +63,8 @@ def rule(claim, refs):
                 f'interval over seeds (stats.share): holds if it lies above {claim.ref:g}, reversed if the '
                 "mirror's does, fails if both lie below, else undecided")
     where = f' (from {refs[claim.window][0]} on)' if claim.unit == 'seed' else ''
-    arm = '; decided on the control_keep=spec arm (the top singular value kept: the shape of the key ' \
-          'spectrum changes, the logits are not pushed up), the fro arm beside (the Frobenius norm kept: a ' \
-          'narrower spectrum has larger logits) with its qk_spec_norm change' if claim.unit == 'pair' else ''
+    arm = '; on the control_keep=spec arm (the top singular value kept: the shape changes, the logits are ' \
+          'not pushed up), the fro arm beside with its qk_spec_norm change' if claim.unit == 'pair' else ''
     return (f"`{claim.key}`: per {claim.unit.replace('pair', 'seed pair')}, {claim.stat}{where}; the {level} "
             f'Student-t interval over {UNITS[claim.unit]}: no effect if inside '
             f'[{claim.ref - claim.margin:g}, {claim.ref + claim.margin:g}], holds if it lies {side[0]} '
@@ -77,8 +72,7 @@ def rule(claim, refs):
 
 
 def map_tables(cells, registry):
-    """robustness_map (claims) and descriptive: every cell in .csv; in .md a row per statistic, a column per
-    view."""
+    """robustness_map (claims), descriptive: .csv a row per cell; .md a row per statistic, a column a view."""
     out = {}
     views = list(dict.fromkeys(f"{c['lens']}, {c['window']}" for c in cells if c['decay'] == 'pooled'))
     views += ['decay on W_Q, W_K', 'no decay on W_Q, W_K', 'keep=spec', 'keep=fro']

@@ -1,31 +1,22 @@
 """
-The statistics of the analysis: pure functions of numpy arrays, no I/O, no random draws.
+The statistics: pure functions of numpy arrays. Intervals at LEVEL over independent units:
+    mean    Student-t   m -/+ t(n - 1) s / sqrt(n) (no percentile bootstrap: over 3 to 5 units it is their min
+            and max, and covers far less than its level)
+    share   of trajectories grouped by seed (share): Wilson's with n_eff = p(1 - p) / var trajectories,
+            var the spread of the per-seed shares, n_eff between the numbers of seeds and of trajectories,
+            t(seeds - 1) for z. Seeds of equal shares show no spread: Wilson's over the trajectories.
+Each interval inverts a test whose two-sided p (p_value) feeds holm().
 
-Intervals at LEVEL over independent units:
-    mean    Student-t   m -/+ t(n - 1) s / sqrt(n), n >= 2 (no percentile bootstrap: over 3 to 5 units it is
-            their min and max and covers far less than its level)
-    share   of trajectories grouped by the seed they come from (share): Wilson's interval with the effective
-            number of trajectories n_eff = p(1 - p) / var, var the spread of the per-seed shares over seeds,
-            n_eff held between the number of seeds and of trajectories, and t(seeds - 1) in place of z. When
-            every seed gives the same share there is no spread: Wilson's over the trajectories, at z.
-Every interval is the inversion of a test, whose two-sided p-value (p_value) feeds holm().
+verdict, in this order: no effect (the interval inside [r - m, r + m], whatever its sign), holds (on the
+predicted side of r), reversed (on the other side; a share claim: its mirror's interval above r), fails (a
+share claim whose interval and mirror's both lie below r), else undecided.
 
-A verdict (verdict) compares an interval with a reference r, a predicted sign s and a margin m, in this order:
-    no effect   the interval lies inside [r - m, r + m] (m > 0), whatever its sign
-    holds       it lies on the predicted side of r
-    reversed    on the other side (a share claim: the mirror's interval lies above r)
-    fails       a share claim whose interval and whose mirror's both lie below r
-    undecided   otherwise, or no interval
+trend: the least-squares line of per-unit values over the P points of a line (N units), the slope's t interval
+(N - 2 df), the lack-of-fit F = (SS_lof / (P - 2)) / (SS_pe / (N - P)), and Spearman's rho with the Fisher-z
+interval, se sqrt(1.06 / (N - 3)) (Fieller, Hartley and Pearson 1957): a curved rise still reads as a rise.
 
-A trend (trend) is the least-squares line of per-unit values y on x pooled over the P points of a line (N
-units): the slope's t interval from the residuals (N - 2 degrees of freedom), the lack-of-fit test F = (SS_lof
-/ (P - 2)) / (SS_pe / (N - P)) (SS_pe: the units' squared deviations from their point's mean), and a monotone
-statistic: Spearman's rho of y against x with the Fisher-z interval, standard error sqrt(1.06 / (N - 3))
-(Fieller, Hartley and Pearson 1957), so a curved rise still reads as a rise.
-
-Correlations row by row over (rows, n) arrays: Pearson, Spearman (ties at their average rank), and the partial
-correlation given one control in geometry.partial_correlation's closed form; NaN for a row with a NaN, fewer
-than 3 values (4 for the partial) or a constant series.
+Row-wise correlations: Pearson, Spearman (average ranks for ties), the partial given one control
+(geometry.partial_correlation's form); NaN with a NaN, under 3 values (4 for the partial) or a constant row.
 """
 import functools
 import math
