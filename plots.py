@@ -77,10 +77,16 @@ def panels(n, width=4.2, height=3.2, cols=4):
     return fig, axes[:n]
 
 
+def mean_line(runs, key):
+    """(iterations, the mean over seeds and layers of key)."""
+    its, v = stack(runs, key)
+    return its, stats.nanmean(stats.nanmean(v, 0), 1)
+
+
 def band(ax, its, v, **kw):
     """The seed mean of v (seeds, iterations) with its min-max band."""
     ok = np.isfinite(v).any(0)
-    ax.plot(its[ok], stats.nanmean(v, 0)[ok], **kw)
+    ax.plot(its[ok], stats.nanmean(v, 0)[ok], lw=1.1, **kw)
     ax.fill_between(its[ok], np.nanmin(v[:, ok], 0), np.nanmax(v[:, ok], 0), color=kw['color'], alpha=0.15)
 
 
@@ -92,21 +98,18 @@ def pr_over_training(study, t):
         for key, style in (('pr_q', '-'), ('pr_k', '--')):
             its, v = stack(runs, key)
             for i in range(v.shape[2]):
-                band(ax, its, v[:, :, i], ls=style, color=colors[i], lw=1.1,
-                     label=f'layer {i}' * (style == '-'))
+                band(ax, its, v[:, :, i], ls=style, color=colors[i], label=f'layer {i}' * (style == '-'))
         iteration_axis(ax, f'whole-matrix {PR}', f'{name} ({len(runs)} seeds)')
     axes[0].legend(fontsize=7, title='solid PR_Q, dashed PR_K', title_fontsize=7)
     return fig
 
 
 def pr_gap(study, t):
-    fig = Canvas(layout='constrained', figsize=(8, 4.5))
-    ax = fig.subplots()
+    fig, (ax,) = panels(1, 8, 4.5)
     for i, (name, runs) in enumerate(settings_of(study).items()):
         its, q = stack(runs, 'pr_q')
         gap = stats.nanmean(q, 0) - stats.nanmean(stack(runs, 'pr_k', its)[1], 0)
-        ax.plot(its, gap, color=colormaps['tab20'](i % 20), lw=0.9,
-                label=[name] + [None] * (gap.shape[1] - 1))
+        ax.plot(its, gap, color=colormaps['tab20'](i % 20), lw=0.9, label=[name] + [None] * (len(gap.T) - 1))
     ax.axhline(0, color='k', lw=1)
     iteration_axis(ax, 'PR_Q - PR_K (whole matrix, seed mean)', 'a line per layer, a colour per setting')
     ax.legend(fontsize=6, ncol=2)
@@ -115,24 +118,22 @@ def pr_gap(study, t):
 
 def entropy_and_pr(study, t):
     groups = settings_of(study)
-    fig = Canvas(layout='constrained', figsize=(20, 4.3))
-    ax_h, *scatter, ax_s = fig.subplots(1, 4)
+    fig, (ax_h, *scatter, ax_s) = panels(4, 5, 4.3)
     for name, runs in groups.items():
-        its, h = stack(runs, 'entropy')
-        ax_h.plot(its, stats.nanmean(stats.nanmean(h, 0), 1), lw=1.1, label=name)
+        ax_h.plot(*mean_line(runs, 'entropy'), label=name)
     iteration_axis(ax_h, 'attention entropy (nats)', 'seed and layer mean')
     ax_h.legend(fontsize=6)
     runs = [r for g in groups.values() for r in g if 'entropy' in r.m]
+    flat = lambda key, rs=runs, warm=False: np.concatenate(
+        [r.m[key][r.iters >= r.cfg['warmup_iters'] * warm].ravel() for r in rs] or [np.zeros(0)])
     color = np.log10(1 + np.concatenate([np.repeat(r.iters, r.n_layer) for r in runs]))
     for ax, key, what in zip(scatter, ('pr_k', 'pr_qk'), ('PR_K (whole matrix)', 'PR_QK (mean over heads)')):
         x = np.concatenate([r.m.get(key, r.m['entropy'] * np.nan).ravel() for r in runs])
-        y = np.concatenate([r.m['entropy'].ravel() for r in runs])
-        sc = ax.scatter(x, y, c=color, s=4, alpha=0.6, lw=0)
+        sc = ax.scatter(x, flat('entropy'), c=color, s=4, alpha=0.6, lw=0)
         ax.set(xlabel=what, ylabel='attention entropy (nats)', title='each run, layer and record')
     fig.colorbar(sc, ax=scatter, label='log10(1 + iteration)')
     keys = ('qk_spec_norm_heads', 'entropy_heads', 'pr_k_heads')   # shape beyond scale, from warm-up on
-    s, h, k = (np.concatenate([r.m[key][r.iters >= r.cfg['warmup_iters']].ravel() for r in runs
-                               if set(keys) <= set(r.m)] or [np.zeros(0)]) for key in keys)
+    s, h, k = (flat(key, [r for r in runs if set(keys) <= set(r.m)], True) for key in keys)
     order = np.argsort(k)[::-1]
     fig.colorbar(ax_s.scatter(np.log10(s[order]), h[order], c=k[order], s=5, alpha=0.7, lw=0), ax=ax_s,
                  label='PR_K of the head')
@@ -179,9 +180,7 @@ def control(study, t):
         lines += [(study.arm_name(k[1]), [c for c, _ in study.arms[k]], col) for col, k in zip(colors, keys)]
         for label, runs, color in lines:
             for ax, metric in zip(axes, (key, 'entropy')):
-                its, v = stack(runs, metric)
-                ax.plot(its, stats.nanmean(stats.nanmean(v, 0), 1), color=color,
-                        label=f'{label} ({len(runs)})')
+                ax.plot(*mean_line(runs, metric), color=color, label=f'{label} ({len(runs)})')
         xs, ys = [], []
         for color, k in zip(colors, keys):   # the dose response: each pair at the change it achieved
             x, y = ([c.final(m) - b.final(m) for c, b in study.arms[k]] for m in (key, 'entropy'))
@@ -254,14 +253,11 @@ def imbalance(study, t):
     groups = {n: [r for r in rs if 'qk_imbalance_heads' in r.m] for n, rs in settings_of(study).items()}
     if not any(groups.values()):
         raise Skip('qk_imbalance is not logged (runs trained before train.py logged it)')
-    fig = Canvas(layout='constrained', figsize=(14, 4.8))
-    ax_t, ax_s = fig.subplots(1, 2)
+    fig, (ax_t, ax_s) = panels(2, 7, 4.8)
     for i, (name, runs) in enumerate((n, rs) for n, rs in groups.items() if rs):
         color = colormaps['tab20'](i % 20)
         for key, style in (('qk_imbalance', '-'), ('qk_drift', '--')):
-            its, v = stack(runs, key)
-            ax_t.plot(its, stats.nanmean(stats.nanmean(v, 0), 1), style, color=color,
-                      label=name if style == '-' else None)
+            ax_t.plot(*mean_line(runs, key), style, color=color, label=name if style == '-' else None)
         gap = np.concatenate([(r.m['pr_q_heads'][-1] - r.m['pr_k_heads'][-1]).ravel() / r.d for r in runs])
         x = np.concatenate([r.m['qk_imbalance_heads'][-1].ravel() for r in runs])
         ax_s.scatter(x, gap, s=12, color=color)
