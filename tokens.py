@@ -1,22 +1,22 @@
 """
-Token-level analysis of checkpoints: query/key geometry of activations (geometry.token_geometry), followed over
-checkpoints as the contrast tok_pr_q - tok_pr_k: `python analyze.py tokens out/` for our runs' models/model_*.pt,
-`python analyze.py pretrained --model=NAME --revisions=pythia` for a pretrained series, then `python analyze.py out/`.
+Token-level geometry of checkpoints (geometry.token_geometry) and its contrast tok_pr_q - tok_pr_k over
+checkpoints: `python analyze.py tokens out/` for our runs' models/model_*.pt, `python analyze.py pretrained
+--model=NAME --revisions=pythia` for a pretrained series, then `python analyze.py out/`.
 
-Our checkpoints run their run's fixed evaluation batch, rebuilt as train.py builds it (prepare.prepare_data on its
-config.json, train.eval_batch): their numbers equal those logged. A moved text is named with its override; one whose
-SHA-256 is not data_sha256 is refused. Pretrained models (transformers, imported only here) load in float32 with eager
-attention from PATH/REVISION or the hub's cache and run windows of a text (--text; default wiki.test.raw in train.py's
-data_dir) in the tokenizer's own special tokens; FAMILIES holds one adapter per family. Rotary: q, k as attention
-uses them (--rope=after) or as projected (before). GQA: query head h uses key head h // (n_q / n_kv). Encoders: the
-entropy of every row over all T keys, normalised by log T.
+Our checkpoints run their run's evaluation batch as train.py builds it, so their numbers equal those logged; the
+encoded text comes from the run's cache where it is (never written to), else is encoded into --cache_dir or a
+temporary folder. Pretrained models (transformers, imported only here) run in float32, eager attention, on windows of
+a text in the tokenizer's special tokens; FAMILIES holds one adapter per family. Rotary: q, k as attention uses them
+(--rope=after) or as projected (before). GQA: query head h uses key head h // (n_q / n_kv). Encoders: the entropy
+of every row over all T keys, normalised by log T.
 
-Per series (one model's checkpoints, grouped by setting for ours) and layer (*_trend): Spearman of the contrast with
-log(1 + step) over all, the early (log step <= its median) and the late (>= it) checkpoints. Per checkpoint (*_link):
-Spearman of tok_pr_qk with entropy across its (layer, head) pairs. *_summary: per series, the layer means and the
-link at the last checkpoint, the units of (f1), (f2). prefix.json holds the rows, and tokens_runs the runs measured
-(SHA-256 of config.json and done.json): the report counts token rows only for these runs as they are.
+Per series (a model's checkpoints) and layer (*_trend): Spearman of the contrast with log(1 + step) over all, the
+early (log step <= its median) and the late (>=) checkpoints; per checkpoint (*_link): Spearman of tok_pr_qk with
+entropy across (layer, head) pairs; *_summary: the units of (f1), (f2). A call replaces the rows of the runs or the
+model it measures and keeps the others; tokens_runs names the runs by the SHA-256 of config.json and done.json, and
+the report counts only the runs as they are now.
 """
+import contextlib
 import glob
 import hashlib
 import json
@@ -24,6 +24,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 import time
 from collections import namedtuple
 
@@ -46,20 +47,28 @@ SOURCES = {'tokens': 'our checkpoints', 'pretrained': 'pretrained models'}
 
 # ----------------------------------------------------------------------------- our checkpoints
 def evaluation_batch(cfg, overrides=('', '', '')):
-    """The run's fixed evaluation batch as train.py builds it; overrides: data_file, data_dir, cache_dir if moved."""
-    cfg = {**cfg, **{k: v for k, v in zip(('data_file', 'data_dir', 'cache_dir'), overrides) if v}}
+    """The run's evaluation batch; overrides: data_file, data_dir, cache_dir where moved."""
+    cfg = {**cfg, **{k: v for k, v in zip(('data_file', 'data_dir'), overrides) if v}}
     needs = [cfg['data_file']] if cfg.get('data_file') else [os.path.join(cfg.get('data_dir', ''), n) for n in (
         ('wiki.test.raw',) if cfg.get('dataset') == 'wikitext103-test' else ('wiki.train.raw', 'wiki.valid.raw'))]
     if not all(map(os.path.isfile, needs)):
-        flag = 'data_file' if cfg.get('data_file') else 'data_dir'
-        raise Skip(f"its text {', '.join(needs)} is not there; pass --{flag} to the same text")
-    try:
-        _, val, meta = prepare.prepare_data(cfg)
-    except SystemExit as e:
-        raise Skip(str(e).removeprefix('error: ')) from None
-    if meta['sha256'] != cfg['data_sha256']:
-        raise Skip('the text found is not the one the run was trained on (its SHA-256 is not data_sha256)')
-    return train.eval_batch(val, cfg)[0]
+        raise Skip(f"its text {', '.join(needs)} is not there; pass --"
+                   f"{'data_file' if cfg.get('data_file') else 'data_dir'} to the same text")
+    key = cfg.get('data_cache') or '-'
+    with tempfile.TemporaryDirectory() as tmp:   # prepare.py's places for the run's cache, linked to be read only
+        found = [p for d in (cfg.get('cache_dir'), os.environ.get('QKGEOM_CACHE'), '~/.cache/qkgeom') if d
+                 for p in [os.path.join(os.path.expanduser(d), key)] if os.path.isfile(os.path.join(p, 'meta.json'))]
+        if found and not overrides[2]:
+            os.symlink(os.path.abspath(found[0]), os.path.join(tmp, key))
+        try:
+            _, val, meta = prepare.prepare_data({**cfg, 'cache_dir': overrides[2] or tmp})
+        except SystemExit as e:
+            raise Skip(str(e).removeprefix('error: ')) from None
+        except OSError as e:
+            raise Skip(f'cannot encode its text into {overrides[2]}: {e.strerror or e}; pass another --cache_dir')
+        if meta['sha256'] != cfg['data_sha256']:
+            raise Skip('the text found is not the one the run was trained on (its SHA-256 is not data_sha256)')
+        return train.eval_batch(val, cfg)[0]
 
 
 def checkpoints(path):
@@ -93,7 +102,7 @@ def measure_run(path, cfg, x, device):
 
 
 def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', figures=True, log=print):
-    """Token metrics of every model checkpoint of the runs under paths (one that cannot be measured: one line)."""
+    """Token metrics of every model checkpoint of the runs under paths (one not measured: one line)."""
     out = out or os.path.join(paths[0], 'analysis')
     folders.check_out(out)
     layer_rows, head_rows, runs, cfgs, batches = [], [], [], {}, {}
@@ -112,16 +121,24 @@ def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', figure
         layer_rows, head_rows, cfgs[path] = layer_rows + rows[0], head_rows + rows[1], cfg
         runs.append(dict(zip(('model', 'run', 'config_sha256', 'done_sha256'), (path, *identity(path)))))
         log(f'{path}: {len(checkpoints(path))} checkpoints')
-    settings = [{k: v for k, v in c.items() if k not in folders.BOOKKEEPING} for c in cfgs.values()]
+    if layer_rows and os.path.isfile(os.path.join(out, 'tokens.json')):   # the other runs' rows stay
+        earlier = json.load(open(os.path.join(out, 'tokens.json')))
+        old = {r['model'] for r in earlier['runs']} - set(cfgs)
+        runs[:0] = [r for r in earlier['runs'] if r['model'] in old]
+        layer_rows[:0], head_rows[:0] = ([r for r in earlier[k] if r['model'] in old] for k in ('layers', 'heads'))
+        for m in sorted(old):   # their settings name them beside these runs; a run gone keeps its name
+            with contextlib.suppress(Skip):
+                cfgs[m] = folders.read_json(os.path.join(m, 'config.json'))
+    settings = folders.settings_of(list(cfgs.values()))
     names = dict(zip(cfgs, folders.labels(settings, folders.varying(settings))))
     for r in layer_rows + head_rows:
-        r['setting'] = names[r['model']]
+        r['setting'] = names.get(r['model'], r.get('setting'))
     return finish(out, 'tokens', layer_rows, head_rows, lambda r: r['setting'], figures, runs)
 
 
 def token_tables(out, runs, warn):
-    """{source: summary rows} of the token tables in out; ours only for these runs as they are now (name, SHA-256 of
-    config.json and done.json), with a warning naming the others and the runs not measured."""
+    """{source: summary rows} of the token tables in out; ours only for these runs as they are now (name, SHA-256
+    of config.json and done.json), with a warning naming the others and the runs not measured."""
     found = {p: json.load(open(os.path.join(out, f'{p}.json'))) for p in SOURCES
              if os.path.isfile(os.path.join(out, f'{p}.json'))}
     if 'tokens' in found:
@@ -139,12 +156,12 @@ def token_tables(out, runs, warn):
 
 
 # ----------------------------------------------------------------------------- pretrained models
-# An adapter: config.model_type values, the class names of the self-attention modules, the submodules whose outputs
-# hold q and k (one fused module twice, with split: output -> (q, k), head h on channels h*d:(h+1)*d), rotary, causal
+# An adapter: config.model_type values, the self-attention modules' class names, the submodules whose outputs hold
+# q and k (one fused module twice, with split: output -> (q, k), head h on channels h*d:(h+1)*d), rotary, causal
 Family = namedtuple('Family', 'model_types attention q k split rotary causal', defaults=(None, False, True))
 FAMILIES = {
     'gpt2': Family(('gpt2',), ('GPT2Attention',), 'c_attn', 'c_attn', lambda out, n: out.chunk(3, dim=-1)[:2]),
-    'gpt_neox': Family(('gpt_neox',), ('GPTNeoXAttention',), 'query_key_value', 'query_key_value',   # [q_h|k_h|v_h]
+    'gpt_neox': Family(('gpt_neox',), ('GPTNeoXAttention',), 'query_key_value', 'query_key_value',  # [q_h|k_h|v_h]
                        lambda out, n: tuple(out.unflatten(-1, (n, 3, -1))[..., i, :].flatten(-2) for i in (0, 1)),
                        rotary=True),
     'opt': Family(('opt',), ('OPTAttention',), 'q_proj', 'k_proj'),
@@ -172,8 +189,8 @@ def source(name, revision):
 
 
 def text_windows(tokenizer, text, n_seqs, seq_len):
-    """(B, T) ids: up to n_seqs consecutive pieces of the text, each in the special tokens the tokenizer adds by
-    default, to seq_len tokens; one shorter window for a shorter text. Never padded."""
+    """(B, T) ids: up to n_seqs consecutive pieces of the text in the special tokens the tokenizer adds by default,
+    seq_len tokens each; one shorter window for a shorter text. Never padded."""
     ids = tokenizer(text, add_special_tokens=False)['input_ids']
     bare, full = (tokenizer('a', add_special_tokens=s)['input_ids'] for s in (False, True))
     at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
@@ -209,13 +226,13 @@ def qk_token_geometry(q, k, att, n_head, causal=True):
 def capture_qk(model, ids, rope='after'):
     """Per layer (q, k), caught by forward hooks on the family's projections, and the attention probabilities."""
     fam, n_head = family_of(model.config)[1], model.config.num_attention_heads
-    attns = [m for m in model.modules() if type(m).__name__ in fam.attention and not getattr(m, 'is_cross_attention',
-                                                                                              False)]
+    attns = [m for m in model.modules()
+             if type(m).__name__ in fam.attention and not getattr(m, 'is_cross_attention', False)]
     stores, hooks = [{} for _ in attns], []
     for store, attn in zip(stores, attns):
-        hooks += [getattr(attn, role).register_forward_hook(lambda mod, a, out, store=store, role=role:
-                                                            store.__setitem__(role, out.detach()))
-                  for role in dict.fromkeys((fam.q, fam.k))]
+        hooks += [getattr(attn, role).register_forward_hook(
+            lambda mod, a, out, store=store, role=role: store.__setitem__(role, out.detach()))
+            for role in dict.fromkeys((fam.q, fam.k))]
         hooks += [attn.register_forward_pre_hook(lambda mod, a, kw, store=store: store.__setitem__(
             'cs', kw.get('position_embeddings')), with_kwargs=True)] if fam.rotary else []
     try:
@@ -229,8 +246,8 @@ def capture_qk(model, ids, rope='after'):
     layers = []
     for attn, store in zip(attns, stores):
         q, k = fam.split(store[fam.q], n_head) if fam.split else (store[fam.q], store[fam.k])
-        layers.append(rotate(attn, q, k, store['cs'], q.shape[-1] // n_head) if fam.rotary and rope == 'after' else
-                      (q, k))
+        layers.append(rotate(attn, q, k, store['cs'], q.shape[-1] // n_head) if fam.rotary and rope == 'after'
+                      else (q, k))
     return layers, list(out.attentions)
 
 
@@ -243,7 +260,7 @@ def pretrained_tokens(model, ids, rope='after'):
 
 def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rope='after', n_seqs=8, seq_len=256,
                        device='cpu', figures=True, log=print):
-    """Token metrics of each revision of a pretrained model, added to the pretrained* tables (other models kept)."""
+    """Token metrics of each revision of a pretrained model (default text: wiki.test.raw in train.py's data_dir)."""
     try:
         import transformers as tf
     except ImportError:
@@ -268,19 +285,19 @@ def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rop
                            'revision': revision or ''}, int(m.group(1)) if m else position, layers)
         layer_rows, head_rows = layer_rows + rows[0], head_rows + rows[1]
         log(f'{name} {revision or ""}: {len(layers)} layers in {time.time() - t0:.1f}s')
-    if os.path.isfile(os.path.join(out, 'pretrained.json')):   # earlier models stay, this one's rows are replaced
+    if os.path.isfile(os.path.join(out, 'pretrained.json')):
         earlier = json.load(open(os.path.join(out, 'pretrained.json')))
         layer_rows[:0], head_rows[:0] = ([r for r in earlier[k] if r['model'] != name] for k in ('layers', 'heads'))
-    return finish(out, 'pretrained', layer_rows, head_rows, lambda r: f"{os.path.basename(r['model'])} ({r['rope']})",
-                  figures)
+    return finish(out, 'pretrained', layer_rows, head_rows,
+                  lambda r: f"{os.path.basename(r['model'])} ({r['rope']})", figures)
 
 
 # ----------------------------------------------------------------------------- tables and fig6, fig7
 def token_rows(series, step, layers):
     """(per-layer rows, per-head rows) of one checkpoint; contrast = tok_pr_q - tok_pr_k."""
     keys = ('tok_pr_q', 'tok_pr_k', 'tok_pr_q_head', 'tok_pr_k_head', 'tok_pr_qk', 'entropy', 'entropy_norm')
-    return ([{**series, 'step': step, 'layer': i, 'contrast': g['tok_pr_q'] - g['tok_pr_k'], **{k: g[k] for k in keys}}
-             for i, g in enumerate(layers)],
+    return ([{**series, 'step': step, 'layer': i, 'contrast': g['tok_pr_q'] - g['tok_pr_k'],
+              **{k: g[k] for k in keys}} for i, g in enumerate(layers)],
             [{**series, 'step': step, 'layer': i, 'head': h, 'tok_pr_qk': g['tok_pr_qk_heads'][h],
               'entropy': g['entropy_heads'][h], 'tok_pr_k_head': g['tok_pr_k_heads'][h]}
              for i, g in enumerate(layers) for h in range(len(g['tok_pr_qk_heads']))])
@@ -305,8 +322,8 @@ def trend_rows(layer_rows):
     rows = []
     for (series, layer), rs in group(layer_rows, lambda r: (series_of(r), r['layer'])).items():
         rs = sorted(rs, key=lambda r: r['step'])
-        rows.append({**dict(zip(SERIES, series)), 'layer': layer, **contrast_trend([r['step'] for r in rs],
-                                                                                   [r['contrast'] for r in rs]),
+        rows.append({**dict(zip(SERIES, series)), 'layer': layer,
+                     **contrast_trend([r['step'] for r in rs], [r['contrast'] for r in rs]),
                      'first_step': rs[0]['step'], 'last_step': rs[-1]['step'], 'contrast_last': rs[-1]['contrast']})
     return rows
 
@@ -334,16 +351,17 @@ def finish(out, prefix, layer_rows, head_rows, label_of, figures, runs=()):
     """The prefix* tables, prefix.json (the rows, which the report reads back) and the figure, written into out."""
     trend, link = trend_rows(layer_rows), link_rows(head_rows)
     summary = summary_rows(trend, link)
-    files = {**folders.table(prefix, layer_rows), **folders.table(prefix + '_heads', head_rows),
-             **folders.table(prefix + '_trend', trend), **folders.table(prefix + '_link', link),
-             **folders.table(prefix + '_summary', summary), **folders.table(prefix + '_runs', list(runs)),
-             f'{prefix}.json': json.dumps({'layers': layer_rows, 'heads': head_rows, 'summary': summary, 'runs': runs})}
+    files = {f'{prefix}.json': json.dumps({'layers': layer_rows, 'heads': head_rows, 'summary': summary,
+                                           'runs': runs})}
+    for stem, rows in (('', layer_rows), ('_heads', head_rows), ('_trend', trend), ('_link', link),
+                       ('_summary', summary), ('_runs', list(runs))):
+        files.update(folders.table(prefix + stem, rows))
     labels = list(dict.fromkeys(map(label_of, layer_rows))) if figures else []
     for n, part in enumerate((set(labels[i:i + 4]) for i in range(0, len(labels), 4)), 1):   # 4 rows a figure
         fig = token_figure([r for r in layer_rows if label_of(r) in part],
                            [h for h in head_rows if label_of(h) in part], label_of, SOURCES[prefix])
         files.update(plots.save(('fig6_tokens' if prefix == 'tokens' else 'fig7_pretrained') + f'_{n}' * (n > 1), fig))
-    return {'out': out, 'files': folders.write_files(out, files) if layer_rows else [], 'summary': summary}
+    return {'out': out, 'files': folders.write_files(out, files, prefix) if layer_rows else [], 'summary': summary}
 
 
 def token_figure(layer_rows, head_rows, label_of, title):
