@@ -1,6 +1,6 @@
 """
-Run folders in, files out: each run's config.json, done.json (without it, unfinished) and metrics.jsonl(.gz),
-read once as arrays; its settings are the config.json keys but BOOKKEEPING. What is left out gets one line.
+Run folders in, files out: each run's config.json, done.json and metrics.jsonl(.gz), read once as arrays; its
+settings are the config.json keys but BOOKKEEPING. What is left out gets one line.
 """
 import csv
 import gzip
@@ -46,7 +46,7 @@ class Run:
     done: dict
     iters: np.ndarray   # of the geometry records
     m: dict             # metric -> (records, layers[, heads])
-    losses: dict        # train_loss, val_loss at the loss records
+    losses: dict        # train_loss, val_loss
     notes: list
     memo: dict = field(default_factory=dict)
 
@@ -57,7 +57,7 @@ class Run:
         self.use(config_settings([self.cfg])[0])
 
     def use(self, settings):
-        """settings, and setting, base (without control keys) and arm from them."""
+        """settings, and from them setting, base (no control keys), arm."""
         self.settings, self.setting = settings, json.dumps(settings, sort_keys=True)
         self.base = json.dumps({k: v for k, v in settings.items() if k not in CONTROL_KEYS}, sort_keys=True)
         self.arm = tuple((k, settings.get(k)) for k in CONTROL_KEYS)
@@ -143,7 +143,7 @@ def bounds(key, cfg):
     base = base + '_head' if base != key and base + '_head' in PR_KEYS else base
     if base in PR_KEYS:
         return 1.0, cfg['n_embd'] / (cfg['n_head'] if base.endswith('_head') or 'qk' in base else 1), 1e-9
-    if base in ('entropy', 'entropy_norm'):   # a float32 softmax row sums to 1 within ~1e-7; bf16 to ~4e-3
+    if base in ('entropy', 'entropy_norm'):   # bf16 softmax rows sum to 1 within ~4e-3
         return 0.0, math.log(cfg['block_size']) if base == 'entropy' else 1.0, 1e-2
     return (0.0, math.inf, 0) if base.endswith(('_norm', '_rel', '_imbalance', '_drift', '_gram')) else None
 
@@ -285,7 +285,7 @@ def stack(runs, key, its=None):
 
 
 def families(arms, kind=None):
-    """{(setting, arm without its dose): [arm keys]} of arms (of one control kind, or all)."""
+    """{(setting, arm without its dose): [arm keys]} of arms, of one control kind or all."""
     return group([k for k in arms if kind in (None, dict(k[1])['control'])],
                  lambda k: (k[0], tuple(x for x in k[1] if x[0] != 'shrink_to')))
 
@@ -351,7 +351,8 @@ def write_files(out, files, kind='runs'):
     if foreign:
         raise OutError(f'{out} holds {", ".join(foreign)}, not written by analyze.py: move them away or pass '
                        'another --out')
-    stale = [n for n, k in ours.items() if k == kind and n not in files]
+    ext = {n.rsplit('.')[-1] for n in files}   # --no_figures removes no figure
+    stale = [n for n, k in ours.items() if k == kind and n not in files and n.rsplit('.')[-1] in ext]
     mine = {n: k for n, k in ours.items() if n not in stale} | dict.fromkeys(files, kind)
     try:
         os.makedirs(out, exist_ok=True)

@@ -308,10 +308,10 @@ def test_impossible_logit_scales_and_a_done_loss_not_logged_are_named(tmp_path):
 
 def test_an_out_drops_the_files_its_command_wrote_before_and_no_other(tmp_path):
     out = tmp_path / 'out'
-    folders.write_files(str(out), {'a.csv': 'x', 'b.csv': 'y'})
-    folders.write_files(str(out), {'tokens.csv': 't', 'tokens_2.png': 'p'}, 'tokens')
+    folders.write_files(str(out), {'a.csv': 'x', 'b.csv': 'y', 'f.png': b'p'})
+    folders.write_files(str(out), {'tokens.csv': 't', 'tokens_2.png': b'p', 'tokens_3.png': b'p'}, 'tokens')
     (out / 'mine.txt').write_text('keep')
-    folders.write_files(str(out), {'a.csv': 'z'})
-    folders.write_files(str(out), {'tokens.csv': 'u'}, 'tokens')
-    assert sorted(os.listdir(out)) == ['.analyze.json', 'a.csv', 'mine.txt', 'tokens.csv']
-    assert json.load(open(out / folders.MANIFEST)) == {'a.csv': 'runs', 'tokens.csv': 'tokens'}
+    folders.write_files(str(out), {'a.csv': 'z'})   # as with --no_figures: the figures stay
+    folders.write_files(str(out), {'tokens.csv': 'u', 'tokens_2.png': b'q'}, 'tokens')
+    assert sorted(os.listdir(out)) == ['.analyze.json', 'a.csv', 'f.png', 'mine.txt', 'tokens.csv', 'tokens_2.png']
+    assert json.load(open(out / folders.MANIFEST))['tokens_2.png'] == 'tokens'

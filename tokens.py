@@ -42,7 +42,7 @@ def evaluation_batch(cfg, overrides=('', '', '')):
     if not all(map(os.path.isfile, needs)):
         raise Skip(f"its text {', '.join(needs)} is not there; pass --data_file or --data_dir to it")
     key = cfg.get('data_cache') or '-'
-    with tempfile.TemporaryDirectory() as tmp:   # the run's cache, if found, is linked into tmp
+    with tempfile.TemporaryDirectory() as tmp:   # the run's cache is linked in
         found = [p for d in (cfg.get('cache_dir'), os.environ.get('QKGEOM_CACHE'), '~/.cache/qkgeom') if d
                  for p in [os.path.expanduser(f'{d}/{key}')] if os.path.isfile(f'{p}/meta.json')]
         if found and not overrides[2]:
@@ -106,7 +106,7 @@ def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', figure
         runs.append(dict(zip(('model', 'run', 'config_sha256', 'done_sha256'), (path, *identity(path)))))
         log(f'{path}: {len(checkpoints(path))} checkpoints')
     layer_rows, head_rows, runs = merged(out, 'tokens', layer_rows, head_rows, runs)
-    for path in sorted({r['model'] for r in runs} - set(cfgs)):   # all named alike; a run gone as it was
+    for path in sorted({r['model'] for r in runs} - set(cfgs)):   # a run gone keeps its name
         with contextlib.suppress(Skip):
             cfgs[path] = folders.read_json(f'{path}/config.json')
     settings = folders.config_settings(cfgs.values())
@@ -266,7 +266,7 @@ def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rop
 
 # ---- tables and fig6, fig7
 def token_rows(series, step, layers):
-    """(per-layer rows, per-head rows) of one checkpoint; contrast = tok_pr_q - tok_pr_k."""
+    """(layer rows, head rows) of one checkpoint; contrast = tok_pr_q - tok_pr_k."""
     keys = ('tok_pr_q', 'tok_pr_k', 'tok_pr_q_head', 'tok_pr_k_head', 'tok_pr_qk', 'entropy', 'entropy_norm')
     return ([{**series, 'step': step, 'layer': i, 'contrast': g['tok_pr_q'] - g['tok_pr_k'],
               **{k: g[k] for k in keys}} for i, g in enumerate(layers)],
