@@ -190,3 +190,22 @@ def test_without_transformers_one_line_says_how_to_install(monkeypatch, tmp_path
     assert analyze.main(['pretrained', '--model=gpt2', f'--out={tmp_path}']) == 2
     err = capsys.readouterr().err
     assert err.count('\n') == 1 and 'pip install transformers' in err
+
+
+def test_tokens_merges_by_run_and_reads_the_run_s_cache_without_writing_there(trained, tmp_path, monkeypatch):
+    out, runs = tmp_path / 'a', sorted((trained / 'out').iterdir())
+    assert analyze.main(['tokens', str(trained / 'out'), f'--out={out}', '--no_figures']) == 0
+    before, cache = json.load(open(out / 'tokens.json')), sorted(os.listdir(trained / 'cache'))
+    monkeypatch.setattr(tokens.prepare, 'encode', None)   # the run's cache is read: nothing is encoded
+    assert analyze.main(['tokens', str(runs[0]), f'--out={out}', '--no_figures']) == 0
+    after = json.load(open(out / 'tokens.json'))
+    assert sorted(map(json.dumps, after['layers'])) == sorted(map(json.dumps, before['layers']))
+    assert len(after['runs']) == 2 and sorted(os.listdir(trained / 'cache')) == cache
+    monkeypatch.undo()
+    cfg = json.load(open(runs[0] / 'config.json'))
+    x = tokens.evaluation_batch(cfg)
+    (tmp_path / 'file').write_text('')   # a cache_dir that cannot be made: encoded aside, and removed
+    (tmp_path / 'tmp').mkdir()
+    monkeypatch.setattr(tokens.tempfile, 'tempdir', str(tmp_path / 'tmp'))
+    assert torch.equal(x, tokens.evaluation_batch({**cfg, 'cache_dir': str(tmp_path / 'file' / 'cache')}))
+    assert os.listdir(tmp_path / 'tmp') == [] and sorted(os.listdir(tmp_path)) == ['a', 'file', 'tmp']
