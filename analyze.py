@@ -691,8 +691,9 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
 
 # ----------------------------------------------------------------------------- the command line
 OPTIONS = {'runs': [('from_iter', int, None, "where 'from warm-up on' starts; default: warmup_iters")],
-           'tokens': [(k, str, '', f"the runs' {k}, where it moved") for k in ('data_file', 'data_dir',
-                                                                                'cache_dir')],
+           'tokens': [(k, str, '', f"the runs' {k}, where it moved") for k in ('data_file', 'data_dir')] +
+           [('cache_dir', str, '', "the text's encoded cache; default: the run's, read only, else a "
+             'temporary one')],
            'pretrained': [('model', str, None, 'a local folder or a model name'),
                           ('revisions', str, '', 'comma-separated revisions, or the preset pythia'),
                           ('text', str, '', "a UTF-8 text; default wiki.test.raw in train.py's data_dir"),
@@ -743,7 +744,7 @@ def main(argv=None):
     model = [(c, judge(c, res.get('summary', []))) for c in CLAIMS if c.unit == 'model']
     print('\n'.join(res.get('lines') or [f'{c.key:<9} {verdict_text(j):<46} {shown(c, j)}'
                                          for c, j in model]))
-    again = f"python analyze.py {' '.join(a.dirs)}{' --out=' + a.out if a.out else ''}"
+    again = f"python analyze.py {' '.join(getattr(a, 'dirs', []))}{' --out=' + a.out if a.out else ''}"
     hint = f'; `{again}` puts (f1), (f2) into its REPORT.md' if what == 'tokens' else ''
     print(f"wrote {len(res['files'])} files in {time.time() - t0:.1f}s{hint}" if res['files'] else
           'error: nothing could be measured (reasons above)', file=sys.stdout if res['files'] else sys.stderr)
