@@ -632,13 +632,13 @@ class Study:
     skipped: list
     warnings: list
     from_iter: int = None
-    label: dict = None          # setting key -> its name: the values in which it differs from the others
+    label: dict = None          # setting -> its name: the values in which it differs from the others
     arms: dict = None
     tokens: dict = None
     tables: dict = None
     files: list = None
-    arm_keys: tuple = ()        # the control keys that vary between arms, beyond those arm_label always names
-    stats: dict = None          # key -> Stat or Claim: the registries
+    arm_keys: tuple = ()        # control keys that vary between arms beyond those arm_label names
+    stats: dict = None          # the registries: key -> Stat or Claim
 
     def arm_name(self, arm):
         return folders.arm_label(dict(arm), self.arm_keys)
@@ -654,9 +654,8 @@ def load(paths, out=None, from_iter=None, log=print):
     cfgs = [rs[0].settings for rs in groups.values()]
     names = folders.labels(cfgs, folders.varying(cfgs), [r.settings for r in uncontrolled(runs)])
     study.label, study.arms = dict(zip(groups, names)), arms(runs)
-    named = ('control', 'control_target', 'control_keep', 'shrink_to')   # arm_label names these itself
     study.arm_keys = [k for k in folders.varying([dict(r.arm) for r in runs if r.control != 'none'])
-                      if k not in named]
+                      if k not in ('control', 'control_target', 'control_keep', 'shrink_to')]
     paired = {c for pairs in study.arms.values() for c, _ in pairs}
     for r in (r for r in runs if r.control != 'none' and r not in paired):
         warn(f'{r.path}: no control=none run with the same other settings and seed: left out of the control '
@@ -672,18 +671,14 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
     if not study.runs:
         raise Skip(f'no usable run folder under {", ".join(paths)} ({len(study.skipped)} skipped)')
     (per_pair, dose), reg, cells = control_tables(study), regime(study) or {}, robustness_cells(study)
-    t = study.tables = {'claims': claims_table(study, cells), 'cells': cells, 'regime': reg,
-                        'control': per_pair,
-                        'trajectories': trajectory_rows(study), 'control_dose': dose,
-                        'control_dose_fit': dose_fits(study),
-                        'runs': runs_rows(study), 'settings': setting_rows(study),
-                        'regime_rows': reg.get('rows', []), 'regime_trend': reg.get('trends', [])}
+    t = study.tables = dict(claims=claims_table(study, cells), cells=cells, regime=reg, control=per_pair,
+                            trajectories=trajectory_rows(study), control_dose=dose, runs=runs_rows(study),
+                            control_dose_fit=dose_fits(study), settings=setting_rows(study),
+                            regime_rows=reg.get('rows', []), regime_trend=reg.get('trends', []))
     figs = plots.draw(study, t, log) if figures else {'files': {}, 'notes': []}
-    files = {**figs['files'], **report.map_tables(t['cells'], ALL),
-             **folders.table('regime', t['regime_rows'])}
-    for stem in ('claims', 'trajectories', 'control', 'control_dose', 'control_dose_fit', 'runs', 'settings',
-                 'regime_trend'):
-        files.update(folders.table(stem, t[stem]))
+    files = {**figs['files'], **report.map_tables(cells, ALL)}
+    for stem in sorted(set(t) - {'cells', 'regime'}):
+        files.update(folders.table(stem.replace('regime_rows', 'regime'), t[stem]))
     files['REPORT.md'] = report.write(study, t, CLAIMS, ALL, figs['notes'], files, REFERENCES)
     study.files = folders.write_files(study.out, files)
     return study

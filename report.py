@@ -185,19 +185,18 @@ def token_lines(study):
 
 def confounds(study):
     """Weight decay on W_Q, W_K; the init's PR near C/2; learning rate and length; near-uniform records."""
-    runs, base = study.runs, [r for r in study.runs if r.control == 'none']
-    decay = Counter((r.cfg['weight_decay'], r.cfg['decay_qk']) for r in runs)
+    base = [r for r in study.runs if r.control == 'none']
+    decay = sorted(Counter((r.cfg['weight_decay'], r.cfg['decay_qk']) for r in study.runs).items())
     notes = [f'weight decay {w} on W_Q, W_K in {n} run(s): it shrinks both spectra.' if d and w else
-             f'no weight decay on W_Q, W_K in {n} run(s).' for (w, d), n in sorted(decay.items())]
-    start = folders.group([r for r in base if len(r.iters) and r.iters[0] == 0 and 'pr_q' in r.m],
-                          lambda r: r.cfg['qk_init'])
-    ratio = '; '.join(f"{i}: PR_Q/C = {np.mean([np.nanmean(r.m['pr_q'][0]) / r.C for r in rs]):.2f}"
+             f'no weight decay on W_Q, W_K in {n} run(s).' for (w, d), n in decay]
+    start = folders.group([r for r in base if len(r.iters) and r.iters[0] == 0], lambda r: r.cfg['qk_init'])
+    ratio = '; '.join(f"{i}: PR_Q/C = {np.mean([r.m['pr_q'][0].mean() / r.C for r in rs]):.2f}"
                       for i, rs in start.items())
-    notes += ['a random (C, C) matrix starts near PR = C/2 (an orthogonal one at C): early training lowers '
-              f'every PR; at iteration 0 {ratio}.'] * bool(start)
+    notes += ['a random (C, C) matrix starts near PR = C/2 (an orthogonal one at C), so early training '
+              f'lowers every PR; at iteration 0 {ratio}.'] * bool(start)
     notes.append('learning rate, warm-up and length set how fast both PRs move (their values: Settings).')
     near = [r.m['entropy_norm'][r.iters >= r.cfg['warmup_iters']].mean(1) for r in base
             if 'entropy_norm' in r.m]
     return notes + [f'{sum(int((v >= NEAR_UNIFORM).sum()) for v in near)} of the {sum(map(len, near))} '
                     'records from warm-up on have near-uniform attention (layer-mean entropy_norm >= '
-                    f'{NEAR_UNIFORM}), where entropy differs across heads by round-off.'] * bool(near)
+                    f'{NEAR_UNIFORM}): entropy differs across heads there by round-off.'] * bool(near)

@@ -53,8 +53,7 @@ def betainc(a, b, x):
 
 @functools.lru_cache(maxsize=None)
 def t_quantile(p, df):
-    """The p-quantile (p > 0.5) of Student's t with df degrees of freedom: bisection of its tail P(T > t) =
-    I_{df / (df + t^2)}(df / 2, 1 / 2) / 2."""
+    """The p-quantile (p > 0.5) of Student's t: bisection of P(T > t) = I_{df/(df+t^2)}(df/2, 1/2) / 2."""
     if df == math.inf:
         return Z if p == 0.975 else t_quantile(p, 1e9)
     lo, hi = 0.0, 1e4
@@ -88,7 +87,7 @@ def t_sf(t, df):
 
 
 def t_interval(values):
-    """(mean, lo, hi, n) of the finite values: Student-t interval of the mean; no interval below 2 units."""
+    """(mean, lo, hi, n) of the finite values, Student-t; no interval below 2 units."""
     v = np.asarray(values, dtype=float)
     v, m = v[np.isfinite(v)], nanmean(v)
     if len(v) < 2:
@@ -98,7 +97,7 @@ def t_interval(values):
 
 
 def wilson(k, n, z=Z):
-    """(share, lo, hi) of k successes in n units (n may be an effective number), Wilson's interval."""
+    """(share, lo, hi) of k successes in n units (n may be effective), Wilson's interval."""
     if n == 0:
         return math.nan, math.nan, math.nan
     p = k / n
@@ -108,7 +107,7 @@ def wilson(k, n, z=Z):
 
 
 def share(hits, counts):
-    """(share, lo, hi, n_eff, df) of hits out of counts trajectories per seed (see the docstring)."""
+    """(share, lo, hi, n_eff, df) of hits out of counts trajectories per seed."""
     hits, counts = np.asarray(hits, dtype=float), np.asarray(counts, dtype=float)
     hits, counts = hits[counts > 0], counts[counts > 0]
     n, N = len(counts), counts.sum()
@@ -124,7 +123,7 @@ def share(hits, counts):
 
 
 def p_value(est, ref, se, df):
-    """Two-sided p of the test that the interval inverts: (est - ref) / se against t(df)."""
+    """Two-sided p of the test an interval inverts: (est - ref) / se against t(df)."""
     if not se > 0:
         return 0.0 if est != ref else 1.0
     return min(1.0, 2 * t_sf(abs(est - ref) / se, df))
@@ -140,8 +139,7 @@ def holm(ps):
 
 
 def verdict(lo, hi, sign, ref, margin, n, mirror=None):
-    """(verdict, why) of an interval (and a share claim's mirror interval) against a claim (see the
-    docstring)."""
+    """(verdict, why) of an interval (and a share claim's mirror interval) against a claim."""
     if not (np.isfinite(lo) and np.isfinite(hi)):
         return 'undecided', f'n = {n}: no interval'
     if margin and ref - margin <= lo and hi <= ref + margin:
@@ -162,7 +160,7 @@ def verdict(lo, hi, sign, ref, margin, n, mirror=None):
 
 # ----------------------------------------------------------------------------- correlations, row by row
 def ranks(a):
-    """Ranks 1..n along the last axis, ties given their average rank (pairwise comparison: n is small)."""
+    """Ranks 1..n along the last axis, ties at their average (pairwise: n is small)."""
     a = np.asarray(a, dtype=float)
     x, y = a[..., :, None], a[..., None, :]
     return (y < x).sum(-1) + ((y == x).sum(-1) + 1) / 2
@@ -187,7 +185,7 @@ def spearman_rows(x, y):
 
 
 def partial_rows(x, y, z):
-    """Partial correlation of x and y given z, row by row (NaN with fewer than 4 values)."""
+    """Partial correlation of x and y given z, row by row."""
     rxy, rxz, ryz = pearson_rows(x, y), pearson_rows(x, z), pearson_rows(y, z)
     with np.errstate(invalid='ignore', divide='ignore'):
         r = (rxy - rxz * ryz) / np.sqrt((1 - rxz ** 2) * (1 - ryz ** 2))
@@ -203,8 +201,8 @@ def spearman(x, y):
 
 
 def trend(x, y, point):
-    """The least-squares line of y on x over units grouped by point (see the docstring): {slope, lo, hi, n,
-    points, lof_p} (lof_p NaN where P < 3 or no unit repeats a point)."""
+    """The line and monotone statistic of y on x over units grouped by point: {slope, lo, hi, n, points,
+    lof_p, rho, rho_lo, rho_hi}."""
     x, y, point = np.asarray(x, dtype=float), np.asarray(y, dtype=float), np.asarray(point)
     ok = np.isfinite(x) & np.isfinite(y)
     x, y, point = x[ok], y[ok], point[ok]
@@ -234,9 +232,8 @@ def trend(x, y, point):
 
 
 def fit_groups(y, X, groups):
-    """Least squares of y on [1, X] with jackknife-t intervals over groups (a seed: its rows share one
-    baseline run): se^2 = (G - 1) / G sum (coef_-g - mean)^2, t on G - 1 df. {'coef', 'lo', 'hi'}, intercept
-    first; NaN intervals with fewer than 3 groups."""
+    """Least squares of y on [1, X], jackknife-t intervals over groups (the rows of a seed share its
+    baseline): {coef, lo, hi}, intercept first; no interval below 3 groups."""
     y, X = np.asarray(y, dtype=float), np.asarray(X, dtype=float).reshape(len(y), -1)
     ok = np.isfinite(y) & np.isfinite(X).all(1)
     A, y, groups = np.column_stack([np.ones(ok.sum()), X[ok]]), y[ok], np.asarray(groups)[ok]
