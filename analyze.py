@@ -364,7 +364,7 @@ def decide(claim, res):
     word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, claim.margin, res['n'])
     if word == 'no effect':   # two one-sided tests, doubled to match the two-sided interval
         p = 2 * max(stats.t_sf((res['est'] - claim.ref + s * claim.margin) * s / res['se'], res['df'])
-                    for s in (1, -1))
+                    for s in (1, -1)) if res['se'] else 0.0
     else:
         p = stats.p_value(res['est'], claim.ref, res['se'], res['df']) if word != 'undecided' else 1.0
     return {'verdict': word, 'why': why, 'p': min(p, 1.0)}

@@ -46,7 +46,7 @@ def test_the_quantiles_match_the_tables():
 
 @pytest.mark.parametrize('values, verdict', [([0.50, 0.55, 0.45], 'holds'), ([-0.50, -0.55, -0.45], 'reversed'),
                                              ([0.004, -0.003, 0.001], 'no effect'), ([0.3, -0.2, 0.1], 'undecided'),
-                                             ([1.0e-7, 1.1e-7, 1.2e-7], 'no effect')])
+                                             ([1.0e-7, 1.1e-7, 1.2e-7], 'no effect'), ([0.01] * 3, 'no effect')])
 def test_each_verdict_is_reachable_with_three_seeds_and_equivalence_comes_first(values, verdict):
     claim = Claim(key='x', text='x', stat='the value', fn=lambda v, view: v, margin=0.1)
     res = judge(claim, values)
