@@ -17,7 +17,6 @@ from collections import namedtuple
 import numpy as np
 import torch
 from matplotlib import colormaps
-from matplotlib.figure import Figure
 
 import folders
 import geometry
@@ -36,7 +35,7 @@ FIGURES = {'tokens': 'fig6_tokens', 'pretrained': 'fig7_pretrained'}
 def evaluation_batch(cfg, overrides=('', '', '')):
     """The run's evaluation batch, from its cache (never written) or encoded in cache_dir or a temp dir."""
     cfg = {**cfg, **{k: v for k, v in zip(('data_file', 'data_dir'), overrides) if v}}
-    wiki = ['test'] if cfg.get('dataset') == 'wikitext103-test' else ['train', 'valid']
+    wiki = ('test',) if cfg.get('dataset') == 'wikitext103-test' else ('train', 'valid')
     needs = [f"{cfg.get('data_dir')}/wiki.{n}.raw" for n in wiki]
     needs = [cfg['data_file']] if cfg.get('data_file') else needs
     if not all(map(os.path.isfile, needs)):
@@ -69,8 +68,8 @@ def identity(path):
 
 @torch.no_grad()
 def measure_run(path, cfg, x, device):
-    """(layer rows, head rows) of the run's checkpoints on its evaluation batch x."""
-    layer_rows, head_rows = [], []
+    """[(series, step, token geometry per layer)] of the run's checkpoints on its evaluation batch x."""
+    series, found = dict(model=path, rope='none', control=cfg['control'], seed=cfg['seed']), []
     for it, f in checkpoints(path):
         try:
             ckpt = torch.load(f, map_location='cpu', weights_only=True)
@@ -80,17 +79,15 @@ def measure_run(path, cfg, x, device):
             raise Skip(f'{f} is not a readable model checkpoint ({type(e).__name__})') from None
         probe = []
         model.to(device).eval()(x.to(device), probe=probe)
-        rows = token_rows({'model': path, 'rope': 'none', 'control': cfg['control'], 'seed': cfg['seed']}, it,
-                          [geometry.token_geometry(q, k, att, cfg['n_head']) for q, k, att in probe])
-        layer_rows, head_rows = layer_rows + rows[0], head_rows + rows[1]
-    return layer_rows, head_rows
+        found.append((series, it, [geometry.token_geometry(q, k, att, cfg['n_head']) for q, k, att in probe]))
+    return found
 
 
 def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', figures=True, log=print):
     """Token tables of the runs' model checkpoints under paths, merged by run into out's."""
     out = out or os.path.join(paths[0], 'analysis')
     folders.check_out(out)
-    layer_rows, head_rows, runs, cfgs, batches = [], [], [], {}, {}
+    ckpts, runs, cfgs, batches = [], [], {}, {}
     for path in folders.find_runs(paths):
         try:
             cfg = folders.read_json(f'{path}/config.json')
@@ -98,14 +95,14 @@ def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', figure
                 raise Skip(folders.check_config(cfg) or 'no models/model_*.pt')
             data = tuple(cfg.get(k) for k in ('data_sha256', 'min_char_count', 'block_size', 'eval_windows'))
             batches[data] = batches[data] if data in batches else evaluation_batch(cfg, overrides)
-            rows = measure_run(path, cfg, batches[data], device)
+            ckpts += measure_run(path, cfg, batches[data], device)
         except Skip as e:
             log(f'warning: skipped {path}: {e}')
             continue
-        layer_rows, head_rows, cfgs[path] = layer_rows + rows[0], head_rows + rows[1], cfg
+        cfgs[path] = cfg
         runs.append(dict(zip(('model', 'run', 'config_sha256', 'done_sha256'), (path, *identity(path)))))
         log(f'{path}: {len(checkpoints(path))} checkpoints')
-    layer_rows, head_rows, runs = merged(out, 'tokens', layer_rows, head_rows, runs)
+    layer_rows, head_rows, runs = merged(out, 'tokens', *token_rows(ckpts), runs)
     for path in sorted({r['model'] for r in runs} - set(cfgs)):   # a run gone keeps its name
         with contextlib.suppress(Skip):
             cfgs[path] = folders.read_json(f'{path}/config.json')
@@ -249,30 +246,28 @@ def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rop
         raise ValueError(f'{path} is not there; pass --text=FILE')
     ids = text_windows(tf.AutoTokenizer.from_pretrained(**source(name, revisions[0])),
                        open(path, encoding='utf-8', errors='replace').read(100_000), n_seqs, seq_len)
-    layer_rows, head_rows = [], []
-    for position, revision in enumerate(revisions):
-        t0, m = time.time(), re.search(r'step(\d+)', revision or '')
+    ckpts = []
+    for position, revision in enumerate(r or '' for r in revisions):
+        t0, m = time.time(), re.search(r'step(\d+)', revision)
         model = tf.AutoModel.from_pretrained(**source(name, revision), attn_implementation='eager',
                                              dtype=torch.float32).to(device).eval()
-        layers, (family, fam) = pretrained_tokens(model, ids, rope), family_of(model.config)
-        rows = token_rows({'model': name, 'family': family, 'rope': rope if fam.rotary else 'none',
-                           'revision': revision or ''}, int(m.group(1)) if m else position, layers)
-        layer_rows, head_rows = layer_rows + rows[0], head_rows + rows[1]
-        log(f'{name} {revision or ""}: {time.time() - t0:.1f}s')
-    layer_rows, head_rows, _ = merged(out, 'pretrained', layer_rows, head_rows)
+        family, fam = family_of(model.config)
+        series = dict(model=name, family=family, rope=rope if fam.rotary else 'none', revision=revision)
+        ckpts.append((series, int(m[1]) if m else position, pretrained_tokens(model, ids, rope)))
+        log(f'{name} {revision}: {time.time() - t0:.1f}s')
+    layer_rows, head_rows, _ = merged(out, 'pretrained', *token_rows(ckpts))
     label = lambda r: f"{os.path.basename(r['model'])} ({r['rope']})"
     return finish(out, 'pretrained', layer_rows, head_rows, label, figures)
 
 
 # ---- tables and fig6, fig7
-def token_rows(series, step, layers):
-    """(layer rows, head rows) of one checkpoint; contrast = tok_pr_q - tok_pr_k."""
+def token_rows(ckpts):
+    """(layer rows, head rows) of [(series, step, token geometry per layer)]; contrast: PR_Q - PR_K."""
     keys = ('tok_pr_q', 'tok_pr_k', 'tok_pr_q_head', 'tok_pr_k_head', 'tok_pr_qk', 'entropy', 'entropy_norm')
-    return ([{**series, 'step': step, 'layer': i, 'contrast': g['tok_pr_q'] - g['tok_pr_k'],
-              **{k: g[k] for k in keys}} for i, g in enumerate(layers)],
-            [{**series, 'step': step, 'layer': i, 'head': h, 'tok_pr_qk': g['tok_pr_qk_heads'][h],
-              'entropy': g['entropy_heads'][h], 'tok_pr_k_head': g['tok_pr_k_heads'][h]}
-             for i, g in enumerate(layers) for h in range(len(g['tok_pr_qk_heads']))])
+    at = [({**series, 'step': step, 'layer': i}, g) for series, step, gs in ckpts for i, g in enumerate(gs)]
+    return ([{**s, 'contrast': g['tok_pr_q'] - g['tok_pr_k'], **{k: g[k] for k in keys}} for s, g in at],
+            [{**s, 'head': h, 'tok_pr_qk': qk, 'entropy': g['entropy_heads'][h], 'tok_pr_k_head':
+              g['tok_pr_k_heads'][h]} for s, g in at for h, qk in enumerate(g['tok_pr_qk_heads'])])
 
 
 def series_of(row):
@@ -349,14 +344,14 @@ def finish(out, prefix, layer_rows, head_rows, label_of, figures, runs=()):
 def token_figure(layer_rows, head_rows, label_of, title):
     """Per setting (model): contrast, entropy per layer over checkpoints; tok_pr_qk ~ entropy at the last."""
     groups = group(layer_rows, label_of)
-    fig = Figure(layout='constrained', figsize=(14, 3.1 * len(groups)))
-    for (ax_c, ax_h, ax_s), (label, rows) in zip(fig.subplots(len(groups), 3, squeeze=False), groups.items()):
+    fig, axes = plots.panels(3 * len(groups), 14 / 3, 3.1, 3)
+    for (ax_c, ax_h, ax_s), (label, rows) in zip(axes.reshape(-1, 3), groups.items()):
         steps, layers = sorted({r['step'] for r in rows}), sorted({r['layer'] for r in rows})
-        for ax, key in ((ax_c, 'contrast'), (ax_h, 'entropy')):
+        for ax, key, name in ((ax_c, 'contrast', 'tok_pr_q - tok_pr_k'), (ax_h, 'entropy', 'entropy (nats)')):
             for color, layer in zip(colormaps['viridis'](np.linspace(0, 0.9, len(layers))), layers):
                 ax.plot(steps, [np.mean([r[key] for r in rows if r['step'] == s and r['layer'] == layer])
                                 for s in steps], '.-', color=color, label=f'layer {layer}')
-            plots.iteration_axis(ax, 'tok_pr_q - tok_pr_k' if key == 'contrast' else 'entropy (nats)', label)
+            plots.iteration_axis(ax, name, label)
         ax_c.axhline(0, color='k', lw=0.8)
         heads = [h for h in head_rows if label_of(h) == label and h['step'] == steps[-1]]
         x, y = [h['tok_pr_qk'] for h in heads], [h['entropy'] for h in heads]
