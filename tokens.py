@@ -56,8 +56,8 @@ def evaluation_batch(cfg, overrides=('', '', '')):
 
 
 def checkpoints(path):
-    found = [(re.search(r'/model_(\d+)\.pt$', f), f) for f in glob.glob(f'{path}/models/*')]
-    return sorted((int(m.group(1)), f) for m, f in found if m)
+    found = (re.search(r'/model_(\d+)\.pt$', f) for f in glob.glob(f'{path}/models/*'))
+    return sorted((int(m[1]), m.string) for m in found if m)
 
 
 def identity(path):
@@ -68,7 +68,7 @@ def identity(path):
 
 @torch.no_grad()
 def measure_run(path, cfg, x, device):
-    """[(series, step, token geometry per layer)] of the run's checkpoints on its evaluation batch x."""
+    """[(series, step, token geometry per layer)] of the run's checkpoints on x."""
     series, found = dict(model=path, rope='none', control=cfg['control'], seed=cfg['seed']), []
     for it, f in checkpoints(path):
         try:
@@ -130,30 +130,27 @@ def token_tables(out, runs, warn):
 
 
 # ---- pretrained models
-# model types, attention classes, q and k modules (split: a fused output -> q, k), rotary, causal
-Family = namedtuple('Family', 'model_types attention q k split rotary causal', defaults=(None, False, True))
-FAMILIES = {
-    'gpt2': Family(('gpt2',), ('GPT2Attention',), 'c_attn', 'c_attn', lambda o, n: o.chunk(3, dim=-1)[:2]),
-    'gpt_neox': Family(('gpt_neox',), ('GPTNeoXAttention',), 'query_key_value', 'query_key_value',
-                       lambda o, n: tuple(o.unflatten(-1, (n, 3, -1))[..., i, :].flatten(-2) for i in (0, 1)),
-                       rotary=True),
-    'opt': Family(('opt',), ('OPTAttention',), 'q_proj', 'k_proj'),
-    'llama': Family(('llama', 'mistral', 'qwen2'), ('LlamaAttention', 'MistralAttention', 'Qwen2Attention'),
-                    'q_proj', 'k_proj', rotary=True),
-    'bert': Family(('bert', 'roberta'), ('BertSelfAttention', 'RobertaSelfAttention'), 'query', 'key',
-                   causal=False),
-}
+# model types (the first names the family), the attention's q and k modules (split: a fused output -> q, k)
+Family = namedtuple('Family', 'model_types q k split rotary causal', defaults=(None, False, True))
+FAMILIES = (
+    Family(('gpt2',), 'c_attn', 'c_attn', lambda o, n: o.chunk(3, dim=-1)[:2]),
+    Family(('gpt_neox',), 'query_key_value', 'query_key_value',
+           lambda o, n: [t.flatten(-2) for t in o.unflatten(-1, (n, 3, -1)).unbind(-2)[:2]], rotary=True),
+    Family(('opt',), 'q_proj', 'k_proj'),
+    Family(('llama', 'mistral', 'qwen2'), 'q_proj', 'k_proj', rotary=True),
+    Family(('bert', 'roberta'), 'query', 'key', causal=False))
 REVISION_PRESETS = {'pythia': ('step0', *(f'step{2 ** i}' for i in range(10)),
                                *(f'step{1000 * 2 ** i}' for i in range(8)), 'step143000')}
 
 
 def family_of(config):
+    """(name, Family) of a transformers config."""
     kind = getattr(config, 'model_type', None)
-    found = [(n, f) for n, f in FAMILIES.items() if kind in f.model_types]
-    if not found:
-        raise ValueError(f"architecture {kind!r} is not supported; supported: "
-                         f"{', '.join(t for f in FAMILIES.values() for t in f.model_types)}")
-    return found[0]
+    for f in FAMILIES:
+        if kind in f.model_types:
+            return f.model_types[0], f
+    raise ValueError(f"architecture {kind!r} is not supported; supported: "
+                     f"{', '.join(t for f in FAMILIES for t in f.model_types)}")
 
 
 def source(name, revision):
@@ -199,8 +196,8 @@ def qk_token_geometry(q, k, att, n_head, causal=True):
 def capture_qk(model, ids, rope='after'):
     """Per layer (q, k) from hooks on the family's projections; the attention probabilities."""
     fam, n_head = family_of(model.config)[1], model.config.num_attention_heads
-    attns = [m for m in model.modules()
-             if type(m).__name__ in fam.attention and not getattr(m, 'is_cross_attention', False)]
+    attns = [m for m in model.modules()   # self-attention: the modules holding q and k
+             if hasattr(m, fam.q) and hasattr(m, fam.k) and not getattr(m, 'is_cross_attention', False)]
     stores, hooks = [{} for _ in attns], []
     for store, attn in zip(stores, attns):
         hooks += [getattr(attn, role).register_forward_hook(
@@ -215,7 +212,7 @@ def capture_qk(model, ids, rope='after'):
         for h in hooks:
             h.remove()
     if not attns or out.attentions is None or len(out.attentions) != len(attns):
-        raise ValueError(f'{type(model).__name__}: no attention probabilities per {fam.attention[0]} layer')
+        raise ValueError(f'{type(model).__name__}: no attention probabilities per layer holding {fam.q}')
     layers = []
     for attn, store in zip(attns, stores):
         q, k = fam.split(store[fam.q], n_head) if fam.split else (store[fam.q], store[fam.k])
@@ -271,28 +268,28 @@ def token_rows(ckpts):
 
 
 def series_of(row):
-    return tuple(row.get(k) for k in SERIES)
+    return tuple((k, row.get(k)) for k in SERIES)
 
 
 def contrast_trend(steps, values):
-    """Spearman with x = log(1 + step) over all, early (x <= median) and late (>=) checkpoints."""
+    """Spearman with x = log(1 + step) over all, early (x <= median) and late (>=) checkpoints; the first and
+    last of the steps, in order."""
     steps, v = np.asarray(steps, float), np.asarray(values, float)
     x = np.log1p(steps)
     early, late = x <= np.median(x), x >= np.median(x)
     rho = lambda w: stats.spearman(x[w], v[w])
     return {'n_ckpts': len(v), 'rho_all': rho(x == x), 'rho_early': rho(early), 'rho_late': rho(late),
             'n_early': int(early.sum()), 'n_late': int(late.sum()),
-            'peak_step': int(steps[np.nanargmax(v)]) if np.isfinite(v).any() else None}
+            'peak_step': int(steps[np.nanargmax(v)]) if np.isfinite(v).any() else None,
+            'first_step': int(steps[0]), 'last_step': int(steps[-1]), 'contrast_last': float(v[-1])}
 
 
 def trend_rows(layer_rows):
     rows = []
     for (series, layer), rs in group(layer_rows, lambda r: (series_of(r), r['layer'])).items():
         rs = sorted(rs, key=lambda r: r['step'])
-        rows.append({**dict(zip(SERIES, series)), 'layer': layer,
-                     **contrast_trend([r['step'] for r in rs], [r['contrast'] for r in rs]),
-                     'first_step': rs[0]['step'], 'last_step': rs[-1]['step'],
-                     'contrast_last': rs[-1]['contrast']})
+        trend = contrast_trend([r['step'] for r in rs], [r['contrast'] for r in rs])
+        rows.append({**dict(series), 'layer': layer, **trend})
     return rows
 
 
@@ -300,7 +297,7 @@ def link_rows(head_rows):
     """Per checkpoint: Spearman of tok_pr_qk with entropy across its (layer, head) pairs."""
     groups = group(head_rows, lambda r: (series_of(r), r['step']))
     last = dict(sorted(groups, key=lambda g: g[1]))
-    return [{**dict(zip(SERIES, series)), 'step': step, 'n_pairs': len(rs), 'last': step == last[series],
+    return [{**dict(series), 'step': step, 'n_pairs': len(rs), 'last': step == last[series],
              'rho': stats.spearman(*([r[k] for r in rs] for k in ('tok_pr_qk', 'entropy')))}
             for (series, step), rs in groups.items()]
 
@@ -308,7 +305,7 @@ def link_rows(head_rows):
 def summary_rows(trend, link):
     """Per series: layer means of the trend (of (f1)), the link at its last checkpoint (of (f2))."""
     final = {series_of(r): r for r in link if r['last']}
-    return [{**dict(zip(SERIES, series)), 'layers': len(rs), 'ckpts': rs[0]['n_ckpts'],
+    return [{**dict(series), 'layers': len(rs), 'ckpts': rs[0]['n_ckpts'],
              'first_step': rs[0]['first_step'], 'last_step': rs[0]['last_step'],
              **{k: stats.nanmean([r[k] for r in rs]) for k in ('rho_all', 'rho_early', 'rho_late')},
              'contrast_last_positive': sum(r['contrast_last'] > 0 for r in rs),
@@ -334,18 +331,17 @@ def finish(out, prefix, layer_rows, head_rows, label_of, figures, runs=()):
                        ('_summary', summary), ('_runs', list(runs))):
         files.update(folders.table(prefix + stem, rows))
     labels = list(dict.fromkeys(map(label_of, layer_rows))) if figures else []
-    for n, part in enumerate((set(labels[i:i + 4]) for i in range(0, len(labels), 4)), 1):   # 4 rows a figure
-        fig = token_figure([r for r in layer_rows if label_of(r) in part],
-                           [h for h in head_rows if label_of(h) in part], label_of, SOURCES[prefix])
-        files.update(plots.save(FIGURES[prefix] + f'_{n}' * (n > 1), fig))
+    for n in range(0, len(labels), 4):   # 4 rows a figure
+        fig = token_figure(layer_rows, head_rows, label_of, labels[n:n + 4], SOURCES[prefix])
+        files.update(plots.save(FIGURES[prefix] + f'_{n // 4 + 1}' * (n > 0), fig))
     return {'out': out, 'summary': summary, 'files': layer_rows and folders.write_files(out, files, prefix)}
 
 
-def token_figure(layer_rows, head_rows, label_of, title):
-    """Per setting (model): contrast, entropy per layer over checkpoints; tok_pr_qk ~ entropy at the last."""
-    groups = group(layer_rows, label_of)
-    fig, axes = plots.panels(3 * len(groups), 14 / 3, 3.1, 3)
-    for (ax_c, ax_h, ax_s), (label, rows) in zip(axes.reshape(-1, 3), groups.items()):
+def token_figure(layer_rows, head_rows, label_of, labels, title):
+    """Per label: contrast, entropy per layer over checkpoints; tok_pr_qk ~ entropy at the last."""
+    fig, axes = plots.panels(3 * len(labels), 14 / 3, 3.1, 3)
+    for (ax_c, ax_h, ax_s), label in zip(axes.reshape(-1, 3), labels):
+        rows = [r for r in layer_rows if label_of(r) == label]
         steps, layers = sorted({r['step'] for r in rows}), sorted({r['layer'] for r in rows})
         for ax, key, name in ((ax_c, 'contrast', 'tok_pr_q - tok_pr_k'), (ax_h, 'entropy', 'entropy (nats)')):
             for color, layer in zip(colormaps['viridis'](np.linspace(0, 0.9, len(layers))), layers):
