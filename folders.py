@@ -138,7 +138,7 @@ def check_config(cfg):
 
 
 def bounds(key, m, cfg):
-    """(lo, hi, relative tolerance, the keys of m that set hi) of a value's definitional range, or None."""
+    """(lo, hi, relative tolerance, the keys of m that set hi) of a value's definitional range."""
     base, (fro, q, k) = key.removesuffix('_heads').removesuffix('_head'), (
         key.replace('qk_spec', n) for n in ('qk_fro', 'q_spec', 'k_spec'))
     if base in PR_KEYS:
@@ -148,7 +148,8 @@ def bounds(key, m, cfg):
     if base == 'qk_spec_norm' and fro in m:   # ||W_QK^h||_2 <= ||W_QK^h||_F, ||W_Q^h||_2 ||W_K^h||_2
         by = [fro] + [q, k] * (key != base and {q, k} <= set(m))
         return 0, np.fmin(m[fro], m[q] * m[k]) if by[1:] else m[fro], 1e-6, by   # fmin: NaN bounds nothing
-    return (0, math.inf, 0, []) if base.endswith(('_norm', '_rel', '_imbalance', '_drift', '_gram')) else None
+    scale = base.endswith(('_norm', '_rel', '_imbalance', '_drift', '_gram'))   # nonnegative by definition
+    return 0 if scale else -math.inf, math.inf, 0, []
 
 
 def number(v):
@@ -157,16 +158,14 @@ def number(v):
 
 def layer_arrays(geo, n_layer):
     """{key: (records, layers[, heads])}: NaN where absent, +inf where not a number."""
-    cells, out = {}, {}
+    out = {}
     for r, rec in enumerate(geo):
         for i, layer in enumerate(rec['layers']):
             for k, v in layer.items():
-                cells.setdefault(k, {})[r, i] = v
-    for key, found in cells.items():
-        width = max(len(v) if isinstance(v, list) else -1 for v in found.values())
-        out[key] = np.full((len(geo), n_layer) + ((width,) if width >= 0 else ()), np.nan)
-        for (r, i), v in found.items():
-            out[key][r, i] = [number(x) for x in v] if width >= 0 else number(v)
+                v = [number(x) for x in v] if isinstance(v, list) else number(v)
+                if k not in out:
+                    out[k] = np.full((len(geo), n_layer) + np.shape(v), np.nan)
+                out[k][r, i] = v
     return out
 
 
@@ -174,16 +173,14 @@ def bad_records(m, iters, cfg, notes):
     """The records to leave out, each noted with its key and value."""
     bad = np.zeros(len(iters), bool)
     for key, a in m.items():
-        lim, flat = bounds(key, m, cfg), a.reshape(len(a), -1)
-        wrong = np.isinf(flat)
-        if lim:
-            lo, hi = (np.broadcast_to(x, a.shape).reshape(len(a), -1) for x in lim[:2])
-            with np.errstate(invalid='ignore'):
-                wrong |= (flat != 0) & ((flat < lo * (1 - lim[2])) | (flat > hi * (1 + lim[2])))
+        lo, hi, tol, by = bounds(key, m, cfg)
+        lo, hi, flat = (np.broadcast_to(x, a.shape).reshape(len(a), -1) for x in (lo, hi, a))
+        with np.errstate(invalid='ignore'):
+            wrong = np.isinf(flat) | (flat != 0) & ((flat < lo * (1 - tol)) | (flat > hi * (1 + tol)))
         for r in np.flatnonzero(wrong.any(1) & ~bad):
             j = wrong[r].argmax()
             why = 'is not a finite number' if np.isinf(flat[r, j]) else \
-                f'outside [{lo[r, j]:.4g}, {hi[r, j]:.4g}]' + f' (from {", ".join(lim[3])})' * bool(lim[3])
+                f'outside [{lo[r, j]:.4g}, {hi[r, j]:.4g}]' + f' (from {", ".join(by)})' * bool(by)
             notes.append(f'the record of iteration {iters[r]} is left out: {key} = {flat[r, j]:.4g} {why}')
         bad |= wrong.any(1)
     return bad
@@ -250,12 +247,13 @@ def load_runs(paths, warn):
                            f'which {len(like)} run(s) of otherwise the same settings have: kept as a setting '
                            'of its own'] * bool(like)
             r.notes += [f'{lost} not logged, unlike other seeds of its setting'] * bool(lost)
-    for path, why in sorted(skipped):
+    skipped.sort()
+    for path, why in skipped:
         warn(f'skipped {path}: {why}')
     for r in runs:
         for note in r.notes[:6] + [f'and {len(r.notes) - 6} more notes'] * (len(r.notes) > 6):
             warn(f'{r.path}: {note}')
-    return runs, sorted(skipped)
+    return runs, skipped
 
 
 def group(items, key):
@@ -301,8 +299,7 @@ def labels(dicts, keys, reference=None):
 
 # ---- tables and the output folder
 def cell(v):
-    return '' if v is None else ('nan' if v != v else f'{v:.4g}') if isinstance(v, float) else \
-        str(v).replace('|', '\\|')
+    return '' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v).replace('|', '\\|')
 
 
 def markdown(rows, columns=None):

@@ -94,14 +94,14 @@ def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', figure
             if folders.check_config(cfg) or not checkpoints(path):
                 raise Skip(folders.check_config(cfg) or 'no models/model_*.pt')
             data = tuple(cfg.get(k) for k in ('data_sha256', 'min_char_count', 'block_size', 'eval_windows'))
-            batches[data] = batches[data] if data in batches else evaluation_batch(cfg, overrides)
+            if data not in batches:
+                batches[data] = evaluation_batch(cfg, overrides)
             ckpts += measure_run(path, cfg, batches[data], device)
+            cfgs[path] = cfg
+            runs.append(dict(zip(('model', 'run', 'config_sha256', 'done_sha256'), (path, *identity(path)))))
+            log(f'{path}: {len(checkpoints(path))} checkpoints')
         except Skip as e:
             log(f'warning: skipped {path}: {e}')
-            continue
-        cfgs[path] = cfg
-        runs.append(dict(zip(('model', 'run', 'config_sha256', 'done_sha256'), (path, *identity(path)))))
-        log(f'{path}: {len(checkpoints(path))} checkpoints')
     layer_rows, head_rows, runs = merged(out, 'tokens', *token_rows(ckpts), runs)
     for path in sorted({r['model'] for r in runs} - set(cfgs)):   # a run gone keeps its name
         with contextlib.suppress(Skip):
@@ -199,12 +199,13 @@ def capture_qk(model, ids, rope='after'):
     attns = [m for m in model.modules()   # self-attention: the modules holding q and k
              if hasattr(m, fam.q) and hasattr(m, fam.k) and not getattr(m, 'is_cross_attention', False)]
     stores, hooks = [{} for _ in attns], []
-    for store, attn in zip(stores, attns):
-        hooks += [getattr(attn, role).register_forward_hook(
-            lambda mod, a, out, store=store, role=role: store.__setitem__(role, out.detach()))
-            for role in dict.fromkeys((fam.q, fam.k))]
-        hooks += [attn.register_forward_pre_hook(lambda mod, a, kw, store=store: store.__setitem__(
-            'cs', kw.get('position_embeddings')), with_kwargs=True)] if fam.rotary else []
+    for s, attn in zip(stores, attns):
+        for role in dict.fromkeys((fam.q, fam.k)):   # a fused projection once
+            keep = lambda m, i, o, s=s, r=role: s.update({r: o})
+            hooks.append(getattr(attn, role).register_forward_hook(keep))
+        if fam.rotary:
+            hooks.append(attn.register_forward_pre_hook(
+                lambda m, a, kw, s=s: s.update(cs=kw.get('position_embeddings')), with_kwargs=True))
     try:
         ids = ids.to(model.device)
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_attentions=True)
@@ -213,11 +214,10 @@ def capture_qk(model, ids, rope='after'):
             h.remove()
     if not attns or out.attentions is None or len(out.attentions) != len(attns):
         raise ValueError(f'{type(model).__name__}: no attention probabilities per layer holding {fam.q}')
-    layers = []
-    for attn, store in zip(attns, stores):
-        q, k = fam.split(store[fam.q], n_head) if fam.split else (store[fam.q], store[fam.k])
-        layers.append(rotate(attn, q, k, store['cs'], q.shape[-1] // n_head) if fam.rotary and rope == 'after'
-                      else (q, k))
+    layers = [fam.split(s[fam.q], n_head) if fam.split else (s[fam.q], s[fam.k]) for s in stores]
+    if fam.rotary and rope == 'after':
+        d = layers[0][0].shape[-1] // n_head
+        layers = [rotate(a, q, k, s['cs'], d) for a, s, (q, k) in zip(attns, stores, layers)]
     return layers, list(out.attentions)
 
 
