@@ -241,8 +241,7 @@ def load_runs(paths, warn):
         logged = set().union(*(r.m for r in rs))
         for r in rs:   # one lacking a key that others have is kept apart: it may differ in what it lacks
             lost = ', '.join(sorted(logged - set(r.m)))
-            like = [s.settings for s in runs if set(r.settings) < set(s.settings)
-                    and json.dumps({k: s.settings[k] for k in r.settings}, sort_keys=True) == r.setting]
+            like = [s.settings for s in runs if r.settings.items() < s.settings.items()]
             r.notes[:0] = [f'config.json lacks {", ".join(sorted(set().union(*like) - set(r.settings)))}, '
                            f'which {len(like)} run(s) of otherwise the same settings have: kept as a setting '
                            'of its own'] * bool(like)

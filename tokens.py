@@ -87,7 +87,7 @@ def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', figure
     """Token tables of the runs' model checkpoints under paths, merged by run into out's."""
     out = out or os.path.join(paths[0], 'analysis')
     folders.check_out(out)
-    ckpts, runs, cfgs, batches = [], [], {}, {}
+    ckpts, runs, batches, cfgs = [], [], {}, {}
     for path in folders.find_runs(paths):
         try:
             cfg = folders.read_json(f'{path}/config.json')
@@ -97,13 +97,12 @@ def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', figure
             if data not in batches:
                 batches[data] = evaluation_batch(cfg, overrides)
             ckpts += measure_run(path, cfg, batches[data], device)
-            cfgs[path] = cfg
             runs.append(dict(zip(('model', 'run', 'config_sha256', 'done_sha256'), (path, *identity(path)))))
             log(f'{path}: {len(checkpoints(path))} checkpoints')
         except Skip as e:
             log(f'warning: skipped {path}: {e}')
     layer_rows, head_rows, runs = merged(out, 'tokens', *token_rows(ckpts), runs)
-    for path in sorted({r['model'] for r in runs} - set(cfgs)):   # a run gone keeps its name
+    for path in sorted({r['model'] for r in runs}):   # a run gone keeps its name
         with contextlib.suppress(Skip):
             cfgs[path] = folders.read_json(f'{path}/config.json')
     settings = folders.config_settings(cfgs.values())
@@ -163,8 +162,8 @@ def text_windows(tokenizer, text, n_seqs, seq_len):
     """(B, T) ids: up to n_seqs windows of seq_len tokens with the tokenizer's special tokens."""
     ids = tokenizer(text, add_special_tokens=False)['input_ids']
     bare, full = (tokenizer('a', add_special_tokens=s)['input_ids'] for s in (False, True))
-    at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
-    head, tail = (full[:at], full[at + len(bare):]) if bare else ([], [])
+    at = full.index(bare[0]) if bare and bare[0] in full else 0   # full: head + bare + tail
+    head, tail = full[:at], full[at + len(bare):]
     n = seq_len - len(head) - len(tail)
     return torch.tensor([head + ids[i * n:i * n + n] + tail for i in range(min(n_seqs, len(ids) // n) or 1)])
 
