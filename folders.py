@@ -23,9 +23,9 @@ CONTROL_KEYS = ('control', 'control_target', 'control_scope', 'control_keep', 'c
                 'control_interval', 'shrink_to', 'shrink_iters')
 IGNORED = {'none': CONTROL_KEYS[1:], 'freeze': ('shrink_to', 'shrink_iters')}   # unread by control.py
 NUMBER = (int, float)
-REQUIRED = {'n_layer': int, 'n_head': int, 'n_embd': int, 'block_size': int, 'seed': int, 'max_iters': int,
-            'warmup_iters': int, 'qk_init': str, 'control': str, 'control_target': str, 'control_keep': str,
-            'shrink_to': NUMBER, 'weight_decay': NUMBER, 'decay_qk': bool, 'data_sha256': str}
+REQUIRED = {(int,): ('n_layer', 'n_head', 'n_embd', 'block_size', 'seed', 'max_iters', 'warmup_iters'),
+            (str,): ('qk_init', 'control', 'control_target', 'control_keep', 'data_sha256'),
+            NUMBER: ('shrink_to', 'weight_decay'), (bool,): ('decay_qk',)}
 KINDS = ('none', 'shrink', 'freeze')
 FINAL_LOGS = 3
 LOSSES = ('train_loss', 'val_loss')
@@ -53,10 +53,10 @@ class Run:
     memo: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.name, self.n_layer, self.seed, self.control = os.path.basename(self.path), *(
-            self.cfg[k] for k in ('n_layer', 'seed', 'control'))
-        self.C, self.d = self.cfg['n_embd'], self.cfg['n_embd'] / self.cfg['n_head']
-        self.use(config_settings([self.cfg])[0])
+        c = self.cfg
+        self.name, self.C, self.d = os.path.basename(self.path), c['n_embd'], c['n_embd'] / c['n_head']
+        self.n_layer, self.seed, self.control = c['n_layer'], c['seed'], c['control']
+        self.use(config_settings([c])[0])
 
     def use(self, settings):
         """settings, and from them setting, base (no control keys), arm."""
@@ -126,15 +126,19 @@ def read_records(path, notes):
     return [by_iter[it] for it in sorted(by_iter)]
 
 
-def check_config(cfg):
-    """Why config.json fails REQUIRED, or None."""
-    for key, kind in REQUIRED.items():
-        if key not in cfg:
-            return f'config.json lacks {key}'
-        if not (type(cfg[key]) in kind if isinstance(kind, tuple) else type(cfg[key]) is kind):
-            return f"config.json has {key}={cfg[key]!r}, not a {getattr(kind, '__name__', 'number')}"
-    return None if cfg['control'] in KINDS else \
-        f"config.json has control={cfg['control']!r}, not one of {', '.join(KINDS)}"
+def read_config(path):
+    """The run folder's config.json, or Skip naming how it fails REQUIRED."""
+    cfg = read_json(f'{path}/config.json')
+    for kind, keys in REQUIRED.items():
+        for key in keys:
+            if key not in cfg:
+                raise Skip(f'config.json lacks {key}')
+            if type(cfg[key]) not in kind:
+                what = 'number' if kind == NUMBER else kind[0].__name__
+                raise Skip(f'config.json has {key}={cfg[key]!r}, not a {what}')
+    if cfg['control'] not in KINDS:
+        raise Skip(f"config.json has control={cfg['control']!r}, not one of {', '.join(KINDS)}")
+    return cfg
 
 
 def bounds(key, m, cfg):
@@ -188,11 +192,10 @@ def bad_records(m, iters, cfg, notes):
 
 def load_run(path):
     """A finished run folder as a Run, or Skip naming why."""
-    cfg, done = read_json(f'{path}/config.json'), f'{path}/done.json'
-    problem = check_config(cfg) or 'unfinished (no done.json)' * (not os.path.exists(done))
+    cfg, done = read_config(path), f'{path}/done.json'
     log = [p for p in (f'{path}/metrics.jsonl', f'{path}/metrics.jsonl.gz') if os.path.isfile(p)]
-    if problem or not log:
-        raise Skip(problem or 'no metrics.jsonl')
+    if not (os.path.exists(done) and log):
+        raise Skip('no metrics.jsonl' if os.path.exists(done) else 'unfinished (no done.json)')
     notes, done = [], read_json(done)
     recs = read_records(log[0], notes)
     geo = [r for r in recs if r.get('layers')]
@@ -337,7 +340,7 @@ def write_files(out, files, kind='runs'):
     ours = dict.fromkeys(ours, '') if isinstance(ours, list) else ours   # a list names no writer
     foreign = sorted(n for n in files if os.path.lexists(at(n)) and n not in ours)
     if foreign:
-        raise OutError(f'{out} holds {", ".join(foreign)}, not written by analyze.py: move them away or pass '
+        raise OutError(f'{out} holds {", ".join(foreign)}, not written by analyze.py: move them or pass '
                        'another --out')
     ext = {n.rsplit('.')[-1] for n in files}   # --no_figures removes no figure
     stale = [n for n, k in ours.items() if k == kind and n not in files and n.rsplit('.')[-1] in ext]

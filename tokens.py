@@ -90,9 +90,9 @@ def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', figure
     ckpts, runs, batches, cfgs = [], [], {}, {}
     for path in folders.find_runs(paths):
         try:
-            cfg = folders.read_json(f'{path}/config.json')
-            if folders.check_config(cfg) or not checkpoints(path):
-                raise Skip(folders.check_config(cfg) or 'no models/model_*.pt')
+            cfg = folders.read_config(path)
+            if not checkpoints(path):
+                raise Skip('no models/model_*.pt')
             data = tuple(cfg.get(k) for k in ('data_sha256', 'min_char_count', 'block_size', 'eval_windows'))
             if data not in batches:
                 batches[data] = evaluation_batch(cfg, overrides)
@@ -197,14 +197,12 @@ def capture_qk(model, ids, rope='after'):
     fam, n_head = family_of(model.config)[1], model.config.num_attention_heads
     attns = [m for m in model.modules()   # self-attention: the modules holding q and k
              if hasattr(m, fam.q) and hasattr(m, fam.k) and not getattr(m, 'is_cross_attention', False)]
-    stores, hooks = [{} for _ in attns], []
-    for s, attn in zip(stores, attns):
-        for role in dict.fromkeys((fam.q, fam.k)):   # a fused projection once
-            keep = lambda m, i, o, s=s, r=role: s.update({r: o})
-            hooks.append(getattr(attn, role).register_forward_hook(keep))
-        if fam.rotary:
-            hooks.append(attn.register_forward_pre_hook(
-                lambda m, a, kw, s=s: s.update(cs=kw.get('position_embeddings')), with_kwargs=True))
+    seen = {}   # a projection's output, an attention's rotary angles
+    hooks = [getattr(a, n).register_forward_hook(lambda m, i, o: seen.update({m: o}))
+             for a in attns for n in {fam.q, fam.k}]
+    if fam.rotary:
+        angles = lambda m, i, kw: seen.update({m: kw.get('position_embeddings')})
+        hooks += [a.register_forward_pre_hook(angles, with_kwargs=True) for a in attns]
     try:
         ids = ids.to(model.device)
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_attentions=True)
@@ -213,10 +211,11 @@ def capture_qk(model, ids, rope='after'):
             h.remove()
     if not attns or out.attentions is None or len(out.attentions) != len(attns):
         raise ValueError(f'{type(model).__name__}: no attention probabilities per layer holding {fam.q}')
-    layers = [fam.split(s[fam.q], n_head) if fam.split else (s[fam.q], s[fam.k]) for s in stores]
+    q, k = ([seen[getattr(a, n)] for a in attns] for n in (fam.q, fam.k))
+    layers = [fam.split(o, n_head) for o in q] if fam.split else list(zip(q, k))
     if fam.rotary and rope == 'after':
         d = layers[0][0].shape[-1] // n_head
-        layers = [rotate(a, q, k, s['cs'], d) for a, s, (q, k) in zip(attns, stores, layers)]
+        layers = [rotate(a, q, k, seen[a], d) for a, (q, k) in zip(attns, layers)]
     return layers, list(out.attentions)
 
 
@@ -272,7 +271,7 @@ def series_of(row):
 
 def contrast_trend(steps, values):
     """Spearman with x = log(1 + step) over all, early (x <= median) and late (>=) checkpoints; the first and
-    last of the steps, in order."""
+    last step and value (steps in order)."""
     steps, v = np.asarray(steps, float), np.asarray(values, float)
     x = np.log1p(steps)
     early, late = x <= np.median(x), x >= np.median(x)
@@ -323,17 +322,16 @@ def merged(out, prefix, layer_rows, head_rows, runs=()):
 def finish(out, prefix, layer_rows, head_rows, label_of, figures, runs=()):
     """prefix* tables, prefix.json (rows the report reads) and figures, written into out."""
     trend, link = trend_rows(layer_rows), link_rows(head_rows)
-    summary = summary_rows(trend, link)
-    files = {f'{prefix}.json': json.dumps({'layers': layer_rows, 'heads': head_rows, 'summary': summary,
-                                           'runs': runs})}
-    for stem, rows in (('', layer_rows), ('_heads', head_rows), ('_trend', trend), ('_link', link),
-                       ('_summary', summary), ('_runs', list(runs))):
-        files.update(folders.table(prefix + stem, rows))
+    tables = {'layers': layer_rows, 'heads': head_rows, 'trend': trend, 'link': link,
+              'summary': summary_rows(trend, link), 'runs': list(runs)}
+    files = {f'{prefix}.json': json.dumps(tables)}
+    for name, rows in tables.items():
+        files.update(folders.table(prefix if name == 'layers' else f'{prefix}_{name}', rows))
     labels = list(dict.fromkeys(map(label_of, layer_rows))) if figures else []
     for n in range(0, len(labels), 4):   # 4 rows a figure
         fig = token_figure(layer_rows, head_rows, label_of, labels[n:n + 4], SOURCES[prefix])
         files.update(plots.save(FIGURES[prefix] + f'_{n // 4 + 1}' * (n > 0), fig))
-    return {'out': out, 'summary': summary, 'files': layer_rows and folders.write_files(out, files, prefix)}
+    return {'summary': tables['summary'], 'files': layer_rows and folders.write_files(out, files, prefix)}
 
 
 def token_figure(layer_rows, head_rows, label_of, labels, title):
