@@ -177,20 +177,6 @@ def rotate(attn, q, k, cos_sin, d):
     return q.transpose(1, 2).flatten(-2), k.transpose(1, 2).flatten(-2)
 
 
-def qk_token_geometry(q, k, att, n_head, causal=True):
-    """token_geometry, k (GQA) repeated to the query heads; an encoder's entropy over all T keys, / log T."""
-    d = q.shape[-1] // n_head
-    k = k.unflatten(-1, (-1, d)).repeat_interleave(n_head // (k.shape[-1] // d), dim=-2).flatten(-2)
-    if causal:
-        return geometry.token_geometry(q, k, att, n_head)
-    B, T = q.shape[:2]
-    H = -torch.special.xlogy(att, att).sum(-1).double().cpu()
-    h, logT = H.mean((0, 2)), math.log(T)
-    return {**geometry.token_geometry(q, k, torch.eye(T).expand(B, n_head, T, T), n_head),
-            'entropy': H.mean().item(), 'entropy_norm': H.mean().item() / logT, 'entropy_heads': h.tolist(),
-            'entropy_norm_heads': (h / logT).tolist()}
-
-
 @torch.no_grad()
 def capture_qk(model, ids, rope='after'):
     """Per layer (q, k) from hooks on the family's projections; the attention probabilities."""
@@ -220,10 +206,21 @@ def capture_qk(model, ids, rope='after'):
 
 
 def pretrained_tokens(model, ids, rope='after'):
-    """Token metrics per layer of a transformers model on ids."""
+    """token_geometry per layer of a transformers model on ids, k (GQA) repeated to the query heads; an
+    encoder's entropy over all T keys, / log T."""
     causal, n_head = family_of(model.config)[1].causal, model.config.num_attention_heads
-    layers, atts = capture_qk(model, ids, rope)
-    return [qk_token_geometry(q, k, att, n_head, causal) for (q, k), att in zip(layers, atts)]
+    found = []
+    for (q, k), att in zip(*capture_qk(model, ids, rope)):
+        (B, T), d = q.shape[:2], q.shape[-1] // n_head
+        k = k.unflatten(-1, (-1, d)).repeat_interleave(n_head // (k.shape[-1] // d), dim=-2).flatten(-2)
+        probs = att if causal else torch.eye(T).expand(B, n_head, T, T)
+        found.append(geometry.token_geometry(q, k, probs, n_head))
+        if not causal:
+            H = -torch.special.xlogy(att, att).sum(-1).double().cpu()
+            h = H.mean((0, 2))
+            found[-1].update(entropy=H.mean().item(), entropy_norm=H.mean().item() / math.log(T),
+                             entropy_heads=h.tolist(), entropy_norm_heads=(h / math.log(T)).tolist())
+    return found
 
 
 def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rope='after', n_seqs=8,
@@ -258,9 +255,9 @@ def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rop
 # ---- tables and fig6, fig7
 def token_rows(ckpts):
     """(layer rows, head rows) of [(series, step, token geometry per layer)]; contrast: PR_Q - PR_K."""
-    keys = ('tok_pr_q', 'tok_pr_k', 'tok_pr_q_head', 'tok_pr_k_head', 'tok_pr_qk', 'entropy', 'entropy_norm')
     at = [({**series, 'step': step, 'layer': i}, g) for series, step, gs in ckpts for i, g in enumerate(gs)]
-    return ([{**s, 'contrast': g['tok_pr_q'] - g['tok_pr_k'], **{k: g[k] for k in keys}} for s, g in at],
+    scalars = lambda g: {k: v for k, v in g.items() if not isinstance(v, list)}
+    return ([{**s, 'contrast': g['tok_pr_q'] - g['tok_pr_k'], **scalars(g)} for s, g in at],
             [{**s, 'head': h, 'tok_pr_qk': qk, 'entropy': g['entropy_heads'][h], 'tok_pr_k_head':
               g['tok_pr_k_heads'][h]} for s, g in at for h, qk in enumerate(g['tok_pr_qk_heads'])])
 
