@@ -152,7 +152,7 @@ def bounds(key, m, cfg):
     if base == 'qk_spec_norm' and fro in m:   # ||W_QK^h||_2 <= ||W_QK^h||_F, ||W_Q^h||_2 ||W_K^h||_2
         by = [fro] + [q, k] * (key != base and {q, k} <= set(m))
         return 0, np.fmin(m[fro], m[q] * m[k]) if by[1:] else m[fro], 1e-6, by   # fmin: NaN bounds nothing
-    scale = base.endswith(('_norm', '_rel', '_imbalance', '_drift', '_gram'))   # nonnegative by definition
+    scale = base.endswith(('_norm', '_rel', '_imbalance', '_drift', '_gram'))
     return 0 if scale else -math.inf, math.inf, 0, []
 
 
@@ -242,7 +242,7 @@ def load_runs(paths, warn):
     runs = [r for r in loaded if seen[r.setting, r.seed] == r.path]
     for rs in group(runs, lambda r: r.setting).values():
         logged = set().union(*(r.m for r in rs))
-        for r in rs:   # one lacking a key that others have is kept apart: it may differ in what it lacks
+        for r in rs:   # kept apart: it may differ in what it lacks
             lost = ', '.join(sorted(logged - set(r.m)))
             like = [s.settings for s in runs if r.settings.items() < s.settings.items()]
             r.notes[:0] = [f'config.json lacks {", ".join(sorted(set().union(*like) - set(r.settings)))}, '
@@ -267,7 +267,7 @@ def group(items, key):
 
 
 def stack(runs, key, its=None):
-    """(its, default any run's; (runs, its, layers[, heads]) of key, NaN where not logged)."""
+    """(its, default all runs'; (runs, its, layers[, heads]) of key, NaN where not logged)."""
     its = reduce(np.union1d, [r.iters for r in runs], np.zeros(0, int)) if its is None else np.asarray(its)
     shape = next((r.m[key].shape[2:] for r in runs if key in r.m), ())
     out = np.full((len(runs), len(its), runs[0].n_layer if runs else 0) + shape, np.nan)
