@@ -14,6 +14,8 @@ from functools import reduce
 
 import numpy as np
 
+import stats
+
 BOOKKEEPING = ('out_dir', 'run_name', 'overwrite', 'seed', 'device', 'threads', 'compile', 'ckpt_interval',
                'model_ckpts', 'save_snapshots', 'data_file', 'data_dir', 'data_url', 'dataset', 'cache_dir',
                'torch', 'git_commit', 'world_size', 'n_params', 'vocab_size', 'n_chars', 'data_cache')
@@ -21,14 +23,14 @@ CONTROL_KEYS = ('control', 'control_target', 'control_scope', 'control_keep', 'c
                 'control_interval', 'shrink_to', 'shrink_iters')
 IGNORED = {'none': CONTROL_KEYS[1:], 'freeze': ('shrink_to', 'shrink_iters')}   # unread by control.py
 NUMBER = (int, float)
-REQUIRED = {'n_layer': int, 'n_head': int, 'n_embd': int, 'block_size': int, 'seed': int, 'max_iters': int,
-            'warmup_iters': int, 'qk_init': str, 'control': str, 'control_target': str, 'control_keep': str,
-            'shrink_to': NUMBER, 'weight_decay': NUMBER, 'decay_qk': bool, 'data_sha256': str}
+REQUIRED = {(int,): ('n_layer', 'n_head', 'n_embd', 'block_size', 'seed', 'max_iters', 'warmup_iters'),
+            (str,): ('qk_init', 'control', 'control_target', 'control_keep', 'data_sha256'),
+            NUMBER: ('shrink_to', 'weight_decay'), (bool,): ('decay_qk',)}
 KINDS = ('none', 'shrink', 'freeze')
 FINAL_LOGS = 3
+LOSSES = ('train_loss', 'val_loss')
 MANIFEST = '.analyze.json'
-PR_KEYS = {f'{p}{w}{h}' for p in ('pr_', 'pr_d', 'tok_pr_') for w in 'qk' for h in ('', '_head')} | {
-    'pr_qk', 'tok_pr_qk'}
+PR_KEYS = ('pr_q', 'pr_k', 'pr_dq', 'pr_dk', 'pr_qk', 'tok_pr_q', 'tok_pr_k', 'tok_pr_qk')   # and _head(s)
 
 
 class Skip(Exception):
@@ -46,15 +48,15 @@ class Run:
     done: dict
     iters: np.ndarray   # of the geometry records
     m: dict             # metric -> (records, layers[, heads])
-    losses: dict        # train_loss, val_loss
+    losses: dict        # LOSSES
     notes: list
     memo: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.name, self.n_layer, self.seed, self.control = os.path.basename(self.path), *(
-            self.cfg[k] for k in ('n_layer', 'seed', 'control'))
-        self.C, self.d = self.cfg['n_embd'], self.cfg['n_embd'] / self.cfg['n_head']
-        self.use(config_settings([self.cfg])[0])
+        c = self.cfg
+        self.name, self.C, self.d = os.path.basename(self.path), c['n_embd'], c['n_embd'] / c['n_head']
+        self.n_layer, self.seed, self.control = c['n_layer'], c['seed'], c['control']
+        self.use(config_settings([c])[0])
 
     def use(self, settings):
         """settings, and from them setting, base (no control keys), arm."""
@@ -64,15 +66,13 @@ class Run:
 
     def final(self, key, layers=None):
         """Mean of the last FINAL_LOGS records over layers (all, or these), or NaN."""
-        v = self.m[key][-FINAL_LOGS:, slice(None) if layers is None else layers] if key in self.m else \
-            np.full(1, np.nan)
-        return float(np.mean(v[np.isfinite(v)])) if np.isfinite(v).any() else math.nan
+        return stats.nanmean(self.m[key][-FINAL_LOGS:, slice(None) if layers is None else layers]) \
+            if key in self.m else math.nan
 
     def final_loss(self, key):
         """done.json's train_loss or val_loss, else the last one logged."""
-        v, logged = self.done.get(key), self.losses[key][np.isfinite(self.losses[key])]
-        return float(v) if type(v) in NUMBER and math.isfinite(v) else \
-            float(logged[-1]) if len(logged) else math.nan
+        return next((float(v) for v in (number(self.done.get(key)), *self.losses[key][::-1]) if v < math.inf),
+                    math.nan)
 
 
 def config_settings(cfgs):
@@ -121,40 +121,39 @@ def read_records(path, notes):
         if isinstance(rec, dict) and type(rec.get('iter')) is int:
             by_iter[rec['iter']] = rec
         else:
-            notes.append(f'metrics line {i} ' + ('is cut short (a kill while it was written?): left out'
-                                                  if i == lines[-1][0] else 'is not a record: left out'))
+            why = 'is cut short (a kill while it was written?)' if i == lines[-1][0] else 'is not a record'
+            notes.append(f'metrics line {i} {why}: left out')
     return [by_iter[it] for it in sorted(by_iter)]
 
 
-def check_config(cfg):
-    """Why config.json fails REQUIRED, or None."""
-    for key, kind in REQUIRED.items():
-        if key not in cfg:
-            return f'config.json lacks {key}'
-        if not (type(cfg[key]) in kind if isinstance(kind, tuple) else type(cfg[key]) is kind):
-            return f"config.json has {key}={cfg[key]!r}, not a {getattr(kind, '__name__', 'number')}"
-    return None if cfg['control'] in KINDS else \
-        f"config.json has control={cfg['control']!r}, not one of {', '.join(KINDS)}"
+def read_config(path):
+    """The run folder's config.json, or Skip naming how it fails REQUIRED."""
+    cfg = read_json(f'{path}/config.json')
+    for kind, keys in REQUIRED.items():
+        for key in keys:
+            if key not in cfg:
+                raise Skip(f'config.json lacks {key}')
+            if type(cfg[key]) not in kind:
+                what = 'number' if kind == NUMBER else kind[0].__name__
+                raise Skip(f'config.json has {key}={cfg[key]!r}, not a {what}')
+    if cfg['control'] not in KINDS:
+        raise Skip(f"config.json has control={cfg['control']!r}, not one of {', '.join(KINDS)}")
+    return cfg
 
 
-def bounds(key, cfg):
-    """(lo, hi, relative tolerance) of a value's definitional range, or None."""
-    base = key.removesuffix('_heads')
-    base = base + '_head' if base != key and base + '_head' in PR_KEYS else base
+def bounds(key, m, cfg):
+    """(lo, hi, relative tolerance, the keys of m that set hi) of a value's definitional range."""
+    base, (fro, q, k) = key.removesuffix('_heads').removesuffix('_head'), (
+        key.replace('qk_spec', n) for n in ('qk_fro', 'q_spec', 'k_spec'))
     if base in PR_KEYS:
-        return 1.0, cfg['n_embd'] / (cfg['n_head'] if base.endswith('_head') or 'qk' in base else 1), 1e-9
+        return 1, cfg['n_embd'] / (cfg['n_head'] if base != key or 'qk' in base else 1), 1e-9, []
     if base in ('entropy', 'entropy_norm'):   # bf16 softmax rows sum to 1 within ~4e-3
-        return 0.0, math.log(cfg['block_size']) if base == 'entropy' else 1.0, 1e-2
-    return (0.0, math.inf, 0) if base.endswith(('_norm', '_rel', '_imbalance', '_drift', '_gram')) else None
-
-
-def limits(key, m, cfg):
-    """bounds; ||W_QK^h||_2 <= ||W_QK^h||_F, ||W_Q^h||_2 ||W_K^h||_2 where logged, with those keys."""
-    lim, (fro, q, k) = bounds(key, cfg), (key.replace('qk_spec', n) for n in ('qk_fro', 'q_spec', 'k_spec'))
-    if lim and key.startswith('qk_spec_norm') and fro in m:   # a NaN (not logged) bounds nothing
-        by = [fro] + [q, k] * (key[-1] == 's' and {q, k} <= set(m))
-        return 0, np.fmin(m[fro], m[q] * m[k]) if by[1:] else m[fro], 1e-6, by
-    return lim and (*lim, [])
+        return 0, math.log(cfg['block_size']) if base == 'entropy' else 1, 1e-2, []
+    if base == 'qk_spec_norm' and fro in m:   # ||W_QK^h||_2 <= ||W_QK^h||_F, ||W_Q^h||_2 ||W_K^h||_2
+        by = [fro] + [q, k] * (key != base and {q, k} <= set(m))
+        return 0, np.fmin(m[fro], m[q] * m[k]) if by[1:] else m[fro], 1e-6, by   # fmin: NaN bounds nothing
+    scale = base.endswith(('_norm', '_rel', '_imbalance', '_drift', '_gram'))
+    return 0 if scale else -math.inf, math.inf, 0, []
 
 
 def number(v):
@@ -163,16 +162,14 @@ def number(v):
 
 def layer_arrays(geo, n_layer):
     """{key: (records, layers[, heads])}: NaN where absent, +inf where not a number."""
-    cells, out = {}, {}
+    out = {}
     for r, rec in enumerate(geo):
         for i, layer in enumerate(rec['layers']):
             for k, v in layer.items():
-                cells.setdefault(k, {})[r, i] = v
-    for key, found in cells.items():
-        width = max(len(v) if isinstance(v, list) else -1 for v in found.values())
-        out[key] = np.full((len(geo), n_layer) + ((width,) if width >= 0 else ()), np.nan)
-        for (r, i), v in found.items():
-            out[key][r, i] = [number(x) for x in v] if width >= 0 else number(v)
+                v = [number(x) for x in v] if isinstance(v, list) else number(v)
+                if k not in out:
+                    out[k] = np.full((len(geo), n_layer) + np.shape(v), np.nan)
+                out[k][r, i] = v
     return out
 
 
@@ -180,16 +177,14 @@ def bad_records(m, iters, cfg, notes):
     """The records to leave out, each noted with its key and value."""
     bad = np.zeros(len(iters), bool)
     for key, a in m.items():
-        lim, flat = limits(key, m, cfg), a.reshape(len(a), -1)
-        wrong = np.isinf(flat)
-        if lim:
-            lo, hi = (np.broadcast_to(x, a.shape).reshape(len(a), -1) for x in lim[:2])
-            with np.errstate(invalid='ignore'):
-                wrong |= (flat != 0) & ((flat < lo * (1 - lim[2])) | (flat > hi * (1 + lim[2])))
+        lo, hi, tol, by = bounds(key, m, cfg)
+        lo, hi, flat = (np.broadcast_to(x, a.shape).reshape(len(a), -1) for x in (lo, hi, a))
+        with np.errstate(invalid='ignore'):
+            wrong = np.isinf(flat) | (flat != 0) & ((flat < lo * (1 - tol)) | (flat > hi * (1 + tol)))
         for r in np.flatnonzero(wrong.any(1) & ~bad):
             j = wrong[r].argmax()
             why = 'is not a finite number' if np.isinf(flat[r, j]) else \
-                f'outside [{lo[r, j]:.4g}, {hi[r, j]:.4g}]' + f' (from {", ".join(lim[3])})' * bool(lim[3])
+                f'outside [{lo[r, j]:.4g}, {hi[r, j]:.4g}]' + f' (from {", ".join(by)})' * bool(by)
             notes.append(f'the record of iteration {iters[r]} is left out: {key} = {flat[r, j]:.4g} {why}')
         bad |= wrong.any(1)
     return bad
@@ -197,11 +192,10 @@ def bad_records(m, iters, cfg, notes):
 
 def load_run(path):
     """A finished run folder as a Run, or Skip naming why."""
-    cfg, done = read_json(os.path.join(path, 'config.json')), os.path.join(path, 'done.json')
-    problem = check_config(cfg) or 'unfinished (no done.json)' * (not os.path.exists(done))
+    cfg, done = read_config(path), f'{path}/done.json'
     log = [p for p in (f'{path}/metrics.jsonl', f'{path}/metrics.jsonl.gz') if os.path.isfile(p)]
-    if problem or not log:
-        raise Skip(problem or 'no metrics.jsonl')
+    if not (os.path.exists(done) and log):
+        raise Skip('no metrics.jsonl' if os.path.exists(done) else 'unfinished (no done.json)')
     notes, done = [], read_json(done)
     recs = read_records(log[0], notes)
     geo = [r for r in recs if r.get('layers')]
@@ -212,13 +206,12 @@ def load_run(path):
         raise Skip(f'none of its {len(geo)} geometry records is usable ({left})' if geo else
                    f'{os.path.basename(log[0])} holds no geometry record')
     last = next((r for r in recs if r['iter'] == done.get('iter')), {})   # train.py copies its losses
-    for k in ('train_loss', 'val_loss'):
+    for k in LOSSES:
         if k in last and done.get(k) != last[k]:
             notes.append(f"done.json has {k} = {done.get(k)!r}, not {last[k]!r} as logged at its iteration "
                          f"{last['iter']}: the logged one is used")
             done[k] = last[k]
-    losses = {k: np.array([number(r.get(k)) for r in recs if 'val_loss' in r])
-              for k in ('train_loss', 'val_loss')}
+    losses = {k: np.array([number(r.get(k)) for r in recs if 'val_loss' in r]) for k in LOSSES}
     return Run(path, cfg, done, iters[keep], {k: v[keep] for k, v in m.items()}, losses, notes)
 
 
@@ -248,21 +241,21 @@ def load_runs(paths, warn):
         skipped += [(r.path, f'duplicate of {first} (the same settings and seed)')] * (first != r.path)
     runs = [r for r in loaded if seen[r.setting, r.seed] == r.path]
     for rs in group(runs, lambda r: r.setting).values():
-        for r in rs:
-            lost = sorted(set().union(*(r.m for r in rs)) - set(r.m))
-            r.notes += [f'{", ".join(lost)} not logged, unlike other seeds of its setting'] * bool(lost)
-    for r in runs:   # kept apart: it may differ in what it lacks
-        like = [s.settings for s in runs if set(r.settings) < set(s.settings)
-                and json.dumps({k: s.settings[k] for k in r.settings}, sort_keys=True) == r.setting]
-        r.notes[:0] = [f'config.json lacks {", ".join(sorted(set().union(*like) - set(r.settings)))}, which '
-                       f'{len(like)} run(s) of otherwise the same settings have: kept as a setting of its own'
-                       ] * bool(like)
-    for path, why in sorted(skipped):
+        logged = set().union(*(r.m for r in rs))
+        for r in rs:   # kept apart: it may differ in what it lacks
+            lost = ', '.join(sorted(logged - set(r.m)))
+            like = [s.settings for s in runs if r.settings.items() < s.settings.items()]
+            r.notes[:0] = [f'config.json lacks {", ".join(sorted(set().union(*like) - set(r.settings)))}, '
+                           f'which {len(like)} run(s) of otherwise the same settings have: kept as a setting '
+                           'of its own'] * bool(like)
+            r.notes += [f'{lost} not logged, unlike other seeds of its setting'] * bool(lost)
+    skipped.sort()
+    for path, why in skipped:
         warn(f'skipped {path}: {why}')
     for r in runs:
         for note in r.notes[:6] + [f'and {len(r.notes) - 6} more notes'] * (len(r.notes) > 6):
             warn(f'{r.path}: {note}')
-    return runs, sorted(skipped)
+    return runs, skipped
 
 
 def group(items, key):
@@ -274,7 +267,7 @@ def group(items, key):
 
 
 def stack(runs, key, its=None):
-    """(its, default any run's; (runs, its, layers[, heads]) of key, NaN where not logged)."""
+    """(its, default all runs'; (runs, its, layers[, heads]) of key, NaN where not logged)."""
     its = reduce(np.union1d, [r.iters for r in runs], np.zeros(0, int)) if its is None else np.asarray(its)
     shape = next((r.m[key].shape[2:] for r in runs if key in r.m), ())
     out = np.full((len(runs), len(its), runs[0].n_layer if runs else 0) + shape, np.nan)
@@ -308,8 +301,7 @@ def labels(dicts, keys, reference=None):
 
 # ---- tables and the output folder
 def cell(v):
-    return '' if v is None else ('nan' if v != v else f'{v:.4g}') if isinstance(v, float) else \
-        str(v).replace('|', '\\|')
+    return '' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v).replace('|', '\\|')
 
 
 def markdown(rows, columns=None):
@@ -322,8 +314,7 @@ def table(stem, rows, columns=None):
     """{stem.csv: text, stem.md: text} of rows (dicts); {} without rows."""
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()
-    csv.writer(buf, lineterminator='\n').writerows(
-        [columns] + [['' if r.get(c) is None else r.get(c) for c in columns] for r in rows])
+    csv.writer(buf, lineterminator='\n').writerows([columns] + [[r.get(c) for c in columns] for r in rows])
     return {f'{stem}.csv': buf.getvalue(), f'{stem}.md': markdown(rows, columns)} if rows else {}
 
 
@@ -341,15 +332,15 @@ def check_out(out):
 
 
 def write_files(out, files, kind='runs'):
-    """Write {name: text or bytes} into out, remove what kind (runs, tokens, pretrained) wrote before and
-    not now; OutError first if a name is there but not in MANIFEST."""
+    """Write {name: text or bytes} into out, remove what kind wrote before and not now; OutError first if a
+    name is there but not in MANIFEST."""
     check_out(out)
     at = lambda n: os.path.join(out, n)
     ours = json.load(open(at(MANIFEST))) if os.path.exists(at(MANIFEST)) else {}
     ours = dict.fromkeys(ours, '') if isinstance(ours, list) else ours   # a list names no writer
     foreign = sorted(n for n in files if os.path.lexists(at(n)) and n not in ours)
     if foreign:
-        raise OutError(f'{out} holds {", ".join(foreign)}, not written by analyze.py: move them away or pass '
+        raise OutError(f'{out} holds {", ".join(foreign)}, not written by analyze.py: move them or pass '
                        'another --out')
     ext = {n.rsplit('.')[-1] for n in files}   # --no_figures removes no figure
     stale = [n for n, k in ours.items() if k == kind and n not in files and n.rsplit('.')[-1] in ext]

@@ -17,7 +17,6 @@ from collections import namedtuple
 import numpy as np
 import torch
 from matplotlib import colormaps
-from matplotlib.figure import Figure
 
 import folders
 import geometry
@@ -36,7 +35,7 @@ FIGURES = {'tokens': 'fig6_tokens', 'pretrained': 'fig7_pretrained'}
 def evaluation_batch(cfg, overrides=('', '', '')):
     """The run's evaluation batch, from its cache (never written) or encoded in cache_dir or a temp dir."""
     cfg = {**cfg, **{k: v for k, v in zip(('data_file', 'data_dir'), overrides) if v}}
-    wiki = ['test'] if cfg.get('dataset') == 'wikitext103-test' else ['train', 'valid']
+    wiki = ('test',) if cfg.get('dataset') == 'wikitext103-test' else ('train', 'valid')
     needs = [f"{cfg.get('data_dir')}/wiki.{n}.raw" for n in wiki]
     needs = [cfg['data_file']] if cfg.get('data_file') else needs
     if not all(map(os.path.isfile, needs)):
@@ -57,8 +56,8 @@ def evaluation_batch(cfg, overrides=('', '', '')):
 
 
 def checkpoints(path):
-    found = [(re.search(r'/model_(\d+)\.pt$', f), f) for f in glob.glob(f'{path}/models/*')]
-    return sorted((int(m.group(1)), f) for m, f in found if m)
+    found = (re.search(r'/model_(\d+)\.pt$', f) for f in glob.glob(f'{path}/models/*'))
+    return sorted((int(m[1]), m.string) for m in found if m)
 
 
 def identity(path):
@@ -69,8 +68,8 @@ def identity(path):
 
 @torch.no_grad()
 def measure_run(path, cfg, x, device):
-    """(layer rows, head rows) of the run's checkpoints on its evaluation batch x."""
-    layer_rows, head_rows = [], []
+    """[(series, step, token geometry per layer)] of the run's checkpoints on x."""
+    series, found = dict(model=path, rope='none', control=cfg['control'], seed=cfg['seed']), []
     for it, f in checkpoints(path):
         try:
             ckpt = torch.load(f, map_location='cpu', weights_only=True)
@@ -80,33 +79,30 @@ def measure_run(path, cfg, x, device):
             raise Skip(f'{f} is not a readable model checkpoint ({type(e).__name__})') from None
         probe = []
         model.to(device).eval()(x.to(device), probe=probe)
-        rows = token_rows({'model': path, 'rope': 'none', 'control': cfg['control'], 'seed': cfg['seed']}, it,
-                          [geometry.token_geometry(q, k, att, cfg['n_head']) for q, k, att in probe])
-        layer_rows, head_rows = layer_rows + rows[0], head_rows + rows[1]
-    return layer_rows, head_rows
+        found.append((series, it, [geometry.token_geometry(q, k, att, cfg['n_head']) for q, k, att in probe]))
+    return found
 
 
 def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', figures=True, log=print):
     """Token tables of the runs' model checkpoints under paths, merged by run into out's."""
     out = out or os.path.join(paths[0], 'analysis')
     folders.check_out(out)
-    layer_rows, head_rows, runs, cfgs, batches = [], [], [], {}, {}
+    ckpts, runs, batches, cfgs = [], [], {}, {}
     for path in folders.find_runs(paths):
         try:
-            cfg = folders.read_json(f'{path}/config.json')
-            if folders.check_config(cfg) or not checkpoints(path):
-                raise Skip(folders.check_config(cfg) or 'no models/model_*.pt')
+            cfg = folders.read_config(path)
+            if not checkpoints(path):
+                raise Skip('no models/model_*.pt')
             data = tuple(cfg.get(k) for k in ('data_sha256', 'min_char_count', 'block_size', 'eval_windows'))
-            batches[data] = batches[data] if data in batches else evaluation_batch(cfg, overrides)
-            rows = measure_run(path, cfg, batches[data], device)
+            if data not in batches:
+                batches[data] = evaluation_batch(cfg, overrides)
+            ckpts += measure_run(path, cfg, batches[data], device)
+            runs.append(dict(zip(('model', 'run', 'config_sha256', 'done_sha256'), (path, *identity(path)))))
+            log(f'{path}: {len(checkpoints(path))} checkpoints')
         except Skip as e:
             log(f'warning: skipped {path}: {e}')
-            continue
-        layer_rows, head_rows, cfgs[path] = layer_rows + rows[0], head_rows + rows[1], cfg
-        runs.append(dict(zip(('model', 'run', 'config_sha256', 'done_sha256'), (path, *identity(path)))))
-        log(f'{path}: {len(checkpoints(path))} checkpoints')
-    layer_rows, head_rows, runs = merged(out, 'tokens', layer_rows, head_rows, runs)
-    for path in sorted({r['model'] for r in runs} - set(cfgs)):   # a run gone keeps its name
+    layer_rows, head_rows, runs = merged(out, 'tokens', *token_rows(ckpts), runs)
+    for path in sorted({r['model'] for r in runs}):   # a run gone keeps its name
         with contextlib.suppress(Skip):
             cfgs[path] = folders.read_json(f'{path}/config.json')
     settings = folders.config_settings(cfgs.values())
@@ -133,30 +129,27 @@ def token_tables(out, runs, warn):
 
 
 # ---- pretrained models
-# model types, attention classes, q and k modules (split: a fused output -> q, k), rotary, causal
-Family = namedtuple('Family', 'model_types attention q k split rotary causal', defaults=(None, False, True))
-FAMILIES = {
-    'gpt2': Family(('gpt2',), ('GPT2Attention',), 'c_attn', 'c_attn', lambda o, n: o.chunk(3, dim=-1)[:2]),
-    'gpt_neox': Family(('gpt_neox',), ('GPTNeoXAttention',), 'query_key_value', 'query_key_value',
-                       lambda o, n: tuple(o.unflatten(-1, (n, 3, -1))[..., i, :].flatten(-2) for i in (0, 1)),
-                       rotary=True),
-    'opt': Family(('opt',), ('OPTAttention',), 'q_proj', 'k_proj'),
-    'llama': Family(('llama', 'mistral', 'qwen2'), ('LlamaAttention', 'MistralAttention', 'Qwen2Attention'),
-                    'q_proj', 'k_proj', rotary=True),
-    'bert': Family(('bert', 'roberta'), ('BertSelfAttention', 'RobertaSelfAttention'), 'query', 'key',
-                   causal=False),
-}
+# model types (the first names the family), the attention's q and k modules (split: a fused output -> q, k)
+Family = namedtuple('Family', 'model_types q k split rotary causal', defaults=(None, False, True))
+FAMILIES = (
+    Family(('gpt2',), 'c_attn', 'c_attn', lambda o, n: o.chunk(3, dim=-1)[:2]),
+    Family(('gpt_neox',), 'query_key_value', 'query_key_value',
+           lambda o, n: [t.flatten(-2) for t in o.unflatten(-1, (n, 3, -1)).unbind(-2)[:2]], rotary=True),
+    Family(('opt',), 'q_proj', 'k_proj'),
+    Family(('llama', 'mistral', 'qwen2'), 'q_proj', 'k_proj', rotary=True),
+    Family(('bert', 'roberta'), 'query', 'key', causal=False))
 REVISION_PRESETS = {'pythia': ('step0', *(f'step{2 ** i}' for i in range(10)),
                                *(f'step{1000 * 2 ** i}' for i in range(8)), 'step143000')}
 
 
 def family_of(config):
+    """(name, Family) of a transformers config."""
     kind = getattr(config, 'model_type', None)
-    found = [(n, f) for n, f in FAMILIES.items() if kind in f.model_types]
-    if not found:
-        raise ValueError(f"architecture {kind!r} is not supported; supported: "
-                         f"{', '.join(t for f in FAMILIES.values() for t in f.model_types)}")
-    return found[0]
+    for f in FAMILIES:
+        if kind in f.model_types:
+            return f.model_types[0], f
+    raise ValueError(f"architecture {kind!r} is not supported; supported: "
+                     f"{', '.join(t for f in FAMILIES for t in f.model_types)}")
 
 
 def source(name, revision):
@@ -169,8 +162,8 @@ def text_windows(tokenizer, text, n_seqs, seq_len):
     """(B, T) ids: up to n_seqs windows of seq_len tokens with the tokenizer's special tokens."""
     ids = tokenizer(text, add_special_tokens=False)['input_ids']
     bare, full = (tokenizer('a', add_special_tokens=s)['input_ids'] for s in (False, True))
-    at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
-    head, tail = (full[:at], full[at + len(bare):]) if bare else ([], [])
+    at = full.index(bare[0]) if bare and bare[0] in full else 0   # full: head + bare + tail
+    head, tail = full[:at], full[at + len(bare):]
     n = seq_len - len(head) - len(tail)
     return torch.tensor([head + ids[i * n:i * n + n] + tail for i in range(min(n_seqs, len(ids) // n) or 1)])
 
@@ -184,33 +177,18 @@ def rotate(attn, q, k, cos_sin, d):
     return q.transpose(1, 2).flatten(-2), k.transpose(1, 2).flatten(-2)
 
 
-def qk_token_geometry(q, k, att, n_head, causal=True):
-    """token_geometry, k (GQA) repeated to the query heads; an encoder's entropy over all T keys, / log T."""
-    d = q.shape[-1] // n_head
-    k = k.unflatten(-1, (-1, d)).repeat_interleave(n_head // (k.shape[-1] // d), dim=-2).flatten(-2)
-    if causal:
-        return geometry.token_geometry(q, k, att, n_head)
-    B, T = q.shape[:2]
-    H = -torch.special.xlogy(att, att).sum(-1).double().cpu()
-    h, logT = H.mean((0, 2)), math.log(T)
-    return {**geometry.token_geometry(q, k, torch.eye(T).expand(B, n_head, T, T), n_head),
-            'entropy': H.mean().item(), 'entropy_norm': H.mean().item() / logT, 'entropy_heads': h.tolist(),
-            'entropy_norm_heads': (h / logT).tolist()}
-
-
 @torch.no_grad()
 def capture_qk(model, ids, rope='after'):
     """Per layer (q, k) from hooks on the family's projections; the attention probabilities."""
     fam, n_head = family_of(model.config)[1], model.config.num_attention_heads
-    attns = [m for m in model.modules()
-             if type(m).__name__ in fam.attention and not getattr(m, 'is_cross_attention', False)]
-    stores, hooks = [{} for _ in attns], []
-    for store, attn in zip(stores, attns):
-        hooks += [getattr(attn, role).register_forward_hook(
-            lambda mod, a, out, store=store, role=role: store.__setitem__(role, out.detach()))
-            for role in dict.fromkeys((fam.q, fam.k))]
-        hooks += [attn.register_forward_pre_hook(lambda mod, a, kw, store=store: store.__setitem__(
-            'cs', kw.get('position_embeddings')), with_kwargs=True)] if fam.rotary else []
+    attns = [m for m in model.modules()   # self-attention: the modules holding q and k
+             if hasattr(m, fam.q) and hasattr(m, fam.k) and not getattr(m, 'is_cross_attention', False)]
+    seen = {}   # a projection's output, an attention's rotary angles
+    hooks = [getattr(a, n).register_forward_hook(lambda m, i, o: seen.update({m: o}))
+             for a in attns for n in {fam.q, fam.k}]
+    if fam.rotary:
+        angles = lambda m, i, kw: seen.update({m: kw.get('position_embeddings')})
+        hooks += [a.register_forward_pre_hook(angles, with_kwargs=True) for a in attns]
     try:
         ids = ids.to(model.device)
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_attentions=True)
@@ -218,20 +196,31 @@ def capture_qk(model, ids, rope='after'):
         for h in hooks:
             h.remove()
     if not attns or out.attentions is None or len(out.attentions) != len(attns):
-        raise ValueError(f'{type(model).__name__}: no attention probabilities per {fam.attention[0]} layer')
-    layers = []
-    for attn, store in zip(attns, stores):
-        q, k = fam.split(store[fam.q], n_head) if fam.split else (store[fam.q], store[fam.k])
-        layers.append(rotate(attn, q, k, store['cs'], q.shape[-1] // n_head) if fam.rotary and rope == 'after'
-                      else (q, k))
+        raise ValueError(f'{type(model).__name__}: no attention probabilities per layer holding {fam.q}')
+    q, k = ([seen[getattr(a, n)] for a in attns] for n in (fam.q, fam.k))
+    layers = [fam.split(o, n_head) for o in q] if fam.split else list(zip(q, k))
+    if fam.rotary and rope == 'after':
+        d = layers[0][0].shape[-1] // n_head
+        layers = [rotate(a, q, k, seen[a], d) for a, (q, k) in zip(attns, layers)]
     return layers, list(out.attentions)
 
 
 def pretrained_tokens(model, ids, rope='after'):
-    """Token metrics per layer of a transformers model on ids."""
+    """token_geometry per layer of a transformers model on ids, k (GQA) repeated to the query heads; an
+    encoder's entropy over all T keys, / log T."""
     causal, n_head = family_of(model.config)[1].causal, model.config.num_attention_heads
-    layers, atts = capture_qk(model, ids, rope)
-    return [qk_token_geometry(q, k, att, n_head, causal) for (q, k), att in zip(layers, atts)]
+    found = []
+    for (q, k), att in zip(*capture_qk(model, ids, rope)):
+        (B, T), d = q.shape[:2], q.shape[-1] // n_head
+        k = k.unflatten(-1, (-1, d)).repeat_interleave(n_head // (k.shape[-1] // d), dim=-2).flatten(-2)
+        probs = att if causal else torch.eye(T).expand(B, n_head, T, T)
+        found.append(geometry.token_geometry(q, k, probs, n_head))
+        if not causal:
+            H = -torch.special.xlogy(att, att).sum(-1).double().cpu()
+            h = H.mean((0, 2))
+            found[-1].update(entropy=H.mean().item(), entropy_norm=H.mean().item() / math.log(T),
+                             entropy_heads=h.tolist(), entropy_norm_heads=(h / math.log(T)).tolist())
+    return found
 
 
 def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rope='after', n_seqs=8,
@@ -249,55 +238,53 @@ def analyze_pretrained(name, revisions=(None,), text='', out='out/analysis', rop
         raise ValueError(f'{path} is not there; pass --text=FILE')
     ids = text_windows(tf.AutoTokenizer.from_pretrained(**source(name, revisions[0])),
                        open(path, encoding='utf-8', errors='replace').read(100_000), n_seqs, seq_len)
-    layer_rows, head_rows = [], []
-    for position, revision in enumerate(revisions):
-        t0, m = time.time(), re.search(r'step(\d+)', revision or '')
+    ckpts = []
+    for position, revision in enumerate(r or '' for r in revisions):
+        t0, m = time.time(), re.search(r'step(\d+)', revision)
         model = tf.AutoModel.from_pretrained(**source(name, revision), attn_implementation='eager',
                                              dtype=torch.float32).to(device).eval()
-        layers, (family, fam) = pretrained_tokens(model, ids, rope), family_of(model.config)
-        rows = token_rows({'model': name, 'family': family, 'rope': rope if fam.rotary else 'none',
-                           'revision': revision or ''}, int(m.group(1)) if m else position, layers)
-        layer_rows, head_rows = layer_rows + rows[0], head_rows + rows[1]
-        log(f'{name} {revision or ""}: {time.time() - t0:.1f}s')
-    layer_rows, head_rows, _ = merged(out, 'pretrained', layer_rows, head_rows)
+        family, fam = family_of(model.config)
+        series = dict(model=name, family=family, rope=rope if fam.rotary else 'none', revision=revision)
+        ckpts.append((series, int(m[1]) if m else position, pretrained_tokens(model, ids, rope)))
+        log(f'{name} {revision}: {time.time() - t0:.1f}s')
+    layer_rows, head_rows, _ = merged(out, 'pretrained', *token_rows(ckpts))
     label = lambda r: f"{os.path.basename(r['model'])} ({r['rope']})"
     return finish(out, 'pretrained', layer_rows, head_rows, label, figures)
 
 
 # ---- tables and fig6, fig7
-def token_rows(series, step, layers):
-    """(layer rows, head rows) of one checkpoint; contrast = tok_pr_q - tok_pr_k."""
-    keys = ('tok_pr_q', 'tok_pr_k', 'tok_pr_q_head', 'tok_pr_k_head', 'tok_pr_qk', 'entropy', 'entropy_norm')
-    return ([{**series, 'step': step, 'layer': i, 'contrast': g['tok_pr_q'] - g['tok_pr_k'],
-              **{k: g[k] for k in keys}} for i, g in enumerate(layers)],
-            [{**series, 'step': step, 'layer': i, 'head': h, 'tok_pr_qk': g['tok_pr_qk_heads'][h],
-              'entropy': g['entropy_heads'][h], 'tok_pr_k_head': g['tok_pr_k_heads'][h]}
-             for i, g in enumerate(layers) for h in range(len(g['tok_pr_qk_heads']))])
+def token_rows(ckpts):
+    """(layer rows, head rows) of [(series, step, token geometry per layer)]; contrast: PR_Q - PR_K."""
+    at = [({**series, 'step': step, 'layer': i}, g) for series, step, gs in ckpts for i, g in enumerate(gs)]
+    scalars = lambda g: {k: v for k, v in g.items() if not isinstance(v, list)}
+    return ([{**s, 'contrast': g['tok_pr_q'] - g['tok_pr_k'], **scalars(g)} for s, g in at],
+            [{**s, 'head': h, 'tok_pr_qk': qk, 'entropy': g['entropy_heads'][h], 'tok_pr_k_head':
+              g['tok_pr_k_heads'][h]} for s, g in at for h, qk in enumerate(g['tok_pr_qk_heads'])])
 
 
 def series_of(row):
-    return tuple(row.get(k) for k in SERIES)
+    return tuple((k, row.get(k)) for k in SERIES)
 
 
 def contrast_trend(steps, values):
-    """Spearman with x = log(1 + step) over all, early (x <= median) and late (>=) checkpoints."""
+    """Spearman with x = log(1 + step) over all, early (x <= median) and late (>=) checkpoints; the first and
+    last step and value (steps in order)."""
     steps, v = np.asarray(steps, float), np.asarray(values, float)
     x = np.log1p(steps)
     early, late = x <= np.median(x), x >= np.median(x)
     rho = lambda w: stats.spearman(x[w], v[w])
     return {'n_ckpts': len(v), 'rho_all': rho(x == x), 'rho_early': rho(early), 'rho_late': rho(late),
             'n_early': int(early.sum()), 'n_late': int(late.sum()),
-            'peak_step': int(steps[np.nanargmax(v)]) if np.isfinite(v).any() else None}
+            'peak_step': int(steps[np.nanargmax(v)]) if np.isfinite(v).any() else None,
+            'first_step': int(steps[0]), 'last_step': int(steps[-1]), 'contrast_last': float(v[-1])}
 
 
 def trend_rows(layer_rows):
     rows = []
     for (series, layer), rs in group(layer_rows, lambda r: (series_of(r), r['layer'])).items():
         rs = sorted(rs, key=lambda r: r['step'])
-        rows.append({**dict(zip(SERIES, series)), 'layer': layer,
-                     **contrast_trend([r['step'] for r in rs], [r['contrast'] for r in rs]),
-                     'first_step': rs[0]['step'], 'last_step': rs[-1]['step'],
-                     'contrast_last': rs[-1]['contrast']})
+        trend = contrast_trend([r['step'] for r in rs], [r['contrast'] for r in rs])
+        rows.append({**dict(series), 'layer': layer, **trend})
     return rows
 
 
@@ -305,7 +292,7 @@ def link_rows(head_rows):
     """Per checkpoint: Spearman of tok_pr_qk with entropy across its (layer, head) pairs."""
     groups = group(head_rows, lambda r: (series_of(r), r['step']))
     last = dict(sorted(groups, key=lambda g: g[1]))
-    return [{**dict(zip(SERIES, series)), 'step': step, 'n_pairs': len(rs), 'last': step == last[series],
+    return [{**dict(series), 'step': step, 'n_pairs': len(rs), 'last': step == last[series],
              'rho': stats.spearman(*([r[k] for r in rs] for k in ('tok_pr_qk', 'entropy')))}
             for (series, step), rs in groups.items()]
 
@@ -313,7 +300,7 @@ def link_rows(head_rows):
 def summary_rows(trend, link):
     """Per series: layer means of the trend (of (f1)), the link at its last checkpoint (of (f2))."""
     final = {series_of(r): r for r in link if r['last']}
-    return [{**dict(zip(SERIES, series)), 'layers': len(rs), 'ckpts': rs[0]['n_ckpts'],
+    return [{**dict(series), 'layers': len(rs), 'ckpts': rs[0]['n_ckpts'],
              'first_step': rs[0]['first_step'], 'last_step': rs[0]['last_step'],
              **{k: stats.nanmean([r[k] for r in rs]) for k in ('rho_all', 'rho_early', 'rho_late')},
              'contrast_last_positive': sum(r['contrast_last'] > 0 for r in rs),
@@ -332,31 +319,29 @@ def merged(out, prefix, layer_rows, head_rows, runs=()):
 def finish(out, prefix, layer_rows, head_rows, label_of, figures, runs=()):
     """prefix* tables, prefix.json (rows the report reads) and figures, written into out."""
     trend, link = trend_rows(layer_rows), link_rows(head_rows)
-    summary = summary_rows(trend, link)
-    files = {f'{prefix}.json': json.dumps({'layers': layer_rows, 'heads': head_rows, 'summary': summary,
-                                           'runs': runs})}
-    for stem, rows in (('', layer_rows), ('_heads', head_rows), ('_trend', trend), ('_link', link),
-                       ('_summary', summary), ('_runs', list(runs))):
-        files.update(folders.table(prefix + stem, rows))
+    tables = {'layers': layer_rows, 'heads': head_rows, 'trend': trend, 'link': link,
+              'summary': summary_rows(trend, link), 'runs': list(runs)}
+    files = {f'{prefix}.json': json.dumps(tables)}
+    for name, rows in tables.items():
+        files.update(folders.table(prefix if name == 'layers' else f'{prefix}_{name}', rows))
     labels = list(dict.fromkeys(map(label_of, layer_rows))) if figures else []
-    for n, part in enumerate((set(labels[i:i + 4]) for i in range(0, len(labels), 4)), 1):   # 4 rows a figure
-        fig = token_figure([r for r in layer_rows if label_of(r) in part],
-                           [h for h in head_rows if label_of(h) in part], label_of, SOURCES[prefix])
-        files.update(plots.save(FIGURES[prefix] + f'_{n}' * (n > 1), fig))
-    return {'out': out, 'summary': summary, 'files': layer_rows and folders.write_files(out, files, prefix)}
+    for n in range(0, len(labels), 4):   # 4 rows a figure
+        fig = token_figure(layer_rows, head_rows, label_of, labels[n:n + 4], SOURCES[prefix])
+        files.update(plots.save(FIGURES[prefix] + f'_{n // 4 + 1}' * (n > 0), fig))
+    return {'summary': tables['summary'], 'files': layer_rows and folders.write_files(out, files, prefix)}
 
 
-def token_figure(layer_rows, head_rows, label_of, title):
-    """Per setting (model): contrast, entropy per layer over checkpoints; tok_pr_qk ~ entropy at the last."""
-    groups = group(layer_rows, label_of)
-    fig = Figure(layout='constrained', figsize=(14, 3.1 * len(groups)))
-    for (ax_c, ax_h, ax_s), (label, rows) in zip(fig.subplots(len(groups), 3, squeeze=False), groups.items()):
+def token_figure(layer_rows, head_rows, label_of, labels, title):
+    """Per label: contrast, entropy per layer over checkpoints; tok_pr_qk ~ entropy at the last."""
+    fig, axes = plots.panels(3 * len(labels), 14 / 3, 3.1, 3)
+    for (ax_c, ax_h, ax_s), label in zip(axes.reshape(-1, 3), labels):
+        rows = [r for r in layer_rows if label_of(r) == label]
         steps, layers = sorted({r['step'] for r in rows}), sorted({r['layer'] for r in rows})
-        for ax, key in ((ax_c, 'contrast'), (ax_h, 'entropy')):
+        for ax, key, name in ((ax_c, 'contrast', 'tok_pr_q - tok_pr_k'), (ax_h, 'entropy', 'entropy (nats)')):
             for color, layer in zip(colormaps['viridis'](np.linspace(0, 0.9, len(layers))), layers):
                 ax.plot(steps, [np.mean([r[key] for r in rows if r['step'] == s and r['layer'] == layer])
                                 for s in steps], '.-', color=color, label=f'layer {layer}')
-            plots.iteration_axis(ax, 'tok_pr_q - tok_pr_k' if key == 'contrast' else 'entropy (nats)', label)
+            plots.iteration_axis(ax, name, label)
         ax_c.axhline(0, color='k', lw=0.8)
         heads = [h for h in head_rows if label_of(h) == label and h['step'] == steps[-1]]
         x, y = [h['tok_pr_qk'] for h in heads], [h['entropy'] for h in heads]
