@@ -3,6 +3,7 @@ Token-level geometry over checkpoints, ours (`analyze.py tokens`) and pretrained
 pretrained`, with transformers): tables and fig6, fig7.
 """
 import contextlib
+import csv
 import glob
 import hashlib
 import json
@@ -113,19 +114,28 @@ def analyze_tokens(paths, out=None, overrides=('', '', ''), device='cpu', figure
 
 
 def token_tables(out, runs, warn):
-    """{source: summary rows} of out's token tables, ours of these runs as they are now; the rest named."""
-    found = {p: json.load(open(f'{out}/{p}.json')) for p in SOURCES if os.path.isfile(f'{out}/{p}.json')}
-    if 'tokens' in found:
-        made = {r['model']: (r['run'], r['config_sha256'], r['done_sha256']) for r in found['tokens']['runs']}
-        ours = {identity(r.path): r for r in runs}
-        others = sorted(m for m, ident in made.items() if ident not in ours)
-        lacking = [r.path for ident, r in ours.items() if checkpoints(r.path) and ident not in made.values()]
-        for these, what in ((others, 'not among these runs, or trained again since'),
-                            (lacking, 'with model checkpoints, not measured')):
-            if these:
-                warn(f'{len(these)} run(s) {what} (e.g. {these[0]}): (f1), (f2) use the runs measured')
-        found['tokens']['summary'] = [r for r in found['tokens']['summary'] if made.get(r['model']) in ours]
-    return {SOURCES[p]: data['summary'] for p, data in found.items() if data['summary']}
+    """{source: summary rows} of out's token tables (their .csv), ours of these runs as they are now."""
+    path = lambda name: os.path.join(out, f'{name}.csv')
+    read = lambda name: list(csv.DictReader(open(path(name)))) if os.path.isfile(path(name)) else []
+    found = {p: [{k: number(v) for k, v in r.items()} for r in read(f'{p}_summary')] for p in SOURCES}
+    made = {r['model']: (r['run'], r['config_sha256'], r['done_sha256']) for r in read('tokens_runs')}
+    ours = {identity(r.path): r for r in runs}
+    others = sorted(m for m, ident in made.items() if ident not in ours)
+    lacking = [r.path for ident, r in ours.items() if checkpoints(r.path) and ident not in made.values()]
+    for these, what in ((others, 'not among these runs, or trained again since'),
+                        (lacking, 'with model checkpoints, not measured')):
+        if these and found['tokens']:
+            warn(f'{len(these)} run(s) {what} (e.g. {these[0]}): (f1), (f2) use the runs measured')
+    found['tokens'] = [r for r in found['tokens'] if made.get(r['model']) in ours]
+    return {SOURCES[p]: rows for p, rows in found.items() if rows}
+
+
+def number(v):
+    """A table cell read back: a number, None for an empty cell, else the text."""
+    try:
+        return float(v)
+    except ValueError:
+        return v or None
 
 
 # ---- pretrained models
