@@ -547,24 +547,19 @@ def reading(fit, means):
 
 # ----------------------------------------------------------------------------- the other tables
 def trajectory_rows(study):
-    """Per setting, layer, lens and window: seed means of PR_Q, PR_K at the window's start and end, and how
-    many seeds hold (a), (b) or their mirrors."""
+    """Per setting, layer, lens and window: seed means of the final PR_Q, PR_K and how many seeds hold (a),
+    (b) or their mirrors there."""
     rows = []
-    for (setting, runs), lens, window in ((g, lens, w) for g in group(
-            uncontrolled(study.runs), lambda r: r.setting).items() for lens in LENSES for w in WINDOWS):
+    for (setting, runs), lens, window in ((g, lens, w) for g in group(uncontrolled(
+            study.runs), lambda r: r.setting).items() for lens in LENSES for w in WINDOWS):
         view = View(lens, window, 'all', study.from_iter)
-        ab = [(c, [outcomes(ALL[c].fn(r, view)) for r in runs]) for c in 'ab']
+        ab = {c: [outcomes(ALL[c].fn(r, view)) for r in runs] for c in 'ab'}
         for i in range(runs[0].n_layer):
-            q, k = ([series(r, key, i) for r in runs] for key in LENSES[lens][:2])
-            at = [usable(r, start(r, view, [i])) for r in runs]
-            first = [nanmean([x[j] for x, j in zip(v, at) if j is not None]) for v in (q, k)]
-            end = [nanmean(np.concatenate([x[-FINAL_LOGS:] for x in v])) for v in (q, k)]
-            size = getattr(runs[0], LENSES[lens].size)
+            q, k = (nanmean([r.final(key, [i]) for r in runs]) for key in LENSES[lens][:2])
             rows.append({'setting': study.label[setting], 'layer': i, 'lens': lens, 'window': window,
-                         'seeds': len(runs), 'pr_q_start': first[0], 'pr_q_end': end[0],
-                         'pr_k_start': first[1], 'pr_k_end': end[1], 'gap_end/size': (end[0] - end[1]) / size,
-                         'ratio_end': end[0] / end[1], **{f'{c}{m}': int(sum(o[i] == x for o in v)) for c, v
-                                                          in ab for m, x in (('', 1), (' mirror', -1))}})
+                         'seeds': len(runs), 'pr_q_end': q, 'pr_k_end': k, 'ratio_end': q / k,
+                         **{c + m: int(sum(o[i] == x for o in v)) for c, v in ab.items()
+                            for m, x in (('', 1), (' mirror', -1))}})
     return rows
 
 
@@ -685,61 +680,59 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
 
 
 # ----------------------------------------------------------------------------- the command line
-OPTIONS = {'runs': [('from_iter', int, None, "where 'from warm-up on' starts; default: warmup_iters")],
-           'tokens': [(k, str, '', f"the runs' {k}, where it moved") for k in ('data_file', 'data_dir')] +
-           [('cache_dir', str, '', "the text's encoded cache; default: the run's, read only, else a "
-             'temporary one')],
-           'pretrained': [('model', str, None, 'a local folder or a model name'),
-                          ('revisions', str, '', 'comma-separated revisions, or the preset pythia'),
-                          ('text', str, '', "a UTF-8 text; default wiki.test.raw in train.py's data_dir"),
-                          ('rope', str, 'after', 'rotary families: q, k after the rotary embedding (as '
-                           'attention uses them) or before it'), ('n_seqs', int, 8, 'windows of the text'),
-                          ('seq_len', int, 256, 'tokens per window')]}
-USAGE = """
-  python analyze.py DIR [DIR ...] [--out=DIR] [--no_figures] [--from_iter=N]
-  python analyze.py tokens DIR [DIR ...] [--out=DIR] [--data_file=F] [--data_dir=D] [--cache_dir=C]
-  python analyze.py pretrained --model=NAME [--revisions=R1,R2 | pythia] [--text=F] [--out=DIR]"""
+OPTIONS = {'runs': [('from_iter', int, None, "where 'from warm-up on' starts (default: warmup_iters)")],
+           'tokens': [('data_file', str, '', "the runs' text, where it moved"),
+                      ('data_dir', str, '', 'the same for WikiText-103'),
+                      ('cache_dir', str, '', "the text's cache (default: the run's, read only, or a "
+                                             'temporary one)')],
+           'pretrained': [('model', str, None, 'a local folder or a model name'), ('revisions', str, '',
+                                                                                   'R1,R2,... or pythia'),
+                          ('text', str, '', "a UTF-8 text (default: wiki.test.raw in train.py's data_dir)"),
+                          ('rope', str, 'after', 'q, k after the rotary embedding or before it'),
+                          ('n_seqs', int, 8, 'windows of the text'),
+                          ('seq_len', int, 256, 'tokens a window')]}
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     what = argv.pop(0) if argv[:1] and argv[0] in OPTIONS else 'runs'
-    p = argparse.ArgumentParser(usage=USAGE, description='REPORT.md, tables and figures from run folders; '
-                                'tokens: the token level of their model checkpoints; pretrained: of a '
-                                'pretrained model (needs transformers). Options of this form:')
+    forms = [f"python analyze.py{f' {w}' * (w != 'runs')} [options]{' DIR [DIR ...]' * (w != 'pretrained')}"
+             for w in OPTIONS]
+    p = argparse.ArgumentParser(usage='\n       '.join(forms), description='REPORT.md, tables and figures '
+                                'from run folders; tokens: the token level of their checkpoints; pretrained: '
+                                'of a pretrained model (transformers)')
     if what != 'pretrained':
         p.add_argument('dirs', nargs='+', help='folders searched for run folders (holding config.json)')
-    p.add_argument('--out', default=os.path.join('out', 'analysis') if what == 'pretrained' else None,
-                   help='where to write; default <first dir>/analysis (pretrained: out/analysis)')
+    p.add_argument('--out', default='out/analysis' if what == 'pretrained' else None,
+                   help='where to write (default: <first dir>/analysis)')
     p.add_argument('--no_figures', action='store_true', help='tables only')
     p.add_argument('--device', default='cpu', help='where models run (token level)')
     for name, kind, default, text in OPTIONS[what]:
         p.add_argument(f'--{name}', type=kind, default=default, help=text, required=name == 'model')
     a, t0 = p.parse_args(argv), time.time()
+    dirs = getattr(a, 'dirs', [])
     try:
-        bad = [d for d in getattr(a, 'dirs', []) if not os.path.isdir(d)]
+        bad = [d for d in dirs if not os.path.isdir(d)]
         if bad:
             raise Skip(f'{", ".join(bad)}: not a folder (pass the out_dir of train.py, or a folder above it)')
         if what == 'runs':
-            s = analyze(a.dirs, a.out, not a.no_figures, a.from_iter)
+            s = analyze(dirs, a.out, not a.no_figures, a.from_iter)
             res = {'files': s.files, 'lines': [f'{len(s.runs)} runs used, {len(s.skipped)} skipped, '
                                                f'{len(s.label)} settings'] + [
                 f"{r['key']:<9} {r['verdict'][:46]:<46} {r['scope'][:60]}" for r in s.tables['claims']]}
         elif what == 'tokens':
-            res = tokens.analyze_tokens(a.dirs, a.out, (a.data_file, a.data_dir, a.cache_dir), a.device,
+            res = tokens.analyze_tokens(dirs, a.out, (a.data_file, a.data_dir, a.cache_dir), a.device,
                                         not a.no_figures)
         else:
-            revisions = tokens.REVISION_PRESETS.get(a.revisions) or [r for r in a.revisions.split(',') if r] \
-                or [None]
-            res = tokens.analyze_pretrained(a.model, list(revisions), a.text, a.out, a.rope, a.n_seqs,
-                                            a.seq_len, a.device, not a.no_figures)
+            revisions = tokens.REVISION_PRESETS.get(a.revisions) or a.revisions.split(',')
+            res = tokens.analyze_pretrained(a.model, [r or None for r in revisions], a.text, a.out, a.rope,
+                                            a.n_seqs, a.seq_len, a.device, not a.no_figures)
     except (Skip, OutError) + ((ImportError, ValueError, OSError) if what == 'pretrained' else ()) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
-    model = [(c, judge(c, res.get('summary', []))) for c in CLAIMS if c.unit == 'model']
-    print('\n'.join(res.get('lines') or [f'{c.key:<9} {verdict_text(j):<46} {shown(c, j)}'
-                                         for c, j in model]))
-    again = f"python analyze.py {' '.join(getattr(a, 'dirs', []))}{' --out=' + a.out if a.out else ''}"
+    print('\n'.join(res.get('lines') or [f'{c.key:<9} {verdict_text(j):<46} {shown(c, j)}' for c, j in (
+        (c, judge(c, res['summary'])) for c in CLAIMS if c.unit == 'model')]))
+    again = f"python analyze.py {' '.join(dirs)}{' --out=' + a.out if a.out else ''}"
     hint = f'; `{again}` puts (f1), (f2) into its REPORT.md' if what == 'tokens' else ''
     print(f"wrote {len(res['files'])} files in {time.time() - t0:.1f}s{hint}" if res['files'] else
           'error: nothing could be measured (reasons above)', file=sys.stdout if res['files'] else sys.stderr)
