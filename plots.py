@@ -210,39 +210,34 @@ def trended(stat):
 
 
 def regime_points(study, t):
-    """Each statistic shown with trends, per point along each axis: a line per line of points, a point alone
-    too."""
+    """Each statistic with trends, per point along each axis: a line per line of points, a point alone too."""
     shown = {k for k, s in study.stats.items() if trended(s) and s.unit != 'pair'}
     trends = [r for r in t['regime_trend'] if r['position'] == 'all' and r['statistic'] in shown]
     names, axes = (list(dict.fromkeys(r[k] for r in trends)) for k in ('statistic', 'axis'))
     if not names:
         raise Skip('no numeric setting with two points on a line')
-    coords = {study.label[r.setting]: r.settings for r in study.runs}
-    differs = lambda p: [kv.split('=')[0] for kv in p.split(', ')]   # the keys a point's name gives
+    at = {study.label[r.setting]: r.settings for r in study.runs}
     rows, figs = {(r['point'], r['statistic']): r for r in t['regime_rows'] if r['position'] == 'all'}, []
     for chunk in (names[i:i + 4] for i in range(0, len(names), 4)):
-        fig = Canvas(layout='constrained', figsize=(4.6 * len(axes), 3.2 * len(chunk)))
-        for row, name in zip(fig.subplots(len(chunk), len(axes), squeeze=False), chunk):
+        fig, grid = panels(len(chunk) * len(axes), 4.6, 3.2, len(axes))
+        for ax, (name, axis) in zip(grid, ((n, a) for n in chunk for a in axes)):
+            lines = [(r['members'].split(' | '), r['line']) for r in trends
+                     if (r['statistic'], r['axis']) == (name, axis)]
+            on = {p for r in trends if r['statistic'] == name for p in r['members'].split(' | ')}
+            lines += [([p], p) for p in at if (p, name) in rows and p not in on and f'{axis}=' in p]
+            for j, (members, label) in enumerate(lines):
+                m, lo, hi = (np.array([rows[p, name][k] for p in members]) for k in ('est', 'lo', 'hi'))
+                ax.errorbar([at[p][axis] for p in members], m, yerr=np.nan_to_num([m - lo, hi - m]), ms=4,
+                            marker='os^D'[j % 4], capsize=2, ls=('-', '--', ':', '-.')[j % 4], label=label)
+            ax.legend(fontsize=6)
+            ticks = sorted({c[axis] for c in at.values() if axis in c})
+            if all(v > 0 for v in ticks):
+                ax.set_xscale('log', base=2)
+            ax.set_xticks(ticks, [f'{v:g}' for v in ticks], minor=False)
+            ax.minorticks_off()
             s = study.stats[name]
-            for ax, axis in zip(row, axes):
-                lines = [r for r in trends if r['statistic'] == name and r['axis'] == axis]
-                on = {p for r in trends if r['statistic'] == name for p in r['members'].split(' | ')}
-                alone = [p for p in coords if (p, name) in rows and p not in on and axis in differs(p)]
-                for j, (members, label) in enumerate([(r['members'].split(' | '), r['line']) for r in lines] +
-                                                     [([p], p) for p in alone]):
-                    pts = [rows[(p, name)] for p in members]
-                    m, lo, hi = (np.array([p[k] for p in pts], dtype=float) for k in ('est', 'lo', 'hi'))
-                    x = [coords[p['point']][axis] for p in pts]
-                    ax.errorbar(x, m, yerr=np.nan_to_num([m - lo, hi - m]), marker='os^D'[j % 4], ms=4,
-                                capsize=2, ls=('-', '--', ':', '-.')[j % 4], label=label)
-                ax.legend(fontsize=6)
-                ticks = sorted({c[axis] for c in coords.values() if axis in c})
-                if all(v > 0 for v in ticks):
-                    ax.set_xscale('log', base=2)
-                ax.set_xticks(ticks, [f'{v:g}' for v in ticks], minor=False)
-                ax.minorticks_off()
-                ax.set(xlabel=axis, ylabel=f"{name}{': share of trajectories' * (s.unit == 'trajectory')}")
-                ax.set_title(textwrap.fill(getattr(s, 'text', '') or s.stat, 48), fontsize=9)
+            ax.set(xlabel=axis, ylabel=name + ': share of trajectories' * (s.unit == 'trajectory'))
+            ax.set_title(textwrap.fill(getattr(s, 'text', '') or s.stat, 48), fontsize=9)
         figs.append(fig)
     return figs
 
