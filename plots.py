@@ -5,6 +5,7 @@ with the reason the report lists; fn None: drawn by another command (analyze.py 
 PNGs in 256 colours (line plots look the same, the files are a third of the size). fig4 alone reads
 snapshots/, and is drawn from the runs that kept them.
 """
+import glob
 import io
 import os
 import re
@@ -143,27 +144,24 @@ def entropy_and_pr(study, t):
 
 
 def spectra(study, t):
-    reps = []
-    for name, runs in settings_of(study).items():
-        folder = os.path.join(runs[0].path, 'snapshots')
-        found = sorted(n for n in os.listdir(folder) if re.fullmatch(r'qk_\d+\.npz', n)) \
-            if os.path.isdir(folder) else []
-        if len(found) > 1:
-            reps.append((name, runs[0], [os.path.join(folder, n) for n in (found[0], found[-1])]))
+    reps = [(name, rs[0], sorted(glob.glob(f'{rs[0].path}/snapshots/qk_*.npz'))) for name, rs in
+            settings_of(study).items()]
+    reps = [(name, run, [paths[0], paths[-1]]) for name, run, paths in reps if len(paths) > 1][:3]
     if not reps:
         raise Skip('no run kept snapshots/ (save_snapshots=False, or compact logs only)')
-    fig = Canvas(layout='constrained', figsize=(13, 3.3 * len(reps[:3])))
-    for row, (name, run, paths) in zip(fig.subplots(len(reps[:3]), 3, squeeze=False), reps):
+    fig, grid = panels(3 * len(reps), 13 / 3, 3.3, 3)
+    for row, (name, run, paths) in zip(grid.reshape(-1, 3), reps):
+        i = run.n_layer // 2
         for path, color in zip(paths, ('tab:blue', 'tab:red')):
             with np.load(path) as z:
-                q, k, n_head = z['q'][run.n_layer // 2], z['k'][run.n_layer // 2], int(z['n_head'])
-            s_qk = geometry.interaction_singular_values(q, k, n_head).mean(0)
-            for ax, s in zip(row, (geometry.singular_values(q), geometry.singular_values(k), s_qk)):
+                q, k = z['q'][i], z['k'][i]
+                s_qk = geometry.interaction_singular_values(q, k, int(z['n_head'])).mean(0)
+            for ax, s, what in zip(row, (geometry.singular_values(q), geometry.singular_values(k), s_qk),
+                                   ('W_Q', 'W_K', 'W_QK (head mean)')):
                 ax.semilogy(np.arange(1, len(s) + 1), np.maximum(s.numpy(), 1e-12), color=color,
-                            label=f'iteration {int(re.sub(NON_DIGITS, "", os.path.basename(path)))}')
-        for ax, what in zip(row, ('W_Q', 'W_K', 'W_QK (head mean)')):
-            ax.set(title=f'{what}, {name}, layer {run.n_layer // 2}', xlabel='index', ylabel='singular value')
-            ax.legend(fontsize=7)
+                            label=f"iteration {int(re.sub(NON_DIGITS, '', os.path.basename(path)))}")
+                ax.set(title=f'{what}, {name}, layer {i}', xlabel='index', ylabel='singular value')
+                ax.legend(fontsize=7)
     return fig
 
 
@@ -171,14 +169,14 @@ def control(study, t):
     fams = families(study.arms)
     if not fams:
         raise Skip('no controlled runs paired with a baseline')
-    fig = Canvas(layout='constrained', figsize=(15, 4.2 * len(fams)))
+    fig, grid = panels(3 * len(fams), 5, 4.2, 3)
     fits = {(r['setting'], r['arm']): r for r in t['control_dose_fit']}
-    for axes, ((setting, rest), keys) in zip(fig.subplots(len(fams), 3, squeeze=False), fams.items()):
+    for axes, ((setting, rest), keys) in zip(grid.reshape(-1, 3), fams.items()):
         key = f"pr_{dict(rest)['control_target']}_head"
         colors = colormaps['Blues'](np.linspace(0.45, 0.95, len(keys)))
         lines = [('none', list(dict.fromkeys(b for k in keys for _, b in study.arms[k])), 'k')]
-        lines += [(study.arm_name(k[1]), [c for c, _ in study.arms[k]], col) for col, k in zip(colors, keys)]
-        for label, runs, color in lines:
+        for label, runs, color in lines + [(study.arm_name(k[1]), [c for c, _ in study.arms[k]], col)
+                                           for col, k in zip(colors, keys)]:
             for ax, metric in zip(axes, (key, 'entropy')):
                 ax.plot(*mean_line(runs, metric), color=color, label=f'{label} ({len(runs)})')
         xs, ys = [], []
@@ -192,12 +190,11 @@ def control(study, t):
         fit = fits.get((study.label[setting], study.arm_name(rest)))
         if fit and np.isfinite(fit['slope']):   # least squares passes through the points' mean
             x0 = np.array([min(xs), max(xs)])
-            axes[2].plot(x0, np.nanmean(ys) + fit['slope'] * (x0 - np.nanmean(xs)), 'k:',
-                         label='least squares')
+            axes[2].plot(x0, np.nanmean(ys) + fit['slope'] * (x0 - np.nanmean(xs)), 'k:', label='least sq.')
             axes[2].legend(fontsize=7)
         axes[2].axhline(0, color='k', lw=0.8)
         axes[2].set(xlabel=f'change in {key}', ylabel='change in final entropy (nats)',
-                    title='controlled - baseline per seed pair; arm mean with its t interval')
+                    title='controlled - baseline per seed pair; arm mean, t interval')
         iteration_axis(axes[0], f'{key} (layer mean)', study.label[setting])
         iteration_axis(axes[1], 'attention entropy (nats, layer mean)')
         axes[0].legend(fontsize=7)
