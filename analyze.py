@@ -11,19 +11,17 @@ A new logged metric (say `qk_cos` per layer) with a claim and a figure:
                      margin=0.05) in CLAIMS (the seed's claims), or Stat(...) in STATS (descriptive)
     3. a figure:     Figure('fig11_cos', fn(study, tables), 'Regime', 'its title') in plots.FIGURES
 
-A statistic is fn(unit, view); a unit is a seed (a run), a seed pair (a controlled run and the control='none'
-run of its other settings and seed) or a model (a token series). (a), (b) give signs per trajectory (one layer
-of one run), summarised per seed (stats.share). A view: a lens, a window, a layer position.
+A statistic is fn(unit, view); a unit is a seed (a run), a seed pair (a controlled run and the none run of its
+other settings and seed) or a model (a token series); (a), (b) give signs per trajectory (a layer of a run),
+summarised per seed (stats.share). A view: a lens, a window, a layer position.
 
-Windows: all records; from warm-up on; after the init is forgotten. A random init's whole-matrix PR starts
-near C/2 and collapses for hundreds of iterations, so a reference there tests the collapse. The init is
-forgotten at the first record where ||W - W(0)||_F >= ||W(0)||_F for W_Q and W_K: the learned part then
-dominates the spectrum. (a), (b) are judged from that record, 25% and 50% of training (REFERENCES), the early
-ones beside.
+A random init's whole-matrix PR starts near C/2 and collapses for hundreds of iterations, so a reference there
+tests the collapse. (a), (b) are judged after the init is forgotten, from the first record where
+||W - W(0)||_F >= ||W(0)||_F for W_Q and W_K (the learned part then dominates), 25% and 50% of training.
 
 (d), (e) are decided on the control_keep=spec arm: the top singular value kept, the spectrum changes shape and
-the logits are not pushed up; the fro arm (a narrower spectrum, larger logits) is beside with its qk_spec_norm
-change. (d) takes the strongest shrink dose whose per-head PR_K change lies below WELL_BELOW.
+the logits are not pushed up; the fro arm (a narrower spectrum, larger logits) is beside. (d) takes the
+strongest shrink dose whose per-head PR_K change lies below WELL_BELOW.
 """
 import argparse
 import math
@@ -114,7 +112,7 @@ def gap_signs(run, view):
 
 def values(run, role, lens, heads, layers):
     """(records, values) of a role (k, qk: the lens' PR_K, PR_QK; entropy; scale: log ||W_QK^h||_2), per
-    (layer, head) with heads, else per layer; None if not logged."""
+    (layer, head) or per layer; None if not logged."""
     key = {'entropy': 'entropy', 'scale': 'qk_spec_norm'}.get(role) or getattr(LENSES[lens], role)
     key = key.removesuffix('_head') + '_heads' if heads else key
     if key not in run.m:
@@ -125,9 +123,9 @@ def values(run, role, lens, heads, layers):
 
 
 def correlation(x, y, scope='heads', kind='spearman', changes=False):
-    """A statistic of a run: the correlation of roles x and y (partial: given the scale), of levels or of
-    changes between records; across the (layer, head) pairs of each record, mean over records (heads), or
-    within the run over its records, mean over layers (time)."""
+    """A statistic of a run: the correlation of roles x, y (partial: given the scale), of levels or of changes
+    between records; across each record's (layer, head) pairs, mean over records (heads), or over the run's
+    records, mean over layers (time)."""
     roles = (x, y, 'scale') if kind == 'partial' else (x, y)
     corr = dict(spearman=stats.spearman_rows, pearson=stats.pearson_rows, partial=stats.partial_rows)[kind]
 
@@ -147,8 +145,8 @@ def correlation(x, y, scope='heads', kind='spearman', changes=False):
 
 
 def final_pr(stat):
-    """A statistic of a run: final (PR_Q - PR_K) / C (/ d per head: comparable across widths), or
-    log(PR_Q / PR_K)."""
+    """A statistic of a run: final (PR_Q - PR_K) / C (/ d per head: comparable across widths), or log(PR_Q /
+    PR_K)."""
     def fn(run, view):
         lens, layers = LENSES[view.lens], layers_of(run, view)
         q, k = (np.array([run.final(key, [i]) for i in layers]) for key in (lens.q, lens.k))
@@ -158,13 +156,13 @@ def final_pr(stat):
 
 
 def value(key, at='final'):
-    """A statistic of a run: a metric's mean over the view's layers, final or at the first record."""
+    """A statistic of a run: a metric's layer mean, final or at the first record."""
     return lambda run, view: run.final(key, layers_of(run, view)) if at == 'final' else \
         nanmean(run.m[key][0, layers_of(run, view)]) if key in run.m and len(run.iters) else math.nan
 
 
 def conserved_imbalance(run, view):
-    """The final qk_imbalance had D_h kept its initial norm: imbalance_h(0) gram_h(0) / gram_h(t)."""
+    """The final qk_imbalance had D_h kept its norm: imbalance_h(0) gram_h(0) / gram_h(t)."""
     if not {'qk_imbalance_heads', 'qk_gram_heads'} <= set(run.m) or not len(run.iters):
         return math.nan
     imb, gram = (run.m[k][:, layers_of(run, view)] for k in ('qk_imbalance_heads', 'qk_gram_heads'))
@@ -186,7 +184,7 @@ def change(key, how='difference'):
 
 
 def token_column(column):
-    """A statistic of a model: a column of its token summary (uncontrolled; q, k as attention uses them)."""
+    """A statistic of a model: a column of its token summary (uncontrolled; q, k as attention uses)."""
     return lambda row, view: row[column] if (row.get('control') or 'none') == 'none' and (
         row.get('rope') or 'none') in ('none', 'after') else math.nan
 
@@ -198,11 +196,11 @@ class Stat:
     stat: str                   # the statistic of one unit, in words
     fn: object                  # fn(unit, view): a number (a trajectory claim: signs, see moves)
     unit: str = 'seed'          # seed | pair | model | trajectory
-    lenses: tuple = ('whole',)  # its own lens first; the map measures it in each
-    window: str = 'warmup'      # its own window
-    tables: tuple = ()          # map (lens x window), regime, trend (REPORT.md, fig9), optimizer, control
-    control: str = ''           # a pair statistic's or claim's control kind ('': every kind)
-    log: bool = False           # logs, shown as exp of their mean (a geometric mean)
+    lenses: tuple = ('whole',)  # its own first; the map measures it in each
+    window: str = 'warmup'      # its own
+    tables: tuple = ()          # map, regime, trend (REPORT.md, fig9), optimizer, control
+    control: str = ''           # a pair's control kind ('': any)
+    log: bool = False           # logs, shown as exp of their mean
     limits: tuple = (-1, 1)     # an interval is clipped to these
 
 
@@ -212,7 +210,7 @@ class Claim(Stat):
     sign: int = +1              # the predicted sign of (statistic - ref)
     ref: float = 0.0
     margin: float = 0.0         # no effect: the interval inside ref -/+ margin
-    beside: tuple = ()          # 'key' or 'key@window' shown beside the verdict (a pair claim: the fro arm's)
+    beside: tuple = ()          # 'key' or 'key@window' shown beside (a pair claim: the fro arm's)
     tables: tuple = ('map', 'regime')
 
 
@@ -304,8 +302,8 @@ ALL = {s.key: s for s in CLAIMS + STATS}
 
 
 def judge(stat, units, view=View()):
-    """A statistic over units, summarised by its interval rule and, a Claim, judged: {n, est, lo, hi, p,
-    verdict, why, values}; a trajectory claim adds hits, mirror, seeds, per_ref, per_part."""
+    """A statistic over units by its interval rule, judged if a Claim: {n, est, lo, hi, p, verdict, why,
+    values}; a trajectory claim adds hits, mirror, seeds, per_ref, per_part."""
     if stat.unit == 'trajectory':
         res = shares([stat.fn(u, view) for u in units])
     else:
@@ -326,16 +324,15 @@ def judge(stat, units, view=View()):
 
 
 def outcomes(signs):
-    """Per trajectory of (trajectories, references or records, parts) signs: +1 if all it has are +1, -1 if
-    all are -1, else 0; NaN with none."""
+    """Per trajectory: +1 if every sign it has (over references or records, and parts) is +1, -1 if every one
+    is -1, else 0; NaN with none."""
     fin = np.isfinite(signs)
     every = lambda x: (np.where(fin, signs, x) == x).all((1, 2))
     return np.where(fin.any((1, 2)), np.where(every(1), 1.0, np.where(every(-1), -1.0, 0.0)), np.nan)
 
 
 def shares(signs):
-    """The per-seed shares of a trajectory claim and of its mirror; with parts, counts per reference and
-    part."""
+    """The per-seed shares of a trajectory claim and its mirror; with parts, counts per reference and part."""
     signs = [s for s in signs if np.size(s)]
     o = [outcomes(s) for s in signs]
     count, hold, mirror = ([int(x.sum()) for x in (np.isfinite(v) if w is None else v == w for v in o)]
@@ -387,7 +384,7 @@ def arms(runs):
 
 
 def deciding(claim, study, keep):
-    """[(setting, arm, pairs or None, why)] deciding a control claim on W_K per arm family of one keep: every
+    """[(setting, arm, pairs or None, why)] deciding a control claim on W_K per family of one keep: every
     freeze arm; the strongest shrink dose moving PR_K well below the baseline."""
     out, rel = [], ALL['d_pr_head_rel']
     for (setting, rest), keys in folders.families(study.arms, claim.control).items():
@@ -406,8 +403,8 @@ def deciding(claim, study, keep):
 
 
 def robustness_cells(study):
-    """The map's cells: each map statistic in every lens x window over every uncontrolled run; claims in their
-    own view per weight decay on W_Q, W_K; (d), (e) per deciding arm and keep."""
+    """The map: each map statistic in every lens x window over the uncontrolled runs; claims in their own view
+    per weight decay on W_Q, W_K; (d), (e) per deciding arm and keep."""
     pool, cells = uncontrolled(study.runs), []
     split = group(pool, lambda r: r.cfg['decay_qk'] and r.cfg['weight_decay'] > 0)
     for s in (s for s in CLAIMS + STATS if s.unit in ('trajectory', 'seed') and 'map' in s.tables):
@@ -425,7 +422,7 @@ def robustness_cells(study):
 
 
 def beside(claim, study, pool, cell):
-    """Shown beside a claim's verdict: Claim.beside (a pair claim: the fro arm's); (a)'s count per reference
+    """Shown beside a claim's verdict: Claim.beside (a pair claim: the fro arm's); (a)'s counts per reference
     and half."""
     if claim.unit == 'pair':
         return f"keep=fro ({cell['arm']}): {shown(claim, cell)}; " + '; '.join(
@@ -507,8 +504,8 @@ def axes(points):
 
 
 def trends(study, points, units, rows):
-    """Per numeric axis, line of 2+ points (equal in every other axis), statistic and position: stats.trend
-    over the units' values, its reading, the verdicts."""
+    """Per numeric axis, line of 2+ points equal in every other axis, statistic and position: stats.trend over
+    the units' values, its reading and the point verdicts."""
     ax, cfg, out = axes(points), {s: runs[0].settings for s, runs in points.items()}, []
     verdicts = {(r['point'], r['statistic'], r['position']): r['verdict'] for r in rows}
     for axis in (a for a in ax if all(type(c.get(a)) in folders.NUMBER for c in cfg.values())):
@@ -546,23 +543,6 @@ def reading(fit, means):
 
 
 # ----------------------------------------------------------------------------- the other tables
-def trajectory_rows(study):
-    """Per setting, layer, lens and window: seed means of the final PR_Q, PR_K and how many seeds hold (a),
-    (b) or their mirrors there."""
-    rows = []
-    for (setting, runs), lens, window in ((g, lens, w) for g in group(uncontrolled(
-            study.runs), lambda r: r.setting).items() for lens in LENSES for w in WINDOWS):
-        view = View(lens, window, 'all', study.from_iter)
-        ab = {c: [outcomes(ALL[c].fn(r, view)) for r in runs] for c in 'ab'}
-        for i in range(runs[0].n_layer):
-            q, k = (nanmean([r.final(key, [i]) for r in runs]) for key in LENSES[lens][:2])
-            rows.append({'setting': study.label[setting], 'layer': i, 'lens': lens, 'window': window,
-                         'seeds': len(runs), 'pr_q_end': q, 'pr_k_end': k, 'ratio_end': q / k,
-                         **{c + m: int(sum(o[i] == x for o in v)) for c, v in ab.items()
-                            for m, x in (('', 1), (' mirror', -1))}})
-    return rows
-
-
 def control_tables(study):
     """(control: every paired statistic per seed pair; control_dose: each over an arm's pairs)."""
     per_pair, dose, paired = [], [], [s for s in STATS if 'control' in s.tables]
@@ -583,7 +563,7 @@ def control_tables(study):
 
 def dose_fits(study):
     """Per family of 2+ shrink doses: the entropy change on the per-head PR change, alone and with the change
-    in log qk_spec_norm; jackknife-t over seeds (the arms of a seed share its baseline)."""
+    in log qk_spec_norm; jackknife-t over seeds (a seed's arms share its baseline)."""
     out = []
     for (setting, rest), keys in folders.families(study.arms, 'shrink').items():
         pairs = [p for k in keys for p in study.arms[k]]
@@ -667,7 +647,7 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
         raise Skip(f'no usable run folder under {", ".join(paths)} ({len(study.skipped)} skipped)')
     (per_pair, dose), reg, cells = control_tables(study), regime(study) or {}, robustness_cells(study)
     t = study.tables = dict(claims=claims_table(study, cells), cells=cells, regime=reg, control=per_pair,
-                            trajectories=trajectory_rows(study), control_dose=dose, runs=runs_rows(study),
+                            control_dose=dose, runs=runs_rows(study),
                             control_dose_fit=dose_fits(study), settings=setting_rows(study),
                             regime_rows=reg.get('rows', []), regime_trend=reg.get('trends', []))
     figs = plots.draw(study, t, log) if figures else {'files': {}, 'notes': []}

@@ -1,9 +1,7 @@
 """
-The figures: FIGURES, a list of Figure(file stem, function of the Study and its tables, the REPORT.md section
-it is shown in, its title). A function returns a matplotlib Figure (or a list of them) or raises folders.Skip
-with the reason the report lists; fn None: drawn by another command (analyze.py tokens, pretrained). Headless;
-PNGs in 256 colours (line plots look the same, the files are a third of the size). fig4 alone reads
-snapshots/, and is drawn from the runs that kept them.
+The figures: FIGURES, a list of Figure(file stem, fn(study, tables), the REPORT.md section it is shown in,
+title); fn returns a Figure or a list of them, or raises folders.Skip with its reason (None: drawn by
+analyze.py tokens or pretrained). PNGs in 256 colours (a third of the size). fig4 alone reads snapshots/.
 """
 import glob
 import io

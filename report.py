@@ -1,7 +1,7 @@
 """
-REPORT.md: a value with its interval (shown), a verdict with why it could not decide (verdict_text), each
-claim's rule from its row (rule), the map pivoted from its cells (map_tables), then SECTIONS in order. A
-statistic's `tables` and a figure's section (plots.FIGURES) place them; nothing here names a statistic.
+REPORT.md: a value with its interval (shown), a verdict and why (verdict_text), each claim's rule from its row
+(rule), the map pivoted from its cells (map_tables), then SECTIONS in order, placed by a statistic's `tables`
+and a figure's section (plots.FIGURES). Nothing here names a statistic.
 """
 import os
 import time
@@ -16,18 +16,15 @@ import stats
 UNITS = {'seed': 'seeds (runs)', 'pair': 'seed pairs (controlled - baseline)', 'model': 'models'}
 NEAR_UNIFORM = 0.98     # a record whose layer-mean entropy_norm is this or more has near-uniform attention
 SECTIONS = {   # title: what it says; its tables follow, then its figures
-    'Robustness map': 'Each claim in every lens and window over the uncontrolled runs; in its own view with '
-                      'and without weight decay on W_Q, W_K; (d), (e) per control_keep.',
+    'Robustness map': 'Each claim in every lens and window; in its own view with and without weight decay on '
+                      'W_Q, W_K; (d), (e) per control_keep.',
     'Descriptive statistics': 'Links across heads beside (c) (|scale: given log ||W_QK^h||_2); within runs '
                               'over time, where two trends correlate, linked or not.',
-    'Trajectories': "Seed means of PR_Q, PR_K at each window's start and end; the seeds holding (a), (b) or "
-                    'their mirrors.',
-    'Control experiment': 'Final values, controlled - baseline (the control=none run of its other settings '
-                          'and seed); pr_head: of the controlled projection.',
-    'Regime': "Each statistic per point (an uncontrolled setting), all layers (regime.md: per position); "
-              "trends per doubling on lines that hold the other settings fixed: the slope, the lack-of-fit "
-              "test (p < 0.05: not a line) and Spearman's rho (monotone or not). Nothing is projected beyond "
-              "the points.",
+    'Trajectories': '',
+    'Control experiment': 'Final values, controlled - baseline (the none run of its other settings, seed).',
+    'Regime': 'Each statistic per point (an uncontrolled setting), all layers (regime.md: per position); '
+              'trends per doubling of a setting, the others fixed: slope, lack of fit (p < 0.05: not a '
+              "line), Spearman's rho. Nothing is projected beyond the points.",
     'Queries, keys and the optimizer': 'D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is conserved under gradient '
                                        'flow (geometry.py); imbalance_conserved: what the law leaves of it.',
     'Token level': '',
@@ -116,13 +113,13 @@ def write(study, t, claims, registry, figure_notes, files, refs):
     optimizer = [s.key for s in registry.values() if 'optimizer' in s.tables]
     tables = {'Robustness map': [files.get('robustness_map.md', '')],
               'Descriptive statistics': ['[descriptive.md](descriptive.md)'] * ('descriptive.md' in files),
-              'Trajectories': ['[trajectories.md](trajectories.md)'] * ('trajectories.md' in files),
+              'Trajectories': [],
               'Control experiment': control_lines(t), 'Regime': regime_lines(t, registry),
               'Queries, keys and the optimizer': [by_point(t, optimizer)], 'Token level': token_lines(study)}
     names = list(files) + (sorted(os.listdir(study.out)) if os.path.isdir(study.out) else [])
     for title, text in SECTIONS.items():
         body = [x for x in tables[title] if x] + figures(title, names)
-        L += [f'## {title}', ''] + [text, ''] * bool(text and body) + (body or ['Nothing measured.']) + ['']
+        L += [f'## {title} (exploratory)', ''] + [text, ''] * bool(text and body) + (body or ['-']) + ['']
     L += ['## Settings', '', 'Seeds of one setting share every config.json key but '
           f'{", ".join(folders.BOOKKEEPING)} (and the control keys their control kind ignores).', '',
           folders.markdown(t['settings']), '## Notes: known confounds', '']
@@ -178,8 +175,7 @@ def regime_lines(t, registry):
 
 def token_lines(study):
     if not study.tokens:
-        return ['No token tables here: `python analyze.py tokens RUN_FOLDERS --out=THIS_FOLDER` and `python '
-                'analyze.py pretrained --model=NAME --out=THIS_FOLDER` write them.']
+        return ['No token tables: `analyze.py tokens` or `pretrained` with --out=THIS_FOLDER write them.']
     return sum(([f'### {source}', '', folders.markdown(rows)] for source, rows in study.tokens.items()), [])
 
 

@@ -2,9 +2,9 @@
 The statistics: pure functions of numpy arrays. Intervals at LEVEL over independent units:
     mean    Student-t   m -/+ t(n - 1) s / sqrt(n) (no percentile bootstrap: over 3 to 5 units it is their min
             and max, and covers far less than its level)
-    share   of trajectories grouped by seed (share): Wilson's with n_eff = p(1 - p) / var trajectories,
-            var the spread of the per-seed shares, n_eff between the numbers of seeds and of trajectories,
-            t(seeds - 1) for z. Seeds of equal shares show no spread: Wilson's over the trajectories.
+    share   of trajectories by seed (share): Wilson's at n_eff = p(1 - p) / var (var: the spread of the
+            seeds' shares), between the numbers of seeds and of trajectories, t(seeds - 1) for z; seeds of
+            equal shares show no spread: Wilson's over the trajectories.
 Each interval inverts a test whose two-sided p (p_value) feeds holm().
 
 verdict, in this order: no effect (the interval inside [r - m, r + m], whatever its sign), holds (on the

@@ -109,8 +109,8 @@ def test_a_bfloat16_seed_is_a_setting_of_its_own_and_the_report_names_dtype(tmp_
     write_run(str(tmp_path / 'runs'), 'run_s4', seed=4, dtype='bfloat16')
     s = run([tmp_path / 'runs'], tmp_path / 'out')
     assert sorted(s.label.values()) == ['base', 'dtype=bfloat16']
-    traj = [r for r in s.tables['trajectories'] if r['lens'] == 'whole' and r['window'] == 'all']
-    assert sorted({(r['setting'], r['seeds']) for r in traj}) == [('base', 3), ('dtype=bfloat16', 1)]
+    rows = [r for r in s.tables['regime_rows'] if r['statistic'] == 'b' and r['position'] == 'all']
+    assert sorted((r['point'], r['seeds']) for r in rows) == [('base', 3), ('dtype=bfloat16', 1)]
     assert {r['point'] for r in s.tables['regime_rows']} == {'base', 'dtype=bfloat16'}
     report = (tmp_path / 'out' / 'REPORT.md').read_text()
     assert 'in 2 settings that differ in dtype' in report
@@ -171,7 +171,7 @@ def test_impossible_values_are_bad_records_left_out_with_a_note(tmp_path):
     assert len(s.runs[0].iters) == len(ITERS) - 2
     for key in ('a', 'b', 'c'):   # the verdicts do not move
         assert claim(s, key)['verdict'] == claim(clean, key)['verdict']
-    assert max(r['pr_q_end'] for r in s.tables['trajectories']) < 16
+    assert max(r.final('pr_q') for r in s.runs) < 16
     assert {'fig1', 'fig2', 'fig3'} <= {n.split('_')[0] for n in os.listdir(tmp_path / 'out')}
     assert '- figure skipped: fig4_spectra: no run kept snapshots/' in (tmp_path / 'out' / 'REPORT.md').read_text()
 
@@ -195,8 +195,8 @@ def test_a_metric_one_seed_did_not_log_leaves_the_other_seeds_in_place(tmp_path)
     s = run([tmp_path / 'runs'], tmp_path / 'out')
     assert any('pr_k_head, pr_k_heads not logged, unlike other seeds of its setting' in w for w in s.warnings)
     assert claim(s, 'c')['n'] == 2 and claim(s, 'b')['n'] == 6       # (c) per head: 2 seeds; (b): 3 seeds x 2 layers
-    head = [r for r in s.tables['trajectories'] if r['lens'] == 'head' and r['window'] == 'all']
-    assert len(head) == 2 and all(np.isfinite(r['pr_k_end']) and r['seeds'] == 3 for r in head)
+    head = analyze.judge(analyze.ALL['b'], s.runs, analyze.View('head', 'post'))
+    assert head['n'] == 4 and head['seeds'] == 2                     # per head, the 2 seeds that logged PR_K
     whole = analyze.judge(analyze.ALL['gap_end'], s.runs)
     assert whole['n'] == 3
 
