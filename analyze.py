@@ -65,7 +65,7 @@ def layers_of(run, view):
 
 
 def usable(run, it):
-    """The index of the first record at or after iteration it, if before the final records."""
+    """The index of the first record at or after iteration it, before the final records."""
     i = len(run.iters) if it is None else int(np.searchsorted(run.iters, it))
     return i if i < len(run.iters) - FINAL_LOGS else None
 
