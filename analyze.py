@@ -71,7 +71,7 @@ def usable(run, it):
 
 
 def references(run, view, layers):
-    """The iterations of the window's REFERENCES (None: not reached)."""
+    """The window's REFERENCES' iterations (None: not reached)."""
     m, w = run.cfg['max_iters'], run.cfg['warmup_iters'] if view.from_iter is None else view.from_iter
     if view.window != 'post':
         return [int(view.lens == 'learned')] if view.window == 'all' else [w, 2 * w, m / 10]
