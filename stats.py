@@ -1,26 +1,22 @@
 """
-The statistics of the analysis: pure functions of numpy arrays, no I/O, no random draws.
+The statistics: pure functions of numpy arrays. Intervals at LEVEL over independent units:
+    mean    Student-t   m -/+ t(n - 1) s / sqrt(n) (no percentile bootstrap: over 3 to 5 units it is their min
+            and max, and covers far less than its level)
+    share   of trajectories by seed (share): Wilson's at n_eff = p(1 - p) / var (var: the spread of the
+            seeds' shares), between the numbers of seeds and of trajectories, t(seeds - 1) for z; seeds of
+            equal shares show no spread: Wilson's over the trajectories.
+Each interval inverts a test whose two-sided p (p_value) feeds holm().
 
-One interval rule over independent units (a seed, a seed pair, a trajectory, a model), at LEVEL:
-    mean    Student-t   m -/+ t(n - 1) s / sqrt(n)                           n >= 2
-    share   Wilson      (p + z^2/2n -/+ z sqrt(p(1 - p)/n + z^2/4n^2)) / (1 + z^2/n)
-There is no percentile bootstrap: over 3 to 5 units it is their min and max and covers far less than its level.
+verdict, in this order: no effect (the interval inside [r - m, r + m], whatever its sign), holds (on the
+predicted side of r), reversed (on the other side; a share claim: its mirror's interval above r), fails (a
+share claim whose interval and mirror's both lie below r), else undecided.
 
-A verdict (verdict) compares the interval with a reference r (0 for an effect or a correlation, a share for a
-share claim), a predicted sign s and a margin m, in this order:
-    holds       the interval lies on the predicted side of r
-    reversed    it lies on the other side
-    no effect   it lies inside [r - m, r + m]
-    undecided   otherwise, or no interval (fewer than 2 units for a mean)
+trend: the least-squares line of per-unit values over the P points of a line (N units), the slope's t interval
+(N - 2 df), the lack-of-fit F = (SS_lof / (P - 2)) / (SS_pe / (N - P)), and Spearman's rho with the Fisher-z
+interval, se sqrt(1.06 / (N - 3)) (Fieller, Hartley and Pearson 1957): a curved rise still reads as a rise.
 
-A trend (trend) is the least-squares line of per-unit values y on x pooled over the P points of a line (N units):
-the slope's t interval from the residuals (N - 2 degrees of freedom), and the lack-of-fit test
-F = (SS_lof / (P - 2)) / (SS_pe / (N - P)), SS_pe the squared deviations of the units from their point's mean,
-SS_lof = SS_residual - SS_pe; with p < ALPHA a line does not describe the points.
-
-Correlations row by row over (rows, n) arrays: Pearson, Spearman (ties at their average rank), and the partial
-correlation given one control in geometry.partial_correlation's closed form; NaN for a row with a NaN, fewer than 3
-values (4 for the partial) or a constant series.
+Row-wise correlations: Pearson, Spearman (average ranks for ties), the partial given one control
+(geometry.partial_correlation's form); NaN with a NaN, under 3 values (4 for the partial) or a constant row.
 """
 import functools
 import math
@@ -39,7 +35,8 @@ def betainc(a, b, x):
         return float(x >= 1)
     if x > (a + 1) / (a + b + 2):   # the fraction converges fast on this side only
         return 1 - betainc(b, a, 1 - x)
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    lg = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+    front = math.exp(lg + a * math.log(x) + b * math.log1p(-x)) / a
     f, c, d = 1.0, 1.0, 0.0
     for i in range(400):
         m = i // 2
@@ -56,8 +53,9 @@ def betainc(a, b, x):
 
 @functools.lru_cache(maxsize=None)
 def t_quantile(p, df):
-    """The p-quantile (p > 0.5) of Student's t with df degrees of freedom: bisection of its tail
-    P(T > t) = I_{df / (df + t^2)}(df / 2, 1 / 2) / 2."""
+    """The p-quantile (p > 0.5) of Student's t: bisection of P(T > t) = I_{df/(df+t^2)}(df/2, 1/2) / 2."""
+    if df == math.inf:
+        return Z if p == 0.975 else t_quantile(p, 1e9)
     lo, hi = 0.0, 1e4
     for _ in range(100):
         mid = (lo + hi) / 2
@@ -80,8 +78,16 @@ def nanmean(a, axis=None):
     return float(m) if np.ndim(m) == 0 else np.where(n > 0, m, np.nan)
 
 
+def t_sf(t, df):
+    """P(T > t) for Student's t with df degrees of freedom (df = inf: the standard normal)."""
+    if df == math.inf:
+        return 0.5 * math.erfc(t / math.sqrt(2))
+    tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))
+    return tail if t > 0 else 1 - tail
+
+
 def t_interval(values):
-    """(mean, lo, hi, n) of the finite values: Student-t interval of the mean; no interval below 2 units."""
+    """(mean, lo, hi, n) of the finite values, Student-t; no interval below 2 units."""
     v = np.asarray(values, dtype=float)
     v, m = v[np.isfinite(v)], nanmean(v)
     if len(v) < 2:
@@ -90,32 +96,71 @@ def t_interval(values):
     return m, m - half, m + half, len(v)
 
 
-def wilson(k, n):
-    """(share, lo, hi) of k successes in n units, Wilson's interval."""
+def wilson(k, n, z=Z):
+    """(share, lo, hi) of k successes in n units (n may be effective), Wilson's interval."""
     if n == 0:
         return math.nan, math.nan, math.nan
     p = k / n
-    centre, half = p + Z * Z / (2 * n), Z * math.sqrt(p * (1 - p) / n + Z * Z / (4 * n * n))
-    return p, min(p, max(0.0, (centre - half) / (1 + Z * Z / n))), max(p, min(1.0, (centre + half) / (1 + Z * Z / n)))
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    lo, hi = ((centre + s * half) / (1 + z * z / n) for s in (-1, 1))
+    return p, min(p, max(0.0, lo)), max(p, min(1.0, hi))
 
 
-def verdict(lo, hi, sign, ref, margin, n):
-    """(holds | reversed | no effect | undecided, why) of an interval against a claim (see the docstring)."""
+def share(hits, counts):
+    """(share, lo, hi, n_eff, df) of hits out of counts trajectories per seed."""
+    hits, counts = np.asarray(hits, dtype=float), np.asarray(counts, dtype=float)
+    hits, counts = hits[counts > 0], counts[counts > 0]
+    n, N = len(counts), counts.sum()
+    if n == 0:
+        return math.nan, math.nan, math.nan, 0, math.inf
+    p, s = hits.sum() / N, hits / counts
+    # the ratio estimator's variance over seeds: seeds of more trajectories weigh more
+    var = float(((counts / counts.mean()) ** 2 * (s - p) ** 2).sum() / (n * (n - 1))) if n > 1 else 0.0
+    if var <= 1e-15 * max(p, 1e-300):
+        return (*wilson(p * N, N), N, math.inf)
+    n_eff = min(N, max(n, p * (1 - p) / var))
+    return (*wilson(p * n_eff, n_eff, t_quantile(0.5 + LEVEL / 2, n - 1)), n_eff, n - 1)
+
+
+def p_value(est, ref, se, df):
+    """Two-sided p of the test an interval inverts: (est - ref) / se against t(df)."""
+    if not se > 0:
+        return 0.0 if est != ref else 1.0
+    return min(1.0, 2 * t_sf(abs(est - ref) / se, df))
+
+
+def holm(ps):
+    """Holm's step-down adjusted p-values, in the given order."""
+    order, out, top = np.argsort(ps, kind='stable'), [1.0] * len(ps), 0.0
+    for i, j in enumerate(order):
+        top = max(top, min(1.0, (len(ps) - i) * ps[j]))
+        out[j] = top
+    return out
+
+
+def verdict(lo, hi, sign, ref, margin, n, mirror=None):
+    """(verdict, why) of an interval (and a share claim's mirror interval) against a claim."""
     if not (np.isfinite(lo) and np.isfinite(hi)):
         return 'undecided', f'n = {n}: no interval'
+    if margin and ref - margin <= lo and hi <= ref + margin:
+        return 'no effect', ''
     if sign * (lo - ref) > 0 and sign * (hi - ref) > 0:
         return 'holds', ''
+    if mirror is not None:
+        if mirror[0] > ref:
+            return 'reversed', ''
+        if hi < ref and mirror[1] < ref:
+            return 'fails', ''
+        return 'undecided', f'n = {n}: an interval spans {ref:g}'
     if sign * (lo - ref) < 0 and sign * (hi - ref) < 0:
         return 'reversed', ''
-    if ref - margin <= lo and hi <= ref + margin:
-        return 'no effect', ''
     wide = f' and is wider than +/-{margin:g}' if margin else ''
     return 'undecided', f'n = {n}: the interval spans {ref:g}{wide}'
 
 
 # ----------------------------------------------------------------------------- correlations, row by row
 def ranks(a):
-    """Ranks 1..n along the last axis, ties given their average rank (pairwise comparison: n is small)."""
+    """Ranks 1..n along the last axis, ties at their average (pairwise: n is small)."""
     a = np.asarray(a, dtype=float)
     x, y = a[..., :, None], a[..., None, :]
     return (y < x).sum(-1) + ((y == x).sum(-1) + 1) / 2
@@ -140,7 +185,7 @@ def spearman_rows(x, y):
 
 
 def partial_rows(x, y, z):
-    """Partial correlation of x and y given z, row by row (NaN with fewer than 4 values)."""
+    """Partial correlation of x and y given z, row by row."""
     rxy, rxz, ryz = pearson_rows(x, y), pearson_rows(x, z), pearson_rows(y, z)
     with np.errstate(invalid='ignore', divide='ignore'):
         r = (rxy - rxz * ryz) / np.sqrt((1 - rxz ** 2) * (1 - ryz ** 2))
@@ -156,13 +201,14 @@ def spearman(x, y):
 
 
 def trend(x, y, point):
-    """The least-squares line of y on x over units grouped by point (see the docstring): {slope, lo, hi, n,
-    points, lof_p} (lof_p NaN where P < 3 or no unit repeats a point)."""
+    """The line and monotone statistic of y on x over units grouped by point: {slope, lo, hi, n, points,
+    lof_p, rho, rho_lo, rho_hi}."""
     x, y, point = np.asarray(x, dtype=float), np.asarray(y, dtype=float), np.asarray(point)
     ok = np.isfinite(x) & np.isfinite(y)
     x, y, point = x[ok], y[ok], point[ok]
     P, N = len(np.unique(point)), len(y)
-    out = {'slope': math.nan, 'lo': math.nan, 'hi': math.nan, 'n': N, 'points': P, 'lof_p': math.nan}
+    out = dict.fromkeys(('slope', 'lo', 'hi', 'lof_p', 'rho', 'rho_lo', 'rho_hi'), math.nan)
+    out.update(n=N, points=P)
     if P < 2 or np.ptp(x) == 0:
         return out
     xc = x - x.mean()
@@ -178,13 +224,16 @@ def trend(x, y, point):
         out['lof_p'] = f_sf((lof / (P - 2)) / (pure / (N - P)), P - 2, N - P)
     elif P > 2 and N > P and lof > 1e-12 * float(y @ y):   # no spread within points, some off the line
         out['lof_p'] = 0.0
+    rho = spearman(x, y)
+    half = Z * math.sqrt(1.06 / (N - 3)) if N > 3 else math.nan
+    lo, hi = (math.tanh(math.atanh(min(max(rho, -1 + 1e-12), 1 - 1e-12)) + h) for h in (-half, half))
+    out.update(rho=rho, rho_lo=lo, rho_hi=hi)
     return out
 
 
 def fit_groups(y, X, groups):
-    """Least squares of y on [1, X] with jackknife-t intervals over groups (a seed: its rows share one baseline
-    run): se^2 = (G - 1) / G sum (coef_-g - mean)^2, t on G - 1 df. {'coef', 'lo', 'hi'}, intercept first; NaN
-    intervals with fewer than 3 groups."""
+    """Least squares of y on [1, X], jackknife-t intervals over groups (the rows of a seed share its
+    baseline): {coef, lo, hi}, intercept first; no interval below 3 groups."""
     y, X = np.asarray(y, dtype=float), np.asarray(X, dtype=float).reshape(len(y), -1)
     ok = np.isfinite(y) & np.isfinite(X).all(1)
     A, y, groups = np.column_stack([np.ones(ok.sum()), X[ok]]), y[ok], np.asarray(groups)[ok]

@@ -109,8 +109,8 @@ def test_a_bfloat16_seed_is_a_setting_of_its_own_and_the_report_names_dtype(tmp_
     write_run(str(tmp_path / 'runs'), 'run_s4', seed=4, dtype='bfloat16')
     s = run([tmp_path / 'runs'], tmp_path / 'out')
     assert sorted(s.label.values()) == ['base', 'dtype=bfloat16']
-    traj = [r for r in s.tables['trajectories'] if r['lens'] == 'whole' and r['window'] == 'all']
-    assert sorted({(r['setting'], r['seeds']) for r in traj}) == [('base', 3), ('dtype=bfloat16', 1)]
+    rows = [r for r in s.tables['regime_rows'] if r['statistic'] == 'b' and r['position'] == 'all']
+    assert sorted((r['point'], r['seeds']) for r in rows) == [('base', 3), ('dtype=bfloat16', 1)]
     assert {r['point'] for r in s.tables['regime_rows']} == {'base', 'dtype=bfloat16'}
     report = (tmp_path / 'out' / 'REPORT.md').read_text()
     assert 'in 2 settings that differ in dtype' in report
@@ -171,7 +171,7 @@ def test_impossible_values_are_bad_records_left_out_with_a_note(tmp_path):
     assert len(s.runs[0].iters) == len(ITERS) - 2
     for key in ('a', 'b', 'c'):   # the verdicts do not move
         assert claim(s, key)['verdict'] == claim(clean, key)['verdict']
-    assert max(r['pr_q_end'] for r in s.tables['trajectories']) < 16
+    assert max(r.final('pr_q') for r in s.runs) < 16
     assert {'fig1', 'fig2', 'fig3'} <= {n.split('_')[0] for n in os.listdir(tmp_path / 'out')}
     assert '- figure skipped: fig4_spectra: no run kept snapshots/' in (tmp_path / 'out' / 'REPORT.md').read_text()
 
@@ -194,10 +194,10 @@ def test_a_metric_one_seed_did_not_log_leaves_the_other_seeds_in_place(tmp_path)
     write_run(str(tmp_path / 'runs'), 'run_s3', seed=3, lost=('pr_k_heads', 'pr_k_head'))
     s = run([tmp_path / 'runs'], tmp_path / 'out')
     assert any('pr_k_head, pr_k_heads not logged, unlike other seeds of its setting' in w for w in s.warnings)
-    assert claim(s, 'c')['n'] == 2 and claim(s, 'b')['n'] == 2       # (c) per head: 2 seeds; (b) whole matrix
-    head = [r for r in s.tables['trajectories'] if r['lens'] == 'head' and r['window'] == 'all']
-    assert len(head) == 2 and all(np.isfinite(r['pr_k_end']) and r['seeds'] == 3 for r in head)
-    whole = analyze.judge(analyze.CLAIM['gap_end'], s.runs)
+    assert claim(s, 'c')['n'] == 2 and claim(s, 'b')['n'] == 6       # (c) per head: 2 seeds; (b): 3 seeds x 2 layers
+    head = analyze.judge(analyze.ALL['b'], s.runs, analyze.View('head', 'post'))
+    assert head['n'] == 4 and head['seeds'] == 2                     # per head, the 2 seeds that logged PR_K
+    whole = analyze.judge(analyze.ALL['gap_end'], s.runs)
     assert whole['n'] == 3
 
 
@@ -241,5 +241,77 @@ def test_c_does_not_hold_when_pr_k_and_entropy_only_trend_together(tmp_path):
     study(tmp_path, link=0.0)    # both fall over training; across heads, entropy does not follow PR_K
     s = run([tmp_path], tmp_path / 'out')
     assert claim(s, 'c')['verdict'].split(' (')[0] in ('no effect', 'undecided')
-    over_time = analyze.judge(analyze.CLAIM['k~entropy over time'], s.runs)
+    over_time = analyze.judge(analyze.ALL['k~entropy over time'], s.runs)
     assert over_time['est'] > 0.9   # within runs over time the trends correlate anyway: descriptive only
+
+
+# ----------------------------------------------------------------------------- settings and faults of the run folders
+
+def test_control_keys_a_run_ignores_split_no_setting_and_a_lacking_key_is_named(tmp_path):
+    study(tmp_path, seeds=2, rope=False)
+    write_run(str(tmp_path), 'run_s3', seed=3, rope=False, control_keep='spec', control_scope='layer', shrink_iters=7)
+    write_run(str(tmp_path), 'old_s4', seed=4)                           # trained before rope was a key
+    for s, over in ((1, {'shrink_to': 0.1}), (2, {'shrink_iters': 5})):
+        write_run(str(tmp_path), f'fr_s{s}', seed=s, rope=False, control='freeze', **over)
+    warnings = []
+    runs, _ = folders.load_runs([str(tmp_path)], warnings.append)
+    assert sorted(len(rs) for rs in folders.group(runs, lambda r: r.setting).values()) == [1, 2, 3]
+    assert len({r.arm for r in runs if r.control == 'freeze'}) == 1
+    assert warnings == [f'{tmp_path / "old_s4"}: config.json lacks rope, which 3 run(s) of otherwise the same '
+                        'settings have: kept as a setting of its own']
+
+
+def test_a_run_without_usable_records_is_skipped_and_a_cut_seed_keeps_the_others(tmp_path):
+    paths = study(tmp_path / 'runs', seeds=3) + [write_run(str(tmp_path / 'runs'), f'run_s{s}', seed=s) for s in (4, 5)]
+    gz = write_run(str(tmp_path / 'runs'), 'run_s6', seed=6, log='metrics.jsonl.gz')
+    lines = open(os.path.join(paths[0], 'metrics.jsonl')).read().splitlines()
+    nan = [json.dumps({**json.loads(s), 'layers': [{**x, 'pr_q': math.nan} for x in json.loads(s)['layers']]})
+           for s in lines]
+    open(os.path.join(paths[0], 'metrics.jsonl'), 'w').write('\n'.join(nan) + '\n')
+    open(os.path.join(paths[1], 'metrics.jsonl'), 'w').write('\n'.join(lines[:4]) + '\n')
+    open(os.path.join(paths[2], 'metrics.jsonl'), 'w').write('')
+    data = open(os.path.join(gz, 'metrics.jsonl.gz'), 'rb').read()
+    open(os.path.join(gz, 'metrics.jsonl.gz'), 'wb').write(data[:len(data) // 2])
+    s = run([tmp_path / 'runs'], tmp_path / 'out')
+    assert (tmp_path / 'out' / 'REPORT.md').exists() and dict(s.skipped) == {
+        paths[0]: f'none of its {len(ITERS)} geometry records is usable (the record of iteration 0 is left out: '
+                  'pr_q = inf is not a finite number)', paths[2]: 'metrics.jsonl holds no geometry record'}
+    cut = next(r for r in s.runs if r.path == gz)
+    assert 0 < len(cut.iters) < len(ITERS) and 'metrics.jsonl.gz is cut short' in cut.notes[0]
+    its, v = folders.stack(s.runs, 'pr_q')
+    assert list(its) == list(ITERS) and np.isnan(v[0, 4:]).all() and np.isfinite(v[1:3]).all()
+
+
+def test_linked_run_folders_count_once_and_a_loop_ends(tmp_path):
+    paths = study(tmp_path / 'runs')
+    (tmp_path / 'pick').mkdir()
+    for name, target in (('all', tmp_path / 'runs'), ('loop', tmp_path / 'pick'), ('one', paths[0])):
+        os.symlink(target, tmp_path / 'pick' / name)
+    found = folders.find_runs([str(tmp_path / 'pick'), str(tmp_path / 'runs')])
+    assert found == [str(tmp_path / 'pick' / 'all' / f'run_s{s}') for s in (1, 2, 3)]
+
+
+def test_impossible_logit_scales_and_a_done_loss_not_logged_are_named(tmp_path):
+    path = write_run(str(tmp_path), 'r')
+    lines = open(os.path.join(path, 'metrics.jsonl')).read().splitlines()
+    rec = json.loads(lines[5])
+    rec['layers'][0]['qk_spec_norm_heads'][1] = 1e30
+    open(os.path.join(path, 'metrics.jsonl'), 'w').write('\n'.join(lines[:5] + [json.dumps(rec)] + lines[6:]))
+    json.dump({'iter': ITERS[-1], 'train_loss': 2.0, 'val_loss': 1e30}, open(os.path.join(path, 'done.json'), 'w'))
+    (r,), _ = folders.load_runs([str(tmp_path)], quiet)
+    hi = rec['layers'][0]['qk_fro_norm_heads'][1]
+    assert r.notes == [f'the record of iteration {ITERS[5]} is left out: qk_spec_norm_heads = 1e+30 outside '
+                       f'[0, {hi:.4g}] (from qk_fro_norm_heads)',
+                       f'done.json has val_loss = 1e+30, not 2.1 as logged at its iteration {ITERS[-1]}: the logged '
+                       'one is used'] and r.final_loss('val_loss') == 2.1
+
+
+def test_an_out_drops_the_files_its_command_wrote_before_and_no_other(tmp_path):
+    out = tmp_path / 'out'
+    folders.write_files(str(out), {'a.csv': 'x', 'b.csv': 'y', 'f.png': b'p'})
+    folders.write_files(str(out), {'tokens.csv': 't', 'tokens_2.png': b'p', 'tokens_3.png': b'p'}, 'tokens')
+    (out / 'mine.txt').write_text('keep')
+    folders.write_files(str(out), {'a.csv': 'z'})   # as with --no_figures: the figures stay
+    folders.write_files(str(out), {'tokens.csv': 'u', 'tokens_2.png': b'q'}, 'tokens')
+    assert sorted(os.listdir(out)) == ['.analyze.json', 'a.csv', 'f.png', 'mine.txt', 'tokens.csv', 'tokens_2.png']
+    assert json.load(open(out / folders.MANIFEST))['tokens_2.png'] == 'tokens'

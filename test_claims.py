@@ -1,13 +1,17 @@
-"""Planted tests of the one standard of evidence: the interval covers at its level with 3 to 5 seeds, every verdict is
-reachable with 3 seeds in both directions, trends are fitted to seeds and refuse a zigzag, (a) needs every reference
-record, and the control claims are judged per (setting, arm) at the dose that moves PR_K."""
+"""Planted tests of the one standard of evidence: the intervals cover at their level (a share too, with the layers of
+a seed correlated), every verdict is reachable at the study's n, equivalence comes first, (a) and (b) are judged after
+the init is forgotten, trends read a curved rise as monotone, Holm adjusts the claims table, and the control claims
+are decided on the spec arm per setting at the dose that moves PR_K."""
+import math
+
 import numpy as np
 import pytest
 
 import analyze
+import folders
 import stats
 import test_analyze as synth
-from analyze import CLAIM, Claim, judge
+from analyze import ALL, Claim, View, judge
 
 
 @pytest.mark.parametrize('n', [3, 4, 5])
@@ -15,8 +19,20 @@ def test_the_interval_covers_a_planted_mean_at_its_level(n):
     rng = np.random.default_rng(n)
     hits = sum(lo <= 0.3 <= hi for lo, hi in (stats.t_interval(rng.normal(0.3, 1.0, n))[1:3] for _ in range(2000)))
     assert hits / 2000 >= 0.93
-    shares = sum(lo <= 0.3 <= hi for lo, hi in (stats.wilson(rng.binomial(40, 0.3), 40)[1:] for _ in range(2000)))
-    assert shares / 2000 >= 0.93
+
+
+@pytest.mark.parametrize('seeds', [3, 5, 12])
+def test_a_share_covers_at_its_level_when_the_layers_of_a_seed_are_correlated(seeds):
+    rng = np.random.default_rng(seeds)
+    logit = lambda p: math.log(p / (1 - p))
+    share = np.mean(1 / (1 + np.exp(-(logit(0.7) + rng.normal(size=200_000)))))   # a seed effect of sd 1 (logit)
+    hits = 0
+    for _ in range(2000):
+        p = 1 / (1 + np.exp(-(logit(0.7) + rng.normal(size=seeds))))
+        hold = (rng.random((seeds, 4)) < p[:, None]).sum(1)
+        lo, hi = stats.share(hold, [4] * seeds)[1:3]
+        hits += lo <= share <= hi
+    assert hits / 2000 >= 0.93
 
 
 def test_the_quantiles_match_the_tables():
@@ -24,75 +40,135 @@ def test_the_quantiles_match_the_tables():
     assert stats.t_quantile(0.975, 30) == pytest.approx(2.042272, abs=1e-5)
     assert stats.f_sf(3.708265, 2, 10) == pytest.approx(0.0625, abs=1e-4)   # F(2, 10): 0.0625 above 3.708
     assert stats.wilson(0, 54)[2] == pytest.approx(0.0664, abs=1e-4)
-    assert [stats.wilson(k, n)[1] <= k / n <= stats.wilson(k, n)[2] for k, n in ((0, 8), (8, 8), (0, 3))] == [True] * 3
+    assert stats.t_sf(4.302653, 2) == pytest.approx(0.025, abs=1e-6)
+    assert stats.holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
 
 
 @pytest.mark.parametrize('values, verdict', [([0.50, 0.55, 0.45], 'holds'), ([-0.50, -0.55, -0.45], 'reversed'),
-                                             ([0.004, -0.003, 0.001], 'no effect'), ([0.3, -0.2, 0.1], 'undecided')])
-def test_each_verdict_is_reachable_with_three_seeds(values, verdict):
-    claim = Claim('x', 'x', 'the value', 'seed', lambda v, view: v, sign=+1, margin=0.1)
+                                             ([0.004, -0.003, 0.001], 'no effect'), ([0.3, -0.2, 0.1], 'undecided'),
+                                             ([1.0e-7, 1.1e-7, 1.2e-7], 'no effect'), ([0.01] * 3, 'no effect')])
+def test_each_verdict_is_reachable_with_three_seeds_and_equivalence_comes_first(values, verdict):
+    claim = Claim(key='x', text='x', stat='the value', fn=lambda v, view: v, margin=0.1)
     res = judge(claim, values)
     assert (res['verdict'], res['n']) == (verdict, 3)
     assert res['why'] == ('n = 3: the interval spans 0 and is wider than +/-0.1' if verdict == 'undecided' else '')
+    assert (res['p'] < 0.05) == (verdict != 'undecided')
 
 
-def test_planted_control_effects_reach_each_verdict_per_setting(tmp_path):
+def signs(per_seed, layers=4, parts=1):
+    """Units of a trajectory claim: each seed's trajectories hold (+1), are the mirror (-1) or neither (0)."""
+    return [np.array([[[x] * parts]] * layers, dtype=float).reshape(layers, 1, parts) if np.isscalar(x) else
+            np.array(x, dtype=float)[:, None, None] for x in per_seed]
+
+
+@pytest.mark.parametrize('seeds, layers, verdict', [([1] * 3, 4, 'holds'), ([1] * 8, 4, 'holds'),
+                                                    ([-1] * 3, 4, 'reversed'), ([0] * 3, 4, 'fails'),
+                                                    ([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]], 4, 'undecided')])
+def test_each_verdict_of_a_share_claim_is_reachable_at_12_and_32_trajectories(seeds, layers, verdict):
+    claim = Claim(key='x', text='x', stat='signs', fn=lambda u, view: u, unit='trajectory', ref=0.5)
+    res = judge(claim, signs(seeds, layers))
+    assert res['verdict'] == verdict and res['n'] == len(seeds) * layers and res['seeds'] == len(seeds)
+    assert res['hits'] == sum(np.sum(np.array(s) == 1) * (layers if np.isscalar(s) else 1) for s in seeds)
+
+
+def memory_run(q, k, seed, iters, moved=None):
+    """A run of 2 layers with the given whole-matrix PR_Q, PR_K (records x layers) and dq_rel = dk_rel = moved."""
+    cfg = synth.config(seed=seed, max_iters=int(iters[-1]), warmup_iters=int(iters[1]), n_embd=64, n_head=4)
+    moved = np.linspace(0, 3, len(iters)) if moved is None else moved
+    m = {'pr_q': q, 'pr_k': k, 'dq_rel': np.c_[moved, moved], 'dk_rel': np.c_[moved, moved]}
+    return folders.Run(f'run{seed}', cfg, {}, np.asarray(iters), m, {}, [])
+
+
+def collapse_then(q_end, k_end, seed, rng, apart=1.0):
+    """Both PRs collapse from 32 towards 8 -/+ apart over the first third of training, then move to q_end, k_end."""
+    x = np.linspace(0, 1, 30)
+    q, k = (np.where(x < 1 / 3, floor + (32 - floor) * np.exp(-12 * x), floor + (end - floor) * (x - 1 / 3) * 1.5)
+            for floor, end in ((8 + apart, q_end), (8 - apart, k_end)))
+    noise = lambda: rng.normal(0, 0.05, (30, 2))
+    return memory_run(q[:, None] + noise(), k[:, None] + noise(), seed, np.arange(0, 3000, 100))
+
+
+def test_an_asymmetry_that_begins_after_the_collapse_holds_and_one_that_never_begins_does_not():
+    rng = np.random.default_rng(0)
+    apart = [collapse_then(11, 5, s, rng) for s in (1, 2, 3)]
+    together = [collapse_then(6, 6, s, rng, apart=0) for s in (1, 2, 3)]
+    post, early = View('whole', 'post'), View('whole', 'warmup')
+    assert judge(ALL['a'], apart, post)['verdict'] == 'holds' and judge(ALL['b'], apart, post)['verdict'] == 'holds'
+    assert judge(ALL['a'], apart, early)['verdict'] == 'fails'   # from inside the collapse PR_Q only falls
+    for key in 'ab':
+        assert judge(ALL[key], together, post)['verdict'] == 'fails'
+    res = judge(ALL['a'], together, post)
+    assert res['per_part'] == [0, 6] and [n for _, n in res['per_ref']] == [6, 6, 6]   # PR_K falls, PR_Q too
+
+
+def test_a_counts_a_trajectory_only_if_it_holds_from_every_reference_and_its_mirror_from_every_one():
+    its = np.array([0, 100, 200, 400, 800, 1000, 1200, 1400, 1600, 1800, 2000])   # references: 400, 800, 1000
+    moved = np.array([0, 0.3, 0.6, 1.2, 2, 2, 2, 2, 2, 2, 2])                       # the init forgotten at 400
+    q = np.c_[[30, 20, 10, 6, 9, 5, 8, 7, 7, 7, 7], [30, 20, 10, 6, 5, 4, 4, 3, 3, 3, 3]]
+    k = np.c_[[30, 20, 10, 6, 5, 4, 4, 3, 3, 3, 3], [30, 20, 10, 2, 2, 2, 3, 4, 4, 4, 4]]
+    a = analyze.moves(memory_run(q, k, 1, its, moved), View('whole', 'post'))
+    assert a.tolist() == [[[1, 1], [-1, 1], [1, 1]], [[-1, -1]] * 3]   # PR_Q above its value at 800 in layer 0
+    assert analyze.outcomes(a).tolist() == [0, -1]                    # neither; the mirror from every reference
+
+
+def test_a_zigzag_is_not_a_line_a_line_is_recovered_and_a_curved_rise_reads_monotone():
+    x, point = np.repeat(np.arange(5.0), 3), np.repeat(np.arange(5), 3)
+    rng = np.random.default_rng(1)
+    zigzag = stats.trend(x, np.where(point % 2, 1.0, -1.0) + rng.normal(0, 0.1, 15), point)
+    assert zigzag['lof_p'] < 0.05 and analyze.reading(zigzag, [0] * 5).startswith('not a line')
+    assert analyze.reading(zigzag, [0] * 5).endswith('no monotone trend')
+    curve = stats.trend(x, 1 - np.exp(-2 * x) + rng.normal(0, 0.02, 15), point)   # rises, then saturates
+    assert curve['lof_p'] < 0.05 and analyze.reading(curve, [0] * 5).endswith('rises monotonically')
+    hits = 0
+    for _ in range(1000):
+        fit = stats.trend(x, 0.5 - 0.2 * x + rng.normal(0, 0.3, 15), point)
+        hits += fit['lo'] <= -0.2 <= fit['hi']
+    assert hits / 1000 >= 0.93
+
+
+def test_planted_control_effects_reach_each_verdict_per_setting_on_the_spec_arm(tmp_path):
     shifts = {'holds': [0.30, 0.32, 0.28], 'reversed': [-0.30, -0.32, -0.28], 'no effect': [0.004, -0.003, 0.002],
               'undecided': [0.20, -0.15, 0.05]}
     for init, shift in shifts.items():
         for s, d in enumerate(shift, 1):
             kw = dict(seed=s, effect=0, noise=0, qk_init=init.replace(' ', '_'))
             synth.write_run(str(tmp_path), f'{init}_s{s}'.replace(' ', '_'), **kw)
-            synth.write_run(str(tmp_path), f'{init}_freeze_s{s}'.replace(' ', '_'), control='freeze', shift=d, **kw)
+            for keep, sign in (('spec', 1), ('fro', -1)):   # the fro arm, beside, planted the other way
+                synth.write_run(str(tmp_path), f'{init}_{keep}_s{s}'.replace(' ', '_'), control='freeze',
+                                control_keep=keep, shift=d * sign, **kw)
     s = synth.run([tmp_path], tmp_path / 'out')
     rows = [r for r in s.tables['claims'] if r['key'] == 'e']
     assert sorted((r['scope'], r['verdict'].split(' (')[0]) for r in rows) == sorted(
-        (f"qk_init={k.replace(' ', '_')}, freeze-k", k) for k in shifts)
+        (f"qk_init={k.replace(' ', '_')}, freeze-k-spec", k) for k in shifts)
+    assert all(r['beside'].startswith('keep=fro (freeze-k): ') for r in rows)
+    assert {r['holm'] for r in s.tables['claims'] if 'holm' in r} <= {'holds', 'reversed', 'no effect', 'fails',
+                                                                     'undecided'}
 
 
 def test_d_and_e_are_judged_per_depth_at_the_dose_that_moves_pr_k(tmp_path):
     for depth in (2, 3):
         synth.study(tmp_path, name=f'L{depth}', n_layer=depth)
-        synth.study(tmp_path, name=f'L{depth}_freeze', n_layer=depth, control='freeze')
+        synth.study(tmp_path, name=f'L{depth}_freeze', n_layer=depth, control='freeze', control_keep='spec')
         for dose in (0.9, 0.3, 0.15):   # 0.9 leaves PR_K near the baseline's; 0.3 and 0.15 move it well below
-            synth.study(tmp_path, name=f'L{depth}_shrink{dose}', n_layer=depth, control='shrink', shrink_to=dose)
+            synth.study(tmp_path, name=f'L{depth}_shrink{dose}', n_layer=depth, control='shrink', shrink_to=dose,
+                        control_keep='spec')
     s = synth.run([tmp_path], tmp_path / 'out')
     rows = {(r['key'], r['scope']): r for r in s.tables['claims'] if r['key'] in 'de'}
-    assert sorted(rows) == [(k, f'n_layer={n}, {arm}') for k, arm in (('d', 'shrink0.15-k'), ('e', 'freeze-k'))
-                            for n in (2, 3)]
+    assert sorted(rows) == [(k, f'n_layer={n}, {arm}') for k, arm in (('d', 'shrink0.15-k-spec'),
+                                                                      ('e', 'freeze-k-spec')) for n in (2, 3)]
     assert all(r['verdict'] == 'holds' and r['n'] == 3 for r in rows.values())
-    weak = analyze.judge(CLAIM['d_pr_head_rel'], [p for k, p in s.arms.items() if dict(k[1])['shrink_to'] == 0.9
-                                                  and dict(k[1])['control'] == 'shrink'][0])
+    weak = judge(ALL['d_pr_head_rel'], [p for k, p in s.arms.items() if dict(k[1])['shrink_to'] == 0.9
+                                        and dict(k[1])['control'] == 'shrink'][0])
     assert weak['hi'] > analyze.WELL_BELOW
 
 
-def test_d_is_not_measured_when_no_dose_moves_pr_k_well_below(tmp_path):
+def test_d_is_not_measured_when_no_dose_moves_pr_k_well_below_or_there_is_no_spec_arm(tmp_path):
     synth.study(tmp_path, name='base')
-    synth.study(tmp_path, name='weak', control='shrink', shrink_to=0.95)
-    row = next(r for r in synth.run([tmp_path], tmp_path / 'out').tables['claims'] if r['key'] == 'd')
-    assert row['verdict'] == 'not measured' and row['value'].startswith('no dose moves per-head PR_K well below')
-
-
-def test_a_counts_a_trajectory_only_if_it_holds_from_every_reference():
-    its = np.array([0, 10, 20, 50, 100, 200, 500, 1000])
-    q = np.array([5, 4, 4.1, 4.5, 6.0, 5.5, 5.2, 5.1])   # above its value at 10 and 20, below its value at 100
-    k = np.array([5, 4, 3.9, 3.5, 3.0, 2.9, 2.8, 2.7])
-    t = analyze.Trajectory('s', {'max_iters': 1000}, 0, its[1:], q[1:], k[1:], analyze.View(window='warmup'), 3)
-    assert analyze.rises_and_falls(t) == (True, True, False)
-    t = t._replace(its=its, q=q, k=k, view=analyze.View())
-    assert analyze.rises_and_falls(t) == (True,)
-
-
-def test_a_zigzag_is_no_linear_trend_and_a_line_is_recovered_at_its_level():
-    x, point = np.repeat(np.arange(5.0), 3), np.repeat(np.arange(5), 3)
-    rng = np.random.default_rng(1)
-    zigzag = stats.trend(x, np.where(point % 2, 1.0, -1.0) + rng.normal(0, 0.1, 15), point)
-    assert zigzag['lof_p'] < 0.05 and analyze.reading(zigzag, [[0]] * 5).startswith('no linear trend')
-    hits = 0
-    for _ in range(1000):
-        fit = stats.trend(x, 0.5 - 0.2 * x + rng.normal(0, 0.3, 15), point)
-        hits += fit['lo'] <= -0.2 <= fit['hi']
-    assert hits / 1000 >= 0.93
+    synth.study(tmp_path, name='weak', control='shrink', shrink_to=0.95, control_keep='spec')
+    synth.study(tmp_path, name='fro', control='freeze')
+    rows = {r['key']: r for r in synth.run([tmp_path], tmp_path / 'out').tables['claims']}
+    assert rows['d']['verdict'] == 'not measured' and rows['d']['value'].startswith('no dose moves per-head PR_K')
+    assert (rows['e']['verdict'], rows['e']['value']) == ('not measured', 'no control_keep=spec arm')
 
 
 def test_the_regime_keeps_a_six_head_point_off_the_four_head_width_line_and_refuses_a_zigzag(tmp_path):
@@ -104,6 +180,6 @@ def test_the_regime_keeps_a_six_head_point_off_the_four_head_width_line_and_refu
     trends = {(t['axis'], t['statistic']): t for t in s.tables['regime_trend'] if t['position'] == 'all'}
     width = trends[('n_embd', 'gap_end')]
     assert width['members'] == 'base | n_embd=32 | n_embd=64 | n_embd=128' and width['line'] == 'n_head=2, lr=0.001'
-    assert width['reading'].startswith('no linear trend') and width['n'] == 12
+    assert width['reading'].startswith('not a line') and width['n'] == 12
     assert trends[('lr', 'gap_end')]['members'] == 'lr=0.0003, min_lr=3e-05 | base | lr=0.003, min_lr=0.0003'
     assert 'min_lr' not in {t['axis'] for t in s.tables['regime_trend']}

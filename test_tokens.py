@@ -59,7 +59,7 @@ def test_train_then_tokens_then_the_report_end_to_end(trained, capsys):
     printed = capsys.readouterr().out
     assert '2 runs used, 0 skipped, 1 settings' in printed and 'f2 ' in printed
     report = (out / 'REPORT.md').read_text()
-    assert '### our checkpoints' in report and 'fig6_tokens.png' in report and '![fig1_pr_over_training.png]' in report
+    assert '### our checkpoints' in report and '(fig6_tokens.png)' in report and '(fig1_pr_over_training.png)' in report
     claims = {r['key']: r for r in csv.DictReader(open(out / 'claims.csv'))}
     assert claims['f2']['n'] == '2' and claims['f2']['scope'] == 'our checkpoints: 2 series'
     assert claims['a']['scope'].startswith('2 uncontrolled runs in 1 settings')
@@ -96,7 +96,7 @@ def test_planted_token_series_give_the_token_claims():
     assert (t['rho_early'], t['rho_late'], t['peak_step']) == (1.0, -1.0, 16)
     rows = [{'model': f'm{i}', 'rho_early': 0.9 + 0.01 * i, 'rho_late': -0.8 - 0.01 * i, 'link_rho': 0.02 * i - 0.03,
              'control': 'none', 'rope': 'after' if i else 'before'} for i in range(5)]
-    verdicts = {k: analyze.judge(analyze.CLAIM[k], rows) for k in ('f1-early', 'f1-late', 'f2')}
+    verdicts = {k: analyze.judge(analyze.ALL[k], rows) for k in ('f1-early', 'f1-late', 'f2')}
     assert [(v['verdict'], v['n']) for v in verdicts.values()] == [('holds', 4), ('holds', 4), ('no effect', 4)]
 
 
@@ -190,3 +190,22 @@ def test_without_transformers_one_line_says_how_to_install(monkeypatch, tmp_path
     assert analyze.main(['pretrained', '--model=gpt2', f'--out={tmp_path}']) == 2
     err = capsys.readouterr().err
     assert err.count('\n') == 1 and 'pip install transformers' in err
+
+
+def test_tokens_merges_by_run_and_reads_the_run_s_cache_without_writing_there(trained, tmp_path, monkeypatch):
+    out, runs = tmp_path / 'a', sorted((trained / 'out').iterdir())
+    assert analyze.main(['tokens', str(trained / 'out'), f'--out={out}', '--no_figures']) == 0
+    before, cache = json.load(open(out / 'tokens.json')), sorted(os.listdir(trained / 'cache'))
+    monkeypatch.setattr(tokens.prepare, 'encode', None)   # the run's cache is read: nothing is encoded
+    assert analyze.main(['tokens', str(runs[0]), f'--out={out}', '--no_figures']) == 0
+    after = json.load(open(out / 'tokens.json'))
+    assert sorted(map(json.dumps, after['layers'])) == sorted(map(json.dumps, before['layers']))
+    assert len(after['runs']) == 2 and sorted(os.listdir(trained / 'cache')) == cache
+    monkeypatch.undo()
+    cfg = json.load(open(runs[0] / 'config.json'))
+    x = tokens.evaluation_batch(cfg)
+    (tmp_path / 'file').write_text('')   # a cache_dir that cannot be made: encoded aside, and removed
+    (tmp_path / 'tmp').mkdir()
+    monkeypatch.setattr(tokens.tempfile, 'tempdir', str(tmp_path / 'tmp'))
+    assert torch.equal(x, tokens.evaluation_batch({**cfg, 'cache_dir': str(tmp_path / 'file' / 'cache')}))
+    assert os.listdir(tmp_path / 'tmp') == [] and sorted(os.listdir(tmp_path)) == ['a', 'file', 'tmp']
