@@ -22,9 +22,9 @@ SECTIONS = {   # title: what it says; its tables follow, then its figures
                               'over time, where two trends correlate, linked or not.',
     'Trajectories': '',
     'Control experiment': 'Final values, controlled - baseline (the none run of its other settings, seed).',
-    'Regime': 'Each statistic per point (an uncontrolled setting), all layers (regime.md: per position); '
-              'trends per doubling of a setting, the others fixed: slope, lack of fit (p < 0.05: not a '
-              "line), Spearman's rho. Nothing is projected beyond the points.",
+    'Regime': "Each statistic per point (uncontrolled setting), all layers (regime.md: per position); trends "
+              "along a setting, the rest fixed: slope per doubling (per unit if a value is 0), lack of fit "
+              "(p < 0.05: not a line), Spearman's rho. Nothing is extrapolated.",
     'Queries, keys and the optimizer': 'D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is conserved under gradient '
                                        'flow (geometry.py); imbalance_conserved: what the law leaves of it.',
     'Token level': '',
@@ -167,7 +167,7 @@ def regime_lines(t, registry):
     interval = lambda r, k='': f"{signed(r[k or 'slope'])} [{signed(r[k + '_lo' if k else 'lo'])}, " \
                                f"{signed(r[k + '_hi' if k else 'hi'])}]"
     trends = [{**{k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading', 'verdicts')},
-               'slope per doubling': interval(r), 'Spearman': interval(r, 'rho')} for r in t['regime_trend']
+               'slope': interval(r), 'Spearman': interval(r, 'rho')} for r in t['regime_trend']
               if r['position'] == 'all' and plots.trended(registry.get(r['statistic'].split(' [')[0]))]
     return [by_point(t), '### Trends', '', folders.markdown(trends) if trends else
             'No numeric setting with two points on a line.']
