@@ -336,8 +336,9 @@ def test_layer_scope_reaches_the_layer_target():
     state = control.record(cfg, qk)
     control.apply(state, cfg, qk, 1)
     for (_, wk), p0, row in zip(qk, state['pr0'], control.report(state)):
-        assert geometry.matrix_pr(wk) == pytest.approx(0.5 * p0[0], rel=1e-5)
-        assert set(row) == {'ctl_target_pr', 'ctl_pr'} and row['ctl_pr'] == pytest.approx(0.5 * p0[0], rel=1e-5)
+        target = 0.5 * float(p0[0])
+        assert geometry.matrix_pr(wk) == pytest.approx(target, rel=1e-5)
+        assert set(row) == {'ctl_target_pr', 'ctl_pr'} and row['ctl_pr'] == pytest.approx(target, rel=1e-5)
 
 
 def test_control_layers_touches_only_those_layers():
