@@ -9,7 +9,7 @@
 #   BACKEND=slurm bash sweep.sh            # a Slurm job array, then the analysis as a dependent job
 #
 # Environment [default]:
-#   PRESET     paper | cpu | ladder | length | optim | smoke [paper]   OUT  where the runs go [out/$PRESET]
+#   PRESET     paper | cpu | wide | ladder | length | optim | smoke [paper]   OUT  where the runs go [out/$PRESET]
 #   JOBS       runs at once [the number of visible GPUs, else of CPU cores]   ARRAY_JOBS  the same under Slurm [16]
 #   DATA_FILE  a UTF-8 text to train every run on [the preset's dataset]
 #   RUN_LIST   a file of runs instead of the grid, one per line: NAME --key=value ...
@@ -18,6 +18,7 @@
 #   the grid (set one to "" to leave that part out):
 #   cpu, paper, smoke: DEPTHS [4 6 8] INITS [normal orthogonal tied] SEEDS [1 2 3 4]
 #                      CONTROL_SEEDS [1 2 3 4 5] CONTROL_KEEPS [fro spec] SHRINK_TOS [0.2 0.14 0.1]
+#   wide:              the cpu grid at width 128 and 4000 iterations, SHRINK_TOS [0.2 0.1]; the control first
 #   ladder:            WIDTHS [32 64 128 256 384] CONTROL_WIDTH [256] LADDER_SEEDS [1 2 3] LONG_ITERS [8000] LRS [3e-4 3e-3]
 #   length:            LENGTHS [2000 4000 8000 16000] DROPOUT_LENGTHS [8000 16000] LENGTH_SEEDS [1 2 3]
 #   optim:             ADAMW_LRS [1e-3 3e-3 1e-2 3e-2] SGD_LRS [0.1 0.3 1 3] SCAN_SEEDS [1 2] ARM_SEEDS [1 2 3 4 5]
@@ -39,11 +40,13 @@ cpu)    ARGS=("${CPU_SIZE[@]}") SLURM=(--cpus-per-task=1 --mem=2G --time=1:00:00
 ladder) ARGS=("${CPU_SIZE[@]}" --n_layer=4 --qk_init=normal) SLURM=(--cpus-per-task=1 --mem=4G --time=4:00:00) ;;
 length) ARGS=("${CPU_SIZE[@]}" --n_layer=4 --n_embd=128 --qk_init=tied --decay_qk=False)
         SLURM=(--cpus-per-task=1 --mem=4G --time=8:00:00) ;;
+wide)   ARGS=("${CPU_SIZE[@]}" --n_embd=128 --max_iters=4000 --shrink_iters=800)
+        SLURM=(--cpus-per-task=1 --mem=4G --time=4:00:00) ;;
 optim)  ARGS=("${CPU_SIZE[@]}" --n_layer=4) SLURM=(--cpus-per-task=1 --mem=2G --time=1:00:00) ;;
 smoke)  ARGS=(--n_embd=16 --n_head=2 --block_size=16 --batch_size=4 --max_iters=6 --warmup_iters=2 --eval_interval=3
               --geom_interval=3 --eval_iters=1 --eval_windows=2 --ckpt_interval=3 --model_ckpts=3 --shrink_iters=4
               --dataset=wikitext103-test) SLURM=(--cpus-per-task=1 --mem=1G --time=0:10:00) ;;
-*)      die "unknown PRESET=$PRESET; use paper, cpu, ladder, length, optim or smoke" ;;
+*)      die "unknown PRESET=$PRESET; use paper, cpu, wide, ladder, length, optim or smoke" ;;
 esac
 [ "${PRINT_ARGS:-0}" = 1 ] && { echo "${ARGS[*]}"; exit 0; }  # the preset's sizes, for bench.py
 [ -n "${DATA_FILE:-}" ] && ARGS+=(--data_file="$DATA_FILE")
@@ -100,7 +103,13 @@ optim() {  # the lr scan of each optimizer, the arms at the tuned lrs, the key c
     done
     controls "$a" "${ARM_SEEDS-1 2 3 4 5}" "${OPTIM_SHRINK-0.1}"
 }
-case $PRESET in ladder) ladder ;; length) length ;; optim) optim ;; *) study ;; esac
+wide() {  # the control (its none arm is depth 4, normal init) first, then the study depth by depth
+    controls "--n_layer=4 --qk_init=normal" "${CONTROL_SEEDS-1 2 3 4 5}" "${SHRINK_TOS-0.2 0.1}"
+    for depth in ${DEPTHS-4 6 8}; do for init in ${INITS-normal orthogonal tied}; do for seed in ${SEEDS-1 2 3 4}; do
+        add --n_layer="$depth" --qk_init="$init" --seed="$seed"
+    done; done; done
+}
+case $PRESET in ladder) ladder ;; length) length ;; optim) optim ;; wide) wide ;; *) study ;; esac
 
 NAMES=() RUNS=()  # the runs to do, each once: a grid line whose name is already listed is shared
 if [ -n "${RUN_LIST:-}" ]; then
