@@ -62,11 +62,9 @@ def plain(text, width=WRAP):
 
 def value_order(value):
     """A sort key for a setting's value: absent first, then numbers by size, then text."""
-    if value is None:
-        return (0, 0, '')
     if isinstance(value, (int, float)):
         return (1, value, '')
-    return (2, 0, str(value))
+    return (0 if value is None else 2, 0, str(value))
 
 
 def setting_names(study):
@@ -83,12 +81,10 @@ def setting_names(study):
 
 
 def colours(n):
-    """n distinct colours: tab10, then tab20 (its dark shades first), then a sample of turbo."""
-    if n <= 10:
-        return [colormaps['tab10'](i) for i in range(n)]
-    if n <= 20:
-        return [colormaps['tab20'](i) for i in [*range(0, 20, 2), *range(1, 20, 2)][:n]]
-    return list(colormaps['turbo'](np.linspace(0.05, 0.95, n)))
+    """n distinct colours: tab10's, then tab20's light shades, then a sample of turbo."""
+    if n > 20:
+        return list(colormaps['turbo'](np.linspace(0.05, 0.95, n)))
+    return [colormaps['tab20'](i) for i in [*range(0, 20, 2), *range(1, 20, 2)][:n]]
 
 
 def legend_outside(fig, ax, **kw):
@@ -107,14 +103,11 @@ def iteration_axis(ax, ylabel=None, title=None):
 
 def settings_of(study):
     """{setting name: its uncontrolled runs with geometry records}, in setting_names' order."""
-    names = setting_names(study)[0]
-    order = {s: i for i, s in enumerate(names)}
-    runs = [r for r in study.runs if r.control == 'none' and len(r.iters)]
-    runs.sort(key=lambda r: order[r.setting])
-    groups = group(runs, lambda r: names[r.setting])
-    if groups:
-        return groups
-    raise Skip('no uncontrolled runs with geometry records')
+    groups = group([r for r in study.runs if r.control == 'none' and len(r.iters)],
+                   lambda r: r.setting)
+    if not groups:
+        raise Skip('no uncontrolled runs with geometry records')
+    return {name: groups[s] for s, name in setting_names(study)[0].items() if s in groups}
 
 
 def panels(n, width=4.2, height=3.2, cols=4):
@@ -248,8 +241,7 @@ def dose_response(ax, study, keys, colours_of, key):
 
 def control(study, tables):
     names = setting_names(study)[0]
-    order = {s: i for i, s in enumerate(names)}
-    fams = sorted(families(study.arms).items(), key=lambda item: order[item[0][0]])
+    fams = sorted(families(study.arms).items(), key=lambda item: list(names).index(item[0][0]))
     if not fams:
         raise Skip('no controlled runs paired with a baseline')
     fig, grid = panels(3 * len(fams), 5, 4.2, 3)
@@ -262,9 +254,9 @@ def control(study, tables):
         for colour, k in zip(doses, keys):
             lines.append((study.arm_name(k[1]), [c for c, _ in study.arms[k]], colour))
         for label, runs, colour in lines:
+            text = plain(f'{label} ({len(runs)})', 30)
             for ax, metric in zip(axes, (key, 'entropy')):
-                label = plain(f'{label} ({len(runs)})', 30)
-                ax.plot(*mean_line(runs, metric), color=colour, label=label)
+                ax.plot(*mean_line(runs, metric), color=colour, label=text)
         xs, ys = dose_response(axes[2], study, keys, doses, key)
         fit = fits.get((study.label[setting], study.arm_name(rest)))
         if fit and np.isfinite(fit['slope']):   # least squares passes through the points' mean
@@ -300,8 +292,8 @@ def regime_panel(ax, lines, rows, at, axis, name):
     log = all(v > 0 for v in ticks)
     span = (ticks[-1] - ticks[0]) or 1
     marks = itertools.cycle(zip('os^Dv', ('-', '--', ':', '-.')))
-    for j, (line, colour, (mark, style)) in enumerate(zip(lines, colours(len(lines)), marks)):
-        members, label = line
+    for j, ((members, label), colour, (mark, style)) in enumerate(
+            zip(lines, colours(len(lines)), marks)):
         est, lo, hi = (np.array([rows[p, name][k] for p in members]) for k in ('est', 'lo', 'hi'))
         xs = dodge(np.array([at[p][axis] for p in members], float), j, len(lines), log, span)
         ax.errorbar(xs, est, yerr=np.nan_to_num([est - lo, hi - est]), ms=4, marker=mark, capsize=2,
@@ -335,10 +327,7 @@ def regime_points(study, tables):
         for ax, (name, axis) in zip(grid, itertools.product(chunk, axes)):
             mine = [r for r in trends if (r['statistic'], r['axis']) == (name, axis)]
             lines = [(r['members'].split(' | '), plain(r['line'], 30)) for r in mine]
-            on = set()
-            for r in trends:
-                if r['statistic'] == name:
-                    on.update(r['members'].split(' | '))
+            on = ' | '.join(r['members'] for r in trends if r['statistic'] == name).split(' | ')
             for p in sorted(at, key=order.get):
                 if (p, name) in rows and p not in on and f'{axis}=' in p:
                     lines.append(([p], shown_as[p]))
