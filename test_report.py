@@ -12,8 +12,6 @@ import plots
 import report
 import test_analyze as synth
 
-NUMBER = r'[-+]?\d[\d.]*(?:e[-+]?\d+)?%?'
-
 
 def test_figures_and_report_of_a_mixed_folder_with_odd_setting_names(tmp_path):
     for name, lr, note, control in (('z', 1e-3, 'plain', 'none'), ('y', 3e-3, 'plain', 'none'),
@@ -24,7 +22,7 @@ def test_figures_and_report_of_a_mixed_folder_with_odd_setting_names(tmp_path):
     assert all(Image.open(p).mode in ('RGB', 'RGBA') for p in s.files if p.endswith('.png'))   # no palette
     text = (tmp_path / 'out' / 'REPORT.md').read_text()
     assert '**These verdicts rest on n = 2 seeds per setting' in text and '(fig9_regime.png)' in text
-    pairs = [(float(a.strip('%')), float(b.strip('%'))) for a, b in re.findall(rf'\[({NUMBER}), ({NUMBER})\]', text)]
+    pairs = [(float(a.strip('%')), float(b.strip('%'))) for a, b in re.findall(r'\[([-+\d.e%]+), ([-+\d.e%]+)\]', text)]
     assert len(pairs) > 20 and all(lo <= hi for lo, hi in pairs)
     for f in (f for f in plots.FIGURES if f.stem.split('_')[0] in ('fig1', 'fig2', 'fig3', 'fig5', 'fig9')):
         for fig in np.atleast_1d(f.fn(s, s.tables)):
