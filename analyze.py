@@ -39,6 +39,7 @@ import time
 from collections import namedtuple
 from dataclasses import dataclass
 from functools import reduce
+from itertools import product
 
 import numpy as np
 
@@ -634,7 +635,7 @@ def robustness_cells(study):
     pool, cells = uncontrolled(study.runs), []
     split = group(pool, decayed)
     for s in (s for s in CLAIMS + STATS if s.unit in ('trajectory', 'seed') and 'map' in s.tables):
-        views = [(lens, window, 'pooled', pool) for lens in s.lenses for window in WINDOWS]
+        views = [(lens, window, 'pooled', pool) for lens, window in product(s.lenses, WINDOWS)]
         if isinstance(s, Claim) and len(split) > 1:
             views += [(s.lenses[0], s.window, d, runs) for d, runs in split.items()]
         for lens, window, d, runs in views:
@@ -890,10 +891,12 @@ def runs_rows(study):
 
 
 def setting_rows(study):
-    groups = group(study.runs, lambda r: r.setting)
+    groups, rows = group(study.runs, lambda r: r.setting), []
     keys = folders.varying([rs[0].settings for rs in groups.values()])
-    return [{'setting': study.label[s], 'runs': len(rs), 'seeds': ' '.join(str(r.seed) for r in rs),
-             **{k: rs[0].settings.get(k) for k in keys}} for s, rs in groups.items()]
+    for s, rs in groups.items():
+        row = {'setting': study.label[s], 'runs': len(rs), 'seeds': ' '.join(str(r.seed) for r in rs)}
+        rows.append({**row, **{k: rs[0].settings.get(k) for k in keys}})
+    return rows
 
 
 def token_rows(study):

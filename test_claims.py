@@ -123,8 +123,7 @@ def planted(run, it):
 
 def test_a_negative_gap_off_the_grid_changes_no_verdict_and_one_on_it_does():
     runs, post = [collapse_then(11, 5, s, np.random.default_rng(s)) for s in (1, 2, 3, 4)], View('whole', 'post')
-    assert runs[0].cfg['geom_interval'] == 50 and analyze.on_grid(planted(runs[0], 1425)).iters.tolist() == list(
-        range(0, 3000, 100))
+    assert 1425 not in analyze.on_grid(planted(runs[0], 1425)).iters   # the grid: every 50 iterations
     for it, verdict, all_above in ((1425, 'holds', True), (1400, 'undecided', False)):
         found = [planted(runs[0], it)] + runs[1:]
         assert judge(ALL['b'], found, post)['verdict'] == verdict
@@ -225,27 +224,24 @@ def test_the_regime_keeps_a_six_head_point_off_the_four_head_width_line_and_refu
 
 
 def token_run(cfg, iters, seed=1):
-    """A 2-layer, 2-head run whose tok_pr_q - tok_pr_k rises then falls in log(1 + step) at its model
-    checkpoints (falls then rises elsewhere), and whose tok_pr_qk ranks its heads as entropy does."""
+    """tok_pr_q - tok_pr_k rises then falls at the model checkpoints (the reverse elsewhere); tok_pr_qk ~ entropy."""
     at = np.isin(iters, sorted(analyze.checkpoint_iters(cfg))) if 'model_ckpts' in cfg else iters == iters
     x = np.log1p(iters)
     v = -np.abs(x - np.median(x[at])) * np.where(at, 1, -1)
     heads = np.arange(4.0).reshape(1, 2, 2) + x[:, None, None]
-    m = {'tok_pr_q': np.c_[v, v] + 10, 'tok_pr_k': np.full((len(x), 2), 10.0), 'tok_pr_qk_heads': heads,
-         'entropy_heads': heads / 10}
+    m = {'tok_pr_q': np.c_[v, v] + 10, 'tok_pr_k': np.c_[v, v] * 0, 'tok_pr_qk_heads': heads, 'entropy_heads': heads}
     return folders.Run(f'run{seed}', {**cfg, 'seed': seed}, {}, iters, m, {}, [])
 
 
 def test_token_claims_read_our_runs_at_their_model_checkpoints_and_a_series_at_every_record():
-    for over in (dict(model_ckpts=8, max_iters=2000), dict(model_ckpts=2, max_iters=50), dict(model_ckpts=1)):
-        cfg = synth.config(**over)
+    for cfg in (synth.config(model_ckpts=n, max_iters=m) for n, m in ((8, 2000), (2, 50), (1, 9), (3, 0))):
         assert analyze.checkpoint_iters(cfg) == train.model_ckpt_iters(cfg)
     cfg = synth.config(model_ckpts=8, max_iters=2000, warmup_iters=100, geom_interval=200, eval_interval=200)
     ours = [token_run(cfg, np.array(sorted(train.log_iters(cfg))), s) for s in (1, 2, 3)]
     series = token_run({k: v for k, v in cfg.items() if k != 'model_ckpts'}, np.array([0, 8, 64, 512, 4096]))
     assert analyze.models(ours + [series]) == {'our checkpoints': ours, 'pretrained models': [series]}
-    for key, verdict in (('f1-early', 'holds'), ('f1-late', 'holds'), ('f2', 'holds')):
-        assert judge(ALL[key], ours)['verdict'] == verdict and abs(ALL[key].fn(series, View())) == 1
+    for key, sign in (('f1-early', 1), ('f1-late', -1), ('f2', 1)):
+        assert judge(ALL[key], ours)['verdict'] == 'holds' and ALL[key].fn(series, View()) == sign
 
 
 def test_a_ratio_claim_is_judged_and_its_rule_printed_in_the_units_of_its_value():
@@ -254,5 +250,4 @@ def test_a_ratio_claim_is_judged_and_its_rule_printed_in_the_units_of_its_value(
     res = judge(claim, [1.19, 1.26, 1.33])   # no default bound clips it to [lo, 1]
     assert res['verdict'] == 'holds' and 1.05 < res['lo'] < 1.19 and res['hi'] > 1.33
     assert judge(claim, [1.01, 0.99, 1.0])['verdict'] == 'no effect'
-    rule = report.rule(claim, analyze.REFERENCES)
-    assert '[0.95, 1.05]' in rule and 'above 1,' in rule
+    assert '[0.95, 1.05], holds if it lies above 1,' in report.rule(claim, analyze.REFERENCES)
