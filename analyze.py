@@ -114,6 +114,7 @@ def on_grid(run):
             keep = (run.iters % every == 0) | (run.iters == last)
         m = {k: v[keep] for k, v in run.m.items()}
         run.memo['grid'] = dataclasses.replace(run, iters=run.iters[keep], m=m, memo={})
+        run.memo['grid'].use(run.settings)   # as the study read them (folders.load_runs)
     return run.memo['grid']
 
 
@@ -124,7 +125,9 @@ def seed_mean(runs):
     its = reduce(np.intersect1d, [g.iters for g in grids])
     keys = {k for g in grids for k, v in g.m.items() if v.ndim == 2}
     m = {k: nanmean(folders.stack(grids, k, its)[1], axis=0) for k in sorted(keys)}
-    return dataclasses.replace(grids[0], iters=its, m=m, memo={})
+    mean = dataclasses.replace(grids[0], iters=its, m=m, memo={})
+    mean.use(runs[0].settings)
+    return mean
 
 
 def pretrained(run):
