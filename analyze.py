@@ -897,7 +897,8 @@ def setting_rows(study):
     groups, rows = group(study.runs, lambda r: r.setting), []
     keys = folders.varying([rs[0].settings for rs in groups.values()])
     for s, rs in groups.items():
-        row = {'setting': study.label[s], 'runs': len(rs), 'seeds': ' '.join(str(r.seed) for r in rs)}
+        seeds = ' '.join(str(r.seed) for r in rs)
+        row = {'setting': study.label[s], 'runs': len(rs), 'seeds': seeds}
         rows.append({**row, **{k: rs[0].settings.get(k) for k in keys}})
     return rows
 
