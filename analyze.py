@@ -2,8 +2,6 @@
 Run folders in, the study's evidence out: REPORT.md, tables, figures.
 
     python analyze.py out/ [more/] [--out=DIR] [--no_figures] [--from_iter=N]   # -> out/analysis/
-    python analyze.py tokens out/        # the token level of our checkpoints (tokens.py)
-    python analyze.py pretrained --model=EleutherAI/pythia-160m --revisions=pythia    # a pretrained series
 
 A new logged metric (say `qk_cos` per layer) with a claim and a figure:
     1. a statistic:  def final_cos(run, view): return run.final('qk_cos', layers_of(run, view))
@@ -37,7 +35,6 @@ import folders
 import plots
 import report
 import stats
-import tokens
 from folders import FINAL_LOGS, OutError, Skip, group
 from report import shown, verdict_text
 from stats import nanmean
@@ -635,7 +632,7 @@ def load(paths, out=None, from_iter=None, log=print):
     for r in (r for r in runs if r.control != 'none' and r not in paired):
         warn(f'{r.path}: no control=none run with the same other settings and seed: left out of the control '
              'tables')
-    study.tokens = tokens.token_tables(study.out, runs, warn)
+    study.tokens = {}
     return study
 
 
@@ -660,63 +657,33 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
 
 
 # ----------------------------------------------------------------------------- the command line
-OPTIONS = {'runs': [('from_iter', int, None, "where 'from warm-up on' starts (default: warmup_iters)")],
-           'tokens': [('data_file', str, '', "the runs' text, where it moved"),
-                      ('data_dir', str, '', 'the same for WikiText-103'),
-                      ('cache_dir', str, '', "the text's cache (default: the run's, read only, or a "
-                                             'temporary one)')],
-           'pretrained': [('model', str, None, 'a local folder or a model name'), ('revisions', str, '',
-                                                                                   'R1,R2,... or pythia'),
-                          ('text', str, '', "a UTF-8 text (default: wiki.test.raw in train.py's data_dir)"),
-                          ('rope', str, 'after', 'q, k after the rotary embedding or before it'),
-                          ('n_seqs', int, 8, 'windows of the text'),
-                          ('seq_len', int, 256, 'tokens a window')]}
+OPTIONS = [('from_iter', int, None, "where 'from warm-up on' starts (default: warmup_iters)")]
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    what = argv.pop(0) if argv[:1] and argv[0] in OPTIONS else 'runs'
-    forms = [f"python analyze.py{f' {w}' * (w != 'runs')} [options]{' DIR [DIR ...]' * (w != 'pretrained')}"
-             for w in OPTIONS]
-    p = argparse.ArgumentParser(usage='\n       '.join(forms), description='REPORT.md, tables and figures '
-                                'from run folders; tokens: the token level of their checkpoints; pretrained: '
-                                'of a pretrained model (transformers)')
-    if what != 'pretrained':
-        p.add_argument('dirs', nargs='+', help='folders searched for run folders (holding config.json)')
-    p.add_argument('--out', default='out/analysis' if what == 'pretrained' else None,
-                   help='where to write (default: <first dir>/analysis)')
+    p = argparse.ArgumentParser(usage='python analyze.py [options] DIR [DIR ...]',
+                                description='REPORT.md, tables and figures from run folders')
+    p.add_argument('dirs', nargs='+', help='folders searched for run folders (holding config.json)')
+    p.add_argument('--out', default=None, help='where to write (default: <first dir>/analysis)')
     p.add_argument('--no_figures', action='store_true', help='tables only')
-    p.add_argument('--device', default='cpu', help='where models run (token level)')
-    for name, kind, default, text in OPTIONS[what]:
-        p.add_argument(f'--{name}', type=kind, default=default, help=text, required=name == 'model')
+    for name, kind, default, text in OPTIONS:
+        p.add_argument(f'--{name}', type=kind, default=default, help=text)
     a, t0 = p.parse_args(argv), time.time()
-    dirs = getattr(a, 'dirs', [])
     try:
-        bad = [d for d in dirs if not os.path.isdir(d)]
+        bad = [d for d in a.dirs if not os.path.isdir(d)]
         if bad:
-            raise Skip(f'{", ".join(bad)}: not a folder (pass the out_dir of train.py, or a folder above it)')
-        if what == 'runs':
-            s = analyze(dirs, a.out, not a.no_figures, a.from_iter)
-            res = {'files': s.files, 'lines': [f'{len(s.runs)} runs used, {len(s.skipped)} skipped, '
-                                               f'{len(s.label)} settings'] + [
-                f"{r['key']:<9} {r['verdict'][:46]:<46} {r['scope'][:60]}" for r in s.tables['claims']]}
-        elif what == 'tokens':
-            res = tokens.analyze_tokens(dirs, a.out, (a.data_file, a.data_dir, a.cache_dir), a.device,
-                                        not a.no_figures)
-        else:
-            revisions = tokens.REVISION_PRESETS.get(a.revisions) or a.revisions.split(',')
-            res = tokens.analyze_pretrained(a.model, [r or None for r in revisions], a.text, a.out, a.rope,
-                                            a.n_seqs, a.seq_len, a.device, not a.no_figures)
-    except (Skip, OutError) + ((ImportError, ValueError, OSError) if what == 'pretrained' else ()) as e:
+            raise Skip(f'{", ".join(bad)}: not a folder (pass the out_dir of train.py, or a folder '
+                       'above it)')
+        s = analyze(a.dirs, a.out, not a.no_figures, a.from_iter)
+    except (Skip, OutError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
-    print('\n'.join(res.get('lines') or [f'{c.key:<9} {verdict_text(j):<46} {shown(c, j)}' for c, j in (
-        (c, judge(c, res['summary'])) for c in CLAIMS if c.unit == 'model')]))
-    again = f"python analyze.py {' '.join(dirs)}{' --out=' + a.out if a.out else ''}"
-    hint = f'; `{again}` puts (f1), (f2) into its REPORT.md' if what == 'tokens' else ''
-    print(f"wrote {len(res['files'])} files in {time.time() - t0:.1f}s{hint}" if res['files'] else
-          'error: nothing could be measured (reasons above)', file=sys.stdout if res['files'] else sys.stderr)
-    return 0 if res['files'] else 1
+    print(f'{len(s.runs)} runs used, {len(s.skipped)} skipped, {len(s.label)} settings')
+    for r in s.tables['claims']:
+        print(f"{r['key']:<9} {r['verdict'][:46]:<46} {r['scope'][:60]}")
+    print(f'wrote {len(s.files)} files in {time.time() - t0:.1f}s')
+    return 0
 
 
 if __name__ == '__main__':
