@@ -137,15 +137,16 @@ def test_the_data_is_its_content_hash_not_its_file_name(tmp_path):
 
 ABSENT = object()
 KINDS = ('absent', 'type', 'zero', 'negative', 'huge', 'nan', 'null')
-EVERY_KEY = {**dict.fromkeys(geometry.BOUNDS, 1.0), **{f'{k}_heads': [1.0, 1.0] for k in (
-    'qk_imbalance', 'qk_gram', 'qk_drift', 'q_spec_norm', 'k_spec_norm', 'ctl_pr', 'ctl_target_pr')}}
-UNNAMED = ('lr', 'dtype')   # config keys the analysis reads only as settings: these two stand for all
+LISTS = ('qk_imbalance', 'qk_gram', 'qk_drift', 'q_spec_norm', 'k_spec_norm', 'ctl_pr',
+         'ctl_target_pr')   # train.py logs these per head too
+EVERY_KEY = {**dict.fromkeys(geometry.BOUNDS, 1.0), **{f'{k}_heads': [1.0, 1.0] for k in LISTS}}
 
 
 def faults(value):
     """{kind: a wrong value in place of value} (a string's huge value is a long string)."""
-    huge = 'x' * 999 if isinstance(value, str) else 10 ** 18 if type(value) is int else 1e300
-    return dict(zip(KINDS, (ABSENT, 5 if isinstance(value, str) else 'x', 0, -1, huge, math.nan, None)))
+    text = isinstance(value, str)
+    huge = 'x' * 999 if text else 10 ** 18 if type(value) is int else 1e300
+    return dict(zip(KINDS, (ABSENT, 5 if text else 'x', 0, -1, huge, math.nan, None)))
 
 
 def changed(d, field, value):
@@ -158,14 +159,14 @@ def write_folder(path, cfg, recs):
     os.makedirs(path)
     json.dump(cfg, open(f'{path}/config.json', 'w'))
     open(f'{path}/metrics.jsonl', 'w').write('\n'.join(map(json.dumps, recs)) + '\n')
-    json.dump({'iter': recs[-1]['iter']}, open(f'{path}/done.json', 'w'))
+    json.dump({k: recs[-1][k] for k in ('iter', *folders.LOSSES)}, open(f'{path}/done.json', 'w'))
     return path
 
 
 def expected(field, kind, record):
-    """'named' for a value the analysis reads that is absent, of another type, null or NaN (NaN anywhere
-    in config.json), a size or max_iters below 1, or a value outside its bounds; 'used' for a value it
-    does not read, or 0 in a layer (0.0 is in every range); else None (either)."""
+    """'named' for a value the analysis reads that is absent, of another type, null or NaN (NaN
+    anywhere in config.json), a size or max_iters below 1, or a value outside its bounds; 'used' for
+    a value it does not read, or 0 in a layer (0.0 is in every range); else None (either)."""
     plain = kind in ('absent', 'type', 'null', 'nan')
     if not record:
         read = {k for keys in folders.REQUIRED.values() for k in keys}
@@ -180,7 +181,7 @@ def expected(field, kind, record):
     high = geometry.BOUNDS.get(field, (0, math.inf))[1]
     if kind != 'absent' and plain or kind == 'negative' or kind == 'huge' and high != math.inf:
         return 'named'
-    bounding = field in {row[1] for row in geometry.BOUNDS.values()}   # 0 puts another out of bounds
+    bounding = field in {row[1] for row in geometry.BOUNDS.values()}   # its 0 bounds another
     return 'used' if kind == 'absent' or kind == 'zero' and not bounding else None
 
 
@@ -189,50 +190,28 @@ def config_faults(root, cfg, recs):
     cases, read = {}, {k for keys in folders.REQUIRED.values() for k in keys}
     slim = [{**r, 'layers': [{'pr_q': x['pr_q']} for x in r['layers']]} for r in recs]
     for field in cfg:   # a run each, its seed unlike the good runs'
-        where = 'analysed' if field in read or field in UNNAMED else 'loaded'
+        # the analysis reads most keys only as settings: lr and dtype stand for them there
+        where = 'analysed' if field in read | {'lr', 'dtype'} else 'loaded'
         for kind, value in faults(cfg[field]).items():
             wrong = changed({**cfg, 'seed': 100 + len(cases)}, field, value)
-            cases[write_folder(f'{root}/{where}/{field}-{kind}', wrong, slim)] = expected(field, kind, 0)
+            path = write_folder(f'{root}/{where}/{field}-{kind}', wrong, slim)
+            cases[path] = expected(field, kind, False)
     return cases
 
 
-def record_faults(root, cfg, first, rec, last):
-    """{run folder: what is expected of each kind}: a run a field of rec (its top level, a layer), with
-    a record a kind at iterations 10, 11, ...; and, analysed, a run a kind in which every fault that
-    need not be named is made at once."""
-    cases, layer = {}, rec['layers'][0]
-    shapes = {'extra layer': rec['layers'] * 2, 'null layer': [None, layer],
-              'long list': [{**layer, 'pr_k_heads': [2.0] * 3}, layer],
-              'null in a list': [{**layer, 'entropy_heads': [None, 1.0]}, layer]}
-    fields = [(k, rec) for k in rec] + [(k, layer) for k in layer] + [('layers', shapes)]
-    for field, where in fields:
-        wrong = shapes if where is shapes else faults(where[field])
-        rows = []
-        for i, value in enumerate(wrong.values()):
-            row = {**rec, 'iter': 10 + i}
-            if where is layer:
-                row['layers'] = [changed(layer, field, value), layer]
-            rows.append(row if where is layer else changed(row, field, value))
-        name = 'layer' if where is layer else 'shape' if where is shapes else 'record'
-        seeded = {**cfg, 'seed': 900 + len(cases)}   # not duplicates of each other
-        path = write_folder(f'{root}/loaded/{name}-{field}', seeded, [first] + rows + [last])
-        cases[path] = ['named' if where is shapes else expected(field, k, 1) for k in wrong]
-    for kind in KINDS:
-        top, lay = {**rec, 'iter': 10}, layer
-        for k in (k for k in rec if expected(k, kind, 1) not in ('named', None)):
-            top = changed(top, k, faults(rec[k])[kind])
-        for k in (k for k in layer if expected(k, kind, 1) not in ('named', None)):
-            lay = changed(lay, k, faults(layer[k])[kind])
-        top['layers'], seeded = [lay, layer], {**cfg, 'seed': 900 + len(cases)}
-        path = write_folder(f'{root}/analysed/all-{kind}', seeded, [first, top, last])
-        cases[path] = ['used']
-    return cases
+def faulty_record(rec, field, in_layer, value, it):
+    """rec at iteration it with field of its top level or of its first layer set to value."""
+    if not in_layer:
+        return changed({**rec, 'iter': it}, field, value)
+    first, second = rec['layers']
+    return {**rec, 'iter': it, 'layers': [changed(first, field, value), second]}
 
 
 def test_a_fault_in_any_field_of_a_config_or_record_stops_at_its_run(tmp_path):
-    """Every field of one run's config.json, and of a record (its top level and a layer), set in turn to
-    each of KINDS: the fault is named where the analysis reads the field, and the run (the record) is
-    used where it does not; the analysis finishes and the good runs' numbers stay."""
+    """Every field of one run's config.json, and of a record (top level and a layer), set in turn to
+    each of KINDS (a run a field, a record a kind): the fault is named where the analysis reads the
+    field, and the run (the record) used where it does not; the analysis over what is used finishes
+    and the good runs' numbers are as before."""
     good = study(tmp_path / 'runs')
     for path in good:   # every key train.py logs
         recs = [json.loads(line) for line in open(f'{path}/metrics.jsonl')]
@@ -242,21 +221,38 @@ def test_a_fault_in_any_field_of_a_config_or_record_stops_at_its_run(tmp_path):
     clean = run([tmp_path / 'runs'], tmp_path / 'clean')
     cfg = json.load(open(f'{good[0]}/config.json'))
     recs = [json.loads(line) for line in open(f'{good[0]}/metrics.jsonl')]
-    configs = config_faults(tmp_path, cfg, [recs[0], recs[-1]])
-    records = record_faults(tmp_path, cfg, recs[0], recs[5], recs[-1])
+    first, rec, last, layer = recs[0], recs[5], recs[-1], recs[5]['layers'][0]
+    configs, records = config_faults(tmp_path, cfg, [first, last]), {}
+    fields = [(k, False, faults(v)) for k, v in rec.items()]
+    fields += [(k, True, faults(v)) for k, v in layer.items()]
+    fields.append(('layers', False, {'extra layer': [layer] * 3, 'null layer': [None, layer]}))
+    fields.append(('pr_k_heads', True, {'long list': [2.0] * 3, 'null in a list': [None, 1.0]}))
+    for field, in_layer, wrong in fields:   # a run a field, its seed unlike the others'
+        rows = [faulty_record(rec, field, in_layer, v, 10 + i)
+                for i, v in enumerate(wrong.values())]
+        path = write_folder(f'{tmp_path}/loaded/{field}-{in_layer}-{len(records)}',
+                            {**cfg, 'seed': 900 + len(records)}, [first, *rows, last])
+        records[path] = (field, in_layer, wrong, [expected(field, k, True) for k in wrong])
     warnings = []
     used = {r.path: r for r in folders.load_runs([str(tmp_path)], warnings.append)[0]}
     named = {p for p in configs if any(w.startswith((f'skipped {p}:', f'{p}:')) for w in warnings)}
     assert [p for p, e in configs.items() if e == 'named' and p not in named] == []
     assert [p for p, e in configs.items() if e == 'used' and p not in used] == []
-    for path, kinds in records.items():
-        kept = [10 + i in used[path].iters for i in range(len(kinds))]
-        assert [e for e, k in zip(kinds, kept) if e == 'named' and k] == [], path
-        assert [e for e, k in zip(kinds, kept) if e == 'used' and not k] == [], path
-        assert len(used[path].notes) >= kinds.count('named')
+    for path, (field, in_layer, wrong, want) in records.items():
+        its = list(used[path].iters)   # the iterations written, in order, each once
+        assert its == sorted(set(its)) and set(its) <= {0, 200, *range(10, 10 + len(want))}, path
+        kept = [10 + i in its for i in range(len(want))]
+        assert [w for w, k in zip(want, kept) if (w, k) in (('named', 1), ('used', 0))] == [], path
+    for i, kind in enumerate(KINDS):   # a run a kind holds every fault of its kind the loader kept
+        top = {**rec, 'iter': 10}
+        for path, (field, in_layer, wrong, _) in records.items():
+            if kind in wrong and 10 + i in used[path].iters:
+                top = faulty_record(top, field, in_layer, wrong[kind], 10)
+        write_folder(f'{tmp_path}/analysed/{kind}', {**cfg, 'seed': 800 + i}, [first, top, last])
     s = run([tmp_path / 'runs', tmp_path / 'analysed'], tmp_path / 'out')
-    assert all('\n' not in w for w in s.warnings)
     rows, used = {r['path']: r for r in s.tables['runs']}, {r.path: r for r in s.runs}
+    assert all('\n' not in w for w in s.warnings)
+    assert [k for k in KINDS if 10 not in used[f'{tmp_path}/analysed/{k}'].iters] == []
     for r in clean.tables['runs']:   # the good runs' numbers are as before
         assert {**rows[r['path']], 'setting': ''} == {**r, 'setting': ''}
     for r in clean.runs:
@@ -352,19 +348,19 @@ def test_a_run_without_usable_records_or_whose_log_was_cut_is_skipped_with_one_l
     s = run([tmp_path / 'runs'], tmp_path / 'out')
     cut = f'ends at iteration {ITERS[3]}, done.json at {ITERS[-1]}: cut short'
     assert dict(s.skipped) == {
-        paths[0]: f'none of its {len(ITERS)} geometry records is usable (the record of iteration 0 is left '
-                  'out: pr_q = inf is not a finite number)', paths[1]: f'metrics.jsonl {cut}',
-        paths[2]: 'metrics.jsonl holds no geometry record', running: 'unfinished (no done.json)',
-        gz: dict(s.skipped)[gz]}
+        paths[0]: f'none of its {len(ITERS)} geometry records is usable (the record of iteration '
+                  '0 is left out: pr_q = inf is not a finite number)',
+        paths[1]: f'metrics.jsonl {cut}', paths[2]: 'metrics.jsonl holds no geometry record',
+        running: 'unfinished (no done.json)', gz: dict(s.skipped)[gz]}
     assert dict(s.skipped)[gz].startswith('metrics.jsonl.gz ends at iteration ')
-    assert [(r.path, r.notes) for r in s.runs] == [
-        (paths[3], [f'metrics line {len(ITERS) + 1} is cut short (a kill while it was written?): left out'])]
+    line = f'metrics line {len(ITERS) + 1} is cut short (a kill while it was written?): left out'
+    assert [(r.path, r.notes) for r in s.runs] == [(paths[3], [line])]
 
 
 def test_linked_run_folders_count_once_a_loop_ends_and_a_link_out_of_the_folders_is_not_followed(
         tmp_path):
     paths = study(tmp_path / 'runs')
-    write_run(str(tmp_path / 'other'), 'sibling')   # a study beside: a link to an ancestor reaches it
+    write_run(str(tmp_path / 'other'), 'sibling')   # beside: a link to an ancestor would reach it
     (tmp_path / 'pick').mkdir()
     for name, target in (('all', tmp_path / 'runs'), ('loop', tmp_path / 'pick'), ('one', paths[0]),
                          ('up', tmp_path)):
