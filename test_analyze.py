@@ -61,9 +61,9 @@ def layer(rng, f, effect, n_head, i, cfg, noise=1.0, shift=0.0, link=0.2):
     return rec
 
 
-def write_run(root, name, seed=1, effect=1, noise=1.0, shift=0.0, link=0.2, iters=ITERS, lost=(), done=True,
-              log='metrics.jsonl', **cfg):
-    """A finished run folder; lost: metric keys it does not log."""
+def write_run(root, name, seed=1, effect=1, noise=1.0, shift=0.0, link=0.2, iters=ITERS, lost=(), more=None,
+              done=True, log='metrics.jsonl', **cfg):
+    """A finished run folder; lost: metric keys it does not log; more: {key: value} it logs too."""
     path = os.path.join(root, name)
     os.makedirs(path)
     cfg = config(seed=seed, run_name=name, **cfg)
@@ -74,6 +74,7 @@ def write_run(root, name, seed=1, effect=1, noise=1.0, shift=0.0, link=0.2, iter
         f = math.log1p(it) / math.log1p(iters[-1])
         layers = [layer(rng, f, effect, cfg['n_head'], i, cfg, noise, shift, link) for i in range(cfg['n_layer'])]
         for lay in layers:
+            lay.update({k: v for k, v in (more or {}).items() if k not in lay})
             for key in lost:
                 lay.pop(key, None)
         lines.append(json.dumps({'iter': it, 'lr': 1e-3, 'train_loss': 3 - f, 'val_loss': 3.1 - f, 'layers': layers}))
@@ -212,12 +213,7 @@ def test_a_fault_in_any_field_of_a_config_or_record_stops_at_its_run(tmp_path):
     each of KINDS (a run a field, a record a kind): the fault is named where the analysis reads the
     field, and the run (the record) used where it does not; the analysis over what is used finishes
     and the good runs' numbers are as before."""
-    good = study(tmp_path / 'runs')
-    for path in good:   # every key train.py logs
-        recs = [json.loads(line) for line in open(f'{path}/metrics.jsonl')]
-        for layer in (x for r in recs for x in r['layers']):
-            layer.update({k: v for k, v in EVERY_KEY.items() if k not in layer})
-        open(f'{path}/metrics.jsonl', 'w').write('\n'.join(map(json.dumps, recs)) + '\n')
+    good = study(tmp_path / 'runs', more=EVERY_KEY)   # every key train.py logs
     clean = run([tmp_path / 'runs'], tmp_path / 'clean')
     cfg = json.load(open(f'{good[0]}/config.json'))
     recs = [json.loads(line) for line in open(f'{good[0]}/metrics.jsonl')]
