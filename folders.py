@@ -297,7 +297,8 @@ def load_run(path):
         raise Skip(f"{os.path.basename(log[0])} ends at iteration {recs[-1]['iter']}, done.json at "
                    f"{done['iter']}: cut short")
     faults = {r['iter']: record_fault(r, cfg['n_layer'], cfg['n_head']) for r in recs}
-    notes += [f'the record of iteration {it} is left out: {why}' for it, why in faults.items() if why]
+    notes += [f'the record of iteration {it} is left out: {why}' for it, why in faults.items()
+              if why]
     recs = [r for r in recs if not faults[r['iter']]]
     geo = [r for r in recs if 'layers' in r]
     m, iters = layer_arrays(geo, cfg['n_layer']), np.array([r['iter'] for r in geo], dtype=int)
