@@ -132,7 +132,7 @@ def seed_mean(runs):
 
 def pretrained(run):
     """A pretrained series (a folder of revisions), not a run of train.py."""
-    return 'model_ckpts' not in run.cfg
+    return run.pretrained
 
 
 def checkpoint_iters(cfg):
@@ -693,11 +693,11 @@ def beside(claim, study, pool, cell):
     return '; '.join(out)
 
 
-def models(runs):
+def models(study):
     """{source: the units of a model claim}: our uncontrolled runs, the pretrained series (q, k as
     attention uses them)."""
-    ours = uncontrolled(runs)
-    series = [r for r in runs if pretrained(r) and r.cfg.get('rope') in (None, 'none', 'after')]
+    ours = uncontrolled(study.runs)
+    series = [r for r in study.series if r.cfg.get('rope') in (None, 'none', 'after')]
     return {name: rs for name, rs in (('our checkpoints', ours), ('pretrained models', series))
             if rs}
 
@@ -717,7 +717,7 @@ def claims_table(study, cells):
                       beside(c, study, pool, fro.get(x['setting'], {}))) for x in spec]
         elif c.unit == 'model':
             found = [(judge(c, rs), f'{source}: {len(rs)} series', '')
-                     for source, rs in models(study.runs).items()]
+                     for source, rs in models(study).items()]
         else:
             own = (c.key, c.lenses[0], c.window, 'pooled')
             x = next(x for x in cells if (x['key'], x['lens'], x['window'], x['decay']) == own)
@@ -906,11 +906,11 @@ def setting_rows(study):
 def token_rows(study):
     """{source: a row per model}: its checkpoints and the statistics of (f1), (f2)."""
     out = {}
-    for source, runs in models(study.runs).items():
+    for source, runs in models(study).items():
         rows = []
         for r in runs:
             steps = r.iters[checkpoints(r)]
-            row = {'model': r.name, 'setting': study.label[r.setting], 'seed': r.seed,
+            row = {'model': r.name, 'setting': study.label.get(r.setting, r.name), 'seed': r.seed,
                    'checkpoints': len(steps), 'first_step': int(steps[0]) if len(steps) else None,
                    'last_step': int(steps[-1]) if len(steps) else None}
             rows.append({**row, **{c.key: c.fn(r, View()) for c in CLAIMS if c.unit == 'model'}})
@@ -924,9 +924,10 @@ class Study:
     """The loaded runs and what is computed from them (the figures and the report read it)."""
     paths: list
     out: str
-    runs: list
+    runs: list                  # runs of train.py
     skipped: list
     warnings: list
+    series: list = ()           # pretrained series: read by the model claims only
     from_iter: int = None
     label: dict = None          # setting -> its name: the values where it differs from the others
     arms: dict = None
@@ -963,10 +964,11 @@ def load(paths, out=None, from_iter=None, log=print):
     def warn(msg):
         warnings.append(msg)
         log(f'warning: {msg}')
-    runs, skipped = folders.load_runs(paths, warn)
-    runs, rank = by_value(runs)
+    loaded, skipped = folders.load_runs(paths, warn)
+    series = [r for r in loaded if r.pretrained]
+    runs, rank = by_value([r for r in loaded if not r.pretrained])
     study = Study(list(paths), out or os.path.join(paths[0], 'analysis'), runs, skipped, warnings,
-                  from_iter, stats=ALL)
+                  series, from_iter, stats=ALL)
     groups = group(runs, lambda r: r.setting)
     cfgs = [rs[0].settings for rs in groups.values()]
     names = folders.labels(cfgs, folders.varying(cfgs), [r.settings for r in uncontrolled(runs)])
