@@ -76,8 +76,8 @@ def rule(claim, refs):
                 f"{', '.join(refs[claim.window])}. The share of each seed's trajectories, its "
                 f'{level} interval over seeds (stats.share): holds if it lies above {claim.ref:g}, '
                 "reversed if the mirror's does, fails if both lie below, else undecided")
-    units = math.exp if claim.log else float   # a log statistic is shown as exp of its mean
-    ref, low, high = (units(claim.ref + x) for x in (0, -claim.margin, claim.margin))
+    # ref and margin are in the units of the value shown (a log claim: a ratio)
+    ref, low, high = claim.ref, claim.ref - claim.margin, claim.ref + claim.margin
     where = f' (from {refs[claim.window][0]} on)' if claim.unit == 'seed' else ''
     arm = ''
     if claim.unit == 'pair':

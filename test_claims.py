@@ -4,6 +4,7 @@ the init is forgotten, trends read a curved rise as monotone, Holm adjusts the c
 are decided on the spec arm per setting at the dose that moves PR_K."""
 import itertools
 import math
+import types
 
 import numpy as np
 import pytest
@@ -225,7 +226,7 @@ def test_the_regime_keeps_a_six_head_point_off_the_four_head_width_line_and_refu
 
 def token_run(cfg, iters, seed=1):
     """tok_pr_q - tok_pr_k rises then falls at the model checkpoints (the reverse elsewhere); tok_pr_qk ~ entropy."""
-    at = np.isin(iters, sorted(analyze.checkpoint_iters(cfg))) if 'model_ckpts' in cfg else iters == iters
+    at = iters == iters if cfg.get('pretrained') else np.isin(iters, sorted(analyze.checkpoint_iters(cfg)))
     x = np.log1p(iters)
     v = -np.abs(x - np.median(x[at])) * np.where(at, 1, -1)
     heads = np.arange(4.0).reshape(1, 2, 2) + x[:, None, None]
@@ -238,8 +239,9 @@ def test_token_claims_read_our_runs_at_their_model_checkpoints_and_a_series_at_e
         assert analyze.checkpoint_iters(cfg) == train.model_ckpt_iters(cfg)
     cfg = synth.config(model_ckpts=8, max_iters=2000, warmup_iters=100, geom_interval=200, eval_interval=200)
     ours = [token_run(cfg, np.array(sorted(train.log_iters(cfg))), s) for s in (1, 2, 3)]
-    series = token_run({k: v for k, v in cfg.items() if k != 'model_ckpts'}, np.array([0, 8, 64, 512, 4096]))
-    assert analyze.models(ours + [series]) == {'our checkpoints': ours, 'pretrained models': [series]}
+    series = token_run({**cfg, 'pretrained': True}, np.array([0, 8, 64, 512, 4096]))
+    study = types.SimpleNamespace(runs=ours, series=[series])
+    assert analyze.models(study) == {'our checkpoints': ours, 'pretrained models': [series]}
     for key, sign in (('f1-early', 1), ('f1-late', -1), ('f2', 1)):
         assert judge(ALL[key], ours)['verdict'] == 'holds' and ALL[key].fn(series, View()) == sign
 
