@@ -172,6 +172,29 @@ def bench_control(widths):
         print(f'{C:>5}' + ''.join(f'{m:>9.1f}' for m in row), flush=True)
 
 
+def count_kernels(run, steps):
+    """Print the aten operations of one call of each step, counted with a dispatch mode: on a GPU each is about one
+    kernel launch. Views, and Python numbers wrapped as tensors, launch none; the optimizer is fused, as on CUDA, and
+    its first step (which creates its state) is not counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    free = {torch.ops.aten._unsafe_view.default, torch.ops.aten.scalar_tensor.default}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += not func.is_view and func not in free and func.namespace == 'aten'
+            return func(*args, **(kwargs or {}))
+    optimizer, run.optimizer = run.optimizer, train.make_optimizer(run.model, run.cfg, 'cuda')
+    steps['training step']()
+    counts = {}
+    for name, step in steps.items():
+        with Count() as mode:
+            mode.n = 0
+            step()
+        counts[name] = mode.n
+    run.optimizer = optimizer
+    print('kernels per step (aten operations, the optimizer fused): ' + ', '.join(f'{k} {n}' for k, n in counts.items()))
+
+
 def bench_overhead(args, device, repeats):
     """train.py's own training step, control step and geometry record on random tokens (their speed does not depend on
     the text), synchronised with the device before each clock reading."""
@@ -193,6 +216,7 @@ def bench_overhead(args, device, repeats):
     sync = getattr(getattr(torch, device.split(':')[0], None), 'synchronize', lambda: None)
     steps = {'training step': lambda: train.train_step(run, 0), 'control step': lambda: train.control_step(run, 1),
              'geometry record': lambda: train.measure_geometry(run.model, x, y, cfg['n_head'], w0)}
+    count_kernels(run, steps)
     ms = {name: timed(lambda: (step(), sync()), repeats) for name, step in steps.items()}
     sizes = ', '.join(f'{k} {cfg[k]}' for k in ('n_layer', 'n_embd', 'n_head', 'block_size', 'batch_size'))
     print(f'{sizes} on {device}, {run.dtype}, {torch.get_num_threads()} threads; medians of {repeats} after one more')
