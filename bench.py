@@ -9,7 +9,8 @@ Every speed figure the README quotes, and the GPU check, each from one command:
     python bench.py --geometry [--widths=128,256,384]  ms per layer of every metric a geometry record measures
     python bench.py --control [--widths=128,256,384]   ms per control.apply on 4 layers (freeze: every block moves)
     python bench.py --overhead [--device=cuda]  a training step, a control step and a geometry record of train.py at
-                      the paper shape (n_layer 4, n_embd 384, 6 heads, block 256, batch 64), and their ratios
+                      the paper shape (n_layer 4, n_embd 384, 6 heads, block 256, batch 64), their ratios, and the
+                      kernels (aten operations) each launches
     python bench.py --gpu_check [--small] [--steps=a,b]  the GPU path end to end, going on after a failed step: the
                       tests, paper-preset runs (plain, controlled, compiled), --overhead, DDP on 2 GPUs,
                       --jobs=1,2,4,8 at that size, a smoke sweep; --small shrinks every step (smoke sizes, a few
@@ -180,19 +181,20 @@ def count_kernels(run, steps):
     free = {torch.ops.aten._unsafe_view.default, torch.ops.aten.scalar_tensor.default}
 
     class Count(TorchDispatchMode):
+        n = 0
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.n += not func.is_view and func not in free and func.namespace == 'aten'
             return func(*args, **(kwargs or {}))
     optimizer, run.optimizer = run.optimizer, train.make_optimizer(run.model, run.cfg, 'cuda')
     steps['training step']()
-    counts = {}
+    counts = []
     for name, step in steps.items():
         with Count() as mode:
-            mode.n = 0
             step()
-        counts[name] = mode.n
+        counts.append(f'{name} {mode.n}')
     run.optimizer = optimizer
-    print('kernels per step (aten operations, the optimizer fused): ' + ', '.join(f'{k} {n}' for k, n in counts.items()))
+    print(f"kernels per step (aten operations, the optimizer fused): {', '.join(counts)}")
 
 
 def bench_overhead(args, device, repeats):
