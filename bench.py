@@ -30,6 +30,7 @@ import tempfile
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import control
 import geometry
@@ -174,10 +175,8 @@ def bench_control(widths):
 
 
 def count_kernels(run, steps):
-    """Print the aten operations of one call of each step, counted with a dispatch mode: on a GPU each is about one
-    kernel launch. Views, and Python numbers wrapped as tensors, launch none; the optimizer is fused, as on CUDA, and
-    its first step (which creates its state) is not counted."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """Print the aten operations of one call of each step (about one GPU kernel each; views and Python numbers wrapped
+    as tensors launch none), the optimizer fused as on CUDA, past its first step (which creates its state)."""
     free = {torch.ops.aten._unsafe_view.default, torch.ops.aten.scalar_tensor.default}
 
     class Count(TorchDispatchMode):
