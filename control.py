@@ -57,10 +57,11 @@ import geometry
 # alpha in [e^-30, e^30] ~ [1e-13, 1e13]: at the ends PR(s^alpha) equals its limits (rank; the top
 # value's multiplicity) to float64 precision. The search for alpha runs on every spectrum at once, with a
 # fixed amount of work: each round evaluates the PR at GRID - 1 points across the bracket and keeps the
-# cell where it crosses the target, so ROUNDS rounds narrow log(alpha) to 60 / GRID^ROUNDS ~ 2e-13, far
-# inside the 1e-6 the PR must reach, in 60 tensor operations (a bisection takes 44 steps of 17)
+# cell where it crosses the target, so ROUNDS rounds narrow log(alpha) to 60 / GRID^ROUNDS ~ 3e-12, as
+# far as 44 halvings would (162^6 > 2^44) and far inside the 1e-6 the PR must reach, in 60 tensor
+# operations where a bisection takes 44 x 17
 LOG_ALPHA_MIN, LOG_ALPHA_MAX = -30.0, 30.0
-GRID, ROUNDS = 256, 6
+GRID, ROUNDS = 162, 6
 # a target outside the reachable range by more than this (relative) is worth a warning, round-off is not
 REACH_RTOL = 1e-9
 
