@@ -9,7 +9,8 @@ Every speed figure the README quotes, and the GPU check, each from one command:
     python bench.py --geometry [--widths=128,256,384]  ms per layer of every metric a geometry record measures
     python bench.py --control [--widths=128,256,384]   ms per control.apply on 4 layers (freeze: every block moves)
     python bench.py --overhead [--device=cuda]  a training step, a control step and a geometry record of train.py at
-                      the paper shape (n_layer 4, n_embd 384, 6 heads, block 256, batch 64), and their ratios
+                      the paper shape (n_layer 4, n_embd 384, 6 heads, block 256, batch 64), their ratios, and the
+                      kernels (aten operations) each launches
     python bench.py --gpu_check [--small] [--steps=a,b]  the GPU path end to end, going on after a failed step: the
                       tests, paper-preset runs (plain, controlled, compiled), --overhead, DDP on 2 GPUs,
                       --jobs=1,2,4,8 at that size, a smoke sweep; --small shrinks every step (smoke sizes, a few
@@ -29,6 +30,7 @@ import tempfile
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import control
 import geometry
@@ -172,6 +174,28 @@ def bench_control(widths):
         print(f'{C:>5}' + ''.join(f'{m:>9.1f}' for m in row), flush=True)
 
 
+def count_kernels(run, steps):
+    """Print the aten operations of one call of each step (about one GPU kernel each; views and Python numbers wrapped
+    as tensors launch none), the optimizer fused as on CUDA, past its first step (which creates its state)."""
+    free = {torch.ops.aten._unsafe_view.default, torch.ops.aten.scalar_tensor.default}
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += not func.is_view and func not in free and func.namespace == 'aten'
+            return func(*args, **(kwargs or {}))
+    optimizer, run.optimizer = run.optimizer, train.make_optimizer(run.model, run.cfg, 'cuda')
+    steps['training step']()
+    counts = []
+    for name, step in steps.items():
+        with Count() as mode:
+            step()
+        counts.append(f'{name} {mode.n}')
+    run.optimizer = optimizer
+    print(f"kernels per step (aten operations, the optimizer fused): {', '.join(counts)}")
+
+
 def bench_overhead(args, device, repeats):
     """train.py's own training step, control step and geometry record on random tokens (their speed does not depend on
     the text), synchronised with the device before each clock reading."""
@@ -193,6 +217,7 @@ def bench_overhead(args, device, repeats):
     sync = getattr(getattr(torch, device.split(':')[0], None), 'synchronize', lambda: None)
     steps = {'training step': lambda: train.train_step(run, 0), 'control step': lambda: train.control_step(run, 1),
              'geometry record': lambda: train.measure_geometry(run.model, x, y, cfg['n_head'], w0)}
+    count_kernels(run, steps)
     ms = {name: timed(lambda: (step(), sync()), repeats) for name, step in steps.items()}
     sizes = ', '.join(f'{k} {cfg[k]}' for k in ('n_layer', 'n_embd', 'n_head', 'block_size', 'batch_size'))
     print(f'{sizes} on {device}, {run.dtype}, {torch.get_num_threads()} threads; medians of {repeats} after one more')
