@@ -15,13 +15,16 @@
 for arg; do case $arg in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}; /^# -* the grid/,/^case/p' "$0"; exit 0 ;; esac; done
 set -u
 die() { echo "sweep.sh: $*" >&2; exit 2; }
-for v in OUT DATA_FILE RUN_LIST; do [ -n "${!v-unset}" ] || die "$v is set to \"\": unset it for its default"; done
+for v in OUT DATA_FILE RUN_LIST PYTHON; do [ -n "${!v-unset}" ] || die "$v is set to \"\": unset it for its default"; done
 PRESET=${PRESET-paper} OUT=${OUT-out/${PRESET-paper}} BACKEND=${BACKEND-local} PYTHON=${PYTHON-python3}
 case $BACKEND in local|slurm) ;; *) die "BACKEND=$BACKEND: use local or slurm" ;; esac
 for v in DRY_RUN ANALYZE PRINT_ARGS; do [[ ${!v-0} =~ ^[01]$ ]] || die "$v=${!v}: use 1 (yes) or 0 (no)"; done
 for v in JOBS ARRAY_JOBS; do [[ ${!v-1} =~ ^[1-9][0-9]*$ ]] || die "$v=${!v}: runs at once, a number >= 1"; done
-for v in WIDTHS CONTROL_WIDTH; do  # bash computes with these; train.py checks every other grid value's type
-    [[ ${!v-} =~ ^[[:space:][:digit:]]*$ ]] || die "$v=${!v}: whole numbers"
+for v in DEPTHS SEEDS CONTROL_SEEDS WIDTHS CONTROL_WIDTH LADDER_SEEDS LONG_ITERS LENGTHS DROPOUT_LENGTHS LENGTH_SEEDS \
+         SCAN_SEEDS ARM_SEEDS; do [[ ${!v-} =~ ^[[:space:][:digit:]]*$ ]] || die "$v=${!v}: whole numbers"; done
+NUMBER='^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$'  # train.py checks the words (INITS, CONTROL_KEEPS) and ranges
+for v in SHRINK_TOS LRS ADAMW_LRS SGD_LRS OPTIM_SHRINK ADAMW_LR SGD_LR; do
+    for w in ${!v-}; do [[ $w =~ $NUMBER ]] || die "$v=${!v}: '$w' is not a number"; done
 done
 [ -z "${DATA_FILE-}" ] || [ -f "$DATA_FILE" ] || die "DATA_FILE=$DATA_FILE is not a file"
 [[ $BACKEND = slurm && $OUT == *[#%]* ]] && die "OUT=$OUT: Slurm reads # in #SBATCH lines as a comment, % as a pattern"
