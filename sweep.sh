@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# A study's grid of train.py runs, then the analysis; README.md (Sweeps) shows the commands. Stop it at any time
-# (Ctrl-C, SIGTERM: its runs checkpoint); the same command again trains only what is left (finished runs are
-# skipped, stopped ones resume). Arguments (--key=value, config files) go to every run and into its name; a config
-# file's setting that the preset or the grid overrides is refused: a --key=value wins over a file, so pass it as one.
+# A study's grid of train.py runs, then the analysis; README.md (Sweeps) shows the commands. Each run that ends prints
+# how many have and the time left. Stop it at any time (Ctrl-C, SIGTERM: its runs checkpoint); the same command again
+# trains only what is left: finished runs are skipped (--overwrite=True is refused: move one away to train it again),
+# stopped ones resume. Arguments (--key=value, config files) go to every run and into its name; a config file's
+# setting that the preset or the grid overrides is refused: a --key=value wins over a file, so pass it as one.
 #
 # Environment [default], each checked before anything runs:
 #   PRESET     paper | cpu | wide | ladder | length | optim | smoke [paper]   OUT  where the runs go [out/$PRESET]
@@ -15,7 +16,7 @@
 for arg; do case $arg in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}; /^# -* the grid/,/^case/p' "$0"; exit 0 ;; esac; done
 set -u
 die() { echo "sweep.sh: $*" >&2; exit 2; }
-for v in OUT DATA_FILE RUN_LIST PYTHON; do [ -n "${!v-unset}" ] || die "$v is set to \"\": unset it for its default"; done
+for v in OUT DATA_FILE RUN_LIST PYTHON; do [ -n "${!v-unset}" ] || die "$v=\"\": unset it for its default"; done
 PRESET=${PRESET-paper} OUT=${OUT-out/${PRESET-paper}} BACKEND=${BACKEND-local} PYTHON=${PYTHON-python3}
 case $BACKEND in local|slurm) ;; *) die "BACKEND=$BACKEND: use local or slurm" ;; esac
 for v in DRY_RUN ANALYZE PRINT_ARGS; do [[ ${!v-0} =~ ^[01]$ ]] || die "$v=${!v}: use 1 (yes) or 0 (no)"; done
@@ -162,9 +163,7 @@ else GPUS=($(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null)); f
 NCPU=$(nproc 2>/dev/null || echo 1) JOBS=${JOBS-${#GPUS[@]}}
 [ "$JOBS" -gt 0 ] || JOBS=$NCPU
 THREADS=$(( NCPU / JOBS > 0 ? NCPU / JOBS : 1 )) TODO=()  # the runs not done yet
-for i in "${!NAMES[@]}"; do
-    if [ -f "$OUT/${NAMES[$i]}/done.json" ]; then echo "skip ${NAMES[$i]} (done)"; else TODO+=("$i"); fi
-done
+for i in "${!NAMES[@]}"; do [ -f "$OUT/${NAMES[$i]}/done.json" ] && echo "skip ${NAMES[$i]} (done)" || TODO+=("$i"); done
 if [ "$BACKEND" = slurm ]; then  # one array task per run not done, read from this submission's own files
     JOBS=${ARRAY_JOBS-16} THREADS='${SLURM_CPUS_PER_TASK:-1}' SUB=$OUT/slurm/$(date +%Y%m%d-%H%M%S)-$$ dep=
     TASKS=$(for i in ${TODO[@]+"${TODO[@]}"}; do  # a task whose run another submission has finished does nothing
@@ -198,8 +197,8 @@ run_one() {  # run_one I SLOT: train run I, on GPU SLOT mod the number of GPUs w
     [ "${#GPUS[@]}" -gt 0 ] && env=(env CUDA_VISIBLE_DEVICES="${GPUS[$(($2 % ${#GPUS[@]}))]}")
     echo "# $(date): ${CMD[*]}" >> "$log.log"
     ${env[@]+"${env[@]}"} "${CMD[@]}" --threads="$THREADS" >> "$log.log" 2>&1 < /dev/null || rc=1
-    left=$(echo $((SECONDS - t0)) >> "$WALLS" && awk -v n="${#TODO[@]}" -v j="$JOBS" '{s += $1} END {
-        t = s / NR * (n - NR) / j; printf "%d of %d ended, about %.0f %s left", NR, n, t < 99 ? t : t / 60, t < 99 ? "s" : "min"}' "$WALLS")
+    left=$(echo $((SECONDS - t0)) >> "$WALLS" && awk -v n="${#TODO[@]}" -v j="$JOBS" '{s += $1} END {t = s / NR * (n - NR) / j
+        printf "%d of %d ended, about %.0f %s left", NR, n, t < 99 ? t : t / 60, t < 99 ? "s" : "min"}' "$WALLS")
     [ $rc = 0 ] && { echo "done $name in $((SECONDS - t0)) s ($left)"; return; }
     echo "FAILED $name after $((SECONDS - t0)) s ($left): $(tail -n 1 "$log.log")"; touch "$log.failed"
 }
