@@ -1,4 +1,4 @@
-"""sweep.sh: the grids, DRY_RUN, RUN_LIST checked before anything runs, a real sweep and its resume, Slurm."""
+"""sweep.sh: the grids, every variable and RUN_LIST checked before anything runs, a real sweep, its resume and stop, Slurm."""
 import os
 import re
 import shlex
