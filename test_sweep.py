@@ -1,4 +1,4 @@
-"""sweep.sh: the grids, every variable and RUN_LIST checked before anything runs, a real sweep, its resume and stop, Slurm."""
+"""sweep.sh: the grids, its variables and RUN_LIST checked before anything runs, a real sweep, resume, stop, Slurm."""
 import os
 import re
 import shlex
@@ -101,11 +101,11 @@ def test_a_sweep_trains_its_grid_in_parallel_and_the_same_command_skips_what_is_
 def test_a_stop_signal_stops_the_sweep_s_own_runs_after_their_checkpoint_and_spares_its_caller(tmp_path):
     text, fake = tmp_path / 'text.txt', tmp_path / 'python'
     text.write_text(make_text(20_000))
-    fake.write_text(f'#!/usr/bin/env bash\n[[ $1 == *train.py ]] || exec {sys.executable} "$@"\n'  # train.py waits
-                    'trap "sleep 1; echo stopped >> $OUT/signals; exit 1" TERM; echo >> $OUT/started; sleep 120 & wait\n')
+    fake.write_text(f'#!/usr/bin/env bash\n[[ $1 == *train.py ]] || exec {sys.executable} "$@"\n'  # runs wait
+                    'trap "sleep 1; echo stopped >> $OUT/signals; exit 1" TERM; echo >> $OUT/started; sleep 99 & wait\n')
     fake.chmod(0o755)
-    caller = (f'bash {SWEEP} --min_char_count=1 & until [ "$(cat $OUT/started 2> /dev/null | wc -l)" = 2 ]; do sleep 0.1; '
-              'done; kill -TERM $!; wait $!; echo "sweep exit $?, caller alive"')
+    caller = (f'bash {SWEEP} --min_char_count=1 & until [ "$(cat $OUT/started 2> /dev/null | wc -l)" = 2 ]; do '
+              'sleep 0.1; done; kill -TERM $!; wait $!; echo "sweep exit $?, caller alive"')
     env = dict(os.environ, PYTHON=str(fake), OUT=str(tmp_path / 'out'), PRESET='smoke', DATA_FILE=str(text), JOBS='2',
                QKGEOM_CACHE=str(tmp_path / 'cache'), DEPTHS='2', INITS='normal', SEEDS='1 2', CONTROL_SEEDS='')
     out = subprocess.run(['bash', '-c', caller], capture_output=True, text=True, env=env, timeout=300,
