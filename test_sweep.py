@@ -102,7 +102,7 @@ def test_a_stop_signal_stops_the_sweep_s_own_runs_after_their_checkpoint_and_spa
     text, fake = tmp_path / 'text.txt', tmp_path / 'python'
     text.write_text(make_text(20_000))
     fake.write_text(f'#!/usr/bin/env bash\n[[ $1 == *train.py ]] || exec {sys.executable} "$@"\n'  # runs wait
-                    'trap "sleep 1; echo stopped >> $OUT/signals; exit 1" TERM; echo >> $OUT/started; sleep 99 & wait\n')
+                    'trap "sleep 1; echo TERM >> $OUT/signals; exit 1" TERM; echo >> $OUT/started; sleep 99 & wait\n')
     fake.chmod(0o755)
     caller = (f'bash {SWEEP} --min_char_count=1 & until [ "$(cat $OUT/started 2> /dev/null | wc -l)" = 2 ]; do '
               'sleep 0.1; done; kill -TERM $!; wait $!; echo "sweep exit $?, caller alive"')
@@ -111,7 +111,7 @@ def test_a_stop_signal_stops_the_sweep_s_own_runs_after_their_checkpoint_and_spa
     out = subprocess.run(['bash', '-c', caller], capture_output=True, text=True, env=env, timeout=300,
                          start_new_session=True)  # whatever sweep.sh signals stays in this test's process group
     assert out.stdout.endswith('sweep exit 130, caller alive\n') and 'the same command resumes' in out.stderr
-    assert (tmp_path / 'out' / 'signals').read_text() == 'stopped\n' * 2   # both, before sweep.sh ended
+    assert (tmp_path / 'out' / 'signals').read_text() == 'TERM\n' * 2   # both, before sweep.sh ended
 
 
 def test_a_failed_run_is_named_and_the_sweep_exits_1(tmp_path):
