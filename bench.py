@@ -294,8 +294,14 @@ def main(argv):
     p.add_argument('--steps', default='', help='(--gpu_check) only these steps, comma-separated [all]')
     p.add_argument('--log', default=os.path.join('out', 'gpu_check', time.strftime('%Y%m%d-%H%M%S')))
     a, extra = p.parse_known_args(argv)
+    for flag, text in (('jobs', a.jobs), ('widths', a.widths), ('repeats', str(a.repeats))):
+        if text is not None and not all(v.isdigit() and int(v) > 0 for v in text.split(',')):
+            raise train.configurator.Stop(f'--{flag}={text}: use whole numbers >= 1, comma-separated (like 1,2,4)')
+    try:  # an absent device: one line here, not a traceback from a run
+        torch.empty(0, device=a.device)
+    except Exception:  # torch raises one of several kinds, some many lines long
+        raise train.configurator.Stop(f'--device={a.device} is not available here (torch {torch.__version__})')
     data_args = [f'--data_file={a.data_file}'] if a.data_file else ['--dataset=wikitext103-test']
-    widths = [int(w) for w in a.widths.split(',')]
     if a.jobs:
         bench_jobs([int(k) for k in a.jobs.split(',')], [*preset_args(a.preset or ('paper' if a.device != 'cpu' else
                    'cpu')), *data_args, *extra], a.iters or 200, a.device)
@@ -303,10 +309,8 @@ def main(argv):
         bench_whole([*data_args, *extra], a.iters or 150, a.repeats)
     elif a.plain:
         plain([*data_args, *extra], a.iters)
-    elif a.geometry:
-        bench_geometry(widths)
-    elif a.control:
-        bench_control(widths)
+    elif a.geometry or a.control:
+        (bench_geometry if a.geometry else bench_control)([int(w) for w in a.widths.split(',')])
     elif a.overhead:
         bench_overhead(extra, a.device, a.repeats)
     else:
@@ -317,4 +321,5 @@ if __name__ == '__main__':
     try:
         main(sys.argv[1:])
     except train.configurator.Stop as e:
-        sys.exit(f'bench.py: {e.msg}')
+        print(f'bench.py: {e.msg}', file=sys.stderr)
+        sys.exit(2)
