@@ -70,7 +70,10 @@ def open_folder(cfg):
 
 def lock(run_dir):
     """Hold run_dir/.lock (the OS releases it however the process ends), or refuse naming the holder's PID."""
-    os.makedirs(run_dir, exist_ok=True)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:  # a file, a dangling link or a link loop on the way, a name too long
+        raise Stop(f'cannot make the run folder {run_dir} (out_dir, run_name): {e.strerror}') from None
     f = open(os.path.join(run_dir, '.lock'), 'a+')
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -80,6 +83,13 @@ def lock(run_dir):
     f.truncate(0)
     print(os.getpid(), file=f, flush=True)
     return f
+
+
+def unlock(f):
+    """Remove .lock while still holding it, so that a finished or stopped run leaves none."""
+    if f:
+        os.remove(f.name)
+        f.close()
 
 
 def own_files(run_dir):  # glob leaves out .lock, which stays held
@@ -131,7 +141,7 @@ def set_rng_state(state, data_gen):
 def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
     """Restore the model, optimizer and RNG states from ckpt.pt (refused if its settings or text differ); returns it."""
     ckpt = torch.load(path, map_location='cpu', weights_only=True)
-    changed = [k for k in cfg if k not in RESUMABLE and ckpt['config'].get(k) != cfg[k]]
+    changed = [k for k in cfg if k not in RESUMABLE + ('data_sha256',) and ckpt['config'].get(k) != cfg[k]]
     changed += ['dtype and threads, which an older train.py did not record'] * ('numerics' not in ckpt)
     changed += ['the training text'] * (ckpt['data_sha256'] != meta['sha256'])
     if changed:
@@ -153,6 +163,9 @@ def start(name):
     dev = name or ('cuda' if cuda else 'mps' if 'mps' in here else 'cpu')
     if int(os.environ.get('RANK', -1)) == -1:
         return False, 0, 1, dev
+    if dev.startswith('cuda') and int(os.environ.get('LOCAL_WORLD_SIZE', 1)) > len(cuda):
+        raise Stop(f"torchrun started {os.environ['LOCAL_WORLD_SIZE']} processes on a machine with {len(cuda)} GPUs: "
+                   f"use --nproc_per_node={len(cuda)}")
     import torch.distributed as dist
     dist.init_process_group('nccl' if dev.startswith('cuda') else 'gloo')
     if dev.startswith('cuda'):

@@ -13,6 +13,7 @@ starts it over. Reading order: config, batches, model, optimizer and schedules, 
 measures, the key-spectrum control), the run; configurator.py, prepare.py and runfolder.py hold the plumbing.
 """
 import contextlib
+import errno
 import json
 import math
 import os
@@ -20,8 +21,7 @@ import random
 import signal
 import sys
 import time
-import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -94,6 +94,25 @@ compile = False            # torch.compile the training forward (where available
 threads = 0                # CPU threads for torch; 0 = torch's default
 config_keys = [k for k, v in list(globals().items())
                if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
+# what each setting may be, checked before anything is touched (configurator.check): an interval (of integers where
+# the default is one), the choices, a function of the config saying what is wrong, or a list of these; qk_init and
+# optimizer: a name in QK_INITS, OPTIMIZERS. Any other number, a fork's new setting too, must be finite.
+SETTINGS = {
+    **dict.fromkeys(('n_layer', 'n_head', 'block_size', 'batch_size', 'grad_accum', 'eval_interval', 'eval_iters',
+                     'eval_windows', 'ckpt_interval', 'control_interval', 'min_char_count'), '[1, 1e9]'),
+    **dict.fromkeys(('max_iters', 'geom_interval', 'model_ckpts', 'warmup_iters', 'lr_decay_iters', 'shrink_iters'),
+                    '[0, 1e9]'),  # 0: none, or off
+    **dict.fromkeys(('dropout', 'beta1', 'beta2', 'momentum'), '[0, 1)'), 'lr': '[0, inf)', 'grad_clip': '[0, inf)',
+    'n_embd': ['[1, 1e9]', lambda c: c['n_embd'] % c['n_head'] and f"not divisible by n_head={c['n_head']}"],
+    'min_lr': ['[0, inf)', lambda c: c['min_lr'] > c['lr'] and f"above lr={c['lr']}, which the cosine decays to it"],
+    'weight_decay': ['[0, inf)', lambda c: c['lr'] * c['weight_decay'] >= 1 and
+                     f"lr * weight_decay (the share of each weight decayed per step) must be below 1; lr={c['lr']}"],
+    'seed': '[0, 4294967296)', 'threads': '[0, 4096]', 'shrink_to': '(0, inf)',
+    'dataset': ('wikitext103', 'wikitext103-test'), 'dtype': ('auto', 'float32', 'bfloat16'),
+    'control': spectrum_control.KINDS, 'control_keep': spectrum_control.KEEPS, 'control_target': ('k', 'q'),
+    'control_scope': ('head', 'layer'),
+    'control_layers': lambda c: not spectrum_control.check_settings(c, c['n_layer']) and "names no layer ('' = all)",
+}
 # -----------------------------------------------------------------------------
 
 EVAL_SEED = 1234  # the evaluation windows are the same for every run, whatever its seed
@@ -315,7 +334,8 @@ def measure_geometry(model, eval_x, eval_y, n_head, w0):
 
 def measure(run, it):
     """One metrics.jsonl record: the losses (at loss iterations), the geometry of every layer, the control's PRs."""
-    row = {'iter': it, 'tokens': it * run.tokens_per_iter, 'lr': get_lr(it, run.cfg)}
+    row = {'iter': it, 'tokens': it * run.cfg['batch_size'] * run.cfg['grad_accum'] * run.cfg['block_size'],
+           'lr': get_lr(it, run.cfg)}
     if it in run.evals:
         losses = estimate_loss(run.model, run.data, run.cfg, run.dev, run.ctx)
         row.update(train_loss=losses['train'], val_loss=losses['val'])
@@ -344,18 +364,69 @@ def control_step(run, step):
 
 # ----------------------------------------------------------------------------- the run
 
+@dataclass
+class Run:
+    """What one training process holds: set up by setup() and build_model(), then advanced by the loop."""
+    cfg: dict                     # the settings (get_config)
+    ddp: bool                     # under torchrun (runfolder.start): this process is rank `rank` of `world`, on dev
+    rank: int
+    world: int
+    dev: str                      # cpu, cuda, cuda:1, mps
+    dir: str = ''                 # out_dir/run_name
+    lock: object = None           # dir/.lock, held while this process trains there (rank 0)
+    meta: dict = None             # the encoded text (prepare.py): vocab_size, chars, sha256, cache_key, n_train, n_val
+    data: dict = None             # 'train', 'val': the encoded text, uint16 memmaps
+    data_gen: torch.Generator = None  # the order of the training windows, from seed (in ckpt.pt)
+    eval_x: torch.Tensor = None   # the fixed evaluation batch (eval_batch), on dev
+    eval_y: torch.Tensor = None
+    model: GPT = None
+    train_model: nn.Module = None  # the model as a training step calls it: compiled, DDP-wrapped where asked
+    optimizer: torch.optim.Optimizer = None
+    ctl: dict = None              # the control's state: the step-0 spectra it steers from (control.py)
+    w0: torch.Tensor = None       # every layer's W_Q, W_K at step 0, (n_layer, 2, C, C): the learned part is W - w0
+    dtype: str = 'float32'        # the autocast dtype and the CPU threads (set_numerics): a resumed run keeps ckpt.pt's
+    threads: int = 1
+    ctx: object = contextlib.nullcontext()  # autocast to dtype, or nothing
+    start: int = 0                # this process's first iteration: 0, or the one ckpt.pt holds
+    saved_at: int = None          # the iteration ckpt.pt holds
+    elapsed: float = 0.0          # wall seconds of the run's earlier processes
+    metrics: object = None        # metrics.jsonl, open for appending (rank 0)
+    logs: set = None              # the iterations with a record (log_iters), with losses, with a model checkpoint
+    evals: set = None
+    ckpts: set = None
+    losses: list = field(default_factory=list)  # (iteration, training loss on dev) the host has not read yet
+    last: dict = field(default_factory=dict)    # the latest record, for done.json
+    t_start: float = 0.0          # when this process's loop began (time.time())
+    t_geom: float = 0.0           # seconds measuring geometry and writing snapshots and model checkpoints
+    t_ctl: float = 0.0            # seconds in the control
+    t_mark: float = 0.0           # ms/iter counts training time only: since t_mark, at iteration it_mark
+    it_mark: int = 0
+
+    master = property(lambda self: self.rank == 0)
+    ckpt_path = property(lambda self: os.path.join(self.dir, 'ckpt.pt'))
+
+
 def train(cfg):
     """One run from its config: trains, logs, checkpoints; resumes an unfinished run. Returns the run folder."""
-    ddp, rank, world, dev = runfolder.start(cfg['device'])
-    run = types.SimpleNamespace(cfg=cfg, dev=dev, ddp=ddp, rank=rank, world=world, master=rank == 0)
-    setup(run)
-    loop(run)
-    finish(run)
+    run = Run(cfg, *runfolder.start(cfg['device']))
+    try:
+        setup(run)
+        loop(run)
+        finish(run)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        at = f'from iteration {run.saved_at}' if run.saved_at is not None else 'from the start'
+        raise configurator.Stop(f'no space left on the disk of {e.filename or run.dir}: free some, and the same '
+                                f'command resumes {at}') from None
+    finally:
+        runfolder.unlock(run.lock)
     return run.dir
 
 
 def setup(run):
-    """Seeds and numerics; the data; the run folder locked, and resumed or started over; the model."""
+    """Seeds and numerics; the data; the run folder locked; the model, optimizer and a first batch built. Only then
+    is the folder started over or trimmed to ckpt.pt: a check or an allocation that fails leaves it as it was."""
     cfg, dev_type = run.cfg, run.dev.split(':')[0]
     if cfg['grad_accum'] % run.world:
         raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the {run.world} DDP processes")
@@ -366,32 +437,56 @@ def setup(run):
     use_bf16 = cfg['dtype'] == 'bfloat16' or (cfg['dtype'] == 'auto' and dev_type == 'cuda'
                                                and torch.cuda.is_bf16_supported())
     set_numerics(run, 'bfloat16' if use_bf16 else 'float32', cfg['threads'] or torch.get_num_threads())
-    # ---- the data, then the run folder: every check that can refuse the command runs before anything is deleted
     run.dir = runfolder.open_folder(cfg)
+    check_memory(run)
     train_data, val_data, run.meta = prepare.prepare_data(cfg)  # one process encodes a text; the others wait
-    run.ckpt_path = os.path.join(run.dir, 'ckpt.pt')
-    resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
+    run.data, run.data_gen = {'train': train_data, 'val': val_data}, torch.Generator().manual_seed(cfg['seed'])
     if run.master:
         run.lock = runfolder.lock(run.dir)
         print(f'run folder {run.dir}', flush=True)
-        if not resuming and runfolder.start_over(run.dir) and not cfg['overwrite']:
-            print(f'{run.dir} has no ckpt.pt to resume from: starting at iteration 0', flush=True)
-    run.data = {'train': train_data, 'val': val_data}
-    run.data_gen = torch.Generator().manual_seed(cfg['seed'])
-    run.eval_x, run.eval_y = (t.to(run.dev) for t in eval_batch(val_data, cfg))
-    build_model(run, dev_type, resuming)
+    resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
+    try:
+        run.eval_x, run.eval_y = (t.to(run.dev) for t in eval_batch(val_data, cfg))
+        build_model(run, dev_type, resuming)
+        first_batch(run)
+    except (RuntimeError, MemoryError) as e:  # out of memory: of the device, or of the host
+        if 'allocate' not in str(e):
+            raise
+        raise configurator.Stop(f"{sizes(cfg)} do not fit on {run.dev}: {str(e).splitlines()[0]}") from None
+    if run.master:
+        start_folder(run, resuming)
+    run.train_model = run.model
+    if cfg['compile'] and hasattr(torch, 'compile') and dev_type != 'mps':
+        run.train_model = torch.compile(run.model)
+    if run.ddp:
+        run.train_model = torch.nn.parallel.DistributedDataParallel(
+            run.train_model, device_ids=[int(run.dev.split(':')[1])] if ':' in run.dev else None)
+
+
+def sizes(cfg):
+    return ', '.join(f'{k}={cfg[k]}' for k in ('n_layer', 'n_embd', 'block_size', 'batch_size', 'grad_accum'))
+
+
+def check_memory(run):
+    """Refuse a model that cannot fit before building it: on a CPU, memory past the machine's is not an error but a
+    kill. A lower bound: float32 weights and gradients, and one bfloat16 activation per layer."""
+    c = run.cfg
+    need = 8 * c['n_layer'] * 12 * c['n_embd'] ** 2 + 2 * c['n_layer'] * c['batch_size'] * c['block_size'] * c['n_embd']
+    have = (torch.cuda.get_device_properties(run.dev).total_memory if run.dev.startswith('cuda')
+            else os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
+    if need > have:
+        raise configurator.Stop(f'{sizes(c)} need at least {need / 2**30:.0f} GiB, more than the {have / 2**30:.0f} '
+                                f'GiB of {run.dev}')
 
 
 def build_model(run, dev_type, resuming):
-    """The model, optimizer and control state, the checkpoint over them when resuming; compiled, DDP-wrapped."""
+    """The model, optimizer and control state, and the checkpoint over them when resuming."""
     cfg = run.cfg
-    run.gcfg = GPTConfig(run.meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'], cfg['n_embd'],
-                         cfg['bias'], cfg['dropout'])
-    run.model = GPT(run.gcfg, cfg['qk_init']).to(run.dev)
+    run.model = GPT(GPTConfig(run.meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'], cfg['n_embd'],
+                              cfg['bias'], cfg['dropout']), cfg['qk_init']).to(run.dev)
     run.optimizer = make_optimizer(run.model, cfg, dev_type)
-    run.ctl = spectrum_control.record(cfg, run.model.qk_weights())  # the step-0 spectra control steers from
-    run.w0 = torch.stack([torch.stack(pair) for pair in run.model.qk_weights()]).detach()  # (n_layer, 2, C, C)
-    run.start, run.elapsed, run.saved_at = 0, 0.0, None
+    run.ctl = spectrum_control.record(cfg, run.model.qk_weights())
+    run.w0 = torch.stack([torch.stack(pair) for pair in run.model.qk_weights()]).detach()
     if resuming:
         ckpt = runfolder.load_checkpoint(run.ckpt_path, cfg, run.meta, run.model, run.optimizer, run.data_gen)
         run.start = run.saved_at = ckpt['iter']
@@ -400,22 +495,34 @@ def build_model(run, dev_type, resuming):
             print(f"resuming in {ckpt['numerics']['dtype']} on {ckpt['numerics']['threads']} threads as ckpt.pt was "
                   f"trained (either changes the numbers), not {run.dtype} on {run.threads}", flush=True)
             set_numerics(run, **ckpt['numerics'])
-    if run.master:  # the run folder trimmed to the checkpoint, config.json written, metrics.jsonl opened
-        if resuming:
-            runfolder.trim(run.dir, run.start)
-            print(f'resuming {run.dir} from iteration {run.start}', flush=True)
-        meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
-        runfolder.write_json(dict(cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
-                                  git_commit=runfolder.git_commit(), vocab_size=meta['vocab_size'], n_params=n_params,
-                                  data_sha256=meta['sha256'], n_chars=meta['n_train'] + meta['n_val'],
-                                  data_cache=meta['cache_key']), os.path.join(run.dir, 'config.json'))
-        run.metrics = open(os.path.join(run.dir, 'metrics.jsonl'), 'a')
-    run.train_model = run.model
-    if cfg['compile'] and hasattr(torch, 'compile') and dev_type != 'mps':
-        run.train_model = torch.compile(run.model)
-    if run.ddp:
-        run.train_model = torch.nn.parallel.DistributedDataParallel(
-            run.train_model, device_ids=[int(run.dev.split(':')[1])] if ':' in run.dev else None)
+
+
+def first_batch(run):
+    """A forward and backward pass over one micro-batch, as a training step makes it, so that memory the run cannot
+    have fails here; the random states and the data order are left as they were, the gradients dropped."""
+    cfg = run.cfg
+    with torch.random.fork_rng(devices=[run.dev] if run.dev.startswith('cuda') else []):
+        offsets = random_offsets(run.data['train'], (cfg['grad_accum'], cfg['batch_size']), cfg['block_size'],
+                                 torch.Generator())
+        x, y = get_batch(run.data['train'], offsets[0], cfg['block_size'])
+        with run.ctx:
+            run.model(x.to(run.dev), y.to(run.dev))[1].backward()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
+def start_folder(run, resuming):
+    """The old run's files deleted (overwrite, or no ckpt.pt) or trimmed to ckpt.pt; config.json; metrics.jsonl."""
+    if resuming:
+        runfolder.trim(run.dir, run.start)
+        print(f'resuming {run.dir} from iteration {run.start}', flush=True)
+    elif runfolder.start_over(run.dir) and not run.cfg['overwrite']:
+        print(f'{run.dir} has no ckpt.pt to resume from: starting at iteration 0', flush=True)
+    meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
+    runfolder.write_json(dict(run.cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
+                              git_commit=runfolder.git_commit(), vocab_size=meta['vocab_size'], n_params=n_params,
+                              data_sha256=meta['sha256'], n_chars=meta['n_train'] + meta['n_val'],
+                              data_cache=meta['cache_key']), os.path.join(run.dir, 'config.json'))
+    run.metrics = open(os.path.join(run.dir, 'metrics.jsonl'), 'a')
 
 
 def set_numerics(run, dtype, threads):
@@ -428,10 +535,9 @@ def set_numerics(run, dtype, threads):
 def loop(run):
     """A record at the logged iterations, an optimizer step, the control; ckpt.pt every ckpt_interval, on a signal."""
     cfg = run.cfg
-    run.losses, run.logs, run.evals, run.ckpts = [], log_iters(cfg), loss_iters(cfg), model_ckpt_iters(cfg)
-    run.tokens_per_iter = cfg['batch_size'] * cfg['grad_accum'] * cfg['block_size']
-    run.t_start, run.t_geom, run.t_ctl = time.time(), 0.0, 0.0
-    run.t_mark, run.it_mark, run.last = run.t_start, run.start, {}  # for ms/iter: training time only
+    run.logs, run.evals, run.ckpts = log_iters(cfg), loss_iters(cfg), model_ckpt_iters(cfg)
+    run.t_start = run.t_mark = time.time()
+    run.it_mark = run.start
     caught = []  # Ctrl-C or SIGTERM (a Slurm time limit), acted on between two iterations; a second one as usual
     catch = lambda num, frame: caught.append(num) or signal.signal(num, handlers[num])
     handlers = {s: signal.signal(s, catch) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -452,6 +558,8 @@ def loop(run):
                 checkpoint(run, it)
             train_step(run, it)
             control_step(run, it + 1)
+            if run.master and it + 1 == run.start + 5 < cfg['max_iters']:
+                print_eta(run, it + 1)
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
@@ -505,7 +613,7 @@ def nan_stop(what, it, run):
 
 def record(run, it):
     """Measure (RESEARCH above), then write: the snapshot, a model checkpoint at its iterations, the record."""
-    ms = 1000 * (time.time() - run.t_mark) / (it - run.it_mark) if it > run.it_mark else float('nan')
+    ms = 1000 * (time.time() - run.t_mark) / (it - run.it_mark) if it > run.it_mark else None
     row = measure(run, it)
     t0 = time.time()
     if run.cfg['geom_interval'] and run.cfg['save_snapshots']:
@@ -513,7 +621,7 @@ def record(run, it):
         runfolder.atomic_save(dict(q=q, k=k, n_head=run.cfg['n_head']), runfolder.file_path(run.dir, 'snapshots', it),
                               lambda arrays, f: np.savez(f, **arrays))
     if it in run.ckpts:
-        runfolder.atomic_save({'model': run.model.state_dict(), 'model_config': run.gcfg.__dict__, 'iter': it},
+        runfolder.atomic_save({'model': run.model.state_dict(), 'model_config': run.model.config.__dict__, 'iter': it},
                               runfolder.file_path(run.dir, 'models', it))
     run.t_geom += time.time() - t0  # geometry share: measuring (in measure) and these writes, not the losses
     row['time'] = run.elapsed + time.time() - run.t_start
@@ -558,11 +666,19 @@ def print_record(row, ms, run):
     frac = (row['iter'] - run.start) / max(1, run.cfg['max_iters'] - run.start)
     eta = fmt_time((time.time() - run.t_start) * (1 - frac) / frac) if row['iter'] - run.start >= 10 else '-'
     losses = f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, " if 'val_loss' in row else ''
-    speed = f"{ms:.1f} ms/iter, {1000 * run.tokens_per_iter / ms:.0f} tok/s"
-    msg = f"iter {row['iter']}: {losses}lr {row['lr']:.2e}, {speed}, ETA {eta}"
+    speed = f"{ms:.1f} ms/iter, {1000 * row['tokens'] / row['iter'] / ms:.0f} tok/s, " if ms else ''
+    msg = f"iter {row['iter']}: {losses}lr {row['lr']:.2e}, {speed}ETA {eta}"
     mean = lambda key: np.mean([layer[key] for layer in row['layers']])
     print(msg + (f" | pr_q {mean('pr_q'):.1f} pr_k {mean('pr_k'):.1f} entropy {mean('entropy'):.3f}"
                  if row.get('layers') else ''), flush=True)
+
+
+def print_eta(run, it):
+    """Once the speed is known, how long the run will take: the paper's shape takes hours on a CPU."""
+    s, left = (time.time() - run.t_mark) / (it - run.it_mark), run.cfg['max_iters'] - it
+    print(f'{1000 * s:.0f} ms/iter on {run.dev} with {run.threads} threads: the {left} iterations left take about '
+          f'{fmt_time(s * left)}, evaluations aside (ETA {time.strftime("%a %H:%M", time.localtime(time.time() + s * left))})',
+          flush=True)
 
 
 def fmt_time(s):
@@ -572,10 +688,9 @@ def fmt_time(s):
 # ----------------------------------------------------------------------------- main
 
 def get_config(argv):
-    """The config block above, then config files, then --key=value (configurator.py), the control's checked too."""
+    """The config block above, then config files, then --key=value (configurator.py), checked against SETTINGS."""
     return configurator.get_config(argv, {k: globals()[k] for k in config_keys},
-                                   {'qk_init': sorted(QK_INITS), 'optimizer': sorted(OPTIMIZERS)},
-                                   lambda cfg: spectrum_control.check_settings(cfg, cfg['n_layer']))
+                                   {**SETTINGS, 'qk_init': tuple(QK_INITS), 'optimizer': tuple(OPTIMIZERS)})
 
 
 def main(argv):
