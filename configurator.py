@@ -64,35 +64,28 @@ def file_settings(path):
     return {k: v for k, v in namespace.items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 
 
-def in_interval(value, spec):
-    """Whether a number lies in an interval written as '[0, 1)', '(0, inf)' or '[1, 1e9]'."""
-    lo, hi = (float(end) for end in spec[1:-1].split(','))
-    return (lo <= value if spec[0] == '[' else lo < value) and (value <= hi if spec[-1] == ']' else value < hi)
-
-
-def check(cfg, table):
-    """Every setting against its row of the table: an interval, a tuple of choices, a function of the config that
-    returns what is wrong (or nothing), or a list of these; any float must be finite. A Stop names the setting."""
+def check(cfg, table, names):
+    """Each setting against its row of the table: a tuple of choices, or a Python condition on the settings (and
+    names); any other float must be finite. A Stop names the first setting that fails, and what its row reads."""
     for key, value in cfg.items():
+        row = table.get(key)
         if isinstance(value, float) and not math.isfinite(value):
             raise Stop(f'{key}={value}: expected a finite number')
-        row = table.get(key, [])
-        for spec in row if isinstance(row, list) else [row]:
-            if isinstance(spec, str) and not in_interval(value, spec):
-                raise Stop(f"{key}={value!r}: expected {'an integer' if type(value) is int else 'a number'} in {spec}")
-            if isinstance(spec, tuple) and value not in spec:
-                raise Stop(f"{key}={value!r}: expected one of {', '.join(spec)}")
-            try:
-                problem = callable(spec) and spec(cfg)
-            except ValueError as e:  # a check that names the setting itself
-                raise Stop(str(e)) from None
-            if problem:
-                raise Stop(f'{key}={value!r}: {problem}')
+        if isinstance(row, tuple) and value not in row:
+            raise Stop(f"{key}={value!r}: expected one of {', '.join(row)}")
+        try:
+            if not isinstance(row, str) or eval(row, names, dict(cfg)):
+                continue
+        except ValueError as e:  # a check that names the setting itself
+            raise Stop(str(e)) from None
+        read = [f'{n}={cfg[n]}' if n in cfg else f"{n}: {', '.join(names[n])}"
+                for n in compile(row, '', 'eval').co_names if n != key and (n in cfg or isinstance(names.get(n), dict))]
+        raise Stop(f'{key}={value!r}: expected {row}' + (f" ({'; '.join(read)})" if read else ''))
 
 
-def get_config(argv, defaults, table):
+def get_config(argv, defaults, table, names):
     """defaults <- config files (in order) <- --key=value (in order, always last); checked against the table; the
-    text of data_file identified by its content; the run name resolved."""
+    text of data_file identified by its content; the run name resolved. names: what the table's rows may read."""
     files = [a for a in argv if not a.startswith('--')]
     pairs = [a[2:].partition('=') for a in argv if a.startswith('--')]
     cfg = dict(defaults)
@@ -105,10 +98,8 @@ def get_config(argv, defaults, table):
             close = difflib.get_close_matches(key, defaults, n=1)
             raise Stop(f"unknown config key {key!r}" + (f"; did you mean {close[0]}?" if close else ''))
         cfg[key] = typed(key, value, defaults[key], text)
-    check(cfg, table)
+    check(cfg, table, names)
     if cfg['data_file']:  # a link or another spelling of the same path is the same text
-        if not os.path.isfile(cfg['data_file']):
-            raise Stop(f"data_file={cfg['data_file']} is not a file")
         import prepare  # prepare.py imports this module
         cfg['data_sha256'] = prepare.sha256_of([cfg['data_file']])
     name = cfg['run_name'] = cfg['run_name'] or run_name(cfg, defaults)

@@ -103,10 +103,8 @@ def sources(cfg):
     characters, or WikiText-103's train and valid files."""
     if cfg['data_file'] or cfg['dataset'] == 'wikitext103-test':
         path = cfg['data_file'] or os.path.join(cfg['data_dir'], 'wiki.test.raw')
-        if not cfg['data_file'] and not os.path.isfile(path):
+        if not os.path.isfile(path):  # get_config has checked data_file
             download_wikitext(cfg, ['wiki.test.raw'])
-        if not os.path.isfile(path):
-            raise Stop(f'data_file={path} is not a file')
         cut = int(0.9 * sum(map(len, pieces(path))))
         return [path], lambda: pieces(path, 0, cut), lambda: pieces(path, cut), os.path.basename(path)
     paths = [os.path.join(cfg['data_dir'], n) for n in WIKITEXT[:2]]

@@ -1,4 +1,5 @@
 """train.py and its helpers: settings, names, data, the run folder, exact resume after a kill, DDP."""
+import errno
 import json
 import os
 import pathlib
@@ -45,13 +46,18 @@ def test_overrides_take_the_type_of_the_default_and_the_command_line_wins(tmp_pa
     (tmp_path / 'c.json').write_text('{"seed": 6,\n}')
     with pytest.raises(configurator.Stop, match=f"config file {tmp_path / 'c.json'} line 2: Expecting property name"):
         train.get_config([str(tmp_path / 'c.json')])
+    (tmp_path / 'list.json').write_text('[1, 2]')
+    (tmp_path / 'latin.py').write_bytes(b'seed = 2  # caf\xe9\n')
+    for name, words in (('list.json', 'expected a JSON object'), ('latin.py', "'utf-8' codec can't decode byte 0xe9")):
+        with pytest.raises(configurator.Stop, match=f"config file {tmp_path / name}: {words}"):
+            train.get_config([str(tmp_path / name)])
 
 
 @pytest.mark.parametrize('args, words', [
     (['--n_layers=4'], "unknown config key 'n_layers'; did you mean n_layer?"),
     (['--n_layer=four'], "n_layer='four': expected int"),
     (['--lr=1e999'], 'lr=inf: expected a finite number'),
-    (['--n_embd=64', '--n_head=5'], 'n_embd=64: not divisible by n_head=5'),
+    (['--n_embd=64', '--n_head=5'], 'n_embd=64: expected 1 <= n_embd <= 1e9 and n_embd % n_head == 0 (n_head=5)'),
     (['--run_name=../x'], 'must be one plain folder name'),
     (['--seed'], '--seed needs a value'),
 ])
@@ -80,6 +86,16 @@ def test_run_names_differ_in_every_setting_and_read_the_main_ones():
     out = subprocess.run([sys.executable, 'train.py', '--print_run_names'], cwd=HERE, text=True, capture_output=True,
                          input='--seed=2\n--control=freeze --n_layer=6\n')
     assert out.stdout.split() == ['L4_normal_s2', 'L6_normal_freeze-k_s1']
+
+
+def test_a_text_by_another_path_or_a_link_is_the_same_run(tmp_path, text_file, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.symlink(text_file, 'link.txt')
+    cfgs = [train.get_config([f'--data_file={path}']) for path in (text_file, 'text.txt', './link.txt')]
+    settings = [{k: v for k, v in c.items() if k not in configurator.NOT_IN_NAME} for c in cfgs]   # as sweep.sh compares
+    assert settings[0] == settings[1] == settings[2] and len({c['run_name'] for c in cfgs}) == 1
+    (tmp_path / 'other.txt').write_text(make_text(60_000, seed=1))
+    assert train.get_config(['--data_file=other.txt'])['run_name'] != cfgs[0]['run_name']
 
 
 def test_a_forker_s_new_config_key_trains_under_its_own_name(tmp_path, text_file):
@@ -272,6 +288,41 @@ def test_a_run_folder_cannot_lie_outside_out_dir(tmp_path, text_file):
         train.train(cfg_of(tmp_path, text_file, '--run_name=away'))
 
 
+def test_a_folder_that_cannot_be_made_a_read_only_cache_a_full_disk_and_too_few_gpus_are_one_line(
+        tmp_path, text_file, monkeypatch):
+    (tmp_path / 'out').mkdir()
+    (tmp_path / 'out' / 'file').write_text('mine')
+    os.symlink(tmp_path / 'out' / 'nowhere', tmp_path / 'out' / 'dangling')
+    os.symlink(tmp_path / 'out' / 'loop', tmp_path / 'out' / 'loop')
+    for arg in ('--run_name=file', '--run_name=dangling', '--run_name=loop', f'--out_dir={tmp_path / "out" / "file"}'):
+        with pytest.raises(configurator.Stop, match=r'cannot make the run folder .*\(out_dir, run_name\): '):
+            train.train(cfg_of(tmp_path, text_file, arg))
+    cfg = cfg_of(tmp_path, text_file, '--max_iters=8')
+    prepare.prepare_data(cfg)
+    os.chmod(tmp_path / 'cache', 0o555)
+    save = runfolder.atomic_save
+
+    def read_only(path, mode='r', **kwargs):   # root ignores the chmod: no file of the cache is opened to write
+        assert not set(mode) & set('wa+'), path
+        return open(path, mode, **kwargs)
+
+    def full_disk(obj, path, *how):
+        if path.endswith('ckpt.pt') and obj['iter'] == 8:
+            raise OSError(errno.ENOSPC, 'No space left on device', path)
+        save(obj, path, *how)
+    monkeypatch.setattr(prepare, 'open', read_only, raising=False)
+    monkeypatch.setattr(runfolder, 'atomic_save', full_disk)
+    with pytest.raises(configurator.Stop, match='no space left for .*ckpt.pt: free some; the same '
+                                                'command resumes from iteration 4'):
+        train.train(dict(cfg, ckpt_interval=4))
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    for key, value in dict(RANK=1, LOCAL_RANK=1, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2).items():
+        monkeypatch.setenv(key, str(value))
+    with pytest.raises(configurator.Stop, match='torchrun started 2 processes on a machine with 1 GPUs: use '
+                                                '--nproc_per_node=1'):
+        runfolder.start('')
+
+
 def test_one_train_py_per_run_folder(tmp_path, text_file):
     args = tiny_args(tmp_path, text_file, '--run_name=held')
     lock = runfolder.lock(str(tmp_path / 'out' / 'held'))
@@ -347,6 +398,7 @@ def test_a_kill_or_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterru
         tiny_args(tmp_path / 'ref', text, f'--control={control}', '--shrink_iters=8'))))
     assert resumed == expected
     assert ('resuming' in out) == (at == 16 or point == 'sigint')
+    assert 'iterations left take about' in out and 'nan ms/iter' not in out
     assert ('resuming in float32 on 1 threads as ckpt.pt was trained' in out) == bool(again)
 
 
