@@ -398,7 +398,7 @@ def test_a_kill_or_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterru
         tiny_args(tmp_path / 'ref', text, f'--control={control}', '--shrink_iters=8'))))
     assert resumed == expected
     assert ('resuming' in out) == (at == 16 or point == 'sigint')
-    assert 'iterations left take about' in out and 'nan ms/iter' not in out
+    assert 'to go on cpu, evaluations aside' in out and 'nan ms/iter' not in out
     assert ('resuming in float32 on 1 threads as ckpt.pt was trained' in out) == bool(again)
 
 
