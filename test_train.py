@@ -92,7 +92,7 @@ def test_a_text_by_another_path_or_a_link_is_the_same_run(tmp_path, text_file, m
     monkeypatch.chdir(tmp_path)
     os.symlink(text_file, 'link.txt')
     cfgs = [train.get_config([f'--data_file={path}']) for path in (text_file, 'text.txt', './link.txt')]
-    settings = [{k: v for k, v in c.items() if k not in configurator.NOT_IN_NAME} for c in cfgs]   # as sweep.sh compares
+    settings = [{k: v for k, v in c.items() if k not in configurator.NOT_IN_NAME} for c in cfgs]  # as sweep.sh reads
     assert settings[0] == settings[1] == settings[2] and len({c['run_name'] for c in cfgs}) == 1
     (tmp_path / 'other.txt').write_text(make_text(60_000, seed=1))
     assert train.get_config(['--data_file=other.txt'])['run_name'] != cfgs[0]['run_name']
@@ -199,7 +199,8 @@ def test_both_optimizers_decay_the_same_matrices(optimizer):
 
 def test_a_run_writes_its_folder_and_the_snapshots_give_the_logged_weight_metrics(reference):
     _, run_dir = reference
-    assert sorted(os.listdir(run_dir)) == ['ckpt.pt', 'config.json', 'done.json', 'metrics.jsonl', 'models', 'snapshots']
+    assert sorted(os.listdir(run_dir)) == sorted(['ckpt.pt', 'config.json', 'done.json', 'metrics.jsonl', 'models',
+                                                  'snapshots'])
     cfg = json.load(open(os.path.join(run_dir, 'config.json')))
     assert cfg['dtype'] == 'float32' and len(cfg['data_sha256']) == 64 and cfg['vocab_size'] > 20
     rows = records(run_dir)
