@@ -199,8 +199,7 @@ def test_both_optimizers_decay_the_same_matrices(optimizer):
 
 def test_a_run_writes_its_folder_and_the_snapshots_give_the_logged_weight_metrics(reference):
     _, run_dir = reference
-    assert sorted(os.listdir(run_dir)) == sorted(['ckpt.pt', 'config.json', 'done.json', 'metrics.jsonl', 'models',
-                                                  'snapshots'])
+    assert sorted(os.listdir(run_dir)) == ['ckpt.pt', 'config.json', 'done.json', 'metrics.jsonl', 'models', 'snapshots']
     cfg = json.load(open(os.path.join(run_dir, 'config.json')))
     assert cfg['dtype'] == 'float32' and len(cfg['data_sha256']) == 64 and cfg['vocab_size'] > 20
     rows = records(run_dir)
