@@ -10,6 +10,7 @@ import json
 import os
 import random
 import re
+import subprocess
 import time
 
 import numpy as np
@@ -35,16 +36,6 @@ def atomic_save(obj, path, save=torch.save):
     with open(path + '.tmp', 'wb') as f:
         f.write(obj) if isinstance(obj, bytes) else save(obj, f)
     os.replace(path + '.tmp', path)
-
-
-def write_json(obj, path):
-    atomic_save(json.dumps(obj, indent=1).encode(), path)
-
-
-def git_commit():
-    import subprocess
-    return subprocess.run('git rev-parse HEAD', shell=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                          capture_output=True, text=True).stdout.strip() or None
 
 
 def read_metrics(path):
@@ -111,10 +102,12 @@ def begin(run, resuming):
     elif start_over(run.dir) and not run.cfg['overwrite']:
         print(f'{run.dir} has no ckpt.pt to resume from: starting at iteration 0', flush=True)
     meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
-    write_json(dict(run.cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
-                    git_commit=git_commit(), vocab_size=meta['vocab_size'], n_params=n_params,
-                    data_sha256=meta['sha256'], n_chars=meta['n_train'] + meta['n_val'], data_cache=meta['cache_key']),
-               os.path.join(run.dir, 'config.json'))
+    commit = subprocess.run('git rev-parse HEAD', shell=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                            capture_output=True, text=True).stdout.strip() or None
+    atomic_save(json.dumps(dict(run.cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
+                                git_commit=commit, vocab_size=meta['vocab_size'], n_params=n_params,
+                                data_sha256=meta['sha256'], n_chars=meta['n_train'] + meta['n_val'],
+                                data_cache=meta['cache_key']), indent=1).encode(), os.path.join(run.dir, 'config.json'))
     run.metrics = open(os.path.join(run.dir, 'metrics.jsonl'), 'a')
 
 
@@ -171,7 +164,7 @@ def write_done(run):
         done[key] = float(np.mean([layer[key] for layer in run.last['layers']]))
     share = lambda t: t / max(time.time() - run.t_start, 1e-9)
     done.update(wall_time=run.elapsed, geometry_share=share(run.t_geom), control_share=share(run.t_ctl))
-    write_json(done, os.path.join(run.dir, 'done.json'))
+    atomic_save(json.dumps(done, indent=1).encode(), os.path.join(run.dir, 'done.json'))
     return done
 
 

@@ -113,6 +113,8 @@ def test_a_forker_s_new_config_key_trains_under_its_own_name(tmp_path, text_file
         assert out.returncode == 0, out.stderr
     names = sorted(os.listdir(tmp_path / 'out'))
     assert len(names) == 2 and names[0] == 'L2_normal_s1-' + names[0].split('-')[1]
+    with pytest.raises(configurator.Stop, match='rope_base=inf: expected a finite number'):   # a number not in SETTINGS
+        configurator.check(dict(train.get_config([]), rope_base=float('inf')), train.SETTINGS, vars(train))
 
 
 # ----------------------------------------------------------------------------- data
