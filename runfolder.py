@@ -252,9 +252,9 @@ def set_numerics(run, dtype, threads):
     run.ctx = torch.autocast(run.dev.split(':')[0], torch.bfloat16) if dtype == 'bfloat16' else contextlib.nullcontext()
 
 
-def compiled_and_wrapped(model, compile, ddp, dev):
+def compiled_and_wrapped(model, use_compile, ddp, dev):
     """The model as a training step calls it: compiled where asked (not on MPS), wrapped for DDP."""
-    if compile and hasattr(torch, 'compile') and not dev.startswith('mps'):
+    if use_compile and hasattr(torch, 'compile') and not dev.startswith('mps'):
         model = torch.compile(model)
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[int(dev.split(':')[1])] if ':' in dev else
                                                      None) if ddp else model

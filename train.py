@@ -128,7 +128,7 @@ def random_offsets(data, shape, block_size, generator):
 
 
 def eval_batch(val_data, cfg):
-    """The fixed evaluation batch (entropy, token-level PR): eval_windows validation windows, alike for every run."""
+    """The evaluation batch of entropy and token-level PR, alike for every run (tokens.py rebuilds it from config)."""
     gen = torch.Generator().manual_seed(EVAL_SEED)
     return get_batch(val_data, random_offsets(val_data, (cfg['eval_windows'],), cfg['block_size'], gen),
                      cfg['block_size'])
