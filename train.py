@@ -107,7 +107,7 @@ SETTINGS = {
     'threads': '0 <= threads <= 1024', 'qk_init': 'qk_init in QK_INITS', 'optimizer': 'optimizer in OPTIMIZERS',
     'control': spectrum_control.KINDS, 'control_keep': spectrum_control.KEEPS, 'control_target': ('k', 'q'),
     'control_scope': ('head', 'layer'), 'dataset': ('wikitext103', 'wikitext103-test'),
-    'control_layers': 'spectrum_control.parse_layers(control_layers, n_layer)',  # at least one layer
+    'control_layers': 'len(spectrum_control.parse_layers(control_layers, n_layer)) >= 1',  # '' is every layer
     'data_file': "data_file == '' or os.path.isfile(data_file)", 'dtype': ('auto', 'float32', 'bfloat16'),
 }
 # -----------------------------------------------------------------------------
