@@ -129,7 +129,8 @@ def held(run):
         raise Stop(f"{sizes(run.cfg)} do not fit on {run.dev}: {str(e).splitlines()[0]}") from None
     finally:
         if run.lock:
-            os.remove(run.lock.name)
+            with contextlib.suppress(OSError):  # the folder may be gone
+                os.remove(run.lock.name)
             run.lock.close()
 
 
