@@ -204,19 +204,16 @@ def bench_overhead(args, device, repeats):
     if cfg['threads']:
         torch.set_num_threads(cfg['threads'])
     data = torch.randint(200, (1 << 20,), dtype=torch.int16).numpy().astype('uint16')
-    run = train.types.SimpleNamespace(cfg=cfg, dev=device, ddp=False, rank=0, world=1, losses=[], t_ctl=0.0)
-    train.set_numerics(run, 'bfloat16' if device.startswith('cuda') and torch.cuda.is_bf16_supported() else 'float32',
-                       torch.get_num_threads())
-    run.model = run.train_model = train.GPT(train.GPTConfig(200, cfg['block_size'], cfg['n_layer'], cfg['n_head'],
-                                                            cfg['n_embd'])).to(device)
-    run.optimizer = train.make_optimizer(run.model, cfg, device.split(':')[0])
-    run.data, run.data_gen = {'train': data}, torch.Generator().manual_seed(0)
-    run.ctl = control.record(cfg, run.model.qk_weights())
-    w0 = torch.stack([torch.stack(pair) for pair in run.model.qk_weights()]).detach()
+    run = train.Run(cfg, False, 0, 1, device, meta={'vocab_size': 200}, data={'train': data},
+                    data_gen=torch.Generator().manual_seed(0))
+    train.runfolder.set_numerics(run, 'bfloat16' if device.startswith('cuda') and torch.cuda.is_bf16_supported()
+                                 else 'float32', torch.get_num_threads())
+    train.build_model(run, device.split(':')[0], resuming=False)   # the model, optimizer and control state of a run
+    run.train_model = run.model
     x, y = (t.to(device) for t in train.get_batch(data, torch.arange(cfg['eval_windows']) * 997, cfg['block_size']))
     sync = getattr(getattr(torch, device.split(':')[0], None), 'synchronize', lambda: None)
     steps = {'training step': lambda: train.train_step(run, 0), 'control step': lambda: train.control_step(run, 1),
-             'geometry record': lambda: train.measure_geometry(run.model, x, y, cfg['n_head'], w0)}
+             'geometry record': lambda: train.measure_geometry(run.model, x, y, cfg['n_head'], run.w0)}
     count_kernels(run, steps)
     ms = {name: timed(lambda: (step(), sync()), repeats) for name, step in steps.items()}
     sizes = ', '.join(f'{k} {cfg[k]}' for k in ('n_layer', 'n_embd', 'n_head', 'block_size', 'batch_size'))
