@@ -3,8 +3,6 @@ REPORT.md: a value with its interval (shown), a verdict and why (verdict_text), 
 from its row (rule), the map pivoted from its cells (map_tables), then SECTIONS in order, placed by
 a statistic's `tables` and a figure's section (plots.FIGURES). Nothing here names a statistic.
 """
-import math
-import os
 import time
 from collections import Counter
 
@@ -41,7 +39,7 @@ SECTIONS = {   # title: (what it says, why it can be empty); its tables follow, 
         'imbalance_conserved: what the law leaves of it.',
         'these statistics are read per point of the regime, which needs two or more uncontrolled '
         'settings'),
-    'Token level': ('', ''),
+    'Token level': ('', 'no uncontrolled run and no pretrained series'),
 }
 
 
@@ -193,8 +191,8 @@ def sections(study, tables, registry, files, figure_notes):
               'Trajectories': [],
               'Control experiment': control_lines(tables), 'Regime': regime_lines(tables, registry),
               'Queries, keys and the optimizer': [by_point(tables, optimizer)],
-              'Token level': token_lines(study)}
-    names = list(files) + token_figures(study.out)   # this call's figures, never an earlier call's
+              'Token level': token_lines(tables)}
+    names = list(files)   # this call's figures, never an earlier call's
     drawn = bool(figure_notes) or any(n.endswith('.png') for n in files)
     if 'descriptive.md' in files:
         bodies['Descriptive statistics'].append('[descriptive.md](descriptive.md)')
@@ -211,18 +209,11 @@ def sections(study, tables, registry, files, figure_notes):
 
 def nothing_shown(title, empty, drawn, figure_notes):
     """Why a section is empty: its own reason, else its figures' (not drawn, or skipped and why)."""
-    stems = [f.stem for f in plots.FIGURES if f.section == title and f.fn]
+    stems = [f.stem for f in plots.FIGURES if f.section == title]
     why = [note for note in figure_notes if note.split(':')[0] in stems]
     if stems and not drawn:
         why = ['figures not drawn (--no_figures)']
     return f"Nothing to show: {empty or '; '.join(why) or 'nothing was measured'}."
-
-
-def token_figures(out):
-    """The figures `analyze.py tokens` and `pretrained` wrote into out (FIGURES without fn)."""
-    stems = tuple(f.stem for f in plots.FIGURES if not f.fn)
-    found = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    return [n for n in found if n.startswith(stems) and n.endswith('.png')]
 
 
 def figures(section, names):
@@ -281,13 +272,11 @@ def regime_lines(tables, registry):
     return [by_point(tables), '### Trends', '', table]
 
 
-def token_lines(study):
-    if not study.tokens:
-        return ['No token tables: `analyze.py tokens` or `pretrained` with --out=THIS_FOLDER '
-                'write them.']
+def token_lines(tables):
     lines = []
-    for source, rows in study.tokens.items():
-        lines += [f'### {source}', '', folders.markdown(rows)]
+    for source, rows in folders.group(tables['token_series'], lambda r: r['source']).items():
+        columns = [k for k in rows[0] if k != 'source']
+        lines += [f'### {source}', '', folders.markdown(rows, columns)]
     return lines
 
 
