@@ -277,8 +277,7 @@ def contrast_rho(part):
 
 
 def token_link(run, view):
-    """A statistic of a model: Spearman of tok_pr_qk with entropy across the (layer, head) pairs of
-    its last checkpoint."""
+    """A statistic of a model: Spearman of tok_pr_qk with entropy at its last checkpoint's heads"""
     at = checkpoints(run)
     if not len(at) or not {'tok_pr_qk_heads', 'entropy_heads'} <= set(run.m):
         return math.nan
@@ -491,8 +490,7 @@ def outcomes(signs):
 
 
 def shares(signs):
-    """The per-seed shares of a trajectory claim and its mirror (stats.share); with parts, counts
-    per reference and part."""
+    """The per-seed shares of a trajectory claim and its mirror; counts per reference and part."""
     signs = [s for s in signs if np.size(s)]
     found = [outcomes(s) for s in signs]
     count = [int(np.isfinite(o).sum()) for o in found]
@@ -519,8 +517,9 @@ def decide(claim, res):
     to_value = np.exp if claim.log else float
     word, why = stats.verdict(to_value(res['lo']), to_value(res['hi']), claim.sign, claim.ref,
                               claim.margin, res['n'])
-    ref, low, high = (scale_of(claim, x) for x in
-                      (claim.ref, claim.ref - claim.margin, claim.ref + claim.margin))
+    ref, low, high = claim.ref, claim.ref - claim.margin, claim.ref + claim.margin
+    if claim.log:   # ref and margin are in the units shown: the statistic is their log
+        ref, low, high = (math.log(x) if x > 0 else -math.inf for x in (ref, low, high))
     if word == 'no effect':   # two one-sided tests, doubled to match the two-sided interval
         tails = [stats.t_sf((res['est'] - low) / res['se'], res['df']),
                  stats.t_sf((high - res['est']) / res['se'], res['df'])] if res['se'] else [0.0]
@@ -530,13 +529,6 @@ def decide(claim, res):
     else:
         p = stats.p_value(res['est'], ref, res['se'], res['df'])
     return {'verdict': word, 'why': why, 'p': min(p, 1.0)}
-
-
-def scale_of(claim, x):
-    """A value in the units shown, on the scale the statistic is computed on (a log claim: log)."""
-    if not claim.log:
-        return x
-    return math.log(x) if x > 0 else -math.inf
 
 
 def decide_share(claim, res):
@@ -665,8 +657,7 @@ def beside(claim, study, pool, cell):
 
 
 def models(study):
-    """{source: the units of a model claim}: our uncontrolled runs, the pretrained series (q, k as
-    attention uses them)."""
+    """{source: the units of a model claim}: uncontrolled runs, pretrained series (q, k as used)."""
     ours = uncontrolled(study.runs)
     series = [r for r in study.series if r.cfg.get('rope') in (None, 'none', 'after')]
     return {name: rs for name, rs in (('our checkpoints', ours), ('pretrained models', series))
@@ -674,8 +665,7 @@ def models(study):
 
 
 def claims_table(study, cells):
-    """Each claim in its own view; (d), (e) per setting on the spec arm; (f1), (f2) per source;
-    Holm over the rows judged."""
+    """Each claim in its own view, (d), (e) per setting, (f1), (f2) per source; Holm over them."""
     pool, rows = uncontrolled(study.runs), []
     where = f'{len(pool)} uncontrolled runs in {len(group(pool, lambda r: r.setting))} settings'
     for c in CLAIMS:
@@ -707,8 +697,7 @@ def claims_table(study, cells):
 
 # ------------------------------------------------------------------------------------- the regime
 def regime(study):
-    """Each statistic per point (a setting's uncontrolled runs) and layer position, and trends;
-    None below 2 points."""
+    """Each statistic per point (uncontrolled setting) and layer position, trends; None below 2."""
     points = group(uncontrolled(study.runs), lambda r: r.setting)
     if len(points) < 2:
         return None
@@ -730,19 +719,16 @@ def regime_tasks(study, setting, runs):
     """[(statistic, key, units)] of a point: its runs' statistics, then its arms' paired ones."""
     tasks = [(s, s.key, runs) for s in CLAIMS + STATS
              if s.unit in ('trajectory', 'seed') and {'regime', 'optimizer'} & set(s.tables)]
-    for (point, arm), pairs in study.arms.items():
-        if point != setting:
-            continue
-        kind = dict(arm)['control']
-        for s in CLAIMS + STATS:
-            if s.unit == 'pair' and 'regime' in s.tables and s.control in ('', kind):
-                tasks.append((s, f'{s.key} [{study.arm_name(arm)}]', pairs))
+    here = {arm: pairs for (point, arm), pairs in study.arms.items() if point == setting}
+    for arm, pairs in here.items():
+        paired = [s for s in CLAIMS + STATS if s.unit == 'pair' and 'regime' in s.tables
+                  and s.control in ('', dict(arm)['control'])]
+        tasks += [(s, f'{s.key} [{study.arm_name(arm)}]', pairs) for s in paired]
     return tasks
 
 
 def axes(points):
-    """The settings that vary between points, but for a constant multiple of an earlier axis
-    (min_lr = lr / 10)."""
+    """The settings varying between points but a constant multiple of an earlier one (lr / 10)."""
     cfgs = [runs[0].settings for runs in points.values()]
     numeric = lambda k: all(type(c.get(k)) in folders.NUMBER and c.get(k) for c in cfgs)
     out = []
@@ -792,8 +778,7 @@ def side(lo, hi, up, down, neither):
 
 
 def reading(fit, means):
-    """The line (up, down, no clear slope; not a line where lack of fit rejects it) and the
-    monotone trend."""
+    """The line (up, down, no clear slope, or not a line by lack of fit) and the monotone trend."""
     line = side(fit['lo'], fit['hi'], 'up', 'down', 'no clear slope')
     if fit['lof_p'] < stats.ALPHA:
         line = 'not a line: point means ' + ', '.join(f'{m:.3g}' for m in means)
@@ -917,8 +902,7 @@ def sort_key(value):
 
 
 def by_value(runs):
-    """The runs with their settings in the order of their values (keys in config order), seeds
-    within; {setting: its rank}."""
+    """The runs, settings in the order of their values (keys in config order), then seed; ranks."""
     settings = {r.setting: r.settings for r in runs}
     keys = folders.varying(list(settings.values()))
     key = lambda s: tuple(sort_key(settings[s].get(k)) for k in keys)
@@ -952,8 +936,7 @@ def load(paths, out=None, from_iter=None, log=print):
 
 
 def analyze(paths, out=None, figures=True, from_iter=None, log=print):
-    """Load, compute, write; the Study. Skip (no usable run) or OutError (out refused) before
-    writing."""
+    """Load, compute, write; the Study. Skip (no usable run) or OutError (out refused) first."""
     study = load(paths, out, from_iter, log)
     folders.check_out(study.out)
     if not study.runs:

@@ -88,8 +88,7 @@ class Run:
 
 
 def config_settings(cfgs):
-    """Each config's keys but BOOKKEEPING; one its control kind ignores, as most of its kind have
-    it."""
+    """Each config's keys but BOOKKEEPING; a key its control kind ignores as most of its kind."""
     out = [{k: v for k, v in c.items() if k not in BOOKKEEPING} for c in cfgs]
     for kind, ss in group(out, lambda s: s.get('control')).items():
         for k in IGNORED.get(kind, ()):
@@ -118,8 +117,7 @@ def read_json(path):
 
 
 def read_records(path, last, notes):
-    """The records (objects with an int iter) in increasing iteration up to last; the other lines
-    noted."""
+    """The records (objects with an int iter) increasing up to iteration last; other lines noted."""
     lines, found = [], []
     with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as f:
         try:
@@ -171,15 +169,6 @@ def config_fault(cfg):
     if cfg['n_embd'] % cfg['n_head']:
         return f"config.json has n_embd={cfg['n_embd']}, not a multiple of n_head={cfg['n_head']}"
     return ''
-
-
-def read_config(path):
-    """The folder's config.json, or Skip naming its first fault."""
-    cfg = read_json(f'{path}/config.json')
-    why = config_fault(cfg)
-    if why:
-        raise Skip(why)
-    return cfg
 
 
 def read_done(path, cfg):
@@ -285,7 +274,10 @@ def bad_records(m, iters, cfg, notes):
 
 def load_run(path):
     """A finished run folder (or pretrained series) as a Run, or Skip naming why."""
-    cfg = read_config(path)
+    cfg = read_json(f'{path}/config.json')
+    why = config_fault(cfg)
+    if why:
+        raise Skip(why)
     log = [p for p in (f'{path}/metrics.jsonl', f'{path}/metrics.jsonl.gz') if os.path.isfile(p)]
     if not os.path.exists(f'{path}/done.json'):
         raise Skip('unfinished (no done.json)')
@@ -411,8 +403,7 @@ def varying(dicts):
 
 
 def labels(dicts, keys, reference=None):
-    """Per dict, its values of keys unlike the most common in reference (default: dicts), or
-    'base'."""
+    """Per dict, its values of keys unlike the most common in reference (or dicts), or 'base'."""
     common = {}
     for k in keys:
         counts = Counter(json.dumps(d.get(k)) for d in reference or dicts)
@@ -459,8 +450,7 @@ def check_out(out):
 
 
 def read_manifest(out):
-    """The names MANIFEST lists (files the analysis wrote into out), each a plain name; or
-    OutError."""
+    """The plain names MANIFEST lists (the files the analysis wrote into out); or OutError."""
     path = os.path.join(out, MANIFEST)
     if not os.path.exists(path):
         return []

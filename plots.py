@@ -28,13 +28,6 @@ WRAP = 40           # characters a line of a title or a legend entry
 LONG_NAME = 90      # a setting name longer: drawn as S1, S2, ..., listed under the figure
 
 
-def save(name, fig):
-    """{name.png: bytes}, in full colour."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format='png', dpi=110, bbox_inches='tight')
-    return {f'{name}.png': buf.getvalue()}
-
-
 def draw(study, tables, log=print):
     """{'files': {name: bytes}, 'notes': [why a figure was skipped]} of every figure in FIGURES."""
     files, notes, key = {}, [], setting_names(study)[1]
@@ -50,7 +43,9 @@ def draw(study, tables, log=print):
             fig.suptitle(textwrap.fill(title, int(7 * fig.get_figwidth())))   # clear of a legend
             if key:   # below the axes, outside the layout: a long list never squeezes them
                 fig.text(0, 0, key, va='top', fontsize=7)
-            files.update(save(f.stem + (f'_{i + 1}' if i else ''), fig))
+            buf = io.BytesIO()
+            fig.savefig(buf, format='png', dpi=110, bbox_inches='tight')
+            files[f.stem + (f'_{i + 1}.png' if i else '.png')] = buf.getvalue()
     return {'files': files, 'notes': notes}
 
 
@@ -61,7 +56,7 @@ def plain(text, width=WRAP):
 
 def setting_names(study):
     """({setting: its name in figures} in the study's order, the key under a figure): key is ''
-    unless a name is too long to draw; then names are S1, S2, ... and the key says which is which."""
+    unless a name is too long to draw; then the names are S1, S2, ... and the key lists them."""
     order = list(study.label)
     if all(len(study.label[s]) <= LONG_NAME for s in order):
         return {s: plain(study.label[s]) for s in order}, ''
@@ -295,8 +290,7 @@ def regime_panel(ax, lines, rows, at, axis, name):
 
 
 def regime_points(study, tables):
-    """Each statistic with trends per point along each axis: a line per line of points, a point
-    alone too."""
+    """Each statistic with trends per point along each axis: a line per line of points, or alone."""
     shown = {k for k, s in study.stats.items() if trended(s) and s.unit != 'pair'}
     trends = [r for r in tables['regime_trend']
               if r['position'] == 'all' and r['statistic'] in shown]

@@ -105,8 +105,7 @@ def map_text(stat, cell):
 
 
 def map_tables(cells, registry):
-    """robustness_map (claims), descriptive: .csv a row per cell; .md a row per statistic, a column
-    per view."""
+    """robustness_map (claims), descriptive: .csv a row per cell; .md a statistic by view."""
     out = {}
     pooled = [c for c in cells if c['decay'] == 'pooled']
     views = list(dict.fromkeys(f"{c['lens']}, {c['window']}" for c in pooled))
@@ -237,8 +236,7 @@ def control_lines(tables):
 
 
 def by_point(tables, keep=None):
-    """The regime rows of all layers as a table: a row per statistic (those in keep), a column per
-    point."""
+    """The regime rows of all layers: a row per statistic (those in keep), a column per point."""
     rows = [r for r in tables['regime_rows']
             if r['position'] == 'all' and (keep is None or r['statistic'] in keep)]
     points = list(dict.fromkeys(r['point'] for r in rows))
@@ -281,8 +279,7 @@ def token_lines(tables):
 
 
 def confounds(study):
-    """Weight decay on W_Q, W_K; the init's PR near C/2; learning rate and length; near-uniform
-    records."""
+    """Weight decay on W_Q, W_K; the init's PR near C/2; lr and length; near-uniform records."""
     base = [r for r in study.runs if r.control == 'none']
     decay = sorted(Counter((r.cfg['weight_decay'], r.cfg['decay_qk']) for r in study.runs).items())
     notes = []
