@@ -621,11 +621,9 @@ def robustness_cells(study):
 def averaged(claim, runs, view):
     """'hits/n, mirror m' of a trajectory claim over the seed-averaged layer trajectories: each
     layer of each setting averaged over its seeds (the paper's unit)."""
-    found = [outcomes(claim.fn(seed_mean(rs), view))
-             for rs in group(runs, lambda r: r.setting).values()]
-    o = np.concatenate(found) if found else np.zeros(0)
-    n = int(np.isfinite(o).sum())
-    return f'{int((o == 1).sum())}/{n}, mirror {int((o == -1).sum())}/{n}'
+    settings = group(runs, lambda r: r.setting).values()
+    res = shares([claim.fn(seed_mean(rs), view) for rs in settings])
+    return f"{res['hits']}/{res['n']}, mirror {res['mirror']}/{res['n']}"
 
 
 def beside(claim, study, pool, cell):
