@@ -420,8 +420,10 @@ def cell(v):
 
 def markdown(rows, columns=None):
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
-    lines = ['| ' + ' | '.join(map(cell, columns)) + ' |', '|' + ' --- |' * len(columns)]
-    lines += ['| ' + ' | '.join(cell(r.get(c)) for c in columns) + ' |' for r in rows]
+    line = lambda values: '| ' + ' | '.join(map(cell, values)) + ' |'
+    lines = [line(columns), '|' + ' --- |' * len(columns)]
+    for r in rows:
+        lines.append(line(r.get(c) for c in columns))
     return '\n'.join(lines) + '\n'
 
 

@@ -151,7 +151,8 @@ def pr_gap(study, tables):
 
 def flat(runs, key, from_warmup=False):
     """key of every run, record (all or from the end of warm-up on) and layer (and head), flat."""
-    parts = [r.m[key][r.iters >= r.cfg['warmup_iters'] * from_warmup].ravel() for r in runs]
+    parts = [r.m[key][r.iters >= (r.cfg['warmup_iters'] if from_warmup else 0)].ravel()
+             for r in runs]
     return np.concatenate(parts or [np.zeros(0)])
 
 

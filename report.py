@@ -138,7 +138,7 @@ def caveat(study):
     most_records = max(int((r.iters >= r.cfg['warmup_iters']).sum()) for r in study.runs)
     why = []
     if most_seeds < FEW_SEEDS:
-        why.append(f"n = {most_seeds} seed{'s' * (most_seeds > 1)} per setting")
+        why.append(f"n = {most_seeds} seed{'s' if most_seeds > 1 else ''} per setting")
     if most_records < FEW_RECORDS:
         why.append(f'at most {most_records} geometry records a run from the end of warm-up on')
     if not why:
@@ -185,19 +185,16 @@ def write(study, tables, claims, registry, figure_notes, files, refs):
 def sections(study, tables, registry, files, figure_notes):
     """SECTIONS in order: each one's text, tables and figures, or why it has none."""
     optimizer = [s.key for s in registry.values() if 'optimizer' in s.tables]
+    described = '[descriptive.md](descriptive.md)' if 'descriptive.md' in files else ''
     bodies = {'Robustness map': [files.get('robustness_map.md', '')],
-              'Descriptive statistics': [],
-              'Trajectories': [],
+              'Descriptive statistics': [described], 'Trajectories': [],
               'Control experiment': control_lines(tables), 'Regime': regime_lines(tables, registry),
               'Queries, keys and the optimizer': [by_point(tables, optimizer)],
               'Token level': token_lines(tables)}
-    names = list(files)   # this call's figures, never an earlier call's
     drawn = bool(figure_notes) or any(n.endswith('.png') for n in files)
-    if 'descriptive.md' in files:
-        bodies['Descriptive statistics'].append('[descriptive.md](descriptive.md)')
     lines = []
     for title, (text, empty) in SECTIONS.items():
-        body = [x for x in bodies[title] if x] + figures(title, names)
+        body = [x for x in bodies[title] if x] + figures(title, files)
         if not body:
             body = [nothing_shown(title, empty, drawn, figure_notes)]
         elif text:
@@ -221,7 +218,7 @@ def figures(section, names):
     for f in (f for f in plots.FIGURES if f.section == section):
         found = {n for n in names if n.startswith(f.stem) and n.endswith('.png')}
         out += [f'![{f.title}]({n})' for n in sorted(found, key=lambda n: (len(n), n))]
-    return out + [''] * bool(out)
+    return out + [''] if out else []
 
 
 def control_lines(tables):
