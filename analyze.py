@@ -377,13 +377,12 @@ def over_time(key, stat, fn):
 def final_stats():
     """The final PR gap and ratio in each weight lens (the ratio on the log scale)."""
     out = []
-    for lens, suffix in (('whole', ''), ('head', '_head'), ('learned', '_learned')):
+    for lens, suffix, tables in (('whole', '', ('regime', 'trend')),
+                                 ('head', '_head', ('regime', 'trend', 'optimizer')),
+                                 ('learned', '_learned', ('regime',))):
         size, what = LENSES[lens].size, LENSES[lens].what
         out.append(Stat(key=f'gap_end{suffix}', stat=f'final (PR_Q - PR_K) / {size} in the {what}',
                         fn=final_pr('gap'), lenses=(lens,), tables=('regime',)))
-        tables = ('regime',) if lens == 'learned' else ('regime', 'trend')
-        if lens == 'head':
-            tables += ('optimizer',)
         out.append(Stat(key=f'ratio_end{suffix}', stat=f'final PR_Q / PR_K in the {what}',
                         fn=final_pr('ratio'), lenses=(lens,), log=True, tables=tables))
     return out

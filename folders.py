@@ -222,13 +222,10 @@ def layer_arrays(geo, n_layer):
 
 def high(name, key, m, iters, cfg):
     """(bound, the logged key it comes from or '') of a BOUNDS high for key's values."""
-    heads = key.endswith('_heads')
-    C, T = cfg['n_embd'], cfg['block_size']
-    sizes = {'C': C, 'd': C / cfg['n_head'], 'log T': math.log(T)}
-    if not isinstance(name, str):
-        return name, ''
-    if name in sizes:
-        return sizes[name], ''
+    heads, C = key.endswith('_heads'), cfg['n_embd']
+    sizes = {'C': C, 'd': C / cfg['n_head'], 'log T': math.log(cfg['block_size'])}
+    if not isinstance(name, str) or name in sizes:
+        return sizes.get(name, name), ''
     if name == 'drift':   # 2 + 2 qk_gram(0) / qk_gram, head by head, from a first record at step 0
         if 'qk_gram_heads' not in m or iters[0] != 0:
             return math.inf, ''
