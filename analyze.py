@@ -451,10 +451,8 @@ ALL = {s.key: s for s in CLAIMS + STATS}
 def judge(stat, units, view=View()):
     """A statistic over units by its interval rule, judged if a Claim: {n, est, lo, hi, p, verdict,
     why, values}; a trajectory claim adds hits, mirror, seeds, per_ref, per_part."""
-    if stat.unit == 'trajectory':
-        res = shares([stat.fn(u, view) for u in units])
-    else:
-        res = interval(stat, [stat.fn(u, view) for u in units])
+    found = [stat.fn(u, view) for u in units]
+    res = shares(found) if stat.unit == 'trajectory' else interval(stat, found)
     res.update({'verdict': '', 'why': '', 'p': math.nan})
     if isinstance(stat, Claim):
         res.update(decide(stat, res))

@@ -415,12 +415,13 @@ def cell(v):
     return '' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v).replace('|', '\\|')
 
 
-def markdown(rows, columns=None):
+def markdown(rows, columns=None, missing=None):
+    """A markdown table of rows (dicts); a cell a row lacks shows missing."""
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
     line = lambda values: '| ' + ' | '.join(map(cell, values)) + ' |'
     lines = [line(columns), '|' + ' --- |' * len(columns)]
     for r in rows:
-        lines.append(line(r.get(c) for c in columns))
+        lines.append(line(r.get(c, missing) for c in columns))
     return '\n'.join(lines) + '\n'
 
 

@@ -123,11 +123,8 @@ def map_tables(cells, registry):
             column, text = map_column(c), map_text(s, c)
             row[column] = f'{row[column]}; {text}' if column in row else text
         used = ['statistic'] + [v for v in views if any(v in row for row in pivot.values())]
-        for row in pivot.values():
-            for view in used:
-                row.setdefault(view, '-')
         out[f'{stem}.csv'] = folders.table(stem, mine, keys)[f'{stem}.csv']
-        out[f'{stem}.md'] = folders.markdown(list(pivot.values()), used)
+        out[f'{stem}.md'] = folders.markdown(list(pivot.values()), used, missing='-')
     return out
 
 
