@@ -533,15 +533,9 @@ def decide_share(claim, res):
     word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, 0,
                               f"{res['seeds']} seeds", (res['mirror_lo'], res['mirror_hi']))
     p = lambda x, side: stats.p_value(res[f'{x}est'], claim.ref, res[f'{x}se_{side}'], res['df'])
-    if word == 'holds':
-        found = p('', 'lo')
-    elif word == 'reversed':
-        found = p('mirror_', 'lo')
-    elif word == 'fails':
-        found = max(p('', 'hi'), p('mirror_', 'hi'))
-    else:
-        found = 1.0
-    return {'verdict': word, 'why': why, 'p': found}
+    found = {'holds': p('', 'lo'), 'reversed': p('mirror_', 'lo'),
+             'fails': max(p('', 'hi'), p('mirror_', 'hi'))}
+    return {'verdict': word, 'why': why, 'p': found.get(word, 1.0)}
 
 
 # -------------------------------------------------------------------------------------- groupings
