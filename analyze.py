@@ -13,21 +13,11 @@ A new logged metric (say `qk_cos` per layer) with a claim and a figure:
 A statistic is fn(unit, view); a unit is a seed (a run), a seed pair (a controlled run and the none
 run of its other settings and seed) or a model (a run or a pretrained series, read at its model
 checkpoints); (a), (b) give signs per trajectory (a layer of a run), summarised per seed
-(stats.share). A view: a lens, a window, a layer position.
-
-A random init's whole-matrix PR starts near C/2 and collapses for hundreds of iterations, so a
-reference there tests the collapse. (a), (b) are judged after the init is forgotten, from the first
-record where ||W - W(0)||_F >= ||W(0)||_F for W_Q and W_K (the learned part then dominates), 25% and
-50% of training; and only on the records of the regular grid (every geom_interval-th iteration and
-the last), never on the log-spaced extra records, whose place depends on the run's length.
-
-(d), (e) are decided on the control_keep=spec arm: the top singular value kept, the spectrum changes
-shape and the logits are not pushed up; the fro arm (a narrower spectrum, larger logits) is beside.
-(d) takes the strongest shrink dose whose per-head PR_K change lies below WELL_BELOW.
-
-(f1), (f2) read the token-level values that each record logs (tok_pr_q, tok_pr_k, tok_pr_qk and
-entropy, per head too) at a model's checkpoints: train.py's model_ckpts iterations in our runs,
-every record of a pretrained series (its revisions' training steps as iterations).
+(stats.share). A view: a lens, a window, a layer position. Why (a), (b) start where the init is
+forgotten and (d), (e) read the spec arm: README.md. (a), (b) read only the records of the regular
+grid (every geom_interval-th iteration and the last): the log-spaced extra records move with a
+run's length. (f1), (f2) read the token-level values of a model's checkpoints: train.py's
+model_ckpts iterations in our runs, every record of a pretrained series.
 """
 import argparse
 import dataclasses
@@ -96,8 +86,7 @@ def references(run, view, layers):
 
 
 def start(run, view, layers):
-    """The first iteration a window keeps (after the init is forgotten: the earliest usable
-    reference)."""
+    """The first iteration a window keeps ('post': its earliest usable reference)."""
     refs = references(run, view, layers)
     found = [run.iters[i] for i in (usable(run, it) for it in refs) if i is not None]
     first = min(found, default=math.inf) if view.window == 'post' else refs[0]
@@ -105,8 +94,7 @@ def start(run, view, layers):
 
 
 def on_grid(run):
-    """The run on its regular grid: the records at multiples of geom_interval and at max_iters,
-    placed by the same rule in every run (the log-spaced extra records move with its length)."""
+    """The run on its regular grid: its records at multiples of geom_interval and at max_iters."""
     if 'grid' not in run.memo:
         every, last = run.cfg.get('geom_interval'), run.cfg.get('max_iters')
         keep = np.ones(len(run.iters), bool)
@@ -119,8 +107,7 @@ def on_grid(run):
 
 
 def seed_mean(runs):
-    """One run whose per-layer metrics are the mean over runs (the seeds of a setting) at the grid
-    records they share: the paper's layer trajectory, averaged over seeds."""
+    """One run: the per-layer mean over runs (a setting's seeds) at the grid records they share."""
     grids = [on_grid(r) for r in runs]
     its = reduce(np.intersect1d, [g.iters for g in grids])
     keys = {k for g in grids for k, v in g.m.items() if v.ndim == 2}
@@ -128,11 +115,6 @@ def seed_mean(runs):
     mean = dataclasses.replace(grids[0], iters=its, m=m, memo={})
     mean.use(runs[0].settings)
     return mean
-
-
-def pretrained(run):
-    """A pretrained series (a folder of revisions), not a run of train.py."""
-    return run.pretrained
 
 
 def checkpoint_iters(cfg):
@@ -150,7 +132,7 @@ def checkpoint_iters(cfg):
 
 def checkpoints(run):
     """The indices of the records measured on a model checkpoint (all of a pretrained series')."""
-    if pretrained(run):
+    if run.pretrained:
         return np.arange(len(run.iters))
     return np.flatnonzero(np.isin(run.iters, sorted(checkpoint_iters(run.cfg))))
 
@@ -161,23 +143,19 @@ def series(run, key, i):
 
 
 def moves(run, view):
-    """(a), per trajectory and reference on the grid: the signs of PR_Q(end) - PR_Q(ref) and
-    PR_K(ref) - PR_K(end)."""
+    """(a), per trajectory and reference: signs of PR_Q(end) - PR_Q(ref), PR_K(ref) - PR_K(end)."""
     run, out, lens = on_grid(run), [], LENSES[view.lens]
     for i in layers_of(run, view):
         q, k = series(run, lens.q, i), series(run, lens.k, i)
         q1, k1 = nanmean(q[-FINAL_LOGS:]), nanmean(k[-FINAL_LOGS:])
-        signs = []
-        for j in (usable(run, it) for it in references(run, view, [i])):
-            found = (np.sign(q1 - q[j]), np.sign(k[j] - k1)) if j is not None else (np.nan,) * 2
-            signs.append(found)
-        out.append(signs)
+        at = [usable(run, it) for it in references(run, view, [i])]
+        out.append([(np.nan, np.nan) if j is None else (np.sign(q1 - q[j]), np.sign(k[j] - k1))
+                    for j in at])
     return np.array(out, dtype=float)
 
 
 def gap_signs(run, view):
-    """(b), per trajectory and grid record from the window's start (after iteration 0):
-    sign(PR_Q - PR_K)."""
+    """(b), per trajectory and record from the window's start (after iteration 0): the gap sign."""
     run, lens, out = on_grid(run), LENSES[view.lens], []
     for i in layers_of(run, view):
         kept = run.iters >= max(start(run, view, [i]), 1)
@@ -187,16 +165,15 @@ def gap_signs(run, view):
 
 
 def gap_share(run, view):
-    """The share of (b)'s grid records with PR_Q - PR_K > 0: of the iterations from the reference
-    on, as the grid is regular."""
+    """The share of (b)'s records with PR_Q - PR_K > 0 (of its iterations: the grid is regular)."""
     signs = gap_signs(run, view)
     kept = np.isfinite(signs)
     return float((signs[kept] > 0).mean()) if kept.any() else math.nan
 
 
 def values(run, role, lens, heads, layers):
-    """(records, values) of a role (k, qk: the lens' PR_K, PR_QK; entropy; scale:
-    log ||W_QK^h||_2), per (layer, head) or per layer; None if not logged."""
+    """(records, values) of a role (k, qk: the lens' PR_K, PR_QK; entropy; scale: log
+    ||W_QK^h||_2), per (layer, head) or per layer; None if not logged."""
     key = {'entropy': 'entropy', 'scale': 'qk_spec_norm'}.get(role) or getattr(LENSES[lens], role)
     key = key.removesuffix('_head') + '_heads' if heads else key
     if key not in run.m:
@@ -234,8 +211,7 @@ def correlation(x, y, scope='heads', kind='spearman', changes=False):
 
 
 def final_pr(stat):
-    """A statistic of a run: final (PR_Q - PR_K) / C (/ d per head: comparable across widths), or
-    log(PR_Q / PR_K)."""
+    """A statistic of a run: final (PR_Q - PR_K) / C (/ d per head), or log(PR_Q / PR_K)."""
     def fn(run, view):
         lens, layers = LENSES[view.lens], layers_of(run, view)
         q, k = (np.array([run.final(key, [i]) for i in layers]) for key in (lens.q, lens.k))
@@ -301,8 +277,7 @@ def contrast_rho(part):
 
 
 def token_link(run, view):
-    """A statistic of a model: Spearman of tok_pr_qk with entropy across the (layer, head) pairs of
-    its last checkpoint."""
+    """A statistic of a model: Spearman of tok_pr_qk with entropy at its last checkpoint's heads"""
     at = checkpoints(run)
     if not len(at) or not {'tok_pr_qk_heads', 'entropy_heads'} <= set(run.m):
         return math.nan
@@ -344,65 +319,70 @@ ALL4, HEADS = tuple(LENSES), ('head', 'tok', 'learned')
 PAIRS = 'across the (layer, head) pairs of a record, mean over records'
 TIME = 'within a run over its records, per layer, mean over layers'
 CONTROLLED = 'controlled - baseline'
+SHARE = {'unit': 'trajectory', 'lenses': ALL4, 'window': 'post', 'ref': 0.5}
+ACROSS = {'lenses': HEADS, 'margin': 0.1, 'limits': CORRELATION}
+CONTROL = {'unit': 'pair', 'margin': 0.02, 'beside': ('d_qk_spec_norm',), 'tables': ('regime',)}
+TOKEN = {'unit': 'model', 'margin': 0.1, 'limits': CORRELATION, 'tables': ()}
 CLAIMS = [
-    Claim(key='a', text='(a) PR_Q grows and PR_K falls over training', fn=moves,
-          unit='trajectory', lenses=ALL4, window='post', ref=0.5, beside=('a@warmup',),
+    Claim(key='a', text='(a) PR_Q grows and PR_K falls over training', fn=moves, **SHARE,
+          beside=('a@warmup',),
           stat='PR_Q(end) > PR_Q(ref) and PR_K(end) < PR_K(ref) from every reference, on the grid '
                'records; mirror: PR_Q falls and PR_K rises from every one'),
-    Claim(key='b', text='(b) PR_Q - PR_K > 0 along every trajectory', fn=gap_signs,
-          unit='trajectory', lenses=ALL4, window='post', ref=0.5,
+    Claim(key='b', text='(b) PR_Q - PR_K > 0 along every trajectory', fn=gap_signs, **SHARE,
           beside=('gap_share', 'b@all', 'ratio_end', 'ratio_end_head'),
           stat='PR_Q - PR_K > 0 at every grid record from the first reference; mirror: < 0 at '
                'every one'),
     Claim(key='c', text='(c) lower PR_K goes with lower attention entropy, across heads',
-          stat=f'Spearman of PR_K with entropy {PAIRS}', fn=correlation('k', 'entropy'),
-          lenses=HEADS, margin=0.1, limits=CORRELATION),
+          stat=f'Spearman of PR_K with entropy {PAIRS}', fn=correlation('k', 'entropy'), **ACROSS),
     Claim(key='c-qk', text='(c) lower PR_K goes with a narrower QK^T spectrum, across heads',
-          stat=f'Spearman of PR_K with PR_QK {PAIRS}', fn=correlation('k', 'qk'),
-          lenses=HEADS, margin=0.1, limits=CORRELATION),
+          stat=f'Spearman of PR_K with PR_QK {PAIRS}', fn=correlation('k', 'qk'), **ACROSS),
     Claim(key='c-d', text='(c) changes of PR_K go with changes of entropy, across heads',
           stat='the same of the changes between records',
-          fn=correlation('k', 'entropy', changes=True),
-          lenses=HEADS, margin=0.1, limits=CORRELATION),
+          fn=correlation('k', 'entropy', changes=True), **ACROSS),
     Claim(key='c-dqk', text='(c) changes of PR_K go with changes of PR_QK, across heads',
-          stat='the same of PR_K with PR_QK', fn=correlation('k', 'qk', changes=True),
-          lenses=HEADS, margin=0.1, limits=CORRELATION),
+          stat='the same of PR_K with PR_QK', fn=correlation('k', 'qk', changes=True), **ACROSS),
     Claim(key='c2', text="(c2) the key spectrum's shape tracks entropy beyond the logit scale",
-          stat='Pearson partial correlation of PR_K with entropy given log ||W_QK^h||_2 '
-               f'{PAIRS}',
-          fn=correlation('k', 'entropy', kind='partial'),
-          lenses=HEADS, margin=0.1, limits=CORRELATION),
+          stat=f'Pearson partial correlation of PR_K with entropy given log ||W_QK^h||_2 {PAIRS}',
+          fn=correlation('k', 'entropy', kind='partial'), **ACROSS),
     Claim(key='d', text='(d) shrinking the key spectrum sharpens attention',
-          stat=f'final attention entropy, {CONTROLLED}', fn=change('entropy'), unit='pair',
-          sign=-1, margin=0.02, control='shrink', beside=('d_qk_spec_norm',), tables=('regime',)),
+          stat=f'final attention entropy, {CONTROLLED}', fn=change('entropy'), sign=-1,
+          control='shrink', **CONTROL),
     Claim(key='e', text='(e) freezing the key spectrum softens attention',
-          stat=f'final attention entropy, {CONTROLLED}', fn=change('entropy'), unit='pair',
-          sign=+1, margin=0.02, control='freeze', beside=('d_qk_spec_norm',), tables=('regime',)),
+          stat=f'final attention entropy, {CONTROLLED}', fn=change('entropy'), control='freeze',
+          **CONTROL),
     Claim(key='f1-early', text='(f1) token-level PR_Q - PR_K rises early',
           stat="Spearman of tok_pr_q - tok_pr_k with log(1 + step) over a model's early "
                'checkpoints (log step at or below its median), mean over layers',
-          fn=contrast_rho('early'), unit='model', margin=0.1, limits=CORRELATION, tables=()),
+          fn=contrast_rho('early'), **TOKEN),
     Claim(key='f1-late', text='(f1) ... and decays later',
           stat='the same over the late checkpoints (at or above the median)',
-          fn=contrast_rho('late'), unit='model', sign=-1, margin=0.1, limits=CORRELATION,
-          tables=()),
+          fn=contrast_rho('late'), sign=-1, **TOKEN),
     Claim(key='f2', text='(f2) token-level interaction rank tracks attention entropy',
           stat="Spearman of tok_pr_qk with entropy across the (layer, head) pairs of a model's "
-               'last checkpoint',
-          fn=token_link, unit='model', margin=0.1, limits=CORRELATION, tables=()),
+               'last checkpoint', fn=token_link, **TOKEN),
 ]
 
+
+def across(key, stat, fn, tables=('map',)):
+    """A descriptive correlation across the (layer, head) pairs of each record."""
+    return Stat(key=key, stat=f'{stat} {PAIRS}', fn=fn, lenses=HEADS, tables=tables,
+                limits=CORRELATION)
+
+
+def over_time(key, stat, fn):
+    """A descriptive correlation within a run over its records, in every lens."""
+    return Stat(key=key, stat=f'{stat} {TIME}', fn=fn, lenses=ALL4, window='all', tables=('map',),
+                limits=CORRELATION)
 
 def final_stats():
     """The final PR gap and ratio in each weight lens (the ratio on the log scale)."""
     out = []
-    for lens, suffix in (('whole', ''), ('head', '_head'), ('learned', '_learned')):
+    for lens, suffix, tables in (('whole', '', ('regime', 'trend')),
+                                 ('head', '_head', ('regime', 'trend', 'optimizer')),
+                                 ('learned', '_learned', ('regime',))):
         size, what = LENSES[lens].size, LENSES[lens].what
         out.append(Stat(key=f'gap_end{suffix}', stat=f'final (PR_Q - PR_K) / {size} in the {what}',
                         fn=final_pr('gap'), lenses=(lens,), tables=('regime',)))
-        tables = ('regime',) if lens == 'learned' else ('regime', 'trend')
-        if lens == 'head':
-            tables += ('optimizer',)
         out.append(Stat(key=f'ratio_end{suffix}', stat=f'final PR_Q / PR_K in the {what}',
                         fn=final_pr('ratio'), lenses=(lens,), log=True, tables=tables))
     return out
@@ -426,32 +406,22 @@ def control_stats():
 
 
 STATS = [
-    Stat(key='qk~entropy', stat=f'Spearman of PR_QK with entropy {PAIRS}',
-         fn=correlation('qk', 'entropy'), lenses=HEADS, tables=('map',), limits=CORRELATION),
-    Stat(key='k~entropy (r)', stat=f'Pearson of PR_K with entropy {PAIRS}',
-         fn=correlation('k', 'entropy', kind='pearson'), lenses=HEADS, tables=('map',),
-         limits=CORRELATION),
-    Stat(key='qk~entropy|scale',
-         stat=f'Pearson partial of PR_QK with entropy given the log scale {PAIRS}',
-         fn=correlation('qk', 'entropy', kind='partial'), lenses=HEADS, tables=('map',),
-         limits=CORRELATION),
-    Stat(key='scale~entropy', stat=f'Pearson of log ||W_QK^h||_2 with entropy {PAIRS}',
-         fn=correlation('scale', 'entropy', kind='pearson'), lenses=HEADS,
-         tables=('map', 'regime'), limits=CORRELATION),
-    Stat(key='k~entropy over time',
-         stat=f'Spearman of PR_K with entropy (two trends correlate, linked or not) {TIME}',
-         fn=correlation('k', 'entropy', 'time'), lenses=ALL4, window='all', tables=('map',),
-         limits=CORRELATION),
-    Stat(key='dk~dentropy over time', stat=f'Spearman of their changes between records {TIME}',
-         fn=correlation('k', 'entropy', 'time', changes=True), lenses=ALL4, window='all',
-         tables=('map',), limits=CORRELATION),
-    Stat(key='k~qk over time', stat=f'Spearman of PR_K with PR_QK {TIME}',
-         fn=correlation('k', 'qk', 'time'), lenses=ALL4, window='all', tables=('map',),
-         limits=CORRELATION),
-    Stat(key='k~entropy|scale over time',
-         stat=f'Pearson partial of PR_K with entropy given the log scale {TIME}',
-         fn=correlation('k', 'entropy', 'time', 'partial'), lenses=ALL4, window='all',
-         tables=('map',), limits=CORRELATION),
+    across('qk~entropy', 'Spearman of PR_QK with entropy', correlation('qk', 'entropy')),
+    across('k~entropy (r)', 'Pearson of PR_K with entropy',
+           correlation('k', 'entropy', kind='pearson')),
+    across('qk~entropy|scale', 'Pearson partial of PR_QK with entropy given the log scale',
+           correlation('qk', 'entropy', kind='partial')),
+    across('scale~entropy', 'Pearson of log ||W_QK^h||_2 with entropy',
+           correlation('scale', 'entropy', kind='pearson'), ('map', 'regime')),
+    over_time('k~entropy over time',
+              'Spearman of PR_K with entropy (two trends correlate, linked or not)',
+              correlation('k', 'entropy', 'time')),
+    over_time('dk~dentropy over time', 'Spearman of their changes between records',
+              correlation('k', 'entropy', 'time', changes=True)),
+    over_time('k~qk over time', 'Spearman of PR_K with PR_QK', correlation('k', 'qk', 'time')),
+    over_time('k~entropy|scale over time',
+              'Pearson partial of PR_K with entropy given the log scale',
+              correlation('k', 'entropy', 'time', 'partial')),
     Stat(key='gap_share', stat="the share of (b)'s grid records with PR_Q - PR_K > 0 (of the "
                                'iterations from the reference on), over layers',
          fn=gap_share, lenses=ALL4, window='post', tables=('regime',), limits=(0.0, 1.0)),
@@ -481,10 +451,8 @@ ALL = {s.key: s for s in CLAIMS + STATS}
 def judge(stat, units, view=View()):
     """A statistic over units by its interval rule, judged if a Claim: {n, est, lo, hi, p, verdict,
     why, values}; a trajectory claim adds hits, mirror, seeds, per_ref, per_part."""
-    if stat.unit == 'trajectory':
-        res = shares([stat.fn(u, view) for u in units])
-    else:
-        res = interval(stat, [stat.fn(u, view) for u in units])
+    found = [stat.fn(u, view) for u in units]
+    res = shares(found) if stat.unit == 'trajectory' else interval(stat, found)
     res.update({'verdict': '', 'why': '', 'p': math.nan})
     if isinstance(stat, Claim):
         res.update(decide(stat, res))
@@ -519,8 +487,7 @@ def outcomes(signs):
 
 
 def shares(signs):
-    """The per-seed shares of a trajectory claim and its mirror (stats.share); with parts, counts
-    per reference and part."""
+    """The per-seed shares of a trajectory claim and its mirror; counts per reference and part."""
     signs = [s for s in signs if np.size(s)]
     found = [outcomes(s) for s in signs]
     count = [int(np.isfinite(o).sum()) for o in found]
@@ -541,15 +508,15 @@ def shares(signs):
 
 
 def decide(claim, res):
-    """The verdict, why it could not decide, and the two-sided p of the test its interval
-    inverts."""
+    """The verdict, why it could not decide, and the two-sided p of the interval's test."""
     if claim.unit == 'trajectory':
         return decide_share(claim, res)
     to_value = np.exp if claim.log else float
     word, why = stats.verdict(to_value(res['lo']), to_value(res['hi']), claim.sign, claim.ref,
                               claim.margin, res['n'])
-    ref, low, high = (scale_of(claim, x) for x in
-                      (claim.ref, claim.ref - claim.margin, claim.ref + claim.margin))
+    ref, low, high = claim.ref, claim.ref - claim.margin, claim.ref + claim.margin
+    if claim.log:   # ref and margin are in the units shown: the statistic is their log
+        ref, low, high = (math.log(x) if x > 0 else -math.inf for x in (ref, low, high))
     if word == 'no effect':   # two one-sided tests, doubled to match the two-sided interval
         tails = [stats.t_sf((res['est'] - low) / res['se'], res['df']),
                  stats.t_sf((high - res['est']) / res['se'], res['df'])] if res['se'] else [0.0]
@@ -561,32 +528,19 @@ def decide(claim, res):
     return {'verdict': word, 'why': why, 'p': min(p, 1.0)}
 
 
-def scale_of(claim, x):
-    """A value in the units shown, on the scale the statistic is computed on (a log claim: log)."""
-    if not claim.log:
-        return x
-    return math.log(x) if x > 0 else -math.inf
-
-
 def decide_share(claim, res):
     """A share claim: holds, reversed (the mirror holds), fails (neither can), else undecided."""
     word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, 0,
                               f"{res['seeds']} seeds", (res['mirror_lo'], res['mirror_hi']))
     p = lambda x, side: stats.p_value(res[f'{x}est'], claim.ref, res[f'{x}se_{side}'], res['df'])
-    if word == 'holds':
-        found = p('', 'lo')
-    elif word == 'reversed':
-        found = p('mirror_', 'lo')
-    elif word == 'fails':
-        found = max(p('', 'hi'), p('mirror_', 'hi'))
-    else:
-        found = 1.0
-    return {'verdict': word, 'why': why, 'p': found}
+    found = {'holds': p('', 'lo'), 'reversed': p('mirror_', 'lo'),
+             'fails': max(p('', 'hi'), p('mirror_', 'hi'))}
+    return {'verdict': word, 'why': why, 'p': found.get(word, 1.0)}
 
 
 # -------------------------------------------------------------------------------------- groupings
 def uncontrolled(runs):
-    return [r for r in runs if r.control == 'none' and not pretrained(r)]
+    return [r for r in runs if r.control == 'none' and not r.pretrained]
 
 
 def decayed(run):
@@ -658,11 +612,9 @@ def robustness_cells(study):
 def averaged(claim, runs, view):
     """'hits/n, mirror m' of a trajectory claim over the seed-averaged layer trajectories: each
     layer of each setting averaged over its seeds (the paper's unit)."""
-    found = [outcomes(claim.fn(seed_mean(rs), view))
-             for rs in group(runs, lambda r: r.setting).values()]
-    o = np.concatenate(found) if found else np.zeros(0)
-    n = int(np.isfinite(o).sum())
-    return f'{int((o == 1).sum())}/{n}, mirror {int((o == -1).sum())}/{n}'
+    settings = group(runs, lambda r: r.setting).values()
+    res = shares([claim.fn(seed_mean(rs), view) for rs in settings])
+    return f"{res['hits']}/{res['n']}, mirror {res['mirror']}/{res['n']}"
 
 
 def beside(claim, study, pool, cell):
@@ -694,8 +646,7 @@ def beside(claim, study, pool, cell):
 
 
 def models(study):
-    """{source: the units of a model claim}: our uncontrolled runs, the pretrained series (q, k as
-    attention uses them)."""
+    """{source: the units of a model claim}: uncontrolled runs, pretrained series (q, k as used)."""
     ours = uncontrolled(study.runs)
     series = [r for r in study.series if r.cfg.get('rope') in (None, 'none', 'after')]
     return {name: rs for name, rs in (('our checkpoints', ours), ('pretrained models', series))
@@ -703,8 +654,7 @@ def models(study):
 
 
 def claims_table(study, cells):
-    """Each claim in its own view; (d), (e) per setting on the spec arm; (f1), (f2) per source;
-    Holm over the rows judged."""
+    """Each claim in its own view, (d), (e) per setting, (f1), (f2) per source; Holm over them."""
     pool, rows = uncontrolled(study.runs), []
     where = f'{len(pool)} uncontrolled runs in {len(group(pool, lambda r: r.setting))} settings'
     for c in CLAIMS:
@@ -736,8 +686,7 @@ def claims_table(study, cells):
 
 # ------------------------------------------------------------------------------------- the regime
 def regime(study):
-    """Each statistic per point (a setting's uncontrolled runs) and layer position, and trends;
-    None below 2 points."""
+    """Each statistic per point (uncontrolled setting) and layer position, trends; None below 2."""
     points = group(uncontrolled(study.runs), lambda r: r.setting)
     if len(points) < 2:
         return None
@@ -759,19 +708,16 @@ def regime_tasks(study, setting, runs):
     """[(statistic, key, units)] of a point: its runs' statistics, then its arms' paired ones."""
     tasks = [(s, s.key, runs) for s in CLAIMS + STATS
              if s.unit in ('trajectory', 'seed') and {'regime', 'optimizer'} & set(s.tables)]
-    for (point, arm), pairs in study.arms.items():
-        if point != setting:
-            continue
-        kind = dict(arm)['control']
-        for s in CLAIMS + STATS:
-            if s.unit == 'pair' and 'regime' in s.tables and s.control in ('', kind):
-                tasks.append((s, f'{s.key} [{study.arm_name(arm)}]', pairs))
+    here = {arm: pairs for (point, arm), pairs in study.arms.items() if point == setting}
+    for arm, pairs in here.items():
+        paired = [s for s in CLAIMS + STATS if s.unit == 'pair' and 'regime' in s.tables
+                  and s.control in ('', dict(arm)['control'])]
+        tasks += [(s, f'{s.key} [{study.arm_name(arm)}]', pairs) for s in paired]
     return tasks
 
 
 def axes(points):
-    """The settings that vary between points, but for a constant multiple of an earlier axis
-    (min_lr = lr / 10)."""
+    """The settings varying between points but a constant multiple of an earlier one (lr / 10)."""
     cfgs = [runs[0].settings for runs in points.values()]
     numeric = lambda k: all(type(c.get(k)) in folders.NUMBER and c.get(k) for c in cfgs)
     out = []
@@ -798,12 +744,10 @@ def trends(study, points, units, rows):
             x = {s: math.log2(cfg[s][axis]) if log2 else cfg[s][axis] for s in line}
             for key, pos in dict.fromkeys((k, p) for (s, k, p) in units if s in line):
                 have = [s for s in line if units.get((s, key, pos))]
-                xs, ys, at = [], [], []
-                for s in have:
-                    xs += [x[s]] * len(units[(s, key, pos)])
-                    ys += units[(s, key, pos)]
-                    at += [s] * len(units[(s, key, pos)])
-                fit = stats.trend(xs, ys, at)
+                counts = [len(units[(s, key, pos)]) for s in have]
+                xs = np.repeat([x[s] for s in have], counts)
+                ys = sum((units[(s, key, pos)] for s in have), [])
+                fit = stats.trend(xs, ys, np.repeat(have, counts))
                 if fit['points'] < 2:
                     continue
                 means = [np.mean(units[(s, key, pos)]) for s in have]
@@ -817,16 +761,19 @@ def trends(study, points, units, rows):
     return out
 
 
+def side(lo, hi, up, down, neither):
+    """The word for an interval: up above 0, down below 0, else neither."""
+    return up if lo > 0 else down if hi < 0 else neither
+
+
 def reading(fit, means):
-    """The line (up, down, no clear slope; not a line where lack of fit rejects it) and the
-    monotone trend."""
-    word = lambda lo, hi, up, down, none: up if lo > 0 else down if hi < 0 else none
-    line = word(fit['lo'], fit['hi'], 'up', 'down', 'no clear slope')
+    """The line (up, down, no clear slope, or not a line by lack of fit) and the monotone trend."""
+    line = side(fit['lo'], fit['hi'], 'up', 'down', 'no clear slope')
     if fit['lof_p'] < stats.ALPHA:
         line = 'not a line: point means ' + ', '.join(f'{m:.3g}' for m in means)
     elif fit['points'] == 2:
         line += ' (2 points: no lack-of-fit test)'
-    mono = word(fit['rho_lo'], fit['rho_hi'], 'rises monotonically', 'falls monotonically',
+    mono = side(fit['rho_lo'], fit['rho_hi'], 'rises monotonically', 'falls monotonically',
                 'no monotone trend')
     return f'{line}; {mono}' if np.isfinite(fit['rho_lo']) else line
 
@@ -872,11 +819,8 @@ def dose_fits(study):
         for name, fit, i in (('slope', one, 1), ('pr_coef', two, 1), ('scale_coef', two, 2)):
             row.update({name: fit['coef'][i], f'{name}_lo': fit['lo'][i],
                         f'{name}_hi': fit['hi'][i]})
-        row['entropy follows PR_K'] = 'undecided'
-        if row['pr_coef_lo'] > 0:
-            row['entropy follows PR_K'] = 'follows'
-        elif row['pr_coef_hi'] < 0:
-            row['entropy follows PR_K'] = 'goes against'
+        row['entropy follows PR_K'] = side(row['pr_coef_lo'], row['pr_coef_hi'], 'follows',
+                                           'goes against', 'undecided')
         out.append(row)
     return out
 
@@ -904,18 +848,17 @@ def setting_rows(study):
 
 
 def token_rows(study):
-    """{source: a row per model}: its checkpoints and the statistics of (f1), (f2)."""
-    out = {}
+    """A row per model of each source: its checkpoints and the statistics of (f1), (f2)."""
+    rows = []
     for source, runs in models(study).items():
-        rows = []
         for r in runs:
             steps = r.iters[checkpoints(r)]
-            row = {'model': r.name, 'setting': study.label.get(r.setting, r.name), 'seed': r.seed,
-                   'checkpoints': len(steps), 'first_step': int(steps[0]) if len(steps) else None,
+            row = {'source': source, 'model': r.name, 'setting': study.label.get(r.setting, r.name),
+                   'seed': r.seed, 'checkpoints': len(steps),
+                   'first_step': int(steps[0]) if len(steps) else None,
                    'last_step': int(steps[-1]) if len(steps) else None}
             rows.append({**row, **{c.key: c.fn(r, View()) for c in CLAIMS if c.unit == 'model'}})
-        out[source] = rows
-    return out
+    return rows
 
 
 # ----------------------------------------------------------------------------------- the analysis
@@ -931,7 +874,6 @@ class Study:
     from_iter: int = None
     label: dict = None          # setting -> its name: the values where it differs from the others
     arms: dict = None
-    tokens: dict = None         # source -> a row per model (token_rows)
     tables: dict = None
     files: list = None
     arm_keys: tuple = ()        # control keys that vary between arms beyond those arm_label names
@@ -949,8 +891,7 @@ def sort_key(value):
 
 
 def by_value(runs):
-    """The runs with their settings in the order of their values (keys in config order), seeds
-    within; {setting: its rank}."""
+    """The runs, settings in the order of their values (keys in config order), then seed; ranks."""
     settings = {r.setting: r.settings for r in runs}
     keys = folders.varying(list(settings.values()))
     key = lambda s: tuple(sort_key(settings[s].get(k)) for k in keys)
@@ -980,27 +921,22 @@ def load(paths, out=None, from_iter=None, log=print):
     for r in (r for r in runs if r.control != 'none' and r not in paired):
         warn(f'{r.path}: no control=none run with the same other settings and seed: left out of '
              'the control tables')
-    study.tokens = token_rows(study)
     return study
 
 
 def analyze(paths, out=None, figures=True, from_iter=None, log=print):
-    """Load, compute, write; the Study. Skip (no usable run) or OutError (out refused) before
-    writing."""
+    """Load, compute, write; the Study. Skip (no usable run) or OutError (out refused) first."""
     study = load(paths, out, from_iter, log)
     folders.check_out(study.out)
     if not study.runs:
         raise Skip(f'no usable run folder under {", ".join(paths)} ({len(study.skipped)} skipped)')
     per_pair, dose = control_tables(study)
     reg, cells = regime(study) or {}, robustness_cells(study)
-    tokens = []
-    for source, rows in study.tokens.items():
-        tokens += [{'source': source, **row} for row in rows]
     t = study.tables = dict(claims=claims_table(study, cells), cells=cells, regime=reg,
                             control=per_pair, control_dose=dose, runs=runs_rows(study),
                             control_dose_fit=dose_fits(study), settings=setting_rows(study),
                             regime_rows=reg.get('rows', []), regime_trend=reg.get('trends', []),
-                            token_series=tokens)
+                            token_series=token_rows(study))
     figs = plots.draw(study, t, log) if figures else {'files': {}, 'notes': []}
     files = {**figs['files'], **report.map_tables(cells, ALL)}
     for stem in sorted(set(t) - {'cells', 'regime'}):

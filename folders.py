@@ -88,8 +88,7 @@ class Run:
 
 
 def config_settings(cfgs):
-    """Each config's keys but BOOKKEEPING; one its control kind ignores, as most of its kind have
-    it."""
+    """Each config's keys but BOOKKEEPING; a key its control kind ignores as most of its kind."""
     out = [{k: v for k, v in c.items() if k not in BOOKKEEPING} for c in cfgs]
     for kind, ss in group(out, lambda s: s.get('control')).items():
         for k in IGNORED.get(kind, ()):
@@ -118,8 +117,7 @@ def read_json(path):
 
 
 def read_records(path, last, notes):
-    """The records (objects with an int iter) in increasing iteration up to last; the other lines
-    noted."""
+    """The records (objects with an int iter) increasing up to iteration last; other lines noted."""
     lines, found = [], []
     with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as f:
         try:
@@ -173,15 +171,6 @@ def config_fault(cfg):
     return ''
 
 
-def read_config(path):
-    """The folder's config.json, or Skip naming its first fault."""
-    cfg = read_json(f'{path}/config.json')
-    why = config_fault(cfg)
-    if why:
-        raise Skip(why)
-    return cfg
-
-
 def read_done(path, cfg):
     """done.json, whose iteration is the last a finished run logged, or Skip."""
     done = read_json(f'{path}/done.json')
@@ -233,13 +222,10 @@ def layer_arrays(geo, n_layer):
 
 def high(name, key, m, iters, cfg):
     """(bound, the logged key it comes from or '') of a BOUNDS high for key's values."""
-    heads = key.endswith('_heads')
-    C, T = cfg['n_embd'], cfg['block_size']
-    sizes = {'C': C, 'd': C / cfg['n_head'], 'log T': math.log(T)}
-    if not isinstance(name, str):
-        return name, ''
-    if name in sizes:
-        return sizes[name], ''
+    heads, C = key.endswith('_heads'), cfg['n_embd']
+    sizes = {'C': C, 'd': C / cfg['n_head'], 'log T': math.log(cfg['block_size'])}
+    if not isinstance(name, str) or name in sizes:
+        return sizes.get(name, name), ''
     if name == 'drift':   # 2 + 2 qk_gram(0) / qk_gram, head by head, from a first record at step 0
         if 'qk_gram_heads' not in m or iters[0] != 0:
             return math.inf, ''
@@ -285,7 +271,10 @@ def bad_records(m, iters, cfg, notes):
 
 def load_run(path):
     """A finished run folder (or pretrained series) as a Run, or Skip naming why."""
-    cfg = read_config(path)
+    cfg = read_json(f'{path}/config.json')
+    why = config_fault(cfg)
+    if why:
+        raise Skip(why)
     log = [p for p in (f'{path}/metrics.jsonl', f'{path}/metrics.jsonl.gz') if os.path.isfile(p)]
     if not os.path.exists(f'{path}/done.json'):
         raise Skip('unfinished (no done.json)')
@@ -411,8 +400,7 @@ def varying(dicts):
 
 
 def labels(dicts, keys, reference=None):
-    """Per dict, its values of keys unlike the most common in reference (default: dicts), or
-    'base'."""
+    """Per dict, its values of keys unlike the most common in reference (or dicts), or 'base'."""
     common = {}
     for k in keys:
         counts = Counter(json.dumps(d.get(k)) for d in reference or dicts)
@@ -427,10 +415,13 @@ def cell(v):
     return '' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v).replace('|', '\\|')
 
 
-def markdown(rows, columns=None):
+def markdown(rows, columns=None, missing=None):
+    """A markdown table of rows (dicts); a cell a row lacks shows missing."""
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
-    lines = ['| ' + ' | '.join(map(cell, columns)) + ' |', '|' + ' --- |' * len(columns)]
-    lines += ['| ' + ' | '.join(cell(r.get(c)) for c in columns) + ' |' for r in rows]
+    line = lambda values: '| ' + ' | '.join(map(cell, values)) + ' |'
+    lines = [line(columns), '|' + ' --- |' * len(columns)]
+    for r in rows:
+        lines.append(line(r.get(c, missing) for c in columns))
     return '\n'.join(lines) + '\n'
 
 
@@ -459,8 +450,7 @@ def check_out(out):
 
 
 def read_manifest(out):
-    """The names MANIFEST lists (files the analysis wrote into out), each a plain name; or
-    OutError."""
+    """The plain names MANIFEST lists (the files the analysis wrote into out); or OutError."""
     path = os.path.join(out, MANIFEST)
     if not os.path.exists(path):
         return []

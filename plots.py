@@ -1,9 +1,8 @@
 """
 The figures: FIGURES, a list of Figure(file stem, fn(study, tables), the REPORT.md section it is
-shown in, title); fn returns a Figure or a list of them, or raises folders.Skip with its reason
-(None: drawn by analyze.py tokens or pretrained). Settings come in the order of their values, each
-in a colour of its own, named as plain text (a '$' in a value is not mathtext); legends sit outside
-the data. fig4 alone reads snapshots/.
+shown in, title); fn returns a Figure or a list of them, or raises folders.Skip with its reason.
+Settings come in the study's order (of their values), each in a colour of its own, named as plain
+text (a '$' in a value is not mathtext); legends sit outside the data. fig4 alone reads snapshots/.
 """
 import glob
 import io
@@ -20,7 +19,7 @@ from matplotlib.figure import Figure as Canvas
 
 import geometry
 import stats
-from folders import Skip, families, group, stack, varying
+from folders import Skip, families, group, stack
 
 matplotlib.rcParams['axes.formatter.useoffset'] = False
 Figure = namedtuple('Figure', 'stem fn section title')
@@ -29,17 +28,10 @@ WRAP = 40           # characters a line of a title or a legend entry
 LONG_NAME = 90      # a setting name longer: drawn as S1, S2, ..., listed under the figure
 
 
-def save(name, fig):
-    """{name.png: bytes}, in full colour."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format='png', dpi=110, bbox_inches='tight')
-    return {f'{name}.png': buf.getvalue()}
-
-
 def draw(study, tables, log=print):
     """{'files': {name: bytes}, 'notes': [why a figure was skipped]} of every figure in FIGURES."""
     files, notes, key = {}, [], setting_names(study)[1]
-    for f in (f for f in FIGURES if f.fn):
+    for f in FIGURES:
         try:
             made = f.fn(study, tables)
         except Skip as e:
@@ -51,7 +43,9 @@ def draw(study, tables, log=print):
             fig.suptitle(textwrap.fill(title, int(7 * fig.get_figwidth())))   # clear of a legend
             if key:   # below the axes, outside the layout: a long list never squeezes them
                 fig.text(0, 0, key, va='top', fontsize=7)
-            files.update(save(f.stem + (f'_{i + 1}' if i else ''), fig))
+            buf = io.BytesIO()
+            fig.savefig(buf, format='png', dpi=110, bbox_inches='tight')
+            files[f.stem + (f'_{i + 1}.png' if i else '.png')] = buf.getvalue()
     return {'files': files, 'notes': notes}
 
 
@@ -60,20 +54,10 @@ def plain(text, width=WRAP):
     return textwrap.fill(str(text), width).replace('$', r'\$')
 
 
-def value_order(value):
-    """A sort key for a setting's value: absent first, then numbers by size, then text."""
-    if isinstance(value, (int, float)):
-        return (1, value, '')
-    return (0 if value is None else 2, 0, str(value))
-
-
 def setting_names(study):
-    """({setting: its name in figures} in the order of the settings' values, the key under a
-    figure): key is '' unless a name is too long to draw; then names are S1, S2, ... and the key
-    says which is which."""
-    settings = {r.setting: r.settings for r in study.runs}
-    keys = varying(list(settings.values()))
-    order = sorted(study.label, key=lambda s: [value_order(settings[s].get(k)) for k in keys])
+    """({setting: its name in figures} in the study's order, the key under a figure): key is ''
+    unless a name is too long to draw; then the names are S1, S2, ... and the key lists them."""
+    order = list(study.label)
     if all(len(study.label[s]) <= LONG_NAME for s in order):
         return {s: plain(study.label[s]) for s in order}, ''
     names = {s: f'S{i + 1}' for i, s in enumerate(order)}
@@ -167,7 +151,8 @@ def pr_gap(study, tables):
 
 def flat(runs, key, from_warmup=False):
     """key of every run, record (all or from the end of warm-up on) and layer (and head), flat."""
-    parts = [r.m[key][r.iters >= r.cfg['warmup_iters'] * from_warmup].ravel() for r in runs]
+    parts = [r.m[key][r.iters >= (r.cfg['warmup_iters'] if from_warmup else 0)].ravel()
+             for r in runs]
     return np.concatenate(parts or [np.zeros(0)])
 
 
@@ -306,8 +291,7 @@ def regime_panel(ax, lines, rows, at, axis, name):
 
 
 def regime_points(study, tables):
-    """Each statistic with trends per point along each axis: a line per line of points, a point
-    alone too."""
+    """Each statistic with trends per point along each axis: a line per line of points, or alone."""
     shown = {k for k, s in study.stats.items() if trended(s) and s.unit != 'pair'}
     trends = [r for r in tables['regime_trend']
               if r['position'] == 'all' and r['statistic'] in shown]
@@ -384,8 +368,4 @@ FIGURES = [
     Figure('fig10_imbalance', imbalance, 'Queries, keys and the optimizer',
            'The Q/K imbalance and its drift from the init over training (equal where D_h starts at '
            '0); the per-head PR gap against the imbalance'),
-    Figure('fig6_tokens', None, 'Token level',
-           'Token-level contrast and entropy over our checkpoints'),
-    Figure('fig7_pretrained', None, 'Token level',
-           'Token-level contrast and entropy, a pretrained series'),
 ]

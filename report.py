@@ -3,8 +3,6 @@ REPORT.md: a value with its interval (shown), a verdict and why (verdict_text), 
 from its row (rule), the map pivoted from its cells (map_tables), then SECTIONS in order, placed by
 a statistic's `tables` and a figure's section (plots.FIGURES). Nothing here names a statistic.
 """
-import math
-import os
 import time
 from collections import Counter
 
@@ -41,7 +39,7 @@ SECTIONS = {   # title: (what it says, why it can be empty); its tables follow, 
         'imbalance_conserved: what the law leaves of it.',
         'these statistics are read per point of the regime, which needs two or more uncontrolled '
         'settings'),
-    'Token level': ('', ''),
+    'Token level': ('', 'no uncontrolled run and no pretrained series'),
 }
 
 
@@ -107,8 +105,7 @@ def map_text(stat, cell):
 
 
 def map_tables(cells, registry):
-    """robustness_map (claims), descriptive: .csv a row per cell; .md a row per statistic, a column
-    per view."""
+    """robustness_map (claims), descriptive: .csv a row per cell; .md a statistic by view."""
     out = {}
     pooled = [c for c in cells if c['decay'] == 'pooled']
     views = list(dict.fromkeys(f"{c['lens']}, {c['window']}" for c in pooled))
@@ -126,11 +123,8 @@ def map_tables(cells, registry):
             column, text = map_column(c), map_text(s, c)
             row[column] = f'{row[column]}; {text}' if column in row else text
         used = ['statistic'] + [v for v in views if any(v in row for row in pivot.values())]
-        for row in pivot.values():
-            for view in used:
-                row.setdefault(view, '-')
         out[f'{stem}.csv'] = folders.table(stem, mine, keys)[f'{stem}.csv']
-        out[f'{stem}.md'] = folders.markdown(list(pivot.values()), used)
+        out[f'{stem}.md'] = folders.markdown(list(pivot.values()), used, missing='-')
     return out
 
 
@@ -141,7 +135,7 @@ def caveat(study):
     most_records = max(int((r.iters >= r.cfg['warmup_iters']).sum()) for r in study.runs)
     why = []
     if most_seeds < FEW_SEEDS:
-        why.append(f"n = {most_seeds} seed{'s' * (most_seeds > 1)} per setting")
+        why.append(f"n = {most_seeds} seed{'s' if most_seeds > 1 else ''} per setting")
     if most_records < FEW_RECORDS:
         why.append(f'at most {most_records} geometry records a run from the end of warm-up on')
     if not why:
@@ -188,19 +182,16 @@ def write(study, tables, claims, registry, figure_notes, files, refs):
 def sections(study, tables, registry, files, figure_notes):
     """SECTIONS in order: each one's text, tables and figures, or why it has none."""
     optimizer = [s.key for s in registry.values() if 'optimizer' in s.tables]
+    described = '[descriptive.md](descriptive.md)' if 'descriptive.md' in files else ''
     bodies = {'Robustness map': [files.get('robustness_map.md', '')],
-              'Descriptive statistics': [],
-              'Trajectories': [],
+              'Descriptive statistics': [described], 'Trajectories': [],
               'Control experiment': control_lines(tables), 'Regime': regime_lines(tables, registry),
               'Queries, keys and the optimizer': [by_point(tables, optimizer)],
-              'Token level': token_lines(study)}
-    names = list(files) + token_figures(study.out)   # this call's figures, never an earlier call's
+              'Token level': token_lines(tables)}
     drawn = bool(figure_notes) or any(n.endswith('.png') for n in files)
-    if 'descriptive.md' in files:
-        bodies['Descriptive statistics'].append('[descriptive.md](descriptive.md)')
     lines = []
     for title, (text, empty) in SECTIONS.items():
-        body = [x for x in bodies[title] if x] + figures(title, names)
+        body = [x for x in bodies[title] if x] + figures(title, files)
         if not body:
             body = [nothing_shown(title, empty, drawn, figure_notes)]
         elif text:
@@ -211,18 +202,11 @@ def sections(study, tables, registry, files, figure_notes):
 
 def nothing_shown(title, empty, drawn, figure_notes):
     """Why a section is empty: its own reason, else its figures' (not drawn, or skipped and why)."""
-    stems = [f.stem for f in plots.FIGURES if f.section == title and f.fn]
+    stems = [f.stem for f in plots.FIGURES if f.section == title]
     why = [note for note in figure_notes if note.split(':')[0] in stems]
     if stems and not drawn:
         why = ['figures not drawn (--no_figures)']
     return f"Nothing to show: {empty or '; '.join(why) or 'nothing was measured'}."
-
-
-def token_figures(out):
-    """The figures `analyze.py tokens` and `pretrained` wrote into out (FIGURES without fn)."""
-    stems = tuple(f.stem for f in plots.FIGURES if not f.fn)
-    found = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    return [n for n in found if n.startswith(stems) and n.endswith('.png')]
 
 
 def figures(section, names):
@@ -231,7 +215,7 @@ def figures(section, names):
     for f in (f for f in plots.FIGURES if f.section == section):
         found = {n for n in names if n.startswith(f.stem) and n.endswith('.png')}
         out += [f'![{f.title}]({n})' for n in sorted(found, key=lambda n: (len(n), n))]
-    return out + [''] * bool(out)
+    return out + [''] if out else []
 
 
 def control_lines(tables):
@@ -246,8 +230,7 @@ def control_lines(tables):
 
 
 def by_point(tables, keep=None):
-    """The regime rows of all layers as a table: a row per statistic (those in keep), a column per
-    point."""
+    """The regime rows of all layers: a row per statistic (those in keep), a column per point."""
     rows = [r for r in tables['regime_rows']
             if r['position'] == 'all' and (keep is None or r['statistic'] in keep)]
     points = list(dict.fromkeys(r['point'] for r in rows))
@@ -281,19 +264,16 @@ def regime_lines(tables, registry):
     return [by_point(tables), '### Trends', '', table]
 
 
-def token_lines(study):
-    if not study.tokens:
-        return ['No token tables: `analyze.py tokens` or `pretrained` with --out=THIS_FOLDER '
-                'write them.']
+def token_lines(tables):
     lines = []
-    for source, rows in study.tokens.items():
-        lines += [f'### {source}', '', folders.markdown(rows)]
+    for source, rows in folders.group(tables['token_series'], lambda r: r['source']).items():
+        columns = [k for k in rows[0] if k != 'source']
+        lines += [f'### {source}', '', folders.markdown(rows, columns)]
     return lines
 
 
 def confounds(study):
-    """Weight decay on W_Q, W_K; the init's PR near C/2; learning rate and length; near-uniform
-    records."""
+    """Weight decay on W_Q, W_K; the init's PR near C/2; lr and length; near-uniform records."""
     base = [r for r in study.runs if r.control == 'none']
     decay = sorted(Counter((r.cfg['weight_decay'], r.cfg['decay_qk']) for r in study.runs).items())
     notes = []

@@ -1,38 +1,26 @@
 """
-The statistics: pure functions of numpy arrays. Intervals at LEVEL over independent units:
+The statistics: pure functions of numpy arrays. Intervals at LEVEL over independent units, each
+inverting a test whose two-sided p (p_value) feeds holm():
     mean    Student-t   m -/+ t(n - 1) s / sqrt(n) (no percentile bootstrap: over 3 to 5 units it
             is their min and max, and covers far less than its level)
-    share   of trajectories by seed (share): the mean of the seeds' shares, its Student-t interval
-            with the seeds' sd floored, widened to its monotone envelope (below).
-Each interval inverts a test whose two-sided p (p_value) feeds holm().
-
-share, the rule and why. The layers of a run share its seed, so a seed is the independent unit:
-its share s_i of trajectories is summarised first, and the interval is
-m -/+ t(n - 1) max(sd, floor) / sqrt(n) over the n seeds, clipped to [0, 1]. The floor,
-sqrt(a (1 - a) / c) for c trajectories a seed (their mean) and a = FLOOR_SHARE, is the spread of
-seeds that differ only by sampling at a share of a: seeds that agree by chance (4/4 in each of 3)
-would otherwise read as certain. One more hit must never lower the interval, yet it can raise the
-sd more than the mean: the lower bound is the smallest over every split with at least as many hits
-in every seed (the monotone envelope), the upper bound the largest over every split with at most as
-many. That smallest is reached with the top k seeds raised to 1 for some k = 0..n (for a fixed
-mean, filling the highest shares first gives the widest spread, and the bound is concave along that
-path), so it costs n + 1 evaluations. Measured on planted draws (a seed effect on the logit scale,
+    share   of trajectories by seed: the layers of a run share its seed, so a seed's share s_i comes
+            first; m -/+ t(n - 1) max(sd, floor) / sqrt(n) over the n seeds, clipped to [0, 1].
+The floor, sqrt(a (1 - a) / c) for c trajectories a seed (their mean) and a = FLOOR_SHARE, is the
+spread of seeds that differ only by sampling at a share of a: seeds that agree by chance (4/4 in
+each of 3) would otherwise read as certain. One more hit must never lower the interval, yet it can
+raise the sd more than the mean: the lower bound is the smallest over every split with at least as
+many hits in every seed (the monotone envelope), the upper bound the largest over every split with
+at most as many. That smallest is reached with the top k seeds raised to 1 for some k = 0..n (for
+a fixed mean, filling the highest shares first gives the widest spread, and the bound is concave
+along that path): n + 1 evaluations. Measured on planted draws (a seed effect on the logit scale,
 3 to 49 seeds, shares 0.5 to 0.98): coverage at least 0.97 at 3 seeds x 4 with a seed effect of
 sd 2, at least 0.92 wherever checked; at 3 x 4 only 12/12 holds above 1/2, at 4 x 4 14/16 does
 as (4, 4, 3, 3).
 
-verdict, in this order: no effect (the interval inside [r - m, r + m], whatever its sign), holds
-(on the predicted side of r), reversed (on the other side; a share claim: its mirror's interval
-above r), fails (a share claim whose interval and mirror's both lie below r), else undecided.
-
 trend: the least-squares line of per-unit values over the P points of a line (N units), the slope's
 t interval (N - 2 df), the lack-of-fit F = (SS_lof / (P - 2)) / (SS_pe / (N - P)), and Spearman's
-rho with the Fisher-z interval, se sqrt(1.06 / (N - 3)) (Fieller, Hartley and Pearson 1957): a
-curved rise still reads as a rise.
-
-Row-wise correlations: Pearson, Spearman (average ranks for ties), the partial given one control
-(geometry.partial_correlation's form); NaN with a NaN, under 3 values (4 for the partial) or a
-constant row.
+rho with the Fisher-z interval, se sqrt(1.06 / (N - 3)) (Fieller, Hartley and Pearson 1957).
+Row-wise correlations are NaN with a NaN, under 3 values (4 for the partial) or a constant row.
 """
 import functools
 import math
@@ -47,8 +35,7 @@ FLOOR_SHARE = 0.8          # share: seeds spread at least as binomial sampling a
 
 # ----------------------------------------------------------------------------- distributions
 def betainc(a, b, x):
-    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified
-    Lentz)."""
+    """The regularized incomplete beta function I_x(a, b): its continued fraction (Lentz)."""
     if x <= 0 or x >= 1:
         return float(x >= 1)
     if x > (a + 1) / (a + b + 2):   # the fraction converges fast on this side only
@@ -75,8 +62,7 @@ def betainc(a, b, x):
 
 @functools.lru_cache(maxsize=None)
 def t_quantile(p, df):
-    """The p-quantile (p > 0.5) of Student's t: bisection of
-    P(T > t) = I_{df/(df+t^2)}(df/2, 1/2) / 2."""
+    """The p-quantile (p > 0.5) of t: bisection of P(T > t) = I_{df/(df+t^2)}(df/2, 1/2) / 2."""
     if df == math.inf:
         return Z if p == 0.975 else t_quantile(p, 1e9)
     lo, hi = 0.0, 1e4
@@ -121,9 +107,8 @@ def t_interval(values):
 
 
 def share(hits, counts):
-    """(share, lo, hi, se_lo, se_hi, df) of hits out of counts trajectories per seed: the mean of
-    the seeds' shares and its interval (the docstring's rule); se_lo, se_hi: (share - lo) / t and
-    (hi - share) / t before clipping, for p_value."""
+    """(share, lo, hi, se_lo, se_hi, df) of hits out of counts trajectories per seed (the module's
+    rule); se_lo, se_hi: (share - lo) / t and (hi - share) / t before clipping, for p_value."""
     hits, counts = np.asarray(hits, dtype=float), np.asarray(counts, dtype=float)
     s = hits[counts > 0] / counts[counts > 0]
     n = len(s)
@@ -137,8 +122,7 @@ def share(hits, counts):
 
 
 def lowest(s, t, floor):
-    """The smallest lower bound m - t max(sd, floor) / sqrt(n) over the shares with the top k seeds
-    raised to 1, k = 0..n."""
+    """The smallest m - t max(sd, floor) / sqrt(n) of s with its top k seeds raised to 1, k <= n."""
     n = len(s)
     raised = np.where(np.arange(n) < np.arange(n + 1)[:, None], 1.0, np.sort(s)[::-1])
     spread = np.maximum(raised.std(1, ddof=1), floor)
@@ -226,8 +210,7 @@ def spearman(x, y):
 
 
 def trend(x, y, point):
-    """The line and monotone statistic of y on x over units grouped by point: {slope, lo, hi, n,
-    points, lof_p, rho, rho_lo, rho_hi}."""
+    """The line and monotone statistic of y on x over units grouped by point (the module's rule)."""
     x, y, point = np.asarray(x, dtype=float), np.asarray(y, dtype=float), np.asarray(point)
     ok = np.isfinite(x) & np.isfinite(y)
     x, y, point = x[ok], y[ok], point[ok]
