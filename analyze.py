@@ -2,34 +2,34 @@
 Run folders in, the study's evidence out: REPORT.md, tables, figures.
 
     python analyze.py out/ [more/] [--out=DIR] [--no_figures] [--from_iter=N]   # -> out/analysis/
-    python analyze.py tokens out/        # the token level of our checkpoints (tokens.py)
-    python analyze.py pretrained --model=EleutherAI/pythia-160m --revisions=pythia    # a pretrained series
 
 A new logged metric (say `qk_cos` per layer) with a claim and a figure:
     1. a statistic:  def final_cos(run, view): return run.final('qk_cos', layers_of(run, view))
-    2. a row:        Claim(key='g', text='(g) queries and keys align', stat='final qk_cos', fn=final_cos,
-                     margin=0.05) in CLAIMS (the seed's claims), or Stat(...) in STATS (descriptive)
+    2. a row:        Claim(key='g', text='(g) queries and keys align', stat='final qk_cos',
+                     fn=final_cos, margin=0.05) in CLAIMS (the paper's claims), or
+                     Stat(...) in STATS (descriptive)
     3. a figure:     Figure('fig11_cos', fn(study, tables), 'Regime', 'its title') in plots.FIGURES
 
-A statistic is fn(unit, view); a unit is a seed (a run), a seed pair (a controlled run and the none run of its
-other settings and seed) or a model (a token series); (a), (b) give signs per trajectory (a layer of a run),
-summarised per seed (stats.share). A view: a lens, a window, a layer position.
-
-A random init's whole-matrix PR starts near C/2 and collapses for hundreds of iterations, so a reference there
-tests the collapse. (a), (b) are judged after the init is forgotten, from the first record where
-||W - W(0)||_F >= ||W(0)||_F for W_Q and W_K (the learned part then dominates), 25% and 50% of training.
-
-(d), (e) are decided on the control_keep=spec arm: the top singular value kept, the spectrum changes shape and
-the logits are not pushed up; the fro arm (a narrower spectrum, larger logits) is beside. (d) takes the
-strongest shrink dose whose per-head PR_K change lies below WELL_BELOW.
+A statistic is fn(unit, view); a unit is a seed (a run), a seed pair (a controlled run and the none
+run of its other settings and seed) or a model (a run or a pretrained series, read at its model
+checkpoints); (a), (b) give signs per trajectory (a layer of a run), summarised per seed
+(stats.share). A view: a lens, a window, a layer position. Why (a), (b) start where the init is
+forgotten and (d), (e) read the spec arm: README.md. (a), (b) read only the records of the regular
+grid (every geom_interval-th iteration and the last): the log-spaced extra records move with a
+run's length. (f1), (f2) read the token-level values of a model's checkpoints: train.py's
+model_ckpts iterations in our runs, every record of a pretrained series.
 """
 import argparse
+import dataclasses
+import json
 import math
 import os
 import sys
 import time
 from collections import namedtuple
 from dataclasses import dataclass
+from functools import reduce
+from itertools import product
 
 import numpy as np
 
@@ -37,31 +37,33 @@ import folders
 import plots
 import report
 import stats
-import tokens
 from folders import FINAL_LOGS, OutError, Skip, group
 from report import shown, verdict_text
 from stats import nanmean
 
 WELL_BELOW = -0.20
 
-# ----------------------------------------------------------------------------- views
-Lens = namedtuple('Lens', 'q k qk size what')   # a per-head list: the key without _head, with _heads
+# ------------------------------------------------------------------------------------------ views
+Lens = namedtuple('Lens', 'q k qk size what')   # per-head lists: the key without _head, + _heads
 LENSES = {'whole': Lens('pr_q', 'pr_k', 'pr_qk', 'C', 'whole-matrix weight PR'),
           'head': Lens('pr_q_head', 'pr_k_head', 'pr_qk', 'd', 'per-head weight PR'),
           'tok': Lens('tok_pr_q', 'tok_pr_k', 'tok_pr_qk', 'C', 'token-level PR'),
           'learned': Lens('pr_dq', 'pr_dk', 'pr_qk', 'C', 'learned part W - W(0)')}
 WINDOWS = {'all': 'all records', 'warmup': 'from warm-up on', 'post': 'after the init is forgotten'}
-REFERENCES = {'all': ('the first record',), 'warmup': ('the end of warm-up', 'twice that', '10% of training'),
-              'post': ('init forgotten (the first record where ||W - W(0)||_F >= ||W(0)||_F for W_Q and W_K)',
-                       '25% of training', '50% of training')}
+FORGOTTEN = ('init forgotten (the first record where ||W - W(0)||_F >= ||W(0)||_F for W_Q and '
+             'W_K)')
+REFERENCES = {'all': ('the first record',),
+              'warmup': ('the end of warm-up', 'twice that', '10% of training'),
+              'post': (FORGOTTEN, '25% of training', '50% of training')}
 POSITIONS = ('all', 'first', 'middle', 'last')
-View = namedtuple('View', 'lens window position from_iter', defaults=('whole', 'all', 'all', None))
+View = namedtuple('View', 'lens window position from_iter',
+                  defaults=('whole', 'all', 'all', None))
 
 
 def layers_of(run, view):
     n = run.n_layer
-    return {'all': list(range(n)), 'first': [0], 'middle': list(range(1, n - 1)), 'last': [n - 1]}[
-        view.position]
+    at = {'all': list(range(n)), 'first': [0], 'middle': list(range(1, n - 1)), 'last': [n - 1]}
+    return at[view.position]
 
 
 def usable(run, it):
@@ -72,62 +74,124 @@ def usable(run, it):
 
 def references(run, view, layers):
     """The window's REFERENCES' iterations (None: not reached)."""
-    m, w = run.cfg['max_iters'], run.cfg['warmup_iters'] if view.from_iter is None else view.from_iter
-    if view.window != 'post':
-        return [int(view.lens == 'learned')] if view.window == 'all' else [w, 2 * w, m / 10]
-    gone = np.flatnonzero(np.all([run.m[k][:, layers] >= 1 for k in ('dq_rel', 'dk_rel') if k in run.m]
-                                 or [[[False]]], (0, 2)))
+    m = run.cfg['max_iters']
+    w = run.cfg['warmup_iters'] if view.from_iter is None else view.from_iter
+    if view.window == 'all':
+        return [int(view.lens == 'learned')]   # the learned part is 0 at iteration 0
+    if view.window == 'warmup':
+        return [w, 2 * w, m / 10]
+    moved = [run.m[k][:, layers] >= 1 for k in ('dq_rel', 'dk_rel') if k in run.m]
+    gone = np.flatnonzero(np.all(moved, (0, 2))) if moved else []
     return [int(run.iters[gone[0]]) if len(gone) else None, m / 4, m / 2]
 
 
 def start(run, view, layers):
-    """The first iteration a window keeps (after the init is forgotten: the earliest usable reference)."""
+    """The first iteration a window keeps ('post': its earliest usable reference)."""
     refs = references(run, view, layers)
-    found = [run.iters[i] for i in (usable(run, it) for it in refs) if i is not None] + [math.inf]
-    return max(min(found) if view.window == 'post' else refs[0], int(view.lens == 'learned'))
+    found = [run.iters[i] for i in (usable(run, it) for it in refs) if i is not None]
+    first = min(found, default=math.inf) if view.window == 'post' else refs[0]
+    return max(first, int(view.lens == 'learned'))
 
 
-# ----------------------------------------------------------------------------- statistics of one unit
+def on_grid(run):
+    """The run on its regular grid: its records at multiples of geom_interval and at max_iters."""
+    if 'grid' not in run.memo:
+        every, last = run.cfg.get('geom_interval'), run.cfg.get('max_iters')
+        keep = np.ones(len(run.iters), bool)
+        if type(every) is int and every > 0:
+            keep = (run.iters % every == 0) | (run.iters == last)
+        m = {k: v[keep] for k, v in run.m.items()}
+        run.memo['grid'] = dataclasses.replace(run, iters=run.iters[keep], m=m, memo={})
+        run.memo['grid'].use(run.settings)   # as the study read them (folders.load_runs)
+    return run.memo['grid']
+
+
+def seed_mean(runs):
+    """One run: the per-layer mean over runs (a setting's seeds) at the grid records they share."""
+    grids = [on_grid(r) for r in runs]
+    its = reduce(np.intersect1d, [g.iters for g in grids])
+    keys = {k for g in grids for k, v in g.m.items() if v.ndim == 2}
+    m = {k: nanmean(folders.stack(grids, k, its)[1], axis=0) for k in sorted(keys)}
+    mean = dataclasses.replace(grids[0], iters=its, m=m, memo={})
+    mean.use(runs[0].settings)
+    return mean
+
+
+def checkpoint_iters(cfg):
+    """The iterations of a run's model checkpoints: train.py's model_ckpt_iters (0, then
+    model_ckpts - 1 log-spaced from the end of warm-up to max_iters); the analysis reads logs only,
+    so it keeps its own copy, held to train.py's by a test."""
+    n, m = cfg['model_ckpts'], cfg['max_iters']
+    if n < 1 or m < 1:
+        return {0} if n >= 1 else set()
+    lo, k = min(max(1, cfg['warmup_iters']), m), n - 1
+    if k == 1:
+        return {0, m}
+    return {0} | {int(round(lo * (m / lo) ** (i / (k - 1)))) for i in range(k)}
+
+
+def checkpoints(run):
+    """The indices of the records measured on a model checkpoint (all of a pretrained series')."""
+    if run.pretrained:
+        return np.arange(len(run.iters))
+    return np.flatnonzero(np.isin(run.iters, sorted(checkpoint_iters(run.cfg))))
+
+
+# ------------------------------------------------------------------------ statistics of one unit
 def series(run, key, i):
     return run.m[key][:, i] if key in run.m else np.full(len(run.iters), np.nan)
 
 
 def moves(run, view):
-    """(a), per trajectory and reference: the signs of PR_Q(end) - PR_Q(ref) and PR_K(ref) - PR_K(end)."""
-    out, lens = [], LENSES[view.lens]
+    """(a), per trajectory and reference: signs of PR_Q(end) - PR_Q(ref), PR_K(ref) - PR_K(end)."""
+    run, out, lens = on_grid(run), [], LENSES[view.lens]
     for i in layers_of(run, view):
         q, k = series(run, lens.q, i), series(run, lens.k, i)
         q1, k1 = nanmean(q[-FINAL_LOGS:]), nanmean(k[-FINAL_LOGS:])
         at = [usable(run, it) for it in references(run, view, [i])]
-        out.append([(np.nan, np.nan) if j is None else (np.sign(q1 - q[j]), np.sign(k[j] - k1)) for j in at])
+        out.append([(np.nan, np.nan) if j is None else (np.sign(q1 - q[j]), np.sign(k[j] - k1))
+                    for j in at])
     return np.array(out, dtype=float)
 
 
 def gap_signs(run, view):
-    """(b), per trajectory and record from the window's start (after iteration 0): sign(PR_Q - PR_K)."""
-    lens = LENSES[view.lens]
-    return np.array([np.where(run.iters >= max(start(run, view, [i]), 1), np.sign(
-        series(run, lens.q, i) - series(run, lens.k, i)), np.nan)[:, None] for i in layers_of(run, view)])
+    """(b), per trajectory and record from the window's start (after iteration 0): the gap sign."""
+    run, lens, out = on_grid(run), LENSES[view.lens], []
+    for i in layers_of(run, view):
+        kept = run.iters >= max(start(run, view, [i]), 1)
+        gap = series(run, lens.q, i) - series(run, lens.k, i)
+        out.append(np.where(kept, np.sign(gap), np.nan)[:, None])
+    return np.array(out)
+
+
+def gap_share(run, view):
+    """The share of (b)'s records with PR_Q - PR_K > 0 (of its iterations: the grid is regular)."""
+    signs = gap_signs(run, view)
+    kept = np.isfinite(signs)
+    return float((signs[kept] > 0).mean()) if kept.any() else math.nan
 
 
 def values(run, role, lens, heads, layers):
-    """(records, values) of a role (k, qk: the lens' PR_K, PR_QK; entropy; scale: log ||W_QK^h||_2), per
-    (layer, head) or per layer; None if not logged."""
+    """(records, values) of a role (k, qk: the lens' PR_K, PR_QK; entropy; scale: log
+    ||W_QK^h||_2), per (layer, head) or per layer; None if not logged."""
     key = {'entropy': 'entropy', 'scale': 'qk_spec_norm'}.get(role) or getattr(LENSES[lens], role)
     key = key.removesuffix('_head') + '_heads' if heads else key
     if key not in run.m:
         return None
     a = run.m[key][:, layers]
-    with np.errstate(divide='ignore', invalid='ignore'):
-        return (np.log(np.where(a > 0, a, np.nan)) if role == 'scale' else a).reshape(len(a), -1)
+    if role == 'scale':
+        with np.errstate(divide='ignore', invalid='ignore'):
+            a = np.log(np.where(a > 0, a, np.nan))
+    return a.reshape(len(a), -1)
 
 
 def correlation(x, y, scope='heads', kind='spearman', changes=False):
-    """A statistic of a run: the correlation of roles x, y (partial: given the scale), of levels or of changes
-    between records; across each record's (layer, head) pairs, mean over records (heads), or over the run's
-    records, mean over layers (time)."""
+    """A statistic of a run: the correlation of roles x, y (partial: given the scale), of levels or
+    of changes between records; across each record's (layer, head) pairs, mean over records
+    (heads), or over the run's records, mean over layers (time)."""
     roles = (x, y, 'scale') if kind == 'partial' else (x, y)
-    corr = dict(spearman=stats.spearman_rows, pearson=stats.pearson_rows, partial=stats.partial_rows)[kind]
+    corr = {'spearman': stats.spearman_rows, 'pearson': stats.pearson_rows,
+            'partial': stats.partial_rows}[kind]
 
     def fn(run, view):
         layers = layers_of(run, view)
@@ -136,7 +200,9 @@ def correlation(x, y, scope='heads', kind='spearman', changes=False):
             return math.nan
         keep = run.iters >= start(run, view, layers)
         if scope == 'time':
-            return nanmean(corr(*((np.diff(v[keep], axis=0) if changes else v[keep]).T for v in vals)))
+            kept = [v[keep] for v in vals]
+            kept = [np.diff(v, axis=0) if changes else v for v in kept]
+            return nanmean(corr(*(v.T for v in kept)))
         key = (x, y, kind, changes, view.lens, view.position)
         if key not in run.memo:   # every window of the run reads the same per-record correlations
             run.memo[key] = corr(*(np.diff(v, axis=0) if changes else v for v in vals))
@@ -145,20 +211,26 @@ def correlation(x, y, scope='heads', kind='spearman', changes=False):
 
 
 def final_pr(stat):
-    """A statistic of a run: final (PR_Q - PR_K) / C (/ d per head: comparable across widths), or log(PR_Q /
-    PR_K)."""
+    """A statistic of a run: final (PR_Q - PR_K) / C (/ d per head), or log(PR_Q / PR_K)."""
     def fn(run, view):
         lens, layers = LENSES[view.lens], layers_of(run, view)
         q, k = (np.array([run.final(key, [i]) for i in layers]) for key in (lens.q, lens.k))
+        if stat == 'gap':
+            return nanmean(q - k) / getattr(run, lens.size)
         with np.errstate(divide='ignore', invalid='ignore'):
-            return nanmean(q - k) / getattr(run, lens.size) if stat == 'gap' else nanmean(np.log(q / k))
+            return nanmean(np.log(q / k))
     return fn
 
 
 def value(key, at='final'):
     """A statistic of a run: a metric's layer mean, final or at the first record."""
-    return lambda run, view: run.final(key, layers_of(run, view)) if at == 'final' else \
-        nanmean(run.m[key][0, layers_of(run, view)]) if key in run.m and len(run.iters) else math.nan
+    def fn(run, view):
+        if at == 'final':
+            return run.final(key, layers_of(run, view))
+        if key not in run.m or not len(run.iters):
+            return math.nan
+        return nanmean(run.m[key][0, layers_of(run, view)])
+    return fn
 
 
 def conserved_imbalance(run, view):
@@ -171,25 +243,54 @@ def conserved_imbalance(run, view):
 
 
 def change(key, how='difference'):
-    """A statistic of a seed pair: key's final value (pr_ctl_head: the controlled projection's per-head PR),
-    controlled against baseline: difference, relative change or log ratio."""
+    """A statistic of a seed pair: key's final value (pr_ctl_head: the controlled projection's
+    per-head PR), controlled against baseline: difference, relative change or log ratio."""
     def fn(pair, view):
         name = f'pr_{pair[0].cfg["control_target"]}_head' if key == 'pr_ctl_head' else key
-        a, b = (r.final_loss(name) if name.endswith('_loss') else r.final(name, layers_of(r, view))
-                for r in pair)
+        if name.endswith('_loss'):
+            a, b = (r.final_loss(name) for r in pair)
+        else:
+            a, b = (r.final(name, layers_of(r, view)) for r in pair)
         if how == 'difference':
             return a - b
-        return (a / b - 1 if how == 'relative' else math.log(a / b)) if a > 0 and b > 0 else math.nan
+        if not (a > 0 and b > 0):
+            return math.nan
+        return a / b - 1 if how == 'relative' else math.log(a / b)
     return fn
 
 
-def token_column(column):
-    """A statistic of a model: a column of its token summary (uncontrolled; q, k as attention uses)."""
-    return lambda row, view: row[column] if (row.get('control') or 'none') == 'none' and (
-        row.get('rope') or 'none') in ('none', 'after') else math.nan
+def contrast_rho(part):
+    """A statistic of a model: Spearman of tok_pr_q - tok_pr_k with log(1 + step) over its early
+    (log step at or below the median) or late (at or above) checkpoints, mean over layers."""
+    def fn(run, view):
+        at = checkpoints(run)
+        x = np.log1p(run.iters[at].astype(float))
+        if not len(x):
+            return math.nan
+        half = x <= np.median(x) if part == 'early' else x >= np.median(x)
+        rhos = []
+        for i in layers_of(run, view):
+            contrast = series(run, 'tok_pr_q', i) - series(run, 'tok_pr_k', i)
+            rhos.append(stats.spearman(x[half], contrast[at][half]))
+        return nanmean(rhos)
+    return fn
 
 
-# ----------------------------------------------------------------------------- the registries
+def token_link(run, view):
+    """A statistic of a model: Spearman of tok_pr_qk with entropy at its last checkpoint's heads"""
+    at = checkpoints(run)
+    if not len(at) or not {'tok_pr_qk_heads', 'entropy_heads'} <= set(run.m):
+        return math.nan
+    layers = layers_of(run, view)
+    x, y = (run.m[k][at[-1], layers].ravel() for k in ('tok_pr_qk_heads', 'entropy_heads'))
+    return stats.spearman(x, y)
+
+
+# ---------------------------------------------------------------------------------- the registries
+UNBOUNDED = (-math.inf, math.inf)
+CORRELATION = (-1.0, 1.0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Stat:
     key: str
@@ -200,192 +301,272 @@ class Stat:
     window: str = 'warmup'      # its own
     tables: tuple = ()          # map, regime, trend (REPORT.md, fig9), optimizer, control
     control: str = ''           # a pair's control kind ('': any)
-    log: bool = False           # logs, shown as exp of their mean
-    limits: tuple = (-1, 1)     # an interval is clipped to these
+    log: bool = False           # fn gives logs; intervals, ref and margin are shown as their exp
+    limits: tuple = UNBOUNDED   # an interval is clipped to these (a correlation: CORRELATION)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Claim(Stat):
-    text: str                   # what the seed's study says
+    text: str                   # what the paper says
     sign: int = +1              # the predicted sign of (statistic - ref)
-    ref: float = 0.0
+    ref: float = 0.0            # in the units of the value shown (a log claim: a ratio)
     margin: float = 0.0         # no effect: the interval inside ref -/+ margin
     beside: tuple = ()          # 'key' or 'key@window' shown beside (a pair claim: the fro arm's)
     tables: tuple = ('map', 'regime')
 
 
-ALL4, HEADS, INF = tuple(LENSES), ('head', 'tok', 'learned'), (-math.inf, math.inf)
-PAIRS, D = 'across the (layer, head) pairs of a record, mean over records', 'controlled - baseline'
-SHARE, C = dict(unit='trajectory', lenses=ALL4, window='post', ref=0.5), dict(lenses=HEADS, margin=0.1)
+ALL4, HEADS = tuple(LENSES), ('head', 'tok', 'learned')
+PAIRS = 'across the (layer, head) pairs of a record, mean over records'
+TIME = 'within a run over its records, per layer, mean over layers'
+CONTROLLED = 'controlled - baseline'
+SHARE = {'unit': 'trajectory', 'lenses': ALL4, 'window': 'post', 'ref': 0.5}
+ACROSS = {'lenses': HEADS, 'margin': 0.1, 'limits': CORRELATION}
+CONTROL = {'unit': 'pair', 'margin': 0.02, 'beside': ('d_qk_spec_norm',), 'tables': ('regime',)}
+TOKEN = {'unit': 'model', 'margin': 0.1, 'limits': CORRELATION, 'tables': ()}
 CLAIMS = [
     Claim(key='a', text='(a) PR_Q grows and PR_K falls over training', fn=moves, **SHARE,
-          stat='PR_Q(end) > PR_Q(ref) and PR_K(end) < PR_K(ref) from every reference; mirror: PR_Q falls and '
-          'PR_K rises from every one', beside=('a@warmup',)),
+          beside=('a@warmup',),
+          stat='PR_Q(end) > PR_Q(ref) and PR_K(end) < PR_K(ref) from every reference, on the grid '
+               'records; mirror: PR_Q falls and PR_K rises from every one'),
     Claim(key='b', text='(b) PR_Q - PR_K > 0 along every trajectory', fn=gap_signs, **SHARE,
-          stat='PR_Q - PR_K > 0 at every record from the first reference; mirror: < 0 at every one',
-          beside=('b@all', 'ratio_end', 'ratio_end_head')),
+          beside=('gap_share', 'b@all', 'ratio_end', 'ratio_end_head'),
+          stat='PR_Q - PR_K > 0 at every grid record from the first reference; mirror: < 0 at '
+               'every one'),
     Claim(key='c', text='(c) lower PR_K goes with lower attention entropy, across heads',
-          stat=f'Spearman of PR_K with entropy {PAIRS}', fn=correlation('k', 'entropy'), **C),
+          stat=f'Spearman of PR_K with entropy {PAIRS}', fn=correlation('k', 'entropy'), **ACROSS),
     Claim(key='c-qk', text='(c) lower PR_K goes with a narrower QK^T spectrum, across heads',
-          stat=f'Spearman of PR_K with PR_QK {PAIRS}', fn=correlation('k', 'qk'), **C),
+          stat=f'Spearman of PR_K with PR_QK {PAIRS}', fn=correlation('k', 'qk'), **ACROSS),
     Claim(key='c-d', text='(c) changes of PR_K go with changes of entropy, across heads',
-          stat='the same of the changes between records', fn=correlation('k', 'entropy', changes=True), **C),
+          stat='the same of the changes between records',
+          fn=correlation('k', 'entropy', changes=True), **ACROSS),
     Claim(key='c-dqk', text='(c) changes of PR_K go with changes of PR_QK, across heads',
-          stat='the same of PR_K with PR_QK', fn=correlation('k', 'qk', changes=True), **C),
-    Claim(key='c2', text="(c2) the key spectrum's shape tracks entropy beyond the logit scale", **C,
+          stat='the same of PR_K with PR_QK', fn=correlation('k', 'qk', changes=True), **ACROSS),
+    Claim(key='c2', text="(c2) the key spectrum's shape tracks entropy beyond the logit scale",
           stat=f'Pearson partial correlation of PR_K with entropy given log ||W_QK^h||_2 {PAIRS}',
-          fn=correlation('k', 'entropy', kind='partial')),
-    *[Claim(key=key, text=text, stat=f'final attention entropy, {D}', fn=change('entropy'), unit='pair',
-            sign=sign, margin=0.02, control=kind, beside=('d_qk_spec_norm',), tables=('regime',), limits=INF)
-      for key, kind, sign, text in (('d', 'shrink', -1, '(d) shrinking the key spectrum sharpens attention'),
-                                    ('e', 'freeze', +1, '(e) freezing the key spectrum softens attention'))],
-    *[Claim(key=key, text=text, stat=stat, fn=token_column(col), unit='model', sign=sign, margin=0.1,
-            tables=()) for key, text, col, sign, stat in (
-        ('f1-early', '(f1) token-level PR_Q - PR_K rises early', 'rho_early', +1, 'Spearman of tok_pr_q - '
-         "tok_pr_k with log(1 + step) over a model's early checkpoints (log step at or below its median), "
-         'mean over layers'),
-        ('f1-late', '(f1) ... and decays later', 'rho_late', -1,
-         'the same over the late checkpoints (at or above the median)'),
-        ('f2', '(f2) token-level interaction rank tracks attention entropy', 'link_rho', +1, 'Spearman of '
-         "tok_pr_qk with entropy across the (layer, head) pairs of a model's last checkpoint"))],
+          fn=correlation('k', 'entropy', kind='partial'), **ACROSS),
+    Claim(key='d', text='(d) shrinking the key spectrum sharpens attention',
+          stat=f'final attention entropy, {CONTROLLED}', fn=change('entropy'), sign=-1,
+          control='shrink', **CONTROL),
+    Claim(key='e', text='(e) freezing the key spectrum softens attention',
+          stat=f'final attention entropy, {CONTROLLED}', fn=change('entropy'), control='freeze',
+          **CONTROL),
+    Claim(key='f1-early', text='(f1) token-level PR_Q - PR_K rises early',
+          stat="Spearman of tok_pr_q - tok_pr_k with log(1 + step) over a model's early "
+               'checkpoints (log step at or below its median), mean over layers',
+          fn=contrast_rho('early'), **TOKEN),
+    Claim(key='f1-late', text='(f1) ... and decays later',
+          stat='the same over the late checkpoints (at or above the median)',
+          fn=contrast_rho('late'), sign=-1, **TOKEN),
+    Claim(key='f2', text='(f2) token-level interaction rank tracks attention entropy',
+          stat="Spearman of tok_pr_qk with entropy across the (layer, head) pairs of a model's "
+               'last checkpoint', fn=token_link, **TOKEN),
 ]
-TIME = 'within a run over its records, per layer, mean over layers'
+
+
+def across(key, stat, fn, tables=('map',)):
+    """A descriptive correlation across the (layer, head) pairs of each record."""
+    return Stat(key=key, stat=f'{stat} {PAIRS}', fn=fn, lenses=HEADS, tables=tables,
+                limits=CORRELATION)
+
+
+def over_time(key, stat, fn):
+    """A descriptive correlation within a run over its records, in every lens."""
+    return Stat(key=key, stat=f'{stat} {TIME}', fn=fn, lenses=ALL4, window='all', tables=('map',),
+                limits=CORRELATION)
+
+def final_stats():
+    """The final PR gap and ratio in each weight lens (the ratio on the log scale)."""
+    out = []
+    for lens, suffix, tables in (('whole', '', ('regime', 'trend')),
+                                 ('head', '_head', ('regime', 'trend', 'optimizer')),
+                                 ('learned', '_learned', ('regime',))):
+        size, what = LENSES[lens].size, LENSES[lens].what
+        out.append(Stat(key=f'gap_end{suffix}', stat=f'final (PR_Q - PR_K) / {size} in the {what}',
+                        fn=final_pr('gap'), lenses=(lens,), tables=('regime',)))
+        out.append(Stat(key=f'ratio_end{suffix}', stat=f'final PR_Q / PR_K in the {what}',
+                        fn=final_pr('ratio'), lenses=(lens,), log=True, tables=tables))
+    return out
+
+
+def control_stats():
+    """Final values of a seed pair, controlled - baseline."""
+    rows = (('entropy', 'final entropy', change('entropy'), ()),
+            ('pr_head', 'final per-head PR of the controlled projection',
+             change('pr_ctl_head'), ()),
+            ('pr_head_rel', "the same relative to the baseline's",
+             change('pr_ctl_head', 'relative'), ()),
+            ('qk_spec_norm', 'final qk_spec_norm', change('qk_spec_norm'), ('map', 'regime')),
+            ('log_qk_spec_norm', 'final log qk_spec_norm', change('qk_spec_norm', 'log'), ()),
+            ('k_spec_norm', 'final k_spec_norm (top singular value of W_K^h)',
+             change('k_spec_norm'), ()),
+            ('q_spec_norm', 'final q_spec_norm', change('q_spec_norm'), ()),
+            ('val_loss', 'final val_loss', change('val_loss'), ('map', 'regime')))
+    return [Stat(key=f'd_{key}', stat=f'{stat}, {CONTROLLED}', fn=fn, unit='pair',
+                 tables=('control',) + more) for key, stat, fn, more in rows]
+
+
 STATS = [
-    *[Stat(key=key, stat=f'{stat} {PAIRS}', fn=fn, lenses=HEADS, tables=('map',) + more)
-      for key, stat, fn, more in (
-        ('qk~entropy', 'Spearman of PR_QK with entropy', correlation('qk', 'entropy'), ()),
-        ('k~entropy (r)', 'Pearson of PR_K with entropy', correlation('k', 'entropy', kind='pearson'), ()),
-        ('qk~entropy|scale', 'Pearson partial of PR_QK with entropy given the log scale',
-         correlation('qk', 'entropy', kind='partial'), ()),
-        ('scale~entropy', 'Pearson of log ||W_QK^h||_2 with entropy',
-         correlation('scale', 'entropy', kind='pearson'), ('regime',)))],
-    *[Stat(key=key, stat=f'{stat} {TIME}', fn=fn, lenses=ALL4, window='all', tables=('map',))
-      for key, stat, fn in (
-        ('k~entropy over time', 'Spearman of PR_K with entropy (two trends correlate, linked or not)',
-         correlation('k', 'entropy', 'time')),
-        ('dk~dentropy over time', 'Spearman of their changes between records',
-         correlation('k', 'entropy', 'time', changes=True)),
-        ('k~qk over time', 'Spearman of PR_K with PR_QK', correlation('k', 'qk', 'time')),
-        ('k~entropy|scale over time', 'Pearson partial of PR_K with entropy given the log scale',
-         correlation('k', 'entropy', 'time', 'partial')))],
-    *[Stat(key=f'{stat}_end{suffix}', stat=f'final {what} in the {LENSES[lens].what}', fn=final_pr(stat),
-           lenses=(lens,), log=stat == 'ratio', limits=INF, tables=('regime',) + ('trend',) * (
-               stat == 'ratio' and lens != 'learned') + ('optimizer',) * (lens == 'head' and stat == 'ratio'))
-      for lens, suffix in (('whole', ''), ('head', '_head'), ('learned', '_learned'))
-      for stat, what in (('gap', f'(PR_Q - PR_K) / {LENSES[lens].size}'), ('ratio', 'PR_Q / PR_K'))],
-    *[Stat(key=key, stat=stat, fn=fn, tables=tables, limits=INF) for key, stat, fn, tables in (
-        ('entropy_end', 'final attention entropy (nats)', value('entropy'), ('regime', 'trend')),
-        ('imbalance_start', 'qk_imbalance at the first record', value('qk_imbalance', 'first'),
-         ('optimizer',)),
-        ('imbalance_end', 'final qk_imbalance', value('qk_imbalance'), ('regime', 'optimizer', 'trend')),
-        ('imbalance_conserved', 'final qk_imbalance had D_h kept its initial norm', conserved_imbalance,
-         ('optimizer',)),
-        ('drift_end', 'final qk_drift, ||D_h(t) - D_h(0)||_F / gram(t)', value('qk_drift'),
-         ('regime', 'optimizer')),
-        ('dq_rel_end', 'final ||W_Q - W_Q(0)||_F / ||W_Q(0)||_F', value('dq_rel'), ('optimizer',)),
-        ('val_loss', 'final validation loss', lambda r, view: r.final_loss('val_loss'),
-         ('regime', 'optimizer')),
-        ('train_val_gap', 'final val_loss - train_loss', lambda r, v: r.final_loss('val_loss') -
-         r.final_loss('train_loss'), ('regime', 'trend')))],
-    *[Stat(key=f'd_{key}', stat=f'{stat}, {D}', fn=fn, unit='pair', tables=('control',) + more, limits=INF)
-      for key, stat, fn, more in (
-        ('entropy', 'final entropy', change('entropy'), ()),
-        ('pr_head', 'final per-head PR of the controlled projection', change('pr_ctl_head'), ()),
-        ('pr_head_rel', "the same relative to the baseline's", change('pr_ctl_head', 'relative'), ()),
-        ('qk_spec_norm', 'final qk_spec_norm', change('qk_spec_norm'), ('map', 'regime')),
-        ('log_qk_spec_norm', 'final log qk_spec_norm', change('qk_spec_norm', 'log'), ()),
-        ('k_spec_norm', 'final k_spec_norm (top singular value of W_K^h)', change('k_spec_norm'), ()),
-        ('q_spec_norm', 'final q_spec_norm', change('q_spec_norm'), ()),
-        ('val_loss', 'final val_loss', change('val_loss'), ('map', 'regime')))],
+    across('qk~entropy', 'Spearman of PR_QK with entropy', correlation('qk', 'entropy')),
+    across('k~entropy (r)', 'Pearson of PR_K with entropy',
+           correlation('k', 'entropy', kind='pearson')),
+    across('qk~entropy|scale', 'Pearson partial of PR_QK with entropy given the log scale',
+           correlation('qk', 'entropy', kind='partial')),
+    across('scale~entropy', 'Pearson of log ||W_QK^h||_2 with entropy',
+           correlation('scale', 'entropy', kind='pearson'), ('map', 'regime')),
+    over_time('k~entropy over time',
+              'Spearman of PR_K with entropy (two trends correlate, linked or not)',
+              correlation('k', 'entropy', 'time')),
+    over_time('dk~dentropy over time', 'Spearman of their changes between records',
+              correlation('k', 'entropy', 'time', changes=True)),
+    over_time('k~qk over time', 'Spearman of PR_K with PR_QK', correlation('k', 'qk', 'time')),
+    over_time('k~entropy|scale over time',
+              'Pearson partial of PR_K with entropy given the log scale',
+              correlation('k', 'entropy', 'time', 'partial')),
+    Stat(key='gap_share', stat="the share of (b)'s grid records with PR_Q - PR_K > 0 (of the "
+                               'iterations from the reference on), over layers',
+         fn=gap_share, lenses=ALL4, window='post', tables=('regime',), limits=(0.0, 1.0)),
+    *final_stats(),
+    Stat(key='entropy_end', stat='final attention entropy (nats)', fn=value('entropy'),
+         tables=('regime', 'trend')),
+    Stat(key='imbalance_start', stat='qk_imbalance at the first record',
+         fn=value('qk_imbalance', 'first'), tables=('optimizer',)),
+    Stat(key='imbalance_end', stat='final qk_imbalance', fn=value('qk_imbalance'),
+         tables=('regime', 'optimizer', 'trend')),
+    Stat(key='imbalance_conserved', stat='final qk_imbalance had D_h kept its initial norm',
+         fn=conserved_imbalance, tables=('optimizer',)),
+    Stat(key='drift_end', stat='final qk_drift, ||D_h(t) - D_h(0)||_F / gram(t)',
+         fn=value('qk_drift'), tables=('regime', 'optimizer')),
+    Stat(key='dq_rel_end', stat='final ||W_Q - W_Q(0)||_F / ||W_Q(0)||_F', fn=value('dq_rel'),
+         tables=('optimizer',)),
+    Stat(key='val_loss', stat='final validation loss',
+         fn=lambda run, view: run.final_loss('val_loss'), tables=('regime', 'optimizer')),
+    Stat(key='train_val_gap', stat='final val_loss - train_loss',
+         fn=lambda run, view: run.final_loss('val_loss') - run.final_loss('train_loss'),
+         tables=('regime', 'trend')),
+    *control_stats(),
 ]
 ALL = {s.key: s for s in CLAIMS + STATS}
 
 
 def judge(stat, units, view=View()):
-    """A statistic over units by its interval rule, judged if a Claim: {n, est, lo, hi, p, verdict, why,
-    values}; a trajectory claim adds hits, mirror, seeds, per_ref, per_part."""
-    if stat.unit == 'trajectory':
-        res = shares([stat.fn(u, view) for u in units])
-    else:
-        v = np.array([stat.fn(u, view) for u in units], dtype=float)
-        v = v[np.isfinite(v)]
-        est, lo, hi, n = stats.t_interval(v)
-        res = {'values': list(v), 'n': n, 'est': est, 'lo': max(lo, stat.limits[0]), 'df': n - 1,
-               'hi': min(hi, stat.limits[1]), 'se': float(v.std(ddof=1)) / math.sqrt(n) if n > 1 else 0}
+    """A statistic over units by its interval rule, judged if a Claim: {n, est, lo, hi, p, verdict,
+    why, values}; a trajectory claim adds hits, mirror, seeds, per_ref, per_part."""
+    found = [stat.fn(u, view) for u in units]
+    res = shares(found) if stat.unit == 'trajectory' else interval(stat, found)
     res.update({'verdict': '', 'why': '', 'p': math.nan})
-    res.update(decide(stat, res) if isinstance(stat, Claim) else {})
+    if isinstance(stat, Claim):
+        res.update(decide(stat, res))
     if not res['n']:
-        res['verdict'], res['why'] = 'not measured', 'no trajectory has a reference record before its last ' \
-            f'{FINAL_LOGS} records (runs too short for this window)' if stat.unit == 'trajectory' else \
-            'not logged, or no unit with a value in this view'
+        res['verdict'] = 'not measured'
+        res['why'] = 'not logged, or no unit with a value in this view'
+        if stat.unit == 'trajectory':
+            res['why'] = (f'no trajectory has a reference record before its last {FINAL_LOGS} '
+                          'records (runs too short for this window)')
     if stat.log:
         res.update(zip(('est', 'lo', 'hi'), np.exp([res['est'], res['lo'], res['hi']])))
     return {k: float(v) if isinstance(v, np.floating) else v for k, v in res.items()}
 
 
+def interval(stat, values):
+    """The Student-t interval of the finite values, clipped to the statistic's limits."""
+    v = np.array(values, dtype=float)
+    v = v[np.isfinite(v)]
+    est, lo, hi, n = stats.t_interval(v)
+    return {'values': list(v), 'n': n, 'est': est, 'lo': max(lo, stat.limits[0]),
+            'hi': min(hi, stat.limits[1]), 'df': n - 1,
+            'se': float(v.std(ddof=1)) / math.sqrt(n) if n > 1 else 0}
+
+
 def outcomes(signs):
-    """Per trajectory: +1 if every sign it has (over references or records, and parts) is +1, -1 if every one
-    is -1, else 0; NaN with none."""
+    """Per trajectory: +1 if every sign it has (over references or records, and parts) is +1, -1
+    if every one is -1, else 0; NaN with none."""
     fin = np.isfinite(signs)
     every = lambda x: (np.where(fin, signs, x) == x).all((1, 2))
-    return np.where(fin.any((1, 2)), np.where(every(1), 1.0, np.where(every(-1), -1.0, 0.0)), np.nan)
+    found = np.where(every(1), 1.0, np.where(every(-1), -1.0, 0.0))
+    return np.where(fin.any((1, 2)), found, np.nan)
 
 
 def shares(signs):
-    """The per-seed shares of a trajectory claim and its mirror; with parts, counts per reference and part."""
+    """The per-seed shares of a trajectory claim and its mirror; counts per reference and part."""
     signs = [s for s in signs if np.size(s)]
-    o = [outcomes(s) for s in signs]
-    count, hold, mirror = ([int(x.sum()) for x in (np.isfinite(v) if w is None else v == w for v in o)]
-                           for w in (None, 1, -1))
-    (est, lo, hi, n_eff, df), m = stats.share(hold, count), stats.share(mirror, count)
-    res = {'values': [h / c for h, c in zip(hold, count) if c], 'n': sum(count), 'est': est, 'lo': lo,
-           'hi': hi, 'hits': sum(hold), 'mirror': sum(mirror), 'seeds': sum(c > 0 for c in count),
-           'n_eff': n_eff, 'df': df, **dict(zip(('mirror_est', 'mirror_lo', 'mirror_hi', 'mirror_n_eff'), m))}
-    if signs and len({s.shape[1:] for s in signs}) == 1 and signs[0].shape[2] > 1:   # references x parts
-        cat = np.concatenate(signs)
-        res['per_ref'] = [(int((cat[:, r] == 1).all(1).sum()), int(np.isfinite(cat[:, r]).all(1).sum()))
-                          for r in range(cat.shape[1])]
-        res['per_part'] = [int((outcomes(cat[..., p:p + 1]) == 1).sum()) for p in range(cat.shape[2])]
+    found = [outcomes(s) for s in signs]
+    count = [int(np.isfinite(o).sum()) for o in found]
+    hold = [int((o == 1).sum()) for o in found]
+    mirror = [int((o == -1).sum()) for o in found]
+    names = ('est', 'lo', 'hi', 'se_lo', 'se_hi', 'df')
+    res = dict(zip(names, stats.share(hold, count)))
+    res.update({f'mirror_{k}': v for k, v in zip(names, stats.share(mirror, count))})
+    res.update({'values': [h / c for h, c in zip(hold, count) if c], 'n': sum(count),
+                'hits': sum(hold), 'mirror': sum(mirror), 'seeds': sum(c > 0 for c in count)})
+    if signs and len({s.shape[1:] for s in signs}) == 1 and signs[0].shape[2] > 1:
+        cat = np.concatenate(signs)   # trajectories x references x parts
+        refs, parts = range(cat.shape[1]), range(cat.shape[2])
+        held = [int((cat[:, r] == 1).all(1).sum()) for r in refs]
+        res['per_ref'] = [(k, int(np.isfinite(cat[:, r]).all(1).sum())) for k, r in zip(held, refs)]
+        res['per_part'] = [int((outcomes(cat[..., p:p + 1]) == 1).sum()) for p in parts]
     return res
 
 
 def decide(claim, res):
-    """The verdict, why it could not decide, and the two-sided p of the test its interval inverts."""
+    """The verdict, why it could not decide, and the two-sided p of the interval's test."""
     if claim.unit == 'trajectory':
-        word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, 0, f"{res['seeds']} seeds",
-                                  (res['mirror_lo'], res['mirror_hi']))
-        se = lambda n_eff: math.sqrt(claim.ref * (1 - claim.ref) / n_eff)
-        p = [stats.p_value(res[f'{x}est'], claim.ref, se(res[f'{x}n_eff']), res['df']) if res[f'{x}n_eff']
-             else 1.0 for x in ('', 'mirror_')]
-        return {'verdict': word, 'why': why, 'p': dict(holds=p[0], reversed=p[1], fails=max(p)).get(word, 1)}
-    word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, claim.margin, res['n'])
+        return decide_share(claim, res)
+    to_value = np.exp if claim.log else float
+    word, why = stats.verdict(to_value(res['lo']), to_value(res['hi']), claim.sign, claim.ref,
+                              claim.margin, res['n'])
+    ref, low, high = claim.ref, claim.ref - claim.margin, claim.ref + claim.margin
+    if claim.log:   # ref and margin are in the units shown: the statistic is their log
+        ref, low, high = (math.log(x) if x > 0 else -math.inf for x in (ref, low, high))
     if word == 'no effect':   # two one-sided tests, doubled to match the two-sided interval
-        p = 2 * max(stats.t_sf((res['est'] - claim.ref + s * claim.margin) * s / res['se'], res['df'])
-                    for s in (1, -1)) if res['se'] else 0.0
+        tails = [stats.t_sf((res['est'] - low) / res['se'], res['df']),
+                 stats.t_sf((high - res['est']) / res['se'], res['df'])] if res['se'] else [0.0]
+        p = 2 * max(tails)
+    elif word == 'undecided':
+        p = 1.0
     else:
-        p = stats.p_value(res['est'], claim.ref, res['se'], res['df']) if word != 'undecided' else 1.0
+        p = stats.p_value(res['est'], ref, res['se'], res['df'])
     return {'verdict': word, 'why': why, 'p': min(p, 1.0)}
 
 
-# ----------------------------------------------------------------------------- groupings
+def decide_share(claim, res):
+    """A share claim: holds, reversed (the mirror holds), fails (neither can), else undecided."""
+    word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, 0,
+                              f"{res['seeds']} seeds", (res['mirror_lo'], res['mirror_hi']))
+    p = lambda x, side: stats.p_value(res[f'{x}est'], claim.ref, res[f'{x}se_{side}'], res['df'])
+    found = {'holds': p('', 'lo'), 'reversed': p('mirror_', 'lo'),
+             'fails': max(p('', 'hi'), p('mirror_', 'hi'))}
+    return {'verdict': word, 'why': why, 'p': found.get(word, 1.0)}
+
+
+# -------------------------------------------------------------------------------------- groupings
 def uncontrolled(runs):
-    return [r for r in runs if r.control == 'none']
+    return [r for r in runs if r.control == 'none' and not r.pretrained]
 
 
-def arms(runs):
-    """{(the baseline's setting, arm): [(controlled, baseline run)] by seed}: setting, other control keys,
-    shrink from the weakest dose."""
+def decayed(run):
+    """Whether weight decay reaches W_Q and W_K."""
+    return bool(run.cfg['decay_qk'] and run.cfg['weight_decay'] > 0)
+
+
+def arms(runs, rank):
+    """{(the baseline's setting, arm): [(controlled, baseline run)] by seed}: settings in rank's
+    order, then other control keys, shrink from the weakest dose."""
     base, found = {(r.base, r.seed): r for r in uncontrolled(runs)}, {}
     for r in sorted((r for r in runs if r.control != 'none'), key=lambda r: r.seed):
-        if (r.base, r.seed) in base:
-            found.setdefault((base[(r.base, r.seed)].setting, r.arm), []).append((r, base[(r.base, r.seed)]))
-    order = lambda k: (k[0], *(str(v) for n, v in k[1] if n != 'shrink_to'), -dict(k[1]).get('shrink_to', 0))
+        b = base.get((r.base, r.seed))
+        if b is not None:
+            found.setdefault((b.setting, r.arm), []).append((r, b))
+
+    def order(key):
+        setting, arm = key
+        rest = [sort_key(v) for n, v in arm if n != 'shrink_to']
+        return (rank[setting], *rest, -dict(arm).get('shrink_to', 0))
     return {key: found[key] for key in sorted(found, key=order)}
 
 
 def deciding(claim, study, keep):
-    """[(setting, arm, pairs or None, why)] deciding a control claim on W_K per family of one keep: every
-    freeze arm; the strongest shrink dose moving PR_K well below the baseline."""
+    """[(setting, arm, pairs or None, why)] deciding a control claim on W_K per family of one keep:
+    every freeze arm; the strongest shrink dose moving PR_K well below the baseline."""
     out, rel = [], ALL['d_pr_head_rel']
     for (setting, rest), keys in folders.families(study.arms, claim.control).items():
         if (dict(rest).get('control_target'), dict(rest).get('control_keep')) != ('k', keep):
@@ -395,221 +576,304 @@ def deciding(claim, study, keep):
             continue
         found = {key: judge(rel, study.arms[key]) for key in keys}
         strong = [key for key in keys if found[key]['hi'] < WELL_BELOW]
-        why = 'no dose moves per-head PR_K well below the baseline (' + ', '.join(
-            f"shrink_to {dict(k[1])['shrink_to']:g}: {shown(rel, found[k])}" for k in keys) + ')'
-        out.append((setting, strong[-1][1], study.arms[strong[-1]], '') if strong else
-                   (setting, keys[0][1], None, why))
+        if strong:
+            out.append((setting, strong[-1][1], study.arms[strong[-1]], ''))
+            continue
+        doses = ', '.join(f"shrink_to {dict(k[1])['shrink_to']:g}: {shown(rel, found[k])}"
+                          for k in keys)
+        why = f'no dose moves per-head PR_K well below the baseline ({doses})'
+        out.append((setting, keys[0][1], None, why))
     return out
 
 
 def robustness_cells(study):
-    """The map: each map statistic in every lens x window over the uncontrolled runs; claims in their own view
-    per weight decay on W_Q, W_K; (d), (e) per deciding arm and keep."""
+    """The map: each map statistic in every lens x window over the uncontrolled runs; claims in
+    their own view per weight decay on W_Q, W_K; (d), (e) per deciding arm and keep."""
     pool, cells = uncontrolled(study.runs), []
-    split = group(pool, lambda r: r.cfg['decay_qk'] and r.cfg['weight_decay'] > 0)
+    split = group(pool, decayed)
     for s in (s for s in CLAIMS + STATS if s.unit in ('trajectory', 'seed') and 'map' in s.tables):
-        views = [(lens, w, 'pooled', pool) for lens in s.lenses for w in WINDOWS]
-        for lens, window, d, runs in views + [(s.lenses[0], s.window, d, rs) for d, rs in split.items()
-                                              if isinstance(s, Claim) and len(split) > 1]:
+        views = [(lens, window, 'pooled', pool) for lens, window in product(s.lenses, WINDOWS)]
+        if isinstance(s, Claim) and len(split) > 1:
+            views += [(s.lenses[0], s.window, d, runs) for d, runs in split.items()]
+        for lens, window, d, runs in views:
+            res = judge(s, runs, View(lens, window, 'all', study.from_iter))
             cells.append({'key': s.key, 'lens': lens, 'window': window, 'decay': d, 'keep': '',
-                          **judge(s, runs, View(lens, window, 'all', study.from_iter))})
-    for c, keep in ((c, keep) for c in CLAIMS if c.unit == 'pair' for keep in ('spec', 'fro')):
-        for setting, arm, pairs, why in deciding(c, study, keep):
-            cells.append({'key': c.key, 'lens': '', 'window': '', 'decay': '', 'keep': keep, 'pairs': pairs,
-                          'setting': study.label[setting], 'arm': study.arm_name(arm),
-                          **(judge(c, pairs) if pairs else {'n': 0, 'verdict': 'not measured', 'why': why})})
+                          **res})
+    for c in (c for c in CLAIMS if c.unit == 'pair'):
+        for keep in ('spec', 'fro'):
+            for setting, arm, pairs, why in deciding(c, study, keep):
+                res = judge(c, pairs) if pairs else {'n': 0, 'verdict': 'not measured', 'why': why}
+                cells.append({'key': c.key, 'lens': '', 'window': '', 'decay': '', 'keep': keep,
+                              'pairs': pairs, 'setting': study.label[setting],
+                              'arm': study.arm_name(arm), **res})
     return cells
 
 
+def averaged(claim, runs, view):
+    """'hits/n, mirror m' of a trajectory claim over the seed-averaged layer trajectories: each
+    layer of each setting averaged over its seeds (the paper's unit)."""
+    settings = group(runs, lambda r: r.setting).values()
+    res = shares([claim.fn(seed_mean(rs), view) for rs in settings])
+    return f"{res['hits']}/{res['n']}, mirror {res['mirror']}/{res['n']}"
+
+
 def beside(claim, study, pool, cell):
-    """Shown beside a claim's verdict: Claim.beside (a pair claim: the fro arm's); (a)'s counts per reference
-    and half."""
+    """Shown beside a claim's verdict: Claim.beside (a pair claim: the fro arm's); a trajectory
+    claim's count over seed-averaged trajectories; (a)'s counts per reference and part."""
     if claim.unit == 'pair':
-        return f"keep=fro ({cell['arm']}): {shown(claim, cell)}; " + '; '.join(
-            f"{k} {shown(ALL[k], judge(ALL[k], cell['pairs']))}" for k in claim.beside) \
-            if cell.get('pairs') else ''
-    out = [f'from each reference: ' + ', '.join(f"{name.split(' (')[0]} {k}/{n}" for name, (k, n) in zip(
-        REFERENCES[claim.window], cell['per_ref'])) + '; PR_Q rises in {}, PR_K falls in {}'.format(
-        *cell['per_part'])] if cell.get('per_ref') else []
+        if not cell.get('pairs'):
+            return ''
+        more = [f"{k} {shown(ALL[k], judge(ALL[k], cell['pairs']))}" for k in claim.beside]
+        return '; '.join([f"keep=fro ({cell['arm']}): {shown(claim, cell)}"] + more)
+    out, view = [], View(claim.lenses[0], claim.window, 'all', study.from_iter)
+    if claim.unit == 'trajectory':
+        split = group(pool, decayed)
+        parts = [f"{'' if d else 'no '}decay on W_Q, W_K {averaged(claim, rs, view)}"
+                 for d, rs in split.items()] if len(split) > 1 else []
+        out.append(f'seed-averaged layers: {averaged(claim, pool, view)}'
+                   + (f" ({'; '.join(parts)})" if parts else ''))
+    if cell.get('per_ref'):
+        names = [name.split(' (')[0] for name in REFERENCES[claim.window]]
+        counts = ', '.join(f'{name} {k}/{n}' for name, (k, n) in zip(names, cell['per_ref']))
+        rises, falls = cell['per_part']
+        out.append(f'from each reference: {counts}; PR_Q rises in {rises}, PR_K falls in {falls}')
     for key, _, window in (entry.partition('@') for entry in claim.beside):
         s = ALL[key]
         res = judge(s, pool, View(s.lenses[0], window or s.window, 'all', study.from_iter))
-        out.append(f"{key}{f' ({WINDOWS[window]})' if window else ''}: {shown(ALL[key], res)}")
+        where = f' ({WINDOWS[window]})' if window else ''
+        out.append(f'{key}{where}: {shown(s, res)}')
     return '; '.join(out)
 
 
+def models(study):
+    """{source: the units of a model claim}: uncontrolled runs, pretrained series (q, k as used)."""
+    ours = uncontrolled(study.runs)
+    series = [r for r in study.series if r.cfg.get('rope') in (None, 'none', 'after')]
+    return {name: rs for name, rs in (('our checkpoints', ours), ('pretrained models', series))
+            if rs}
+
+
 def claims_table(study, cells):
-    """Each claim in its own view; (d), (e) per setting on the spec arm; (f1), (f2) per source; Holm over the
-    rows judged."""
+    """Each claim in its own view, (d), (e) per setting, (f1), (f2) per source; Holm over them."""
     pool, rows = uncontrolled(study.runs), []
     where = f'{len(pool)} uncontrolled runs in {len(group(pool, lambda r: r.setting))} settings'
     for c in CLAIMS:
         if c.unit == 'pair':
             fro = {x['setting']: x for x in cells if x['key'] == c.key and x['keep'] == 'fro'}
-            spec = [x for x in cells if x['key'] == c.key and x['keep'] == 'spec'] or [
-                dict(x, n=0, verdict='not measured', why='no control_keep=spec arm') for x in fro.values()]
-            found = [(x, f"{x['setting']}, {x['arm']}", beside(c, study, pool, fro.get(x['setting'], {})))
-                     for x in spec]
+            spec = [x for x in cells if x['key'] == c.key and x['keep'] == 'spec']
+            spec = spec or [dict(x, n=0, verdict='not measured', why='no control_keep=spec arm')
+                            for x in fro.values()]
+            found = [(x, f"{x['setting']}, {x['arm']}",
+                      beside(c, study, pool, fro.get(x['setting'], {}))) for x in spec]
         elif c.unit == 'model':
-            found = [(judge(c, rs), f'{source}: {len(rs)} series', '') for source, rs in study.tokens.items()]
+            found = [(judge(c, rs), f'{source}: {len(rs)} series', '')
+                     for source, rs in models(study).items()]
         else:
-            x = next(x for x in cells if (x['key'], x['lens'], x['window'], x['decay']) == (
-                c.key, c.lenses[0], c.window, 'pooled'))
+            own = (c.key, c.lenses[0], c.window, 'pooled')
+            x = next(x for x in cells if (x['key'], x['lens'], x['window'], x['decay']) == own)
             scope = f'{where}; {LENSES[c.lenses[0]].what}, {WINDOWS[c.window]}'
             found = [(x, scope, beside(c, study, pool, x))]
-        rows += [{'key': c.key, 'claim': c.text, 'scope': scope, 'n': x['n'], 'est': x.get('est'),
-                  'lo': x.get('lo'), 'hi': x.get('hi'), 'p': x.get('p', math.nan),
-                  'value': shown(c, x) if x['n'] else x['why'], 'beside': also,
-                  'verdict': verdict_text(x) if x['n'] else x['verdict']} for x, scope, also in found]
+        for x, scope, also in found:
+            rows.append({'key': c.key, 'claim': c.text, 'scope': scope, 'n': x['n'],
+                         'est': x.get('est'), 'lo': x.get('lo'), 'hi': x.get('hi'),
+                         'p': x.get('p', math.nan), 'value': shown(c, x) if x['n'] else x['why'],
+                         'beside': also, 'verdict': verdict_text(x) if x['n'] else x['verdict']})
     judged = [r for r in rows if np.isfinite(r['p'])]
     for r, p in zip(judged, stats.holm([r['p'] for r in judged])):
         r.update(p_holm=p, holm=r['verdict'].split(' (')[0] if p < stats.ALPHA else 'undecided')
     return rows
 
 
-# ----------------------------------------------------------------------------- the regime
+# ------------------------------------------------------------------------------------- the regime
 def regime(study):
-    """Each statistic per point (a setting's uncontrolled runs) and layer position, and trends; None below 2
-    points."""
+    """Each statistic per point (uncontrolled setting) and layer position, trends; None below 2."""
     points = group(uncontrolled(study.runs), lambda r: r.setting)
     if len(points) < 2:
         return None
     rows, units = [], {}
     for setting, runs in points.items():
-        tasks = [(s, s.key, runs) for s in CLAIMS + STATS if s.unit in ('trajectory', 'seed') and
-                 {'regime', 'optimizer'} & set(s.tables)]
-        tasks += [(s, f'{s.key} [{study.arm_name(arm)}]', pairs) for (p, arm), pairs in study.arms.items()
-                  if p == setting for s in CLAIMS + STATS if s.unit == 'pair' and 'regime' in s.tables
-                  and s.control in ('', dict(arm)['control'])]
-        for (s, key, units_), pos in ((task, pos) for task in tasks for pos in POSITIONS):
-            res = judge(s, units_, View(s.lenses[0], s.window, pos, study.from_iter))
-            units[(setting, key, pos)] = res['values']
-            rows.append({'point': study.label[setting], 'statistic': key, 'position': pos, 'seeds': len(runs),
-                         'n': res['n'], 'est': res['est'], 'lo': res['lo'], 'hi': res['hi'],
-                         'value': shown(s, res), 'verdict': res['verdict']})
+        for s, key, units_ in regime_tasks(study, setting, runs):
+            for pos in POSITIONS:
+                res = judge(s, units_, View(s.lenses[0], s.window, pos, study.from_iter))
+                units[(setting, key, pos)] = res['values']
+                rows.append({'point': study.label[setting], 'statistic': key, 'position': pos,
+                             'seeds': len(runs), 'n': res['n'], 'est': res['est'],
+                             'lo': res['lo'], 'hi': res['hi'], 'value': shown(s, res),
+                             'verdict': res['verdict']})
     rows = [r for r in rows if r['n'] or r['position'] == 'all']
     return {'rows': rows, 'trends': trends(study, points, units, rows)}
 
 
+def regime_tasks(study, setting, runs):
+    """[(statistic, key, units)] of a point: its runs' statistics, then its arms' paired ones."""
+    tasks = [(s, s.key, runs) for s in CLAIMS + STATS
+             if s.unit in ('trajectory', 'seed') and {'regime', 'optimizer'} & set(s.tables)]
+    here = {arm: pairs for (point, arm), pairs in study.arms.items() if point == setting}
+    for arm, pairs in here.items():
+        paired = [s for s in CLAIMS + STATS if s.unit == 'pair' and 'regime' in s.tables
+                  and s.control in ('', dict(arm)['control'])]
+        tasks += [(s, f'{s.key} [{study.arm_name(arm)}]', pairs) for s in paired]
+    return tasks
+
+
 def axes(points):
-    """The settings that vary between points, but for a constant multiple of an earlier axis (min_lr = lr /
-    10)."""
+    """The settings varying between points but a constant multiple of an earlier one (lr / 10)."""
     cfgs = [runs[0].settings for runs in points.values()]
     numeric = lambda k: all(type(c.get(k)) in folders.NUMBER and c.get(k) for c in cfgs)
     out = []
     for k in (k for k in folders.varying(cfgs) if k not in folders.CONTROL_KEYS):
-        out += [] if any(numeric(a) and numeric(k) and len({round(c[k] / c[a], 12) for c in cfgs}) == 1
-                         for a in out) else [k]
+        ratio = lambda a: {round(c[k] / c[a], 12) for c in cfgs}
+        multiple = any(numeric(a) and numeric(k) and len(ratio(a)) == 1 for a in out)
+        if not multiple:
+            out.append(k)
     return out
 
 
 def trends(study, points, units, rows):
-    """Per numeric axis, line of 2+ points equal in every other axis, statistic and position: stats.trend over
-    the units' values, its reading and the point verdicts."""
+    """Per numeric axis, line of 2+ points equal in every other axis, statistic and position:
+    stats.trend over the units' values, its reading and the point verdicts."""
     ax, cfg, out = axes(points), {s: runs[0].settings for s, runs in points.items()}, []
     verdicts = {(r['point'], r['statistic'], r['position']): r['verdict'] for r in rows}
     for axis in (a for a in ax if all(type(c.get(a)) in folders.NUMBER for c in cfg.values())):
         others = lambda s: tuple((a, cfg[s].get(a)) for a in ax if a != axis)
         for fixed, line in group(points, others).items():
+            if len(line) < 2:
+                continue
             line = sorted(line, key=lambda s: cfg[s][axis])
             log2 = all(cfg[s][axis] > 0 for s in line)
             x = {s: math.log2(cfg[s][axis]) if log2 else cfg[s][axis] for s in line}
-            for key, pos in dict.fromkeys((k, p) for (s, k, p) in units if s in line and len(line) > 1):
+            for key, pos in dict.fromkeys((k, p) for (s, k, p) in units if s in line):
                 have = [s for s in line if units.get((s, key, pos))]
-                fit = stats.trend(*zip(*[(x[s], v, s) for s in have for v in units[(s, key, pos)]])) \
-                    if have else {}
-                if fit.get('points', 0) < 2:
+                counts = [len(units[(s, key, pos)]) for s in have]
+                xs = np.repeat([x[s] for s in have], counts)
+                ys = sum((units[(s, key, pos)] for s in have), [])
+                fit = stats.trend(xs, ys, np.repeat(have, counts))
+                if fit['points'] < 2:
                     continue
                 means = [np.mean(units[(s, key, pos)]) for s in have]
                 log = ALL.get(key.split(' [')[0], STATS[0]).log
-                out.append({'axis': axis, 'line': ', '.join(f'{a}={v}' for a, v in fixed) or 'all points',
-                            'members': ' | '.join(study.label[s] for s in have), 'statistic': key,
-                            'position': pos, **fit, 'reading': reading(fit, np.exp(means) if log else means),
-                            'verdicts': ', '.join(verdicts[(study.label[s], key, pos)] or '-' for s in have)})
+                out.append({'axis': axis, 'line': ', '.join(f'{a}={v}' for a, v in fixed) or
+                            'all points', 'members': ' | '.join(study.label[s] for s in have),
+                            'statistic': key, 'position': pos, **fit,
+                            'reading': reading(fit, np.exp(means) if log else means),
+                            'verdicts': ', '.join(verdicts[(study.label[s], key, pos)] or '-'
+                                                  for s in have)})
     return out
 
 
+def side(lo, hi, up, down, neither):
+    """The word for an interval: up above 0, down below 0, else neither."""
+    return up if lo > 0 else down if hi < 0 else neither
+
+
 def reading(fit, means):
-    """The line (up, down, no clear slope; not a line where lack of fit rejects it) and the monotone trend."""
-    word = lambda lo, hi, up, down, none: up if lo > 0 else down if hi < 0 else none
-    line = word(fit['lo'], fit['hi'], 'up', 'down', 'no clear slope')
+    """The line (up, down, no clear slope, or not a line by lack of fit) and the monotone trend."""
+    line = side(fit['lo'], fit['hi'], 'up', 'down', 'no clear slope')
     if fit['lof_p'] < stats.ALPHA:
         line = 'not a line: point means ' + ', '.join(f'{m:.3g}' for m in means)
     elif fit['points'] == 2:
         line += ' (2 points: no lack-of-fit test)'
-    mono = word(fit['rho_lo'], fit['rho_hi'], 'rises monotonically', 'falls monotonically',
+    mono = side(fit['rho_lo'], fit['rho_hi'], 'rises monotonically', 'falls monotonically',
                 'no monotone trend')
     return f'{line}; {mono}' if np.isfinite(fit['rho_lo']) else line
 
 
-# ----------------------------------------------------------------------------- the other tables
+# ------------------------------------------------------------------------------- the other tables
 def control_tables(study):
     """(control: every paired statistic per seed pair; control_dose: each over an arm's pairs)."""
     per_pair, dose, paired = [], [], [s for s in STATS if 'control' in s.tables]
     for (setting, arm), pairs in study.arms.items():
-        head, kind = {'setting': study.label[setting], 'arm': study.arm_name(arm)}, dict(arm)['control']
+        head = {'setting': study.label[setting], 'arm': study.arm_name(arm)}
+        kind, target = dict(arm)['control'], dict(arm)['control_target']
         claim = next(c for c in CLAIMS if c.control == kind)
         res, eff = {s.key: judge(s, pairs) for s in paired}, judge(claim, pairs)
-        per_pair += [{**head, 'seed': c.seed, 'run': c.path, 'baseline': b.path,
-                      **{s.key: s.fn((c, b), View()) for s in paired}} for c, b in pairs]
+        for c, b in pairs:
+            row = {**head, 'seed': c.seed, 'run': c.path, 'baseline': b.path}
+            per_pair.append({**row, **{s.key: s.fn((c, b), View()) for s in paired}})
         k = sum(v * claim.sign > 0 for v in eff['values'])
-        dose.append({**head, 'n': len(pairs), 'baseline PR/head': nanmean([b.final(
-            f"pr_{dict(arm)['control_target']}_head") for _, b in pairs]),
-            **{s.key[2:]: shown(s, res[s.key]) for s in paired}, 'well below': bool(
-                res['d_pr_head_rel']['hi'] < WELL_BELOW), 'predicted sign': f"{k}/{eff['n']}",
-            'verdict': verdict_text(eff) if dict(arm)['control_target'] == 'k' else 'mirror: no verdict'})
+        baseline = nanmean([b.final(f'pr_{target}_head') for _, b in pairs])
+        row = {**head, 'n': len(pairs), 'baseline PR/head': baseline}
+        row.update({s.key[2:]: shown(s, res[s.key]) for s in paired})
+        row.update({'well below': bool(res['d_pr_head_rel']['hi'] < WELL_BELOW),
+                    'predicted sign': f"{k}/{eff['n']}",
+                    'verdict': verdict_text(eff) if target == 'k' else 'mirror: no verdict'})
+        dose.append(row)
     return per_pair, dose
 
 
 def dose_fits(study):
-    """Per family of 2+ shrink doses: the entropy change on the per-head PR change, alone and with the change
-    in log qk_spec_norm; jackknife-t over seeds (a seed's arms share its baseline)."""
+    """Per family of 2+ shrink doses: the entropy change on the per-head PR change, alone and with
+    the change in log qk_spec_norm; jackknife-t over seeds (a seed's arms share its baseline)."""
     out = []
     for (setting, rest), keys in folders.families(study.arms, 'shrink').items():
+        if len(keys) < 2:
+            continue
         pairs = [p for k in keys for p in study.arms[k]]
         f = lambda key: [ALL[key].fn(p, View()) for p in pairs]
         y, seeds = f('d_entropy'), [c.seed for c, _ in pairs]
         one = stats.fit_groups(y, f('d_pr_head'), seeds)
         two = stats.fit_groups(y, np.column_stack([f('d_pr_head'), f('d_log_qk_spec_norm')]), seeds)
-        row = {'setting': study.label[setting], 'arm': study.arm_name(rest), 'doses': ' '.join(
-            f"{dict(k[1])['shrink_to']:g}" for k in keys), 'pairs': len(pairs)}
+        doses = ' '.join(f"{dict(k[1])['shrink_to']:g}" for k in keys)
+        row = {'setting': study.label[setting], 'arm': study.arm_name(rest), 'doses': doses,
+               'pairs': len(pairs)}
         for name, fit, i in (('slope', one, 1), ('pr_coef', two, 1), ('scale_coef', two, 2)):
-            row.update({name: fit['coef'][i], f'{name}_lo': fit['lo'][i], f'{name}_hi': fit['hi'][i]})
-        row['entropy follows PR_K'] = 'follows' if row['pr_coef_lo'] > 0 else 'goes against' if \
-            row['pr_coef_hi'] < 0 else 'undecided'
-        out += [row] if len(keys) > 1 else []
+            row.update({name: fit['coef'][i], f'{name}_lo': fit['lo'][i],
+                        f'{name}_hi': fit['hi'][i]})
+        row['entropy follows PR_K'] = side(row['pr_coef_lo'], row['pr_coef_hi'], 'follows',
+                                           'goes against', 'undecided')
+        out.append(row)
     return out
 
 
 def runs_rows(study):
-    return [{'run': r.name, 'setting': study.label[r.setting], 'seed': r.seed, 'arm': study.arm_name(r.arm),
-             'records': len(r.iters), 'last_iter': int(r.iters[-1]) if len(r.iters) else None,
+    rows = [{'run': r.name, 'setting': study.label[r.setting], 'seed': r.seed,
+             'arm': study.arm_name(r.arm), 'records': len(r.iters),
+             'last_iter': int(r.iters[-1]) if len(r.iters) else None,
              'train_loss': r.final_loss('train_loss'), 'val_loss': r.final_loss('val_loss'),
              'wall_time': r.done.get('wall_time'), 'notes': len(r.notes), 'path': r.path}
-            for r in study.runs] + \
-        [{'run': os.path.basename(p), 'path': p, 'notes': f'skipped: {why}'} for p, why in study.skipped]
+            for r in study.runs]
+    skipped = [{'run': os.path.basename(p), 'path': p, 'notes': f'skipped: {why}'}
+               for p, why in study.skipped]
+    return rows + skipped
 
 
 def setting_rows(study):
-    groups = group(study.runs, lambda r: r.setting)
+    groups, rows = group(study.runs, lambda r: r.setting), []
     keys = folders.varying([rs[0].settings for rs in groups.values()])
-    return [{'setting': study.label[s], 'runs': len(rs), 'seeds': ' '.join(str(r.seed) for r in rs),
-             **{k: rs[0].settings.get(k) for k in keys}} for s, rs in groups.items()]
+    for s, rs in groups.items():
+        seeds = ' '.join(str(r.seed) for r in rs)
+        row = {'setting': study.label[s], 'runs': len(rs), 'seeds': seeds}
+        rows.append({**row, **{k: rs[0].settings.get(k) for k in keys}})
+    return rows
 
 
-# ----------------------------------------------------------------------------- the analysis
+def token_rows(study):
+    """A row per model of each source: its checkpoints and the statistics of (f1), (f2)."""
+    rows = []
+    for source, runs in models(study).items():
+        for r in runs:
+            steps = r.iters[checkpoints(r)]
+            row = {'source': source, 'model': r.name, 'setting': study.label.get(r.setting, r.name),
+                   'seed': r.seed, 'checkpoints': len(steps),
+                   'first_step': int(steps[0]) if len(steps) else None,
+                   'last_step': int(steps[-1]) if len(steps) else None}
+            rows.append({**row, **{c.key: c.fn(r, View()) for c in CLAIMS if c.unit == 'model'}})
+    return rows
+
+
+# ----------------------------------------------------------------------------------- the analysis
 @dataclass
 class Study:
     """The loaded runs and what is computed from them (the figures and the report read it)."""
     paths: list
     out: str
-    runs: list
+    runs: list                  # runs of train.py
     skipped: list
     warnings: list
+    series: list = ()           # pretrained series: read by the model claims only
     from_iter: int = None
-    label: dict = None          # setting -> its name: the values in which it differs from the others
+    label: dict = None          # setting -> its name: the values where it differs from the others
     arms: dict = None
-    tokens: dict = None
     tables: dict = None
     files: list = None
     arm_keys: tuple = ()        # control keys that vary between arms beyond those arm_label names
@@ -619,37 +883,60 @@ class Study:
         return folders.arm_label(dict(arm), self.arm_keys)
 
 
+def sort_key(value):
+    """Orders a setting's values: numbers by size, the rest by their JSON text, absent last."""
+    if type(value) in folders.NUMBER:
+        return (0, value, '')
+    return (1, 0, json.dumps(value)) if value is not None else (2, 0, '')
+
+
+def by_value(runs):
+    """The runs, settings in the order of their values (keys in config order), then seed; ranks."""
+    settings = {r.setting: r.settings for r in runs}
+    keys = folders.varying(list(settings.values()))
+    key = lambda s: tuple(sort_key(settings[s].get(k)) for k in keys)
+    rank = {s: i for i, s in enumerate(sorted(settings, key=key))}
+    return sorted(runs, key=lambda r: (rank[r.setting], r.seed)), rank
+
+
 def load(paths, out=None, from_iter=None, log=print):
     warnings = []
-    warn = lambda msg: (warnings.append(msg), log(f'warning: {msg}'))
-    runs, skipped = folders.load_runs(paths, warn)
-    study = Study(list(paths), out or os.path.join(paths[0], 'analysis'), runs, skipped, warnings, from_iter,
-                  stats=ALL)
+
+    def warn(msg):
+        warnings.append(msg)
+        log(f'warning: {msg}')
+    loaded, skipped = folders.load_runs(paths, warn)
+    series = [r for r in loaded if r.pretrained]
+    runs, rank = by_value([r for r in loaded if not r.pretrained])
+    study = Study(list(paths), out or os.path.join(paths[0], 'analysis'), runs, skipped, warnings,
+                  series, from_iter, stats=ALL)
     groups = group(runs, lambda r: r.setting)
     cfgs = [rs[0].settings for rs in groups.values()]
     names = folders.labels(cfgs, folders.varying(cfgs), [r.settings for r in uncontrolled(runs)])
-    study.label, study.arms = dict(zip(groups, names)), arms(runs)
-    study.arm_keys = [k for k in folders.varying([dict(r.arm) for r in runs if r.control != 'none'])
-                      if k not in ('control', 'control_target', 'control_keep', 'shrink_to')]
+    study.label, study.arms = dict(zip(groups, names)), arms(runs, rank)
+    controlled = [dict(r.arm) for r in runs if r.control != 'none']
+    named = ('control', 'control_target', 'control_keep', 'shrink_to')
+    study.arm_keys = [k for k in folders.varying(controlled) if k not in named]
     paired = {c for pairs in study.arms.values() for c, _ in pairs}
     for r in (r for r in runs if r.control != 'none' and r not in paired):
-        warn(f'{r.path}: no control=none run with the same other settings and seed: left out of the control '
-             'tables')
-    study.tokens = tokens.token_tables(study.out, runs, warn)
+        warn(f'{r.path}: no control=none run with the same other settings and seed: left out of '
+             'the control tables')
     return study
 
 
 def analyze(paths, out=None, figures=True, from_iter=None, log=print):
-    """Load, compute, write; the Study. Skip (no usable run) or OutError (out refused) before writing."""
+    """Load, compute, write; the Study. Skip (no usable run) or OutError (out refused) first."""
     study = load(paths, out, from_iter, log)
     folders.check_out(study.out)
     if not study.runs:
         raise Skip(f'no usable run folder under {", ".join(paths)} ({len(study.skipped)} skipped)')
-    (per_pair, dose), reg, cells = control_tables(study), regime(study) or {}, robustness_cells(study)
-    t = study.tables = dict(claims=claims_table(study, cells), cells=cells, regime=reg, control=per_pair,
-                            control_dose=dose, runs=runs_rows(study),
+    per_pair, dose = control_tables(study)
+    reg, cells = regime(study) or {}, robustness_cells(study)
+    t = study.tables = dict(claims=claims_table(study, cells), cells=cells, regime=reg,
+                            control=per_pair, control_dose=dose, runs=runs_rows(study),
                             control_dose_fit=dose_fits(study), settings=setting_rows(study),
-                            regime_rows=reg.get('rows', []), regime_trend=reg.get('trends', []))
+                            regime_rows=reg.get('rows', []), regime_trend=reg.get('trends', []),
+                            token_series=token_rows(study))
     figs = plots.draw(study, t, log) if figures else {'files': {}, 'notes': []}
     files = {**figs['files'], **report.map_tables(cells, ALL)}
     for stem in sorted(set(t) - {'cells', 'regime'}):
@@ -659,64 +946,29 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
     return study
 
 
-# ----------------------------------------------------------------------------- the command line
-OPTIONS = {'runs': [('from_iter', int, None, "where 'from warm-up on' starts (default: warmup_iters)")],
-           'tokens': [('data_file', str, '', "the runs' text, where it moved"),
-                      ('data_dir', str, '', 'the same for WikiText-103'),
-                      ('cache_dir', str, '', "the text's cache (default: the run's, read only, or a "
-                                             'temporary one)')],
-           'pretrained': [('model', str, None, 'a local folder or a model name'), ('revisions', str, '',
-                                                                                   'R1,R2,... or pythia'),
-                          ('text', str, '', "a UTF-8 text (default: wiki.test.raw in train.py's data_dir)"),
-                          ('rope', str, 'after', 'q, k after the rotary embedding or before it'),
-                          ('n_seqs', int, 8, 'windows of the text'),
-                          ('seq_len', int, 256, 'tokens a window')]}
-
-
+# -------------------------------------------------------------------------------- the command line
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    what = argv.pop(0) if argv[:1] and argv[0] in OPTIONS else 'runs'
-    forms = [f"python analyze.py{f' {w}' * (w != 'runs')} [options]{' DIR [DIR ...]' * (w != 'pretrained')}"
-             for w in OPTIONS]
-    p = argparse.ArgumentParser(usage='\n       '.join(forms), description='REPORT.md, tables and figures '
-                                'from run folders; tokens: the token level of their checkpoints; pretrained: '
-                                'of a pretrained model (transformers)')
-    if what != 'pretrained':
-        p.add_argument('dirs', nargs='+', help='folders searched for run folders (holding config.json)')
-    p.add_argument('--out', default='out/analysis' if what == 'pretrained' else None,
-                   help='where to write (default: <first dir>/analysis)')
+    p = argparse.ArgumentParser(description='REPORT.md, tables and figures from run folders')
+    p.add_argument('dirs', nargs='+', help='folders searched for run folders (holding config.json)')
+    p.add_argument('--out', default=None, help='where to write (default: <first dir>/analysis)')
     p.add_argument('--no_figures', action='store_true', help='tables only')
-    p.add_argument('--device', default='cpu', help='where models run (token level)')
-    for name, kind, default, text in OPTIONS[what]:
-        p.add_argument(f'--{name}', type=kind, default=default, help=text, required=name == 'model')
-    a, t0 = p.parse_args(argv), time.time()
-    dirs = getattr(a, 'dirs', [])
+    p.add_argument('--from_iter', type=int, default=None,
+                   help="where 'from warm-up on' starts (default: warmup_iters)")
+    a, t0 = p.parse_args(sys.argv[1:] if argv is None else list(argv)), time.time()
     try:
-        bad = [d for d in dirs if not os.path.isdir(d)]
+        bad = [d for d in a.dirs if not os.path.isdir(d)]
         if bad:
-            raise Skip(f'{", ".join(bad)}: not a folder (pass the out_dir of train.py, or a folder above it)')
-        if what == 'runs':
-            s = analyze(dirs, a.out, not a.no_figures, a.from_iter)
-            res = {'files': s.files, 'lines': [f'{len(s.runs)} runs used, {len(s.skipped)} skipped, '
-                                               f'{len(s.label)} settings'] + [
-                f"{r['key']:<9} {r['verdict'][:46]:<46} {r['scope'][:60]}" for r in s.tables['claims']]}
-        elif what == 'tokens':
-            res = tokens.analyze_tokens(dirs, a.out, (a.data_file, a.data_dir, a.cache_dir), a.device,
-                                        not a.no_figures)
-        else:
-            revisions = tokens.REVISION_PRESETS.get(a.revisions) or a.revisions.split(',')
-            res = tokens.analyze_pretrained(a.model, [r or None for r in revisions], a.text, a.out, a.rope,
-                                            a.n_seqs, a.seq_len, a.device, not a.no_figures)
-    except (Skip, OutError) + ((ImportError, ValueError, OSError) if what == 'pretrained' else ()) as e:
+            raise Skip(f'{", ".join(bad)}: not a folder (pass the out_dir of train.py, or a folder '
+                       'above it)')
+        s = analyze(a.dirs, a.out, not a.no_figures, a.from_iter)
+    except (Skip, OutError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
-    print('\n'.join(res.get('lines') or [f'{c.key:<9} {verdict_text(j):<46} {shown(c, j)}' for c, j in (
-        (c, judge(c, res['summary'])) for c in CLAIMS if c.unit == 'model')]))
-    again = f"python analyze.py {' '.join(dirs)}{' --out=' + a.out if a.out else ''}"
-    hint = f'; `{again}` puts (f1), (f2) into its REPORT.md' if what == 'tokens' else ''
-    print(f"wrote {len(res['files'])} files in {time.time() - t0:.1f}s{hint}" if res['files'] else
-          'error: nothing could be measured (reasons above)', file=sys.stdout if res['files'] else sys.stderr)
-    return 0 if res['files'] else 1
+    print(f'{len(s.runs)} runs used, {len(s.skipped)} skipped, {len(s.label)} settings')
+    for r in s.tables['claims']:
+        print(f"{r['key']:<9} {r['verdict'][:46]:<46} {r['scope'][:60]}")
+    print(f'wrote {len(s.files)} files in {time.time() - t0:.1f}s')
+    return 0
 
 
 if __name__ == '__main__':

@@ -9,7 +9,8 @@ Every speed figure the README quotes, and the GPU check, each from one command:
     python bench.py --geometry [--widths=128,256,384]  ms per layer of every metric a geometry record measures
     python bench.py --control [--widths=128,256,384]   ms per control.apply on 4 layers (freeze: every block moves)
     python bench.py --overhead [--device=cuda]  a training step, a control step and a geometry record of train.py at
-                      the paper shape (n_layer 4, n_embd 384, 6 heads, block 256, batch 64), and their ratios
+                      the paper shape (n_layer 4, n_embd 384, 6 heads, block 256, batch 64), their ratios, and the
+                      kernels (aten operations) each launches
     python bench.py --gpu_check [--small] [--steps=a,b]  the GPU path end to end, going on after a failed step: the
                       tests, paper-preset runs (plain, controlled, compiled), --overhead, DDP on 2 GPUs,
                       --jobs=1,2,4,8 at that size, a smoke sweep; --small shrinks every step (smoke sizes, a few
@@ -29,6 +30,7 @@ import tempfile
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import control
 import geometry
@@ -172,6 +174,28 @@ def bench_control(widths):
         print(f'{C:>5}' + ''.join(f'{m:>9.1f}' for m in row), flush=True)
 
 
+def count_kernels(run, steps):
+    """Print the aten operations of one call of each step (about one GPU kernel each; views and Python numbers wrapped
+    as tensors launch none), the optimizer fused as on CUDA, past its first step (which creates its state)."""
+    free = {torch.ops.aten._unsafe_view.default, torch.ops.aten.scalar_tensor.default}
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += not func.is_view and func not in free and func.namespace == 'aten'
+            return func(*args, **(kwargs or {}))
+    optimizer, run.optimizer = run.optimizer, train.make_optimizer(run.model, run.cfg, 'cuda')
+    steps['training step']()
+    counts = []
+    for name, step in steps.items():
+        with Count() as mode:
+            step()
+        counts.append(f'{name} {mode.n}')
+    run.optimizer = optimizer
+    print(f"kernels per step (aten operations, the optimizer fused): {', '.join(counts)}")
+
+
 def bench_overhead(args, device, repeats):
     """train.py's own training step, control step and geometry record on random tokens (their speed does not depend on
     the text), synchronised with the device before each clock reading."""
@@ -180,19 +204,17 @@ def bench_overhead(args, device, repeats):
     if cfg['threads']:
         torch.set_num_threads(cfg['threads'])
     data = torch.randint(200, (1 << 20,), dtype=torch.int16).numpy().astype('uint16')
-    run = train.types.SimpleNamespace(cfg=cfg, dev=device, ddp=False, rank=0, world=1, losses=[], t_ctl=0.0)
-    train.set_numerics(run, 'bfloat16' if device.startswith('cuda') and torch.cuda.is_bf16_supported() else 'float32',
-                       torch.get_num_threads())
-    run.model = run.train_model = train.GPT(train.GPTConfig(200, cfg['block_size'], cfg['n_layer'], cfg['n_head'],
-                                                            cfg['n_embd'])).to(device)
-    run.optimizer = train.make_optimizer(run.model, cfg, device.split(':')[0])
-    run.data, run.data_gen = {'train': data}, torch.Generator().manual_seed(0)
-    run.ctl = control.record(cfg, run.model.qk_weights())
-    w0 = torch.stack([torch.stack(pair) for pair in run.model.qk_weights()]).detach()
+    run = train.Run(cfg, False, 0, 1, device, meta={'vocab_size': 200}, data={'train': data},
+                    data_gen=torch.Generator().manual_seed(0))
+    train.runfolder.set_numerics(run, 'bfloat16' if device.startswith('cuda') and torch.cuda.is_bf16_supported()
+                                 else 'float32', torch.get_num_threads())
+    train.build_model(run, device.split(':')[0], resuming=False)   # the model, optimizer and control state of a run
+    run.train_model = run.model
     x, y = (t.to(device) for t in train.get_batch(data, torch.arange(cfg['eval_windows']) * 997, cfg['block_size']))
     sync = getattr(getattr(torch, device.split(':')[0], None), 'synchronize', lambda: None)
     steps = {'training step': lambda: train.train_step(run, 0), 'control step': lambda: train.control_step(run, 1),
-             'geometry record': lambda: train.measure_geometry(run.model, x, y, cfg['n_head'], w0)}
+             'geometry record': lambda: train.measure_geometry(run.model, x, y, cfg['n_head'], run.w0)}
+    count_kernels(run, steps)
     ms = {name: timed(lambda: (step(), sync()), repeats) for name, step in steps.items()}
     sizes = ', '.join(f'{k} {cfg[k]}' for k in ('n_layer', 'n_embd', 'n_head', 'block_size', 'batch_size'))
     print(f'{sizes} on {device}, {run.dtype}, {torch.get_num_threads()} threads; medians of {repeats} after one more')
@@ -269,8 +291,14 @@ def main(argv):
     p.add_argument('--steps', default='', help='(--gpu_check) only these steps, comma-separated [all]')
     p.add_argument('--log', default=os.path.join('out', 'gpu_check', time.strftime('%Y%m%d-%H%M%S')))
     a, extra = p.parse_known_args(argv)
+    for flag, text in (('jobs', a.jobs), ('widths', a.widths), ('repeats', str(a.repeats))):
+        if text is not None and not all(v.isdigit() and int(v) > 0 for v in text.split(',')):
+            raise train.configurator.Stop(f'--{flag}={text}: use whole numbers >= 1, comma-separated (like 1,2,4)')
+    try:  # an absent device: one line here, not a traceback from a run
+        torch.empty(0, device=a.device)
+    except Exception:  # torch raises one of several kinds, some many lines long
+        raise train.configurator.Stop(f'--device={a.device} is not available here (torch {torch.__version__})')
     data_args = [f'--data_file={a.data_file}'] if a.data_file else ['--dataset=wikitext103-test']
-    widths = [int(w) for w in a.widths.split(',')]
     if a.jobs:
         bench_jobs([int(k) for k in a.jobs.split(',')], [*preset_args(a.preset or ('paper' if a.device != 'cpu' else
                    'cpu')), *data_args, *extra], a.iters or 200, a.device)
@@ -278,10 +306,8 @@ def main(argv):
         bench_whole([*data_args, *extra], a.iters or 150, a.repeats)
     elif a.plain:
         plain([*data_args, *extra], a.iters)
-    elif a.geometry:
-        bench_geometry(widths)
-    elif a.control:
-        bench_control(widths)
+    elif a.geometry or a.control:
+        (bench_geometry if a.geometry else bench_control)([int(w) for w in a.widths.split(',')])
     elif a.overhead:
         bench_overhead(extra, a.device, a.repeats)
     else:
@@ -292,4 +318,5 @@ if __name__ == '__main__':
     try:
         main(sys.argv[1:])
     except train.configurator.Stop as e:
-        sys.exit(f'bench.py: {e.msg}')
+        print(f'bench.py: {e.msg}', file=sys.stderr)
+        sys.exit(2)

@@ -1,13 +1,15 @@
 """
 train.py's settings: the defaults of its config block, then config files, then --key=value (which always
-wins). A config file ending in .json is a JSON object; any other is Python, executed as nanoGPT's
-configurator does (run only files you trust), its top-level names the settings.
+wins), each checked against train.py's SETTINGS table before anything is touched. A config file ending in .json
+is a JSON object; any other is Python, executed as nanoGPT's configurator does (run only files you trust), its
+top-level names the settings.
 """
 import ast
 import contextlib
 import difflib
 import hashlib
 import json
+import math
 import os
 
 
@@ -18,15 +20,10 @@ class Stop(SystemExit):
         self.msg = msg
 
 
-POSITIVE = range(1, 1 << 62)
-# the values a setting may take where its type allows more (train.py adds qk_init, optimizer and the control's):
-# counts, intervals and sizes are positive (geom_interval, model_ckpts, max_iters and threads may be 0)
-CHOICES = {'dtype': ('auto', 'float32', 'bfloat16'), 'dataset': ('wikitext103', 'wikitext103-test'), **dict.fromkeys((
-               'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'grad_accum', 'eval_interval', 'eval_iters',
-               'eval_windows', 'ckpt_interval', 'control_interval', 'min_char_count'), POSITIVE)}
-# where things are and how fast, not what is computed: left out of the run name's settings hash
+# where things are and how fast, not what is computed: left out of the run name's settings hash (data_file is in
+# it by its content, as data_sha256)
 NOT_IN_NAME = ('out_dir', 'run_name', 'overwrite', 'device', 'threads', 'compile', 'cache_dir', 'data_dir', 'data_url',
-               'ckpt_interval')
+               'ckpt_interval', 'data_file')
 # in the readable part of the run name
 NAMED = ('n_layer', 'qk_init', 'control', 'control_target', 'control_keep', 'shrink_to', 'seed')
 
@@ -52,19 +49,43 @@ def typed(key, value, default, text=None):
 def file_settings(path):
     if not os.path.isfile(path):
         raise Stop(f'config file {path} does not exist')
-    text, namespace = open(path, encoding='utf-8').read(), {}
+    namespace = {}
     try:
+        text = open(path, encoding='utf-8').read()
         if path.endswith('.json'):
-            return json.loads(text)
+            settings = json.loads(text)
+            if not isinstance(settings, dict):
+                raise ValueError('expected a JSON object, {"key": value, ...}')
+            return settings
         exec(compile(text, path, 'exec'), namespace)
-    except (ValueError, SyntaxError) as e:  # a JSONDecodeError is a ValueError
-        raise Stop(f"config file {path} line {getattr(e, 'lineno', '?')}: {getattr(e, 'msg', e)}") from None
+    except (ValueError, SyntaxError) as e:  # a JSONDecodeError and a UnicodeDecodeError are ValueErrors
+        where = f" line {e.lineno}" if getattr(e, 'lineno', None) else ''
+        raise Stop(f"config file {path}{where}: {getattr(e, 'msg', e)}") from None
     return {k: v for k, v in namespace.items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 
 
-def get_config(argv, defaults, choices, check=None):
-    """defaults <- config files (in order) <- --key=value (in order, always last); checked (check(cfg) may raise a
-    ValueError naming a setting); run name resolved."""
+def check(cfg, table, names):
+    """Each setting against its row of the table: a tuple of choices, or a Python condition on the settings (and
+    names); any other float must be finite. A Stop names the first setting that fails, and what its row reads."""
+    for key, value in cfg.items():
+        row = table.get(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise Stop(f'{key}={value}: expected a finite number')
+        if isinstance(row, tuple) and value not in row:
+            raise Stop(f"{key}={value!r}: expected one of {', '.join(row)}")
+        try:
+            if not isinstance(row, str) or eval(row, names, dict(cfg)):
+                continue
+        except ValueError as e:  # a check that names the setting itself
+            raise Stop(str(e)) from None
+        read = [f'{n}={cfg[n]}' if n in cfg else f"{n}: {', '.join(names[n])}"
+                for n in compile(row, '', 'eval').co_names if n != key and (n in cfg or isinstance(names.get(n), dict))]
+        raise Stop(f'{key}={value!r}: expected {row}' + (f" ({'; '.join(read)})" if read else ''))
+
+
+def get_config(argv, defaults, table, names):
+    """defaults <- config files (in order) <- --key=value (in order, always last); checked against the table; the
+    text of data_file identified by its content; the run name resolved. names: what the table's rows may read."""
     files = [a for a in argv if not a.startswith('--')]
     pairs = [a[2:].partition('=') for a in argv if a.startswith('--')]
     cfg = dict(defaults)
@@ -77,16 +98,10 @@ def get_config(argv, defaults, choices, check=None):
             close = difflib.get_close_matches(key, defaults, n=1)
             raise Stop(f"unknown config key {key!r}" + (f"; did you mean {close[0]}?" if close else ''))
         cfg[key] = typed(key, value, defaults[key], text)
-    for key, valid in {**CHOICES, **choices}.items():
-        if key in cfg and cfg[key] not in valid:
-            raise Stop(f'{key}={cfg[key]!r}: expected ' + ('an integer >= 1' if valid is POSITIVE else
-                                                           f"one of {', '.join(valid)}"))
-    if cfg['n_embd'] % cfg['n_head']:
-        raise Stop(f"n_embd={cfg['n_embd']} is not divisible by n_head={cfg['n_head']}")
-    try:
-        check and check(cfg)
-    except ValueError as e:
-        raise Stop(str(e)) from None
+    check(cfg, table, names)
+    if cfg['data_file']:  # a link or another spelling of the same path is the same text
+        import prepare  # prepare.py imports this module
+        cfg['data_sha256'] = prepare.sha256_of([cfg['data_file']])
     name = cfg['run_name'] = cfg['run_name'] or run_name(cfg, defaults)
     if name in ('.', '..') or '/' in name or os.sep in name or not name.isprintable():
         raise Stop(f'run_name={name!r} must be one plain folder name inside out_dir')
@@ -102,8 +117,7 @@ def run_name(cfg, defaults):
         keep = '-spec' if cfg['control_keep'] == 'spec' else ''
         control = f"_{cfg['control']}{dose}-{cfg['control_target']}{keep}"
     name = f"L{cfg['n_layer']}_{cfg['qk_init']}{control}_s{cfg['seed']}"
-    other = {k: v for k, v in cfg.items() if k not in NOT_IN_NAME + NAMED and v != defaults[k]}
+    other = {k: v for k, v in cfg.items() if k not in NOT_IN_NAME + NAMED and v != defaults.get(k)}
     if other:
         name += '-' + hashlib.sha1(json.dumps(other, sort_keys=True).encode()).hexdigest()[:6]
     return name
-

@@ -4,7 +4,7 @@ the mirror experiment) towards a target participation ratio, keeping its singula
 step, one measure of its scale (control_keep).
 
     W = U diag(s) V^T   ->   W' = U diag(s') V^T,   s' = c * s^alpha
-    alpha  by bisection, so that PR(s') = (sum s'^2)^2 / sum s'^4 hits the target
+    alpha  by a search on log alpha, so that PR(s') = (sum s'^2)^2 / sum s'^4 hits the target
     c      what the reshaping holds fixed (control_keep):
            fro  (default) sum s'^2 = sum s^2: the Frobenius norm is kept, only the dispersion changes,
                 so a narrower spectrum has a larger top singular value (larger logits)
@@ -26,12 +26,15 @@ Schedules (pr0 = the step-0 PR of each controlled head, or layer with control_sc
     freeze  target = pr0 at every step, enforced both ways
     none    the baseline: the same calls, the weights untouched
 
-Where: on the weights' device, in float64 (MPS, which has neither float64 nor an SVD: on the CPU), with no
-copy to the host during training: every block goes through the SVD (a fixed amount of work, no data-dependent
-branch), the state holds tensors, and report() reads them once per record.
+Where: on the weights' device (MPS, which has no float64: on the CPU), in float64 whatever the weights' dtype,
+in a fixed number of batched tensor operations with no data-dependent branch: U and s from one eigh of every
+block's Gram matrix W W^T (no SVD), so W' = U diag(s'/s) U^T W. Nothing is read on the
+host during training: the state holds tensors, and report() reads them once per record. On CUDA the eigh
+still waits once for the device (cuSOLVER's convergence check, which every torch eigensolver and SVD makes).
 
-Edge cases: singular values below max(m, n) * eps(weight dtype) * s_max count as zero and stay as they
-are, so the most reachable PR is the rank; a target outside the reachable range is clamped to it, with
+Edge cases: singular values below sqrt(max(m, n) * eps(float64)) * s_max (3e-7 s_max at 64 x 384: the
+round-off of a zero eigenvalue of the float64 Gram matrix) count as zero and stay as they are, so the most
+reachable PR is the rank; a target outside the reachable range is clamped to it, with
 one warning per run (at the next record); a flat spectrum (every nonzero value equal) is left as it is, since no alpha
 changes its PR; an all-zero block is left as it is.
 
@@ -41,8 +44,10 @@ two places (the state is a plain dict, saved in checkpoints):
     control.apply(state, cfg, model.qk_weights(), step)    # after each optimizer step (step = 1, 2, ...)
 and merges control.report(state)[layer] into each layer's record in metrics.jsonl.
 
-A library with no command line; `python bench.py --control` measures its speed.
+A library with no command line; `python bench.py --control` measures its speed, and `--overhead` counts its
+operations (kernels on a GPU) against a training step's.
 """
+import math
 import warnings
 
 import torch
@@ -50,10 +55,13 @@ import torch
 import geometry
 
 # alpha in [e^-30, e^30] ~ [1e-13, 1e13]: at the ends PR(s^alpha) equals its limits (rank; the top
-# value's multiplicity) to float64 precision. 44 halvings narrow log(alpha) to 60 / 2^44 ~ 3e-12, far
-# inside the 1e-6 the PR must reach; each halving costs as much as the SVD at small widths
+# value's multiplicity) to float64 precision. The search for alpha runs on every spectrum at once, with a
+# fixed amount of work: each round evaluates the PR at GRID - 1 points across the bracket and keeps the
+# cell where it crosses the target, so ROUNDS rounds narrow log(alpha) to 60 / GRID^ROUNDS ~ 3e-12, as
+# far as 44 halvings would (162^6 > 2^44) and far inside the 1e-6 the PR must reach, in 60 tensor
+# operations where a bisection takes 44 x 17
 LOG_ALPHA_MIN, LOG_ALPHA_MAX = -30.0, 30.0
-BISECT_ITERS = 44
+GRID, ROUNDS = 162, 6
 # a target outside the reachable range by more than this (relative) is worth a warning, round-off is not
 REACH_RTOL = 1e-9
 
@@ -61,47 +69,47 @@ REACH_RTOL = 1e-9
 # ----------------------------------------------------------------------------- the transform
 
 def _reach(s, rtol):
-    """What the bisection needs of spectra s (..., n): the kept (nonzero) values, log(s / s_max) on
-    them, and the reachable PR range (PR at the largest alpha, rank)."""
+    """What the search needs of spectra s (..., n): the kept (nonzero) values, x^2 = (s / s_max)^2 on them
+    (0 on the others), and the reachable PR range (PR at the largest alpha, rank)."""
     s_max = s.amax(-1, keepdim=True)
     keep = s > rtol * s_max   # smaller values are round-off of zero ones: they stay as they are
-    # x = s / s_max is in (0, 1], so x^alpha = exp(alpha * log x) neither overflows nor loses the top value
-    logx = torch.where(keep, torch.log(s / torch.where(s_max > 0, s_max, 1.0)), 0.0)
-    pr_min = _pr_of_power(logx, keep, torch.full(s.shape[:-1], LOG_ALPHA_MAX, dtype=s.dtype, device=s.device))
-    return keep, logx, pr_min, keep.sum(-1).to(s.dtype)
+    # x = s / s_max is in (0, 1], so x^alpha neither overflows nor loses the top value
+    x2 = torch.where(keep, s / s_max.clamp(min=torch.finfo(s.dtype).tiny), 0.0) ** 2
+    lam = x2 ** math.exp(LOG_ALPHA_MAX)
+    pr_min = lam.sum(-1) ** 2 / (lam * lam).sum(-1).clamp(min=torch.finfo(s.dtype).tiny)
+    return keep, x2, pr_min, keep.sum(-1, dtype=s.dtype)
 
 
-def _pr_of_power(logx, keep, log_alpha):
-    """PR of the kept x^alpha, batched: the same formula as geometry.participation_ratio on x^(2 alpha),
-    written out because it runs 64 times per step inside the bisection."""
-    lam = torch.where(keep, torch.exp(2 * log_alpha.exp()[..., None] * logx), 0.0)
-    return lam.sum(-1) ** 2 / (lam ** 2).sum(-1).clamp(min=torch.finfo(lam.dtype).tiny)
+def _log_alpha(x2, goal):
+    """log alpha with PR(x^alpha) = goal (...), PR written out as in geometry.participation_ratio on
+    lam = x^(2 alpha): it is above the goal where sum lam > sqrt(goal) * |lam|, and falls as alpha grows."""
+    lo = torch.full_like(goal, LOG_ALPHA_MIN)
+    cell = LOG_ALPHA_MAX - LOG_ALPHA_MIN
+    points = torch.arange(1, GRID, dtype=x2.dtype, device=x2.device)
+    root_goal, log_x2 = goal.sqrt()[..., None], x2.log()[..., None, :]   # log 0 = -inf: lam = 0 there
+    for _ in range(ROUNDS):
+        cell /= GRID
+        alpha = torch.add(lo[..., None], points, alpha=cell).exp()      # (..., GRID - 1)
+        lam = torch.exp(alpha[..., None] * log_x2)                      # (..., GRID - 1, n)
+        above = lam.sum(-1) > root_goal * torch.linalg.vector_norm(lam, dim=-1)   # a prefix of the points
+        # the cell after the last point above; a goal out of reach is above all or none of them, so the
+        # search ends at that end of the range, at the nearest reachable PR
+        lo = torch.add(lo, above.sum(-1), alpha=cell)
+    return lo + cell / 2
 
 
 def _control(s, target, rtol, control_keep='fro'):
     """The transform of the module docstring on float64 spectra s (..., n) >= 0, batched: s' = c * s^alpha with
     PR(s') = target (...), clamped to the reachable range; values <= rtol * max(s) count as zero and stay as
     they are; a flat spectrum comes back unchanged with alpha = 1. Returns (s', alpha, pr_min, pr_max)."""
-    keep_top = control_keep == 'spec'
-    keep, logx, pr_min, pr_max = _reach(s, rtol)
-    goal = torch.minimum(torch.maximum(target, pr_min), pr_max)   # out of reach: the nearest reachable PR
-    # bisection on log alpha, every spectrum at once, a fixed number of steps (no data-dependent loop)
-    lo = torch.full_like(goal, LOG_ALPHA_MIN)
-    hi = torch.full_like(goal, LOG_ALPHA_MAX)
-    for _ in range(BISECT_ITERS):
-        mid = (lo + hi) / 2
-        above = _pr_of_power(logx, keep, mid) > goal   # PR still too high: alpha must grow
-        lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
-    alpha = ((lo + hi) / 2).exp()
+    keep, x2, pr_min, pr_max = _reach(s, rtol)
     # flat (every kept value is the top one) or all zero: every alpha gives the same PR, nothing to do
-    leave = (logx == 0).all(-1)
-    alpha = torch.where(leave, 1.0, alpha)
-    xa = torch.where(keep, torch.exp(alpha[..., None] * logx), 0.0)
-    if keep_top:   # x = s / s_max has its top value at exactly 1, and so has x^alpha: c = s_max
-        c = s.amax(-1, keepdim=True)
-    else:
-        kept_sq = (torch.where(keep, s, 0.0) ** 2).sum(-1, keepdim=True)
-        c = (kept_sq / (xa ** 2).sum(-1, keepdim=True).clamp(min=torch.finfo(s.dtype).tiny)).sqrt()
+    leave = pr_min == pr_max
+    alpha = torch.where(leave, 1.0, _log_alpha(x2, target).exp())
+    xa = x2 ** (alpha[..., None] / 2)
+    c = s.amax(-1, keepdim=True)   # spec: x = s / s_max has its top value at exactly 1, and so has x^alpha
+    if control_keep == 'fro':   # sum s'^2 = sum s^2 over the kept values
+        c = c * (x2.sum(-1, keepdim=True).sqrt() / torch.linalg.vector_norm(xa, dim=-1, keepdim=True))
     s_new = torch.where(keep & ~leave[..., None], c * xa, s)
     return s_new, alpha, pr_min, pr_max
 
@@ -167,9 +175,24 @@ def check_settings(cfg, n_layer):
 
 
 def _blocks(W, scope, n_head):
-    """The controlled blocks of one weight, float64 where it is: (n_head, d, C) heads or (1, C, C)."""
+    """The controlled blocks of weights W (..., C, C), float64 where they are: (..., n_head, d, C) heads or
+    (..., 1, C, C)."""
     W = geometry.as_float64(W)
-    return W.reshape(n_head, -1, W.shape[1]) if scope == 'head' else W[None]
+    return W.unflatten(-2, (n_head, -1)) if scope == 'head' else W.unsqueeze(-3)
+
+
+def _reshaped(W, target, control_keep):
+    """Blocks W (N, m, n), m <= n, float64, with their spectra moved to target PRs (N,). W = U diag(s) V^T and
+    G = W W^T = U diag(s^2) U^T, so W' = U diag(s' / s) U^T W: one batched eigh of the Gram matrices, no SVD.
+    Returns (W', pr_min, pr_max)."""
+    # a block that is not finite would make eigh fail: it goes through as zeros (apply does not write it)
+    lam, U = torch.linalg.eigh((W @ W.mT).nan_to_num(0.0, 0.0, 0.0))
+    s = lam.clamp(min=0).sqrt()
+    # zero up to the round-off of float64 eigenvalues of G (~eps * s_max^2), whatever the weight's dtype
+    rtol = math.sqrt(max(W.shape[-2:]) * torch.finfo(torch.float64).eps)
+    s_new, _, pr_min, pr_max = _control(s, target, rtol, control_keep)
+    scale = (s_new / s).nan_to_num(1.0)   # 0 / 0 where s = 0: those directions stay as they are
+    return (U * scale[:, None, :]) @ (U.mT @ W), pr_min, pr_max
 
 
 def record(cfg, qk_weights):
@@ -206,25 +229,21 @@ def apply(state, cfg, qk_weights, step):
             raise ValueError(f"the control state was recorded with {name}={was!r}, not {now!r}")
     side = 1 if state['target'] == 'k' else 0
     params = [qk_weights[i][side] for i in state['layers']]
-    blocks = torch.stack([_blocks(p, state['scope'], state['n_head']) for p in params])  # (L, B, m, n)
+    blocks = _blocks(torch.stack([p.detach() for p in params]), state['scope'], state['n_head'])  # (L, B, m, n)
     L, B, m, n = blocks.shape
-    flat = blocks.view(L * B, m, n)
+    flat = blocks.reshape(L * B, m, n)
     for key in ('pr0', 'out_of_reach'):   # a state from a checkpoint is loaded on the CPU
         state[key] = state[key].to(flat.device)
-    pr = geometry.matrix_pr(flat, checked=False)
     target = target_pr(state, cfg, step).view(L * B)
+    new, pr_min, pr_max = _reshaped(flat, target, keep)
+    new = new.to(params[0].dtype).to(torch.float64)   # as it will be stored: the PR logged is that weight's
+    pr, new_pr = geometry.matrix_pr(torch.cat([flat, new]), checked=False).chunk(2)
     # which blocks to change: shrink only lowers a PR, freeze moves it either way; a zero block has no spectrum
     act = (pr > 0) & ((pr > target) if state['control'] == 'shrink' else (pr != target))
-    # every block goes through the SVD, the others as zeros (a weight that is not finite would make it fail)
-    U, s, Vh = torch.linalg.svd(torch.where(act[:, None, None], flat, 0.0), full_matrices=False)
-    rtol = max(m, n) * torch.finfo(params[0].dtype).eps   # zero up to the round-off of the stored weight
-    s_new, _, pr_min, pr_max = _control(s, target, rtol, keep)
     out = act & ((target > pr_max * (1 + REACH_RTOL)) | (target < pr_min * (1 - REACH_RTOL)))
     state['out_of_reach'] |= out.view(L, B)
-    # back in the parameter's dtype, as it will be stored; the PR logged is the one of that weight
-    new = ((U * s_new[:, None, :]) @ Vh).to(params[0].dtype).to(torch.float64)
     flat = torch.where(act[:, None, None], new, flat)
-    pr = torch.where(act, geometry.matrix_pr(flat, checked=False), pr)
+    pr = torch.where(act, new_pr, pr)
     with torch.no_grad():   # blocks left alone go back bit for bit (float64 holds them exactly)
         for p, block in zip(params, flat.view(L, B, m, n)):
             p.copy_(block.reshape(p.shape))

@@ -1,6 +1,8 @@
 """
-Run folders in, files out: each run's config.json, done.json and metrics.jsonl(.gz), read once as arrays; its
-settings are the config.json keys but BOOKKEEPING. What is left out gets one line.
+Run folders in, files out: each run's config.json, done.json and metrics.jsonl(.gz), read once as
+arrays; its settings are the config.json keys but BOOKKEEPING. A pretrained series (pretrained.py)
+is read alike: its config.json has pretrained=true; a record is a checkpoint, iter its step.
+A fault in a run's files leaves that run (or that record) out with one line, and nothing else.
 """
 import csv
 import gzip
@@ -8,29 +10,34 @@ import io
 import json
 import math
 import os
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import reduce
 
 import numpy as np
 
+import geometry
 import stats
 
-BOOKKEEPING = ('out_dir', 'run_name', 'overwrite', 'seed', 'device', 'threads', 'compile', 'ckpt_interval',
-               'model_ckpts', 'save_snapshots', 'data_file', 'data_dir', 'data_url', 'dataset', 'cache_dir',
-               'torch', 'git_commit', 'world_size', 'n_params', 'vocab_size', 'n_chars', 'data_cache')
+BOOKKEEPING = ('out_dir', 'run_name', 'overwrite', 'seed', 'device', 'threads', 'compile',
+               'ckpt_interval', 'model_ckpts', 'save_snapshots', 'data_file', 'data_dir',
+               'data_url', 'dataset', 'cache_dir', 'torch', 'git_commit', 'world_size', 'n_params',
+               'vocab_size', 'n_chars', 'data_cache', 'transformers')
 CONTROL_KEYS = ('control', 'control_target', 'control_scope', 'control_keep', 'control_layers',
                 'control_interval', 'shrink_to', 'shrink_iters')
-IGNORED = {'none': CONTROL_KEYS[1:], 'freeze': ('shrink_to', 'shrink_iters')}   # unread by control.py
+# the keys control.py does not read for a control kind
+IGNORED = {'none': CONTROL_KEYS[1:], 'freeze': ('shrink_to', 'shrink_iters')}
 NUMBER = (int, float)
-REQUIRED = {(int,): ('n_layer', 'n_head', 'n_embd', 'block_size', 'seed', 'max_iters', 'warmup_iters'),
+SIZES = ('n_layer', 'n_head', 'n_embd', 'block_size')   # at least 1
+REQUIRED = {(int,): SIZES + ('seed', 'max_iters', 'warmup_iters'),
             (str,): ('qk_init', 'control', 'control_target', 'control_keep', 'data_sha256'),
             NUMBER: ('shrink_to', 'weight_decay'), (bool,): ('decay_qk',)}
+SERIES_REQUIRED = {(int,): SIZES, (str,): ('model', 'family', 'rope')}   # of a pretrained series
 KINDS = ('none', 'shrink', 'freeze')
 FINAL_LOGS = 3
 LOSSES = ('train_loss', 'val_loss')
 MANIFEST = '.analyze.json'
-PR_KEYS = ('pr_q', 'pr_k', 'pr_dq', 'pr_dk', 'pr_qk', 'tok_pr_q', 'tok_pr_k', 'tok_pr_qk')   # and _head(s)
 
 
 class Skip(Exception):
@@ -54,29 +61,34 @@ class Run:
 
     def __post_init__(self):
         c = self.cfg
-        self.name, self.C, self.d = os.path.basename(self.path), c['n_embd'], c['n_embd'] / c['n_head']
-        self.n_layer, self.seed, self.control = c['n_layer'], c['seed'], c['control']
+        self.name, self.n_layer = os.path.basename(self.path), c['n_layer']
+        self.C, self.d = c['n_embd'], c['n_embd'] / c['n_head']
+        # a pretrained series has no seed and no control
+        self.seed, self.control = c.get('seed'), c.get('control', 'none')
+        self.pretrained = c.get('pretrained') is True
         self.use(config_settings([c])[0])
 
     def use(self, settings):
         """settings, and from them setting, base (no control keys), arm."""
         self.settings, self.setting = settings, json.dumps(settings, sort_keys=True)
-        self.base = json.dumps({k: v for k, v in settings.items() if k not in CONTROL_KEYS}, sort_keys=True)
+        base = {k: v for k, v in settings.items() if k not in CONTROL_KEYS}
+        self.base = json.dumps(base, sort_keys=True)
         self.arm = tuple((k, settings.get(k)) for k in CONTROL_KEYS)
 
     def final(self, key, layers=None):
         """Mean of the last FINAL_LOGS records over layers (all, or these), or NaN."""
-        return stats.nanmean(self.m[key][-FINAL_LOGS:, slice(None) if layers is None else layers]) \
-            if key in self.m else math.nan
+        if key not in self.m:
+            return math.nan
+        return stats.nanmean(self.m[key][-FINAL_LOGS:, slice(None) if layers is None else layers])
 
     def final_loss(self, key):
         """done.json's train_loss or val_loss, else the last one logged."""
-        return next((float(v) for v in (number(self.done.get(key)), *self.losses[key][::-1]) if v < math.inf),
-                    math.nan)
+        found = [number(self.done.get(key)), *self.losses[key][::-1]]
+        return next((float(v) for v in found if v < math.inf), math.nan)
 
 
 def config_settings(cfgs):
-    """Each config's keys but BOOKKEEPING, one its control kind ignores as most of its kind have it."""
+    """Each config's keys but BOOKKEEPING; a key its control kind ignores as most of its kind."""
     out = [{k: v for k, v in c.items() if k not in BOOKKEEPING} for c in cfgs]
     for kind, ss in group(out, lambda s: s.get('control')).items():
         for k in IGNORED.get(kind, ()):
@@ -104,56 +116,91 @@ def read_json(path):
         raise Skip(f'{os.path.basename(path)} is unreadable ({type(e).__name__})') from None
 
 
-def read_records(path, notes):
-    """The records (objects with an int iter) by iteration, a repeated one's last."""
-    lines, by_iter = [], {}
+def read_records(path, last, notes):
+    """The records (objects with an int iter) increasing up to iteration last; other lines noted."""
+    lines, found = [], []
     with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as f:
         try:
             lines += f
-        except (EOFError, OSError):
-            notes.append(f'{os.path.basename(path)} is cut short: the records after the cut are lost')
+        except (EOFError, OSError, zlib.error):
+            pass   # a cut log: what it holds is checked against done.json
     lines = [(i, s) for i, s in enumerate(lines, 1) if s.strip()]
     for i, line in lines:
         try:
             rec = json.loads(line)
         except ValueError:
             rec = None
-        if isinstance(rec, dict) and type(rec.get('iter')) is int:
-            by_iter[rec['iter']] = rec
+        it = rec.get('iter') if isinstance(rec, dict) else None
+        after = found[-1]['iter'] if found else -1
+        if type(it) is int and after < it <= last:
+            found.append(rec)
+            continue
+        if type(it) is int:   # train.py trims its log to the checkpoint it resumes from
+            why = f'has iteration {it}, not after {after} and up to done.json\'s {last}'
         else:
-            why = 'is cut short (a kill while it was written?)' if i == lines[-1][0] else 'is not a record'
-            notes.append(f'metrics line {i} {why}: left out')
-    return [by_iter[it] for it in sorted(by_iter)]
+            why = 'is not a record'
+            if i == lines[-1][0]:
+                why = 'is cut short (a kill while it was written?)'
+        notes.append(f'metrics line {i} {why}: left out')
+    return found
 
 
-def read_config(path):
-    """The run folder's config.json, or Skip naming how it fails REQUIRED."""
-    cfg = read_json(f'{path}/config.json')
-    for kind, keys in REQUIRED.items():
+def config_fault(cfg):
+    """Why a config.json cannot be read as a run (or a pretrained series), or ''."""
+    if not isinstance(cfg, dict):
+        return 'config.json is not a JSON object'
+    series = cfg.get('pretrained') is True
+    for kind, keys in (SERIES_REQUIRED if series else REQUIRED).items():
         for key in keys:
             if key not in cfg:
-                raise Skip(f'config.json lacks {key}')
+                return f'config.json lacks {key}'
             if type(cfg[key]) not in kind:
                 what = 'number' if kind == NUMBER else kind[0].__name__
-                raise Skip(f'config.json has {key}={cfg[key]!r}, not a {what}')
-    if cfg['control'] not in KINDS:
-        raise Skip(f"config.json has control={cfg['control']!r}, not one of {', '.join(KINDS)}")
-    return cfg
+                return f'config.json has {key}={cfg[key]!r}, not a {what}'
+    wrong = [(k, 'not a finite number') for k, v in cfg.items()
+             if type(v) is float and not math.isfinite(v)]
+    wrong += [(k, 'not a count of at least 1') for k in SIZES if cfg[k] < 1]
+    wrong += [(k, 'negative') for k in ('max_iters', 'warmup_iters') if cfg.get(k, 0) < 0]
+    if not series and cfg['control'] not in KINDS:
+        wrong.append(('control', f"not one of {', '.join(KINDS)}"))
+    if wrong:
+        key, why = wrong[0]
+        return f'config.json has {key}={cfg[key]!r}, {why}'
+    if cfg['n_embd'] % cfg['n_head']:
+        return f"config.json has n_embd={cfg['n_embd']}, not a multiple of n_head={cfg['n_head']}"
+    return ''
 
 
-def bounds(key, m, cfg):
-    """(lo, hi, relative tolerance, the keys of m that set hi) of a value's definitional range."""
-    base, (fro, q, k) = key.removesuffix('_heads').removesuffix('_head'), (
-        key.replace('qk_spec', n) for n in ('qk_fro', 'q_spec', 'k_spec'))
-    if base in PR_KEYS:
-        return 1, cfg['n_embd'] / (cfg['n_head'] if base != key or 'qk' in base else 1), 1e-9, []
-    if base in ('entropy', 'entropy_norm'):   # bf16 softmax rows sum to 1 within ~4e-3
-        return 0, math.log(cfg['block_size']) if base == 'entropy' else 1, 1e-2, []
-    if base == 'qk_spec_norm' and fro in m:   # ||W_QK^h||_2 <= ||W_QK^h||_F, ||W_Q^h||_2 ||W_K^h||_2
-        by = [fro] + [q, k] * (key != base and {q, k} <= set(m))
-        return 0, np.fmin(m[fro], m[q] * m[k]) if by[1:] else m[fro], 1e-6, by   # fmin: NaN bounds nothing
-    scale = base.endswith(('_norm', '_rel', '_imbalance', '_drift', '_gram'))
-    return 0 if scale else -math.inf, math.inf, 0, []
+def read_done(path, cfg):
+    """done.json, whose iteration is the last a finished run logged, or Skip."""
+    done = read_json(f'{path}/done.json')
+    it = done.get('iter') if isinstance(done, dict) else None
+    if type(it) is not int or it < 0:
+        raise Skip(f'done.json has iter={it!r}, not an iteration')
+    if it != cfg.get('max_iters', it):
+        raise Skip(f"done.json is at iteration {it}, config.json has max_iters={cfg['max_iters']}")
+    return done
+
+
+def record_fault(rec, n_layer, n_head):
+    """Why a record's losses or layers are not what train.py logs, or ''."""
+    for k in LOSSES:
+        if k in rec and not (type(rec[k]) in NUMBER and 0 <= rec[k] < math.inf):
+            return f'{k} = {rec[k]!r} is not a loss'
+    if 'layers' not in rec:   # a record of the losses alone
+        return ''
+    layers = rec['layers']
+    if not isinstance(layers, list) or len(layers) != n_layer:
+        return f'layers is not a list of n_layer = {n_layer} layers'
+    for layer in layers:
+        if not isinstance(layer, dict):
+            return f'layers holds {layer!r}, not a layer'
+        for k, v in layer.items():   # a per-head list is named *_heads
+            if k.endswith('_heads') and not (isinstance(v, list) and len(v) == n_head):
+                return f'{k} is not a list of n_head = {n_head} values'
+            if isinstance(v, list) and not k.endswith('_heads'):
+                return f'{k} is a list, not a number'
+    return ''
 
 
 def number(v):
@@ -161,7 +208,7 @@ def number(v):
 
 
 def layer_arrays(geo, n_layer):
-    """{key: (records, layers[, heads])}: NaN where absent, +inf where not a number."""
+    """{key: (records, layers[, heads])}: NaN where absent, +inf where not a finite number."""
     out = {}
     for r, rec in enumerate(geo):
         for i, layer in enumerate(rec['layers']):
@@ -173,64 +220,121 @@ def layer_arrays(geo, n_layer):
     return out
 
 
+def high(name, key, m, iters, cfg):
+    """(bound, the logged key it comes from or '') of a BOUNDS high for key's values."""
+    heads, C = key.endswith('_heads'), cfg['n_embd']
+    sizes = {'C': C, 'd': C / cfg['n_head'], 'log T': math.log(cfg['block_size'])}
+    if not isinstance(name, str) or name in sizes:
+        return sizes.get(name, name), ''
+    if name == 'drift':   # 2 + 2 qk_gram(0) / qk_gram, head by head, from a first record at step 0
+        if 'qk_gram_heads' not in m or iters[0] != 0:
+            return math.inf, ''
+        with np.errstate(divide='ignore', invalid='ignore'):
+            ratio = m['qk_gram_heads'][:1] / m['qk_gram_heads']
+        return 2 + 2 * (ratio if heads else ratio.mean(-1)), 'qk_gram_heads'
+    by = name + '_heads' if heads else name
+    return (m[by], by) if by in m else (math.inf, '')
+
+
+def bounds(key, m, iters, cfg):
+    """(low, high, relative tolerance, where high comes from) of key's values by geometry.BOUNDS;
+    a key not there may be any finite number."""
+    base = key.removesuffix('_heads')
+    row = geometry.BOUNDS.get(base + '_head' if key != base else key) or geometry.BOUNDS.get(base)
+    if row is None:
+        return -math.inf, math.inf, 0, ''
+    # softmax rows in bf16 sum to 1 within ~4e-3: an entropy can pass its bound by about that much
+    tolerance = 1e-2 if base.startswith('entropy') else 1e-6
+    hi, by = high(row[1], key, m, iters, cfg)
+    return row[0], hi, tolerance, by
+
+
 def bad_records(m, iters, cfg, notes):
     """The records to leave out, each noted with its key and value."""
     bad = np.zeros(len(iters), bool)
     for key, a in m.items():
-        lo, hi, tol, by = bounds(key, m, cfg)
-        lo, hi, flat = (np.broadcast_to(x, a.shape).reshape(len(a), -1) for x in (lo, hi, a))
-        with np.errstate(invalid='ignore'):
-            wrong = np.isinf(flat) | (flat != 0) & ((flat < lo * (1 - tol)) | (flat > hi * (1 + tol)))
+        lo, hi, tol, by = bounds(key, m, iters, cfg)
+        with np.errstate(invalid='ignore'):   # NaN (not logged) is in range: it bounds nothing
+            wrong = np.isinf(a) | (a != 0) & ((a < lo * (1 - tol)) | (a > hi * (1 + tol)))
+        flat, wrong = a.reshape(len(a), -1), wrong.reshape(len(a), -1)
         for r in np.flatnonzero(wrong.any(1) & ~bad):
             j = wrong[r].argmax()
-            why = 'is not a finite number' if np.isinf(flat[r, j]) else \
-                f'outside [{lo[r, j]:.4g}, {hi[r, j]:.4g}]' + f' (from {", ".join(by)})' * bool(by)
-            notes.append(f'the record of iteration {iters[r]} is left out: {key} = {flat[r, j]:.4g} {why}')
+            high = np.broadcast_to(hi, a.shape).reshape(len(a), -1)[r, j]
+            why = f'outside [{lo:.4g}, {high:.4g}]' + (f' (from {by})' if by else '')
+            if np.isinf(flat[r, j]):
+                why = 'is not a finite number'
+            value = f'{key} = {flat[r, j]:.4g}'
+            notes.append(f'the record of iteration {iters[r]} is left out: {value} {why}')
         bad |= wrong.any(1)
     return bad
 
 
 def load_run(path):
-    """A finished run folder as a Run, or Skip naming why."""
-    cfg, done = read_config(path), f'{path}/done.json'
+    """A finished run folder (or pretrained series) as a Run, or Skip naming why."""
+    cfg = read_json(f'{path}/config.json')
+    why = config_fault(cfg)
+    if why:
+        raise Skip(why)
     log = [p for p in (f'{path}/metrics.jsonl', f'{path}/metrics.jsonl.gz') if os.path.isfile(p)]
-    if not (os.path.exists(done) and log):
-        raise Skip('no metrics.jsonl' if os.path.exists(done) else 'unfinished (no done.json)')
-    notes, done = [], read_json(done)
-    recs = read_records(log[0], notes)
-    geo = [r for r in recs if r.get('layers')]
+    if not os.path.exists(f'{path}/done.json'):
+        raise Skip('unfinished (no done.json)')
+    if not log:
+        raise Skip('no metrics.jsonl')
+    notes, done = [], read_done(path, cfg)
+    recs = read_records(log[0], done['iter'], notes)
+    if recs and recs[-1]['iter'] < done['iter']:   # its final values would be read at the cut
+        raise Skip(f"{os.path.basename(log[0])} ends at iteration {recs[-1]['iter']}, done.json at "
+                   f"{done['iter']}: cut short")
+    faults = {r['iter']: record_fault(r, cfg['n_layer'], cfg['n_head']) for r in recs}
+    notes += [f'the record of iteration {it} is left out: {why}' for it, why in faults.items()
+              if why]
+    recs = [r for r in recs if not faults[r['iter']]]
+    geo = [r for r in recs if 'layers' in r]
     m, iters = layer_arrays(geo, cfg['n_layer']), np.array([r['iter'] for r in geo], dtype=int)
     keep = ~bad_records(m, iters, cfg, notes)
     if not keep.any():
         left = next((n for n in notes if n.startswith('the record')), '')
         raise Skip(f'none of its {len(geo)} geometry records is usable ({left})' if geo else
                    f'{os.path.basename(log[0])} holds no geometry record')
-    last = next((r for r in recs if r['iter'] == done.get('iter')), {})   # train.py copies its losses
+    last = next((r for r in recs if r['iter'] == done['iter']), {})   # train.py copies its losses
     for k in LOSSES:
         if k in last and done.get(k) != last[k]:
-            notes.append(f"done.json has {k} = {done.get(k)!r}, not {last[k]!r} as logged at its iteration "
-                         f"{last['iter']}: the logged one is used")
+            notes.append(f"done.json has {k} = {done.get(k)!r}, not {last[k]!r} as logged at its "
+                         f"iteration {last['iter']}: the logged one is used")
             done[k] = last[k]
     losses = {k: np.array([number(r.get(k)) for r in recs if 'val_loss' in r]) for k in LOSSES}
     return Run(path, cfg, done, iters[keep], {k: v[keep] for k, v in m.items()}, losses, notes)
 
 
-def find_runs(paths):
-    """Folders holding config.json under paths, through links, each once (not in snapshots/, models/)."""
+def find_runs(paths, left_out):
+    """Folders holding config.json under paths, each once, not in snapshots/ or models/. A link is
+    followed where it stays under paths (one to an ancestor would pull sibling studies in); the
+    others go to left_out as (link, why)."""
+    tops = [os.path.realpath(p) for p in paths]
     found, seen = [], set()
     for top in paths:
         for root, dirs, files in os.walk(top, followlinks=True):
             real = os.path.realpath(root)
-            dirs[:] = [] if real in seen else sorted(d for d in dirs if d not in ('snapshots', 'models'))
-            found += [os.path.normpath(root)] * ('config.json' in files and real not in seen)
+            names, dirs[:] = sorted(d for d in dirs if d not in ('snapshots', 'models')), []
+            if real in seen:
+                continue
             seen.add(real)
+            if 'config.json' in files:
+                found.append(os.path.normpath(root))
+            for d in names:
+                target = os.path.realpath(os.path.join(root, d))
+                if any(os.path.commonpath([t, target]) == t for t in tops):
+                    dirs.append(d)
+                else:
+                    why = f'a link to {target}, outside the folders given'
+                    left_out.append((os.path.join(root, d), why))
     return sorted(found)
 
 
 def load_runs(paths, warn):
     """(runs, [(path, why skipped)]) of the run folders under paths; notes go to warn."""
     loaded, skipped, seen = [], [], {}
-    for path in find_runs(paths):
+    for path in find_runs(paths, skipped):
         try:
             loaded.append(load_run(path))
         except Skip as e:
@@ -238,22 +342,26 @@ def load_runs(paths, warn):
     for r, settings in zip(loaded, config_settings([r.cfg for r in loaded])):
         r.use(settings)
         first = seen.setdefault((r.setting, r.seed), r.path)
-        skipped += [(r.path, f'duplicate of {first} (the same settings and seed)')] * (first != r.path)
+        if first != r.path:
+            skipped.append((r.path, f'duplicate of {first} (the same settings and seed)'))
     runs = [r for r in loaded if seen[r.setting, r.seed] == r.path]
     for rs in group(runs, lambda r: r.setting).values():
         logged = set().union(*(r.m for r in rs))
         for r in rs:   # kept apart: it may differ in what it lacks
             lost = ', '.join(sorted(logged - set(r.m)))
             like = [s.settings for s in runs if r.settings.items() < s.settings.items()]
-            r.notes[:0] = [f'config.json lacks {", ".join(sorted(set().union(*like) - set(r.settings)))}, '
-                           f'which {len(like)} run(s) of otherwise the same settings have: kept as a setting '
-                           'of its own'] * bool(like)
-            r.notes += [f'{lost} not logged, unlike other seeds of its setting'] * bool(lost)
+            if like:
+                keys = ', '.join(sorted(set().union(*like) - set(r.settings)))
+                r.notes.insert(0, f'config.json lacks {keys}, which {len(like)} run(s) of '
+                                  'otherwise the same settings have: kept as a setting of its own')
+            if lost:
+                r.notes.append(f'{lost} not logged, unlike other seeds of its setting')
     skipped.sort()
     for path, why in skipped:
         warn(f'skipped {path}: {why}')
     for r in runs:
-        for note in r.notes[:6] + [f'and {len(r.notes) - 6} more notes'] * (len(r.notes) > 6):
+        more = [f'and {len(r.notes) - 6} more notes'] if len(r.notes) > 6 else []
+        for note in r.notes[:6] + more:
             warn(f'{r.path}: {note}')
     return runs, skipped
 
@@ -268,7 +376,9 @@ def group(items, key):
 
 def stack(runs, key, its=None):
     """(its, default all runs'; (runs, its, layers[, heads]) of key, NaN where not logged)."""
-    its = reduce(np.union1d, [r.iters for r in runs], np.zeros(0, int)) if its is None else np.asarray(its)
+    if its is None:
+        its = reduce(np.union1d, [r.iters for r in runs], np.zeros(0, int))
+    its = np.asarray(its)
     shape = next((r.m[key].shape[2:] for r in runs if key in r.m), ())
     out = np.full((len(runs), len(its), runs[0].n_layer if runs else 0) + shape, np.nan)
     for a, r in (x for x in zip(out, runs) if key in x[1].m):
@@ -290,13 +400,14 @@ def varying(dicts):
 
 
 def labels(dicts, keys, reference=None):
-    """Per dict, its values of keys unlike the most common in reference (default: dicts), or 'base'."""
+    """Per dict, its values of keys unlike the most common in reference (or dicts), or 'base'."""
     common = {}
     for k in keys:
-        (top, n), *rest = Counter(json.dumps(d.get(k)) for d in reference or dicts).most_common(2) + [('', 0)]
+        counts = Counter(json.dumps(d.get(k)) for d in reference or dicts)
+        (top, n), *rest = counts.most_common(2) + [('', 0)]
         common[k] = top if n > rest[0][1] else None
-    return [', '.join(f'{k}={d.get(k)}' for k in keys if json.dumps(d.get(k)) != common[k]) or 'base'
-            for d in dicts]
+    unlike = lambda d: [f'{k}={d.get(k)}' for k in keys if json.dumps(d.get(k)) != common[k]]
+    return [', '.join(unlike(d)) or 'base' for d in dicts]
 
 
 # ---- tables and the output folder
@@ -304,17 +415,23 @@ def cell(v):
     return '' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v).replace('|', '\\|')
 
 
-def markdown(rows, columns=None):
+def markdown(rows, columns=None, missing=None):
+    """A markdown table of rows (dicts); a cell a row lacks shows missing."""
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
-    lines = ['| ' + ' | '.join(map(cell, columns)) + ' |', '|' + ' --- |' * len(columns)]
-    return '\n'.join(lines + ['| ' + ' | '.join(cell(r.get(c)) for c in columns) + ' |' for r in rows]) + '\n'
+    line = lambda values: '| ' + ' | '.join(map(cell, values)) + ' |'
+    lines = [line(columns), '|' + ' --- |' * len(columns)]
+    for r in rows:
+        lines.append(line(r.get(c, missing) for c in columns))
+    return '\n'.join(lines) + '\n'
 
 
 def table(stem, rows, columns=None):
     """{stem.csv: text, stem.md: text} of rows (dicts); {} without rows."""
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()
-    csv.writer(buf, lineterminator='\n').writerows([columns] + [[r.get(c) for c in columns] for r in rows])
+    csv.writer(buf, lineterminator='\n').writerow(columns)
+    for r in rows:
+        csv.writer(buf, lineterminator='\n').writerow([r.get(c) for c in columns])
     return {f'{stem}.csv': buf.getvalue(), f'{stem}.md': markdown(rows, columns)} if rows else {}
 
 
@@ -327,27 +444,43 @@ def check_out(out):
         raise OutError(f'--out={out} is a file; pass a folder')
     while os.path.dirname(p) != p:
         if os.path.isfile(os.path.join(p, 'config.json')):
-            raise OutError(f'--out={out} is {"inside " * (p != real)}the run folder {p}; pass another --out')
+            where = 'inside the run folder' if p != real else 'the run folder'
+            raise OutError(f'--out={out} is {where} {p}; pass another --out')
         p = os.path.dirname(p)
 
 
-def write_files(out, files, kind='runs'):
-    """Write {name: text or bytes} into out, remove what kind wrote before and not now; OutError first if a
-    name is there but not in MANIFEST."""
+def read_manifest(out):
+    """The plain names MANIFEST lists (the files the analysis wrote into out); or OutError."""
+    path = os.path.join(out, MANIFEST)
+    if not os.path.exists(path):
+        return []
+    try:
+        names = json.load(open(path))
+    except (OSError, ValueError):
+        names = None
+    plain = lambda n: isinstance(n, str) and n not in ('', '.', '..') and os.path.basename(n) == n
+    if not isinstance(names, (list, dict)) or not all(map(plain, names)):   # an object: its keys
+        raise OutError(f'{path} is not a list of file names in {out}: remove it, or pass another '
+                       '--out')
+    return list(names)
+
+
+def write_files(out, files):
+    """Write {name: text or bytes} into out and remove the files MANIFEST lists but files does not;
+    OutError first if a name is there but not in MANIFEST."""
     check_out(out)
     at = lambda n: os.path.join(out, n)
-    ours = json.load(open(at(MANIFEST))) if os.path.exists(at(MANIFEST)) else {}
-    ours = dict.fromkeys(ours, '') if isinstance(ours, list) else ours   # a list names no writer
+    ours = read_manifest(out)
     foreign = sorted(n for n in files if os.path.lexists(at(n)) and n not in ours)
     if foreign:
-        raise OutError(f'{out} holds {", ".join(foreign)}, not written by analyze.py: move them or pass '
-                       'another --out')
-    ext = {n.rsplit('.')[-1] for n in files}   # --no_figures removes no figure
-    stale = [n for n, k in ours.items() if k == kind and n not in files and n.rsplit('.')[-1] in ext]
-    mine = {n: k for n, k in ours.items() if n not in stale} | dict.fromkeys(files, kind)
+        raise OutError(f'{out} holds {", ".join(foreign)}, not written by analyze.py: move them or '
+                       'pass another --out')
+    written = {n.rsplit('.')[-1] for n in files}   # --no_figures removes no figure
+    stale = [n for n in ours if n not in files and n.rsplit('.')[-1] in written]
+    mine = sorted(set(ours) - set(stale) | set(files))
     try:
         os.makedirs(out, exist_ok=True)
-        for name, data in {**files, MANIFEST: json.dumps(dict(sorted(mine.items())), indent=0)}.items():
+        for name, data in {**files, MANIFEST: json.dumps(mine, indent=0)}.items():
             with open(at(name + '.tmp'), 'wb') as f:
                 f.write(data.encode() if isinstance(data, str) else data)
             os.replace(at(name + '.tmp'), at(name))

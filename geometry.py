@@ -62,6 +62,28 @@ A library with no command line; `python bench.py --geometry` measures its speed.
 import numpy as np
 import torch
 
+# The range of every value a record logs per layer, by the definitions above: (low, high) of a
+# layer's value and of its per-head list (*_heads: the row of its *_head mean where there is one).
+# A high that is a string is a size, C = n_embd, d = C / n_head, T = block_size (a row attends to at
+# most T keys), or another logged value of the same layer (head by head for a list), or 'drift'.
+# Exactly 0.0 is in every range: an all-zero spectrum has PR, effective rank and stable rank 0.0, and
+# so has the learned part of an unchanged weight.
+BOUNDS = {
+    **dict.fromkeys(('pr_q', 'pr_k', 'pr_dq', 'pr_dk', 'erank_q', 'erank_k', 'srank_q',
+                     'srank_k', 'tok_pr_q', 'tok_pr_k', 'ctl_pr', 'ctl_target_pr'), (1, 'C')),
+    # (ctl_*: the PR control.py reaches and aims at, of a head's block or of the whole matrix)
+    # a head's block is (d, C), and W_QK^h and the logits Q_h K_h^T have rank <= d
+    **dict.fromkeys(('pr_q_head', 'pr_k_head', 'pr_dq_head', 'pr_dk_head', 'pr_qk', 'erank_qk',
+                     'tok_pr_q_head', 'tok_pr_k_head', 'tok_pr_qk'), (1, 'd')),
+    'entropy': (0, 'log T'), 'entropy_norm': (0, 1),
+    'qk_spec_norm': (0, 'qk_fro_norm'),   # ||M||_2 <= ||M||_F
+    # ||A - B||_F <= ||A||_F + ||B||_F; D_h(0) adds its own, so the drift needs the record of step 0:
+    # 'drift' is 2 + 2 qk_gram(0) / qk_gram
+    'qk_imbalance': (0, 2), 'qk_drift': (0, 'drift'),
+    **dict.fromkeys(('qk_fro_norm', 'q_spec_norm', 'k_spec_norm', 'qk_gram', 'dq_rel', 'dk_rel'),
+                    (0, float('inf'))),
+}
+
 # A softmax in bf16 rounds each probability to 8 significant bits, so its rows can miss 1 by up to
 # 2^-8 (~4e-3; 3e-3 seen at T=256). 1e-2 accepts that and still rejects logits, dropout-scaled
 # rows and unnormalised masks.

@@ -1,10 +1,12 @@
 """
-The figures: FIGURES, a list of Figure(file stem, fn(study, tables), the REPORT.md section it is shown in,
-title); fn returns a Figure or a list of them, or raises folders.Skip with its reason (None: drawn by
-analyze.py tokens or pretrained). PNGs in 256 colours (a third of the size). fig4 alone reads snapshots/.
+The figures: FIGURES, a list of Figure(file stem, fn(study, tables), the REPORT.md section it is
+shown in, title); fn returns a Figure or a list of them, or raises folders.Skip with its reason.
+Settings come in the study's order (of their values), each in a colour of its own, named as plain
+text (a '$' in a value is not mathtext); legends sit outside the data. fig4 alone reads snapshots/.
 """
 import glob
 import io
+import itertools
 import os
 import re
 import textwrap
@@ -14,7 +16,6 @@ import matplotlib
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure as Canvas
-from PIL import Image
 
 import geometry
 import stats
@@ -23,31 +24,58 @@ from folders import Skip, families, group, stack
 matplotlib.rcParams['axes.formatter.useoffset'] = False
 Figure = namedtuple('Figure', 'stem fn section title')
 PR, NON_DIGITS = 'participation ratio', r'\D'
+WRAP = 40           # characters a line of a title or a legend entry
+LONG_NAME = 90      # a setting name longer: drawn as S1, S2, ..., listed under the figure
 
 
-def save(name, fig):
-    """{name.png: bytes}."""
-    buf, out = io.BytesIO(), io.BytesIO()
-    fig.savefig(buf, format='png', dpi=110, bbox_inches='tight')
-    Image.open(buf).convert('RGB').quantize(colors=256, method=Image.Quantize.MEDIANCUT,
-                                            dither=Image.Dither.NONE).save(out, format='png', optimize=True)
-    return {f'{name}.png': out.getvalue()}
-
-
-def draw(study, t, log=print):
+def draw(study, tables, log=print):
     """{'files': {name: bytes}, 'notes': [why a figure was skipped]} of every figure in FIGURES."""
-    files, notes = {}, []
-    for f in (f for f in FIGURES if f.fn):
+    files, notes, key = {}, [], setting_names(study)[1]
+    for f in FIGURES:
         try:
-            made = f.fn(study, t)
+            made = f.fn(study, tables)
         except Skip as e:
             notes.append(f'{f.stem}: {e}')
             log(f'note: {f.stem} skipped: {e}')
             continue
         for i, fig in enumerate(made if isinstance(made, list) else [made]):
-            fig.suptitle(f.title + (f' ({i + 1})' if i else ''))
-            files.update(save(f.stem + (f'_{i + 1}' if i else ''), fig))
+            title = f.title + (f' ({i + 1})' if i else '')
+            fig.suptitle(textwrap.fill(title, int(7 * fig.get_figwidth())))   # clear of a legend
+            if key:   # below the axes, outside the layout: a long list never squeezes them
+                fig.text(0, 0, key, va='top', fontsize=7)
+            buf = io.BytesIO()
+            fig.savefig(buf, format='png', dpi=110, bbox_inches='tight')
+            files[f.stem + (f'_{i + 1}.png' if i else '.png')] = buf.getvalue()
     return {'files': files, 'notes': notes}
+
+
+def plain(text, width=WRAP):
+    """text wrapped to width, '$' drawn as itself: a setting's value is never parsed as mathtext."""
+    return textwrap.fill(str(text), width).replace('$', r'\$')
+
+
+def setting_names(study):
+    """({setting: its name in figures} in the study's order, the key under a figure): key is ''
+    unless a name is too long to draw; then the names are S1, S2, ... and the key lists them."""
+    order = list(study.label)
+    if all(len(study.label[s]) <= LONG_NAME for s in order):
+        return {s: plain(study.label[s]) for s in order}, ''
+    names = {s: f'S{i + 1}' for i, s in enumerate(order)}
+    return names, '\n'.join(plain(f'{names[s]}: {study.label[s]}', 160) for s in order)
+
+
+def colours(n):
+    """n distinct colours: tab10's, then tab20's light shades, then a sample of turbo."""
+    if n > 20:
+        return list(colormaps['turbo'](np.linspace(0.05, 0.95, n)))
+    return [colormaps['tab20'](i) for i in [*range(0, 20, 2), *range(1, 20, 2)][:n]]
+
+
+def legend_outside(fig, ax, **kw):
+    """ax's labelled lines as one legend to the right of the figure's panels."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc='outside right upper', fontsize=7, title_fontsize=7, **kw)
 
 
 def iteration_axis(ax, ylabel=None, title=None):
@@ -58,12 +86,12 @@ def iteration_axis(ax, ylabel=None, title=None):
 
 
 def settings_of(study):
-    """{setting name: its uncontrolled runs with geometry records}."""
+    """{setting name: its uncontrolled runs with geometry records}, in setting_names' order."""
     groups = group([r for r in study.runs if r.control == 'none' and len(r.iters)],
-                   lambda r: study.label[r.setting])
-    if groups:
-        return groups
-    raise Skip('no uncontrolled runs with geometry records')
+                   lambda r: r.setting)
+    if not groups:
+        raise Skip('no uncontrolled runs with geometry records')
+    return {name: groups[s] for s, name in setting_names(study)[0].items() if s in groups}
 
 
 def panels(n, width=4.2, height=3.2, cols=4):
@@ -86,176 +114,240 @@ def band(ax, its, v, **kw):
     """The seed mean of v (seeds, iterations) with its min-max band."""
     ok = np.isfinite(v).any(0)
     ax.plot(its[ok], stats.nanmean(v, 0)[ok], lw=1.1, **kw)
-    ax.fill_between(its[ok], np.nanmin(v[:, ok], 0), np.nanmax(v[:, ok], 0), color=kw['color'], alpha=0.15)
+    low, high = np.nanmin(v[:, ok], 0), np.nanmax(v[:, ok], 0)
+    ax.fill_between(its[ok], low, high, color=kw['color'], alpha=0.15)
 
 
-def pr_over_training(study, t):
+def pr_over_training(study, tables):
     groups = settings_of(study)
     fig, axes = panels(len(groups))
-    colors = colormaps['viridis'](np.linspace(0, 0.9, max(r.n_layer for g in groups.values() for r in g)))
+    layers = max(r.n_layer for runs in groups.values() for r in runs)
+    shade = colormaps['viridis'](np.linspace(0, 0.9, layers))
     for ax, (name, runs) in zip(axes, groups.items()):
         for key, style in (('pr_q', '-'), ('pr_k', '--')):
             its, v = stack(runs, key)
             for i in range(v.shape[2]):
-                band(ax, its, v[:, :, i], ls=style, color=colors[i], label=f'layer {i}' * (style == '-'))
-        iteration_axis(ax, f'whole-matrix {PR}', f'{name} ({len(runs)} seeds)')
-    axes[0].legend(fontsize=7, title='solid PR_Q, dashed PR_K', title_fontsize=7)
+                label = f'layer {i}' if style == '-' else None
+                band(ax, its, v[:, :, i], ls=style, color=shade[i], label=label)
+        iteration_axis(ax, f'whole-matrix {PR}', plain(f'{name} ({len(runs)} seeds)'))
+    legend_outside(fig, axes[0], title='solid PR_Q,\ndashed PR_K')
     return fig
 
 
-def pr_gap(study, t):
+def pr_gap(study, tables):
     fig, (ax,) = panels(1, 8, 4.5)
-    for i, (name, runs) in enumerate(settings_of(study).items()):
+    groups = settings_of(study)
+    for colour, (name, runs) in zip(colours(len(groups)), groups.items()):
         its, q = stack(runs, 'pr_q')
         gap = stats.nanmean(q, 0) - stats.nanmean(stack(runs, 'pr_k', its)[1], 0)
-        ax.plot(its, gap, color=colormaps['tab20'](i % 20), lw=0.9, label=[name] + [None] * (len(gap.T) - 1))
+        for i, layer in enumerate(gap.T):   # one legend entry per setting
+            ax.plot(its, layer, color=colour, lw=0.9, label=None if i else name)
     ax.axhline(0, color='k', lw=1)
-    iteration_axis(ax, 'PR_Q - PR_K (whole matrix, seed mean)', 'a line per layer, a colour per setting')
-    ax.legend(fontsize=6, ncol=2)
+    iteration_axis(ax, 'PR_Q - PR_K (whole matrix, seed mean)',
+                   'a line per layer, a colour per setting')
+    legend_outside(fig, ax)
     return fig
 
 
-def entropy_and_pr(study, t):
+def flat(runs, key, from_warmup=False):
+    """key of every run, record (all or from the end of warm-up on) and layer (and head), flat."""
+    parts = [r.m[key][r.iters >= (r.cfg['warmup_iters'] if from_warmup else 0)].ravel()
+             for r in runs]
+    return np.concatenate(parts or [np.zeros(0)])
+
+
+def entropy_and_pr(study, tables):
     groups = settings_of(study)
     fig, (ax_h, *scatter, ax_s) = panels(4, 5, 4.3)
-    for name, runs in groups.items():
-        ax_h.plot(*mean_line(runs, 'entropy'), label=name)
+    for colour, (name, runs) in zip(colours(len(groups)), groups.items()):
+        ax_h.plot(*mean_line(runs, 'entropy'), color=colour, label=name)
     iteration_axis(ax_h, 'attention entropy (nats)', 'seed and layer mean')
-    ax_h.legend(fontsize=6)
     runs = [r for g in groups.values() for r in g if 'entropy' in r.m]
-    flat = lambda key, rs=runs, warm=False: np.concatenate(
-        [r.m[key][r.iters >= r.cfg['warmup_iters'] * warm].ravel() for r in rs] or [np.zeros(0)])
-    color = np.log10(1 + np.concatenate([np.repeat(r.iters, r.n_layer) for r in runs]))
-    for ax, key, what in zip(scatter, ('pr_k', 'pr_qk'), ('PR_K (whole matrix)', 'PR_QK (mean over heads)')):
+    when = np.log10(1 + np.concatenate([np.repeat(r.iters, r.n_layer) for r in runs]))
+    axes_x = (('pr_k', 'PR_K (whole matrix)'), ('pr_qk', 'PR_QK (mean over heads)'))
+    for ax, (key, what) in zip(scatter, axes_x):
         x = np.concatenate([r.m.get(key, r.m['entropy'] * np.nan).ravel() for r in runs])
-        sc = ax.scatter(x, flat('entropy'), c=color, s=4, alpha=0.6, lw=0)
+        dots = ax.scatter(x, flat(runs, 'entropy'), c=when, s=4, alpha=0.6, lw=0)
         ax.set(xlabel=what, ylabel='attention entropy (nats)', title='each run, layer and record')
-    fig.colorbar(sc, ax=scatter, label='log10(1 + iteration)')
-    keys = ('qk_spec_norm_heads', 'entropy_heads', 'pr_k_heads')   # shape beyond scale, from warm-up on
-    s, h, k = (flat(key, [r for r in runs if set(keys) <= set(r.m)], True) for key in keys)
-    order = np.argsort(k)[::-1]
-    fig.colorbar(ax_s.scatter(np.log10(s[order]), h[order], c=k[order], s=5, alpha=0.7, lw=0), ax=ax_s,
-                 label='PR_K of the head')
+    fig.colorbar(dots, ax=scatter, label='log10(1 + iteration)')
+    # shape beyond scale, from warm-up on (before it, the weights are still their random draw)
+    keys = ('qk_spec_norm_heads', 'entropy_heads', 'pr_k_heads')
+    logged = [r for r in runs if set(keys) <= set(r.m)]
+    scale, entropy, pr_k = (flat(logged, key, True) for key in keys)
+    order = np.argsort(pr_k)[::-1]
+    dots = ax_s.scatter(np.log10(scale[order]), entropy[order], c=pr_k[order], s=5, alpha=0.7, lw=0)
+    fig.colorbar(dots, ax=ax_s, label='PR_K of the head')
     ax_s.set(xlabel='log10 ||W_QK^h||_2 (logit scale)', ylabel='entropy of the head (nats)',
              title='per head and record from the end of warm-up on')
+    legend_outside(fig, ax_h)
     return fig
 
 
-def spectra(study, t):
-    reps = [(name, rs[0], sorted(glob.glob(f'{rs[0].path}/snapshots/qk_*.npz'))) for name, rs in
-            settings_of(study).items()]
-    reps = [(name, run, [paths[0], paths[-1]]) for name, run, paths in reps if len(paths) > 1][:3]
+def spectra(study, tables):
+    reps = []
+    for name, runs in settings_of(study).items():
+        paths = sorted(glob.glob(f'{runs[0].path}/snapshots/qk_*.npz'))
+        if len(paths) > 1:
+            reps.append((name, runs[0], [paths[0], paths[-1]]))
     if not reps:
         raise Skip('no run kept snapshots/ (save_snapshots=False, or compact logs only)')
+    reps = reps[:3]
     fig, grid = panels(3 * len(reps), 13 / 3, 3.3, 3)
     for row, (name, run, paths) in zip(grid.reshape(-1, 3), reps):
         i = run.n_layer // 2
-        for path, color in zip(paths, ('tab:blue', 'tab:red')):
+        for path, colour in zip(paths, ('tab:blue', 'tab:red')):
             with np.load(path) as z:
                 q, k = z['q'][i], z['k'][i]
                 s_qk = geometry.interaction_singular_values(q, k, int(z['n_head'])).mean(0)
-            for ax, s, what in zip(row, (geometry.singular_values(q), geometry.singular_values(k), s_qk),
-                                   ('W_Q', 'W_K', 'W_QK (head mean)')):
-                ax.semilogy(np.arange(1, len(s) + 1), np.maximum(s.numpy(), 1e-12), color=color,
-                            label=f"iteration {int(re.sub(NON_DIGITS, '', os.path.basename(path)))}")
-                ax.set(title=f'{what}, {name}, layer {i}', xlabel='index', ylabel='singular value')
-                ax.legend(fontsize=7)
+            it = int(re.sub(NON_DIGITS, '', os.path.basename(path)))
+            values = (geometry.singular_values(q), geometry.singular_values(k), s_qk)
+            for ax, s, what in zip(row, values, ('W_Q', 'W_K', 'W_QK (head mean)')):
+                ax.semilogy(np.arange(1, len(s) + 1), np.maximum(s.numpy(), 1e-12), color=colour,
+                            label=f'iteration {it}')
+                ax.set(xlabel='index', ylabel='singular value')
+                ax.set_title(plain(f'{what}, {name}, layer {i}'), fontsize=9)
+        row[2].legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.02, 1))
     return fig
 
 
-def control(study, t):
-    fams = families(study.arms)
+def dose_response(ax, study, keys, colours_of, key):
+    """Each seed pair at the change in key it achieved; each arm's mean, t interval: (xs, ys)."""
+    xs, ys = [], []
+    for colour, k in zip(colours_of, keys):
+        x = [c.final(key) - b.final(key) for c, b in study.arms[k]]
+        y = [c.final('entropy') - b.final('entropy') for c, b in study.arms[k]]
+        ax.scatter(x, y, color=colour, s=16)
+        xs, ys = xs + x, ys + y
+        (mean_x, *_), (mean_y, lo, hi, _) = stats.t_interval(x), stats.t_interval(y)
+        ax.errorbar([mean_x], [mean_y], yerr=np.nan_to_num([[mean_y - lo], [hi - mean_y]]), fmt='D',
+                    color=colour, mec='k', capsize=4)
+    return xs, ys
+
+
+def control(study, tables):
+    names = setting_names(study)[0]
+    fams = sorted(families(study.arms).items(), key=lambda item: list(names).index(item[0][0]))
     if not fams:
         raise Skip('no controlled runs paired with a baseline')
     fig, grid = panels(3 * len(fams), 5, 4.2, 3)
-    fits = {(r['setting'], r['arm']): r for r in t['control_dose_fit']}
-    for axes, ((setting, rest), keys) in zip(grid.reshape(-1, 3), fams.items()):
+    fits = {(r['setting'], r['arm']): r for r in tables['control_dose_fit']}
+    for axes, ((setting, rest), keys) in zip(grid.reshape(-1, 3), fams):
         key = f"pr_{dict(rest)['control_target']}_head"
-        colors = colormaps['Blues'](np.linspace(0.45, 0.95, len(keys)))
-        lines = [('none', list(dict.fromkeys(b for k in keys for _, b in study.arms[k])), 'k')]
-        for label, runs, color in lines + [(study.arm_name(k[1]), [c for c, _ in study.arms[k]], col)
-                                           for col, k in zip(colors, keys)]:
+        doses = colormaps['Blues'](np.linspace(0.45, 0.95, len(keys)))   # darker: a stronger dose
+        baseline = list(dict.fromkeys(b for k in keys for _, b in study.arms[k]))
+        lines = [('none', baseline, 'k')]
+        for colour, k in zip(doses, keys):
+            lines.append((study.arm_name(k[1]), [c for c, _ in study.arms[k]], colour))
+        for label, runs, colour in lines:
+            text = plain(f'{label} ({len(runs)})', 30)
             for ax, metric in zip(axes, (key, 'entropy')):
-                ax.plot(*mean_line(runs, metric), color=color, label=f'{label} ({len(runs)})')
-        xs, ys = [], []
-        for color, k in zip(colors, keys):   # the dose response: each pair at the change it achieved
-            x, y = ([c.final(m) - b.final(m) for c, b in study.arms[k]] for m in (key, 'entropy'))
-            axes[2].scatter(x, y, color=color, s=16)
-            xs, ys = xs + x, ys + y
-            (mx, *_), (my, lo, hi, _) = stats.t_interval(x), stats.t_interval(y)
-            axes[2].errorbar([mx], [my], yerr=np.nan_to_num([[my - lo], [hi - my]]), fmt='D', color=color,
-                             mec='k', capsize=4)
+                ax.plot(*mean_line(runs, metric), color=colour, label=text)
+        xs, ys = dose_response(axes[2], study, keys, doses, key)
         fit = fits.get((study.label[setting], study.arm_name(rest)))
         if fit and np.isfinite(fit['slope']):   # least squares passes through the points' mean
             x0 = np.array([min(xs), max(xs)])
-            axes[2].plot(x0, np.nanmean(ys) + fit['slope'] * (x0 - np.nanmean(xs)), 'k:', label='least sq.')
-            axes[2].legend(fontsize=7)
+            y0 = np.nanmean(ys) + fit['slope'] * (x0 - np.nanmean(xs))
+            axes[2].plot(x0, y0, 'k:', label='least sq.')
         axes[2].axhline(0, color='k', lw=0.8)
         axes[2].set(xlabel=f'change in {key}', ylabel='change in final entropy (nats)',
-                    title='controlled - baseline per seed pair; arm mean, t interval')
-        iteration_axis(axes[0], f'{key} (layer mean)', study.label[setting])
+                    title='controlled - baseline per seed pair;\narm mean, t interval')
+        iteration_axis(axes[0], f'{key} (layer mean)', names[setting])
         iteration_axis(axes[1], 'attention entropy (nats, layer mean)')
-        axes[0].legend(fontsize=7)
+        handles = axes[0].get_legend_handles_labels()
+        extra = axes[2].get_legend_handles_labels()
+        axes[2].legend(handles[0] + extra[0], handles[1] + extra[1], fontsize=7, loc='upper left',
+                       bbox_to_anchor=(1.02, 1))
     return fig
 
 
 def trended(stat):
-    """Whether REPORT.md and fig9 show a statistic's trends: the claims, and the statistics tagged 'trend'."""
+    """Whether REPORT.md and fig9 show a statistic's trends: claims and those tagged 'trend'."""
     return hasattr(stat, 'sign') or 'trend' in getattr(stat, 'tables', ())
 
 
-def regime_points(study, t):
-    """Each statistic with trends, per point along each axis: a line per line of points, a point alone too."""
+def dodge(xs, j, n, log, span):
+    """xs shifted a little for the j-th of n lines: lines through equal values stay visible."""
+    step = j - (n - 1) / 2
+    return xs * 2 ** (0.08 * step) if log else xs + 0.025 * span * step
+
+
+def regime_panel(ax, lines, rows, at, axis, name):
+    """One statistic along one axis: each line of points (each point alone) with its intervals."""
+    ticks = sorted({c[axis] for c in at.values() if axis in c})
+    log = all(v > 0 for v in ticks)
+    span = (ticks[-1] - ticks[0]) or 1
+    marks = itertools.cycle(zip('os^Dv', ('-', '--', ':', '-.')))
+    for j, ((members, label), colour, (mark, style)) in enumerate(
+            zip(lines, colours(len(lines)), marks)):
+        est, lo, hi = (np.array([rows[p, name][k] for p in members]) for k in ('est', 'lo', 'hi'))
+        xs = dodge(np.array([at[p][axis] for p in members], float), j, len(lines), log, span)
+        ax.errorbar(xs, est, yerr=np.nan_to_num([est - lo, hi - est]), ms=4, marker=mark, capsize=2,
+                    ls=style, color=colour, label=label)
+    if log:
+        ax.set_xscale('log', base=2)
+    ax.set_xticks(ticks, [f'{v:g}' for v in ticks], minor=False)
+    ax.minorticks_off()
+    ax.legend(fontsize=6, loc='upper left', bbox_to_anchor=(1.02, 1))
+
+
+def regime_points(study, tables):
+    """Each statistic with trends per point along each axis: a line per line of points, or alone."""
     shown = {k for k, s in study.stats.items() if trended(s) and s.unit != 'pair'}
-    trends = [r for r in t['regime_trend'] if r['position'] == 'all' and r['statistic'] in shown]
-    names, axes = (list(dict.fromkeys(r[k] for r in trends)) for k in ('statistic', 'axis'))
+    trends = [r for r in tables['regime_trend']
+              if r['position'] == 'all' and r['statistic'] in shown]
+    names = list(dict.fromkeys(r['statistic'] for r in trends))
+    axes = list(dict.fromkeys(r['axis'] for r in trends))
     if not names:
         raise Skip('no numeric setting with two points on a line')
+    names_of = setting_names(study)[0]
+    order = {study.label[s]: i for i, s in enumerate(names_of)}
+    shown_as = {study.label[s]: name for s, name in names_of.items()}
     at = {study.label[r.setting]: r.settings for r in study.runs}
-    rows, figs = {(r['point'], r['statistic']): r for r in t['regime_rows'] if r['position'] == 'all'}, []
+    rows = {(r['point'], r['statistic']): r
+            for r in tables['regime_rows'] if r['position'] == 'all'}
+    figs = []
     for chunk in (names[i:i + 4] for i in range(0, len(names), 4)):
-        fig, grid = panels(len(chunk) * len(axes), 4.6, 3.2, len(axes))
-        for ax, (name, axis) in zip(grid, ((n, a) for n in chunk for a in axes)):
-            lines = [(r['members'].split(' | '), r['line']) for r in trends
-                     if (r['statistic'], r['axis']) == (name, axis)]
-            on = {p for r in trends if r['statistic'] == name for p in r['members'].split(' | ')}
-            lines += [([p], p) for p in at if (p, name) in rows and p not in on and f'{axis}=' in p]
-            for j, (members, label) in enumerate(lines):
-                m, lo, hi = (np.array([rows[p, name][k] for p in members]) for k in ('est', 'lo', 'hi'))
-                ax.errorbar([at[p][axis] for p in members], m, yerr=np.nan_to_num([m - lo, hi - m]), ms=4,
-                            marker='os^D'[j % 4], capsize=2, ls=('-', '--', ':', '-.')[j % 4], label=label)
-            ax.legend(fontsize=6)
-            ticks = sorted({c[axis] for c in at.values() if axis in c})
-            if all(v > 0 for v in ticks):
-                ax.set_xscale('log', base=2)
-            ax.set_xticks(ticks, [f'{v:g}' for v in ticks], minor=False)
-            ax.minorticks_off()
+        fig, grid = panels(len(chunk) * len(axes), 5.2, 3.2, len(axes))
+        for ax, (name, axis) in zip(grid, itertools.product(chunk, axes)):
+            mine = [r for r in trends if (r['statistic'], r['axis']) == (name, axis)]
+            lines = [(r['members'].split(' | '), plain(r['line'], 30)) for r in mine]
+            on = ' | '.join(r['members'] for r in trends if r['statistic'] == name).split(' | ')
+            for p in sorted(at, key=order.get):
+                if (p, name) in rows and p not in on and f'{axis}=' in p:
+                    lines.append(([p], shown_as[p]))
+            lines.sort(key=lambda line: order[line[0][0]])
+            regime_panel(ax, lines, rows, at, axis, name)
             s = study.stats[name]
-            ax.set(xlabel=axis, ylabel=name + ': share of trajectories' * (s.unit == 'trajectory'))
+            share = ': share of trajectories' if s.unit == 'trajectory' else ''
+            ax.set(xlabel=axis, ylabel=name + share)
             ax.set_title(textwrap.fill(getattr(s, 'text', '') or s.stat, 48), fontsize=9)
         figs.append(fig)
     return figs
 
 
-def imbalance(study, t):
-    """qk_imbalance, qk_drift over training per uncontrolled setting; per head, the final PR gap against
-    imbalance."""
-    groups = {n: [r for r in rs if 'qk_imbalance_heads' in r.m] for n, rs in settings_of(study).items()}
-    if not any(groups.values()):
+def imbalance(study, tables):
+    """qk_imbalance and qk_drift over training per uncontrolled setting, each in its panel (they
+    coincide where D_h starts at 0: tied inits); per head, the final PR gap against imbalance."""
+    groups = {}
+    for name, runs in settings_of(study).items():
+        logged = [r for r in runs if 'qk_imbalance_heads' in r.m]
+        if logged:
+            groups[name] = logged
+    if not groups:
         raise Skip('qk_imbalance is not logged (runs trained before train.py logged it)')
-    fig, (ax_t, ax_s) = panels(2, 7, 4.8)
-    for i, (name, runs) in enumerate((n, rs) for n, rs in groups.items() if rs):
-        color = colormaps['tab20'](i % 20)
-        for key, style in (('qk_imbalance', '-'), ('qk_drift', '--')):
-            ax_t.plot(*mean_line(runs, key), style, color=color, label=name if style == '-' else None)
-        gap = np.concatenate([(r.m['pr_q_heads'][-1] - r.m['pr_k_heads'][-1]).ravel() / r.d for r in runs])
-        x = np.concatenate([r.m['qk_imbalance_heads'][-1].ravel() for r in runs])
-        ax_s.scatter(x, gap, s=12, color=color)
-    iteration_axis(ax_t, '||D_h||_F / Gram norm', 'qk_imbalance (solid), qk_drift (dashed): layer, seed mean')
-    ax_t.legend(fontsize=6)
+    fig, (ax_i, ax_d, ax_s) = panels(3, 5, 4.4, 3)
+    for colour, (name, runs) in zip(colours(len(groups)), groups.items()):
+        ax_i.plot(*mean_line(runs, 'qk_imbalance'), color=colour, label=name)
+        ax_d.plot(*mean_line(runs, 'qk_drift'), color=colour)
+        gap = [(r.m['pr_q_heads'][-1] - r.m['pr_k_heads'][-1]).ravel() / r.d for r in runs]
+        x = [r.m['qk_imbalance_heads'][-1].ravel() for r in runs]
+        ax_s.scatter(np.concatenate(x), np.concatenate(gap), s=12, color=colour)
+    iteration_axis(ax_i, '||D_h||_F / Gram norm', 'qk_imbalance: layer, seed mean')
+    iteration_axis(ax_d, 'qk_drift', 'qk_drift: layer, seed mean')
     ax_s.axhline(0, color='k', lw=0.8)
     ax_s.set(xlabel='final qk_imbalance of the head', ylabel='final (PR_Q^h - PR_K^h) / d',
              title='run x layer x head')
+    legend_outside(fig, ax_i)
     return fig
 
 
@@ -264,16 +356,16 @@ FIGURES = [
            'PR_Q and PR_K over training per setting (seed mean, min-max band)'),
     Figure('fig2_pr_gap', pr_gap, 'Trajectories', 'PR_Q - PR_K along every trajectory'),
     Figure('fig3_entropy_and_pr', entropy_and_pr, 'Descriptive statistics',
-           'Attention entropy over training; PR_K and PR_QK against entropy; entropy against the logit '
-           'scale, coloured by PR_K'),
+           'Attention entropy over training; PR_K and PR_QK against entropy; entropy against the '
+           'logit scale, coloured by PR_K'),
     Figure('fig4_spectra', spectra, 'Trajectories',
            'Singular values of W_Q, W_K and W_QK at the first and last snapshot'),
     Figure('fig5_control', control, 'Control experiment',
            'The controlled PR and the entropy over training per arm family; the dose response'),
     Figure('fig9_regime', regime_points, 'Regime',
-           'Each statistic per regime point (all layers): estimate and 95% interval'),
+           'Each statistic per regime point (all layers): estimate and 95% interval (lines a '
+           'little apart where points share a value)'),
     Figure('fig10_imbalance', imbalance, 'Queries, keys and the optimizer',
-           'The Q/K imbalance and its drift over training; the per-head PR gap against the imbalance'),
-    Figure('fig6_tokens', None, 'Token level', 'Token-level contrast and entropy over our checkpoints'),
-    Figure('fig7_pretrained', None, 'Token level', 'Token-level contrast and entropy, a pretrained series'),
+           'The Q/K imbalance and its drift from the init over training (equal where D_h starts at '
+           '0); the per-head PR gap against the imbalance'),
 ]

@@ -4,6 +4,7 @@ part, uint16 train.bin and val.bin, and meta.json, in a cache folder whose name 
 min_char_count and ENCODER_VERSION. WikiText-103 is downloaded into data_dir when it is not there.
 """
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -20,8 +21,14 @@ WIKITEXT = ('wiki.train.raw', 'wiki.valid.raw', 'wiki.test.raw')
 
 
 def sha256_of(paths):
+    """Of the files' bytes, remembered while they keep their size and time (get_config and prepare_data both ask)."""
+    return _sha256(tuple((os.path.realpath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths))
+
+
+@functools.lru_cache
+def _sha256(stamps):
     h = hashlib.sha256()
-    for path in paths:
+    for path, _, _ in stamps:
         with open(path, 'rb') as f:
             for block in iter(lambda: f.read(1 << 24), b''):
                 h.update(block)
@@ -96,16 +103,32 @@ def sources(cfg):
     characters, or WikiText-103's train and valid files."""
     if cfg['data_file'] or cfg['dataset'] == 'wikitext103-test':
         path = cfg['data_file'] or os.path.join(cfg['data_dir'], 'wiki.test.raw')
-        if not cfg['data_file'] and not os.path.isfile(path):
+        if not os.path.isfile(path):  # get_config has checked data_file
             download_wikitext(cfg, ['wiki.test.raw'])
-        if not os.path.isfile(path):
-            raise Stop(f'data_file={path} is not a file')
         cut = int(0.9 * sum(map(len, pieces(path))))
         return [path], lambda: pieces(path, 0, cut), lambda: pieces(path, cut), os.path.basename(path)
     paths = [os.path.join(cfg['data_dir'], n) for n in WIKITEXT[:2]]
     if not all(map(os.path.isfile, paths)):
         download_wikitext(cfg, list(WIKITEXT[:2]))
     return paths, lambda: pieces(paths[0]), lambda: pieces(paths[1]), 'wikitext103'
+
+
+def build(folder, name, encode_into):
+    """The cache folder, encoded aside and renamed into place: complete or absent. One process encodes a text (a DDP
+    rank, a sweep's job); the others wait for it, then find it built."""
+    root = os.path.dirname(folder)
+    try:
+        os.makedirs(root, exist_ok=True)
+        lock = open(os.path.join(root, '.lock'), 'a')
+    except OSError as e:
+        raise Stop(f'cannot write the data cache {root} (cache_dir): {e.strerror}') from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(folder, 'meta.json')):
+            with tempfile.TemporaryDirectory(prefix='.building-', dir=root, ignore_cleanup_errors=True) as tmp:
+                encode_into(tmp)
+                os.rename(tmp, folder)
+            print(f'encoded {name} into {folder}', flush=True)
 
 
 def prepare_data(cfg):
@@ -115,14 +138,8 @@ def prepare_data(cfg):
     key = f"{name}-{digest[:16]}-min{cfg['min_char_count']}-enc{ENCODER_VERSION}"
     root = cfg['cache_dir'] or os.environ.get('QKGEOM_CACHE') or os.path.expanduser('~/.cache/qkgeom')
     folder = os.path.join(root, key)
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, '.lock'), 'a') as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one process encodes (a DDP rank, a sweep's job); the others wait for it
-        if not os.path.isfile(os.path.join(folder, 'meta.json')):  # encoded aside, then renamed: complete or absent
-            with tempfile.TemporaryDirectory(prefix='.building-', dir=root, ignore_cleanup_errors=True) as tmp:
-                encode(train_pieces, val_pieces, cfg['min_char_count'], tmp)
-                os.rename(tmp, folder)
-            print(f'encoded {name} into {folder}', flush=True)
+    if not os.path.isfile(os.path.join(folder, 'meta.json')):  # a built cache is only read: it may be read-only
+        build(folder, name, lambda tmp: encode(train_pieces, val_pieces, cfg['min_char_count'], tmp))
     meta = dict(json.load(open(os.path.join(folder, 'meta.json'))), sha256=digest, cache_key=key)
     if meta['n_val'] < cfg['block_size'] + 2:
         raise Stop(f"{', '.join(paths)}: {meta['n_val']} validation characters, too few for block_size="

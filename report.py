@@ -1,9 +1,8 @@
 """
-REPORT.md: a value with its interval (shown), a verdict and why (verdict_text), each claim's rule from its row
-(rule), the map pivoted from its cells (map_tables), then SECTIONS in order, placed by a statistic's `tables`
-and a figure's section (plots.FIGURES). Nothing here names a statistic.
+REPORT.md: a value with its interval (shown), a verdict and why (verdict_text), each claim's rule
+from its row (rule), the map pivoted from its cells (map_tables), then SECTIONS in order, placed by
+a statistic's `tables` and a figure's section (plots.FIGURES). Nothing here names a statistic.
 """
-import os
 import time
 from collections import Counter
 
@@ -14,26 +13,41 @@ import plots
 import stats
 
 UNITS = {'seed': 'seeds (runs)', 'pair': 'seed pairs (controlled - baseline)', 'model': 'models'}
-NEAR_UNIFORM = 0.98     # a record whose layer-mean entropy_norm is this or more has near-uniform attention
-SECTIONS = {   # title: what it says; its tables follow, then its figures
-    'Robustness map': 'Each claim in every lens and window; in its own view with and without weight decay on '
-                      'W_Q, W_K; (d), (e) per control_keep.',
-    'Descriptive statistics': 'Links across heads beside (c) (|scale: given log ||W_QK^h||_2); within runs '
-                              'over time, where two trends correlate, linked or not.',
-    'Trajectories': '',
-    'Control experiment': 'Final values, controlled - baseline (the none run of its other settings, seed).',
-    'Regime': "Each statistic per point (uncontrolled setting), all layers (regime.md: per position); trends "
-              "along a setting, the rest fixed: slope per doubling (per unit if a value is 0), lack of fit "
-              "(p < 0.05: not a line), Spearman's rho. Nothing is extrapolated.",
-    'Queries, keys and the optimizer': 'D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is conserved under gradient '
-                                       'flow (geometry.py); imbalance_conserved: what the law leaves of it.',
-    'Token level': '',
+NEAR_UNIFORM = 0.98     # a layer-mean entropy_norm this high or more: near-uniform attention
+FEW_SEEDS = 3           # below this in every setting, an interval over seeds is absent or too wide
+FEW_RECORDS = 5         # below this from warm-up on in every run (the smoke preset): no trajectory
+SECTIONS = {   # title: (what it says, why it can be empty); its tables follow, then its figures
+    'Robustness map': (
+        'Each claim in every lens and window; in its own view with and without weight decay on '
+        'W_Q, W_K; (d), (e) per control_keep. -: the claim is not measured in that view.',
+        'no claim could be measured in any view'),
+    'Descriptive statistics': (
+        'Links across heads beside (c) (|scale: given log ||W_QK^h||_2); within runs over time, '
+        'where two trends correlate, linked or not.',
+        'no descriptive statistic could be measured'),
+    'Trajectories': ('', ''),
+    'Control experiment': (
+        'Final values, controlled - baseline (the none run of its other settings, seed).',
+        'no controlled run has a control=none run with the same other settings and seed'),
+    'Regime': (
+        'Each statistic per point (uncontrolled setting), all layers (regime.md: per position); '
+        'trends along a setting, the rest fixed: slope per doubling (per unit if a value is 0), '
+        "lack of fit (p < 0.05: not a line), Spearman's rho. Nothing is extrapolated.",
+        'the regime compares two or more uncontrolled settings'),
+    'Queries, keys and the optimizer': (
+        'D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is conserved under gradient flow (geometry.py); '
+        'imbalance_conserved: what the law leaves of it.',
+        'these statistics are read per point of the regime, which needs two or more uncontrolled '
+        'settings'),
+    'Token level': ('', 'no uncontrolled run and no pretrained series'),
 }
 
 
 def signed(v):
     """v with its sign, 4 significant digits (scientific where that would show only zeros)."""
-    return f'{v:g}' if not np.isfinite(v) or v == 0 else f'{v:+.3e}' if abs(v) < 1e-4 else f'{v:+.4g}'
+    if not np.isfinite(v) or v == 0:
+        return f'{v:g}'
+    return f'{v:+.3e}' if abs(v) < 1e-4 else f'{v:+.4g}'
 
 
 def shown(stat, res):
@@ -41,10 +55,11 @@ def shown(stat, res):
     if not res.get('n'):
         return 'not logged'
     if stat.unit == 'trajectory':
-        return '{hits}/{n} = {est:.0%} [{lo:.0%}, {hi:.0%}], {seeds} seeds; mirror {mirror}/{n}'.format(**res)
-    f = (lambda v: f'{v:.4g}') if stat.log or stat.key.endswith('loss') else signed
-    interval = f" [{f(res['lo'])}, {f(res['hi'])}]" if np.isfinite(res['lo']) else ''
-    return f"{f(res['est'])}{interval}, n = {res['n']}"
+        return ('{hits}/{n} = {est:.0%} [{lo:.0%}, {hi:.0%}], {seeds} seeds; '
+                'mirror {mirror}/{n}').format(**res)
+    number = (lambda v: f'{v:.4g}') if stat.log or stat.key.endswith('loss') else signed
+    interval = f" [{number(res['lo'])}, {number(res['hi'])}]" if np.isfinite(res['lo']) else ''
+    return f"{number(res['est'])}{interval}, n = {res['n']}"
 
 
 def verdict_text(res):
@@ -52,147 +67,233 @@ def verdict_text(res):
 
 
 def rule(claim, refs):
-    """A claim's rule, from its row (refs: each window's reference records)."""
+    """A claim's rule from its row, in its value's units (refs: each window's references)."""
     level, side = f'{stats.LEVEL:.0%}', ('above', 'below')[::claim.sign]
     if claim.unit == 'trajectory':
         return (f"`{claim.key}`: per trajectory (one layer of one run), {claim.stat}; references: "
-                f"{', '.join(refs[claim.window])}. The share of each seed's trajectories, its {level} "
-                f'interval over seeds (stats.share): holds if it lies above {claim.ref:g}, reversed if the '
-                "mirror's does, fails if both lie below, else undecided")
+                f"{', '.join(refs[claim.window])}. The share of each seed's trajectories, its "
+                f'{level} interval over seeds (stats.share): holds if it lies above {claim.ref:g}, '
+                "reversed if the mirror's does, fails if both lie below, else undecided")
+    # ref and margin are in the units of the value shown (a log claim: a ratio)
+    ref, low, high = claim.ref, claim.ref - claim.margin, claim.ref + claim.margin
     where = f' (from {refs[claim.window][0]} on)' if claim.unit == 'seed' else ''
-    arm = '; on the control_keep=spec arm (the top singular value kept: the shape changes, the logits are ' \
-          'not pushed up), the fro arm beside with its qk_spec_norm change' if claim.unit == 'pair' else ''
-    return (f"`{claim.key}`: per {claim.unit.replace('pair', 'seed pair')}, {claim.stat}{where}; the {level} "
-            f'Student-t interval over {UNITS[claim.unit]}: no effect if inside '
-            f'[{claim.ref - claim.margin:g}, {claim.ref + claim.margin:g}], holds if it lies {side[0]} '
-            f'{claim.ref:g}, reversed if {side[1]}, else undecided{arm}')
+    arm = ''
+    if claim.unit == 'pair':
+        arm = ('; on the control_keep=spec arm (the top singular value kept: the shape changes, '
+               'the logits are not pushed up), the fro arm beside with its qk_spec_norm change')
+    return (f"`{claim.key}`: per {claim.unit.replace('pair', 'seed pair')}, {claim.stat}{where}; "
+            f'the {level} Student-t interval over {UNITS[claim.unit]}: no effect if inside '
+            f'[{low:g}, {high:g}], holds if it lies {side[0]} {ref:g}, reversed if {side[1]}, '
+            f'else undecided{arm}')
+
+
+def map_column(cell):
+    """The view of a map cell: lens and window, weight decay on W_Q, W_K, or the control's keep."""
+    if cell['keep']:
+        return f"keep={cell['keep']}"
+    if cell['decay'] == 'pooled':
+        return f"{cell['lens']}, {cell['window']}"
+    return ('no ' if cell['decay'] is False else '') + 'decay on W_Q, W_K'
+
+
+def map_text(stat, cell):
+    """A map cell: its verdict with its value, or why it has none; a keep cell names its setting."""
+    text = cell.get('why') or 'not logged'
+    if cell['n']:
+        text = f"{cell['verdict']} ({shown(stat, cell)})" if cell['verdict'] else shown(stat, cell)
+    return f"{cell['setting']}: {text}" if cell['keep'] else text
 
 
 def map_tables(cells, registry):
-    """robustness_map (claims), descriptive: .csv a row per cell; .md a row per statistic, a column a view."""
+    """robustness_map (claims), descriptive: .csv a row per cell; .md a statistic by view."""
     out = {}
-    views = list(dict.fromkeys(f"{c['lens']}, {c['window']}" for c in cells if c['decay'] == 'pooled'))
+    pooled = [c for c in cells if c['decay'] == 'pooled']
+    views = list(dict.fromkeys(f"{c['lens']}, {c['window']}" for c in pooled))
     views += ['decay on W_Q, W_K', 'no decay on W_Q, W_K', 'keep=spec', 'keep=fro']
-    keys = ('key', 'lens', 'window', 'decay', 'keep', 'setting', 'n', 'est', 'lo', 'hi', 'verdict', 'why')
+    keys = ['key', 'lens', 'window', 'decay', 'keep', 'setting', 'n', 'est', 'lo', 'hi', 'verdict',
+            'why']
     for stem, claims in (('robustness_map', True), ('descriptive', False)):
         mine, pivot = [c for c in cells if hasattr(registry[c['key']], 'sign') == claims], {}
+        if not mine:
+            continue
         for c in mine:
             s = registry[c['key']]
-            text = (f"{c['verdict']} ({shown(s, c)})" if c['verdict'] else shown(s, c)) if c['n'] else \
-                c.get('why') or 'not logged'
-            row = pivot.setdefault(c['key'], {'statistic': getattr(s, 'text', '') or f"{c['key']}: {s.stat}"})
-            col = f"keep={c['keep']}" if c['keep'] else f"{c['lens']}, {c['window']}" if \
-                c['decay'] == 'pooled' else ('no ' if c['decay'] is False else '') + 'decay on W_Q, W_K'
-            text = (f"{c['setting']}: " if c['keep'] else '') + text
-            row[col] = row[col] + '; ' + text if col in row else text
-        used = ['statistic'] + [c for c in views if any(c in r for r in pivot.values())]
-        csv = folders.table(stem, [{k: c.get(k) for k in keys} for c in mine])
-        md = folders.markdown([{k: r.get(k, '-') for k in used} for r in pivot.values()], used)
-        out.update({f'{stem}.csv': csv[stem + '.csv'], f'{stem}.md': md} if mine else {})
+            name = getattr(s, 'text', '') or f"{c['key']}: {s.stat}"
+            row = pivot.setdefault(c['key'], {'statistic': name})
+            column, text = map_column(c), map_text(s, c)
+            row[column] = f'{row[column]}; {text}' if column in row else text
+        used = ['statistic'] + [v for v in views if any(v in row for row in pivot.values())]
+        out[f'{stem}.csv'] = folders.table(stem, mine, keys)[f'{stem}.csv']
+        out[f'{stem}.md'] = folders.markdown(list(pivot.values()), used, missing='-')
     return out
 
 
-def write(study, t, claims, registry, figure_notes, files, refs):
+def caveat(study):
+    """A line for the top of the report when its verdicts rest on too little to mean much."""
+    seeds = folders.group(study.runs, lambda r: r.setting).values()
+    most_seeds = max(len({r.seed for r in runs}) for runs in seeds)
+    most_records = max(int((r.iters >= r.cfg['warmup_iters']).sum()) for r in study.runs)
+    why = []
+    if most_seeds < FEW_SEEDS:
+        why.append(f"n = {most_seeds} seed{'s' if most_seeds > 1 else ''} per setting")
+    if most_records < FEW_RECORDS:
+        why.append(f'at most {most_records} geometry records a run from the end of warm-up on')
+    if not why:
+        return []
+    return [f"**These verdicts rest on {' and '.join(why)}: they mean little.**", '']
+
+
+def write(study, tables, claims, registry, figure_notes, files, refs):
     """REPORT.md: the claims with their rules, then SECTIONS, settings, confounds and warnings."""
     files = {n: files[n] for n in sorted(files)}
     rows = [{'claim': r['claim'], 'in': r['scope'], 'value': r['value'], 'verdict': r['verdict'],
-             'Holm': r.get('holm', '-'), 'beside': r['beside']} for r in t['claims']]
-    keys = [k for k in t['settings'][0] if k not in ('setting', 'runs', 'seeds')] if t['settings'] else []
+             'Holm': r.get('holm', '-'), 'beside': r['beside']} for r in tables['claims']]
+    first = tables['settings'][0] if tables['settings'] else {}
+    keys = [k for k in first if k not in ('setting', 'runs', 'seeds')]
     differ = f' that differ in {", ".join(keys)}' if keys else ''
-    L = ['# qkgeom: claims report', '', f'Generated by `python analyze.py {" ".join(study.paths)}` on '
-         f'{time.strftime("%Y-%m-%d %H:%M")}: {len(study.runs)} runs used, {len(study.skipped)} skipped, '
-         f'in {len(study.label)} settings{differ}. Every value and verdict is computed from the run folders '
-         'by the rules printed here.', '', '## Claims', '', "The seed's claims, fixed before the runs, "
-         "each a test at 95%. Holm: the verdict after Holm's step-down adjustment over the "
-         f"{sum('holm' in r for r in t['claims'])} rows judged (family-wise 5%; a verdict it does not keep "
-         'reads undecided). Every other table here is exploratory.', '',
-         folders.markdown(rows, list(rows[0]) if rows else ['claim']), '### Rules', '']
-    L += [f'- {rule(c, refs)}.' for c in claims if any(r['key'] == c.key for r in t['claims'])]
-    L += ["- (d) is judged at the strongest shrink dose whose per-head PR_K change lies below -20% of the "
-          "baseline's.", '']
+    judged = sum('holm' in r for r in tables['claims'])
+    lines = ['# qkgeom: claims report', '',
+             f'Generated by `python analyze.py {" ".join(study.paths)}` on '
+             f'{time.strftime("%Y-%m-%d %H:%M")}: {len(study.runs)} runs used, '
+             f'{len(study.skipped)} skipped, in {len(study.label)} settings{differ}. Every value '
+             'and verdict is computed from the run folders by the rules printed here.', '']
+    lines += caveat(study)
+    lines += ['## Claims', '',
+              "The paper's claims, fixed before the runs, each a test at 95%. Holm: the verdict "
+              f"after Holm's step-down adjustment over the {judged} rows judged (family-wise 5%; a "
+              'verdict it does not keep reads undecided). Every other table here is exploratory.',
+              '',
+              folders.markdown(rows, list(rows[0]) if rows else ['claim']), '### Rules', '']
+    in_table = {r['key'] for r in tables['claims']}
+    lines += [f'- {rule(c, refs)}.' for c in claims if c.key in in_table]
+    lines += ['- (d) is judged at the strongest shrink dose whose per-head PR_K change lies below '
+              "-20% of the baseline's.", '']
+    lines += sections(study, tables, registry, files, figure_notes)
+    lines += ['## Settings', '', 'Seeds of one setting share every config.json key but '
+              f'{", ".join(folders.BOOKKEEPING)} (and the control keys their control kind '
+              'ignores).', '',
+              folders.markdown(tables['settings']), '## Notes: known confounds', '']
+    lines += [f'- {n}' for n in confounds(study)] + ['', '## Skipped runs and warnings', '']
+    lines += [f'- {w}' for w in study.warnings] or ['- none']
+    lines += ['', '## Files', ''] + [f'- [{n}]({n})' for n in files if n.endswith('.md')]
+    return '\n'.join(lines + [f'- figure skipped: {n}' for n in figure_notes]) + '\n'
+
+
+def sections(study, tables, registry, files, figure_notes):
+    """SECTIONS in order: each one's text, tables and figures, or why it has none."""
     optimizer = [s.key for s in registry.values() if 'optimizer' in s.tables]
-    tables = {'Robustness map': [files.get('robustness_map.md', '')],
-              'Descriptive statistics': ['[descriptive.md](descriptive.md)'] * ('descriptive.md' in files),
-              'Trajectories': [],
-              'Control experiment': control_lines(t), 'Regime': regime_lines(t, registry),
-              'Queries, keys and the optimizer': [by_point(t, optimizer)], 'Token level': token_lines(study)}
-    names = list(files) + (sorted(os.listdir(study.out)) if os.path.isdir(study.out) else [])
-    for title, text in SECTIONS.items():
-        body = [x for x in tables[title] if x] + figures(title, names)
-        L += [f'## {title} (exploratory)', ''] + [text, ''] * bool(text and body) + (body or ['-']) + ['']
-    L += ['## Settings', '', 'Seeds of one setting share every config.json key but '
-          f'{", ".join(folders.BOOKKEEPING)} (and the control keys their control kind ignores).', '',
-          folders.markdown(t['settings']), '## Notes: known confounds', '']
-    L += [f'- {n}' for n in confounds(study)] + ['', '## Skipped runs and warnings', '']
-    L += [f'- {w}' for w in study.warnings] or ['- none']
-    L += ['', '## Files', ''] + [f'- [{n}]({n})' for n in files if n.endswith('.md')]
-    return '\n'.join(L + [f'- figure skipped: {n}' for n in figure_notes]) + '\n'
+    described = '[descriptive.md](descriptive.md)' if 'descriptive.md' in files else ''
+    bodies = {'Robustness map': [files.get('robustness_map.md', '')],
+              'Descriptive statistics': [described], 'Trajectories': [],
+              'Control experiment': control_lines(tables), 'Regime': regime_lines(tables, registry),
+              'Queries, keys and the optimizer': [by_point(tables, optimizer)],
+              'Token level': token_lines(tables)}
+    drawn = bool(figure_notes) or any(n.endswith('.png') for n in files)
+    lines = []
+    for title, (text, empty) in SECTIONS.items():
+        body = [x for x in bodies[title] if x] + figures(title, files)
+        if not body:
+            body = [nothing_shown(title, empty, drawn, figure_notes)]
+        elif text:
+            body = [text, ''] + body
+        lines += [f'## {title} (exploratory)', ''] + body + ['']
+    return lines
+
+
+def nothing_shown(title, empty, drawn, figure_notes):
+    """Why a section is empty: its own reason, else its figures' (not drawn, or skipped and why)."""
+    stems = [f.stem for f in plots.FIGURES if f.section == title]
+    why = [note for note in figure_notes if note.split(':')[0] in stems]
+    if stems and not drawn:
+        why = ['figures not drawn (--no_figures)']
+    return f"Nothing to show: {empty or '; '.join(why) or 'nothing was measured'}."
 
 
 def figures(section, names):
     """The figures of a section (plots.FIGURES), in their order, with their titles."""
     out = []
     for f in (f for f in plots.FIGURES if f.section == section):
-        found = sorted({n for n in names if n.startswith(f.stem) and n.endswith('.png')},
-                       key=lambda n: (len(n), n))
-        out += [f'![{f.title}]({n})' for n in found]
-    return out + [''] * bool(out)
+        found = {n for n in names if n.startswith(f.stem) and n.endswith('.png')}
+        out += [f'![{f.title}]({n})' for n in sorted(found, key=lambda n: (len(n), n))]
+    return out + [''] if out else []
 
 
-def control_lines(t):
-    if not t['control_dose']:
+def control_lines(tables):
+    if not tables['control_dose']:
         return []
-    return [folders.markdown(t['control_dose'])] + ([
-        'Dose response over the doses x seeds of an arm family: the entropy change on the per-head PR change '
-        '(slope), and on it with the change in log qk_spec_norm; jackknife-t over seeds.', '',
-        folders.markdown(t['control_dose_fit'])] if t['control_dose_fit'] else [])
+    lines = [folders.markdown(tables['control_dose'])]
+    if tables['control_dose_fit']:
+        lines += ['Dose response over the doses x seeds of an arm family: the entropy change on '
+                  'the per-head PR change (slope), and on it with the change in log qk_spec_norm; '
+                  'jackknife-t over seeds.', '', folders.markdown(tables['control_dose_fit'])]
+    return lines
 
 
-def by_point(t, keep=None):
-    """The regime rows of all layers as a table: a row per statistic (those in keep), a column per point."""
-    rows = [r for r in t['regime_rows'] if r['position'] == 'all'
-            and (keep is None or r['statistic'] in keep)]
-    points, measured = list(dict.fromkeys(r['point'] for r in rows)), {r['statistic'] for r in rows if r['n']}
+def by_point(tables, keep=None):
+    """The regime rows of all layers: a row per statistic (those in keep), a column per point."""
+    rows = [r for r in tables['regime_rows']
+            if r['position'] == 'all' and (keep is None or r['statistic'] in keep)]
+    points = list(dict.fromkeys(r['point'] for r in rows))
+    measured = {r['statistic'] for r in rows if r['n']}
     pivot = {}
     for r in (r for r in rows if r['statistic'] in measured):
         cell = f"{r['value']} {r['verdict']}" if r['verdict'] and r['n'] else r['value']
         pivot.setdefault(r['statistic'], {'statistic': r['statistic']})[r['point']] = cell
-    return folders.markdown([pivot[k] for k in (keep or pivot) if k in pivot], ['statistic'] + points) \
-        if pivot else ''
+    if not pivot:
+        return ''
+    order = [pivot[k] for k in (keep or pivot) if k in pivot]
+    return folders.markdown(order, ['statistic'] + points)
 
 
-def regime_lines(t, registry):
-    if not t['regime']:
+def interval(row, key='slope', low='lo', high='hi'):
+    """'+0.1 [-0.2, +0.4]' of a trend row's estimate and its interval."""
+    return f'{signed(row[key])} [{signed(row[low])}, {signed(row[high])}]'
+
+
+def regime_lines(tables, registry):
+    if not tables['regime']:
         return []
-    interval = lambda r, k='': f"{signed(r[k or 'slope'])} [{signed(r[k + '_lo' if k else 'lo'])}, " \
-                               f"{signed(r[k + '_hi' if k else 'hi'])}]"
-    trends = [{**{k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading', 'verdicts')},
-               'slope': interval(r), 'Spearman': interval(r, 'rho')} for r in t['regime_trend']
-              if r['position'] == 'all' and plots.trended(registry.get(r['statistic'].split(' [')[0]))]
-    return [by_point(t), '### Trends', '', folders.markdown(trends) if trends else
-            'No numeric setting with two points on a line.']
+    trends = []
+    for r in tables['regime_trend']:
+        if r['position'] == 'all' and plots.trended(registry.get(r['statistic'].split(' [')[0])):
+            row = {k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading')}
+            row.update(verdicts=r['verdicts'], slope=interval(r),
+                       Spearman=interval(r, 'rho', 'rho_lo', 'rho_hi'))
+            trends.append(row)
+    table = folders.markdown(trends) if trends else 'No numeric setting with two points on a line.'
+    return [by_point(tables), '### Trends', '', table]
 
 
-def token_lines(study):
-    if not study.tokens:
-        return ['No token tables: `analyze.py tokens` or `pretrained` with --out=THIS_FOLDER write them.']
-    return sum(([f'### {source}', '', folders.markdown(rows)] for source, rows in study.tokens.items()), [])
+def token_lines(tables):
+    lines = []
+    for source, rows in folders.group(tables['token_series'], lambda r: r['source']).items():
+        columns = [k for k in rows[0] if k != 'source']
+        lines += [f'### {source}', '', folders.markdown(rows, columns)]
+    return lines
 
 
 def confounds(study):
-    """Weight decay on W_Q, W_K; the init's PR near C/2; learning rate and length; near-uniform records."""
+    """Weight decay on W_Q, W_K; the init's PR near C/2; lr and length; near-uniform records."""
     base = [r for r in study.runs if r.control == 'none']
     decay = sorted(Counter((r.cfg['weight_decay'], r.cfg['decay_qk']) for r in study.runs).items())
-    notes = [f'weight decay {w} on W_Q, W_K in {n} run(s): it shrinks both spectra.' if d and w else
-             f'no weight decay on W_Q, W_K in {n} run(s).' for (w, d), n in decay]
-    start = folders.group([r for r in base if len(r.iters) and r.iters[0] == 0], lambda r: r.cfg['qk_init'])
-    ratio = '; '.join(f"{i}: PR_Q/C = {np.mean([r.m['pr_q'][0].mean() / r.C for r in rs]):.2f}"
-                      for i, rs in start.items())
-    notes += ['a random (C, C) matrix starts near PR = C/2 (an orthogonal one at C), so early training '
-              f'lowers every PR; at iteration 0 {ratio}.'] * bool(start)
-    notes.append('learning rate, warm-up and length set how fast both PRs move (their values: Settings).')
+    notes = []
+    for (weight, on_qk), n in decay:
+        notes.append(f'weight decay {weight} on W_Q, W_K in {n} run(s): it shrinks both spectra.'
+                     if on_qk and weight else f'no weight decay on W_Q, W_K in {n} run(s).')
+    start = folders.group([r for r in base if len(r.iters) and r.iters[0] == 0],
+                          lambda r: r.cfg['qk_init'])
+    ratio = '; '.join(f"{init}: PR_Q/C = {np.mean([r.m['pr_q'][0].mean() / r.C for r in runs]):.2f}"
+                      for init, runs in start.items())
+    if start:
+        notes.append('a random (C, C) matrix starts near PR = C/2 (an orthogonal one at C), so '
+                     f'early training lowers every PR; at iteration 0 {ratio}.')
+    notes.append('learning rate, warm-up and length set how fast both PRs move (their values: '
+                 'Settings).')
     near = [r.m['entropy_norm'][r.iters >= r.cfg['warmup_iters']].mean(1) for r in base
             if 'entropy_norm' in r.m]
-    return notes + [f'{sum(int((v >= NEAR_UNIFORM).sum()) for v in near)} of the {sum(map(len, near))} '
-                    'records from warm-up on have near-uniform attention (layer-mean entropy_norm >= '
-                    f'{NEAR_UNIFORM}): entropy differs across heads there by round-off.'] * bool(near)
+    if near:
+        count = sum(int((v >= NEAR_UNIFORM).sum()) for v in near)
+        notes.append(f'{count} of the {sum(map(len, near))} records from warm-up on have '
+                     f'near-uniform attention (layer-mean entropy_norm >= {NEAR_UNIFORM}): entropy '
+                     'differs across heads there by round-off.')
+    return notes

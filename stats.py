@@ -1,22 +1,26 @@
 """
-The statistics: pure functions of numpy arrays. Intervals at LEVEL over independent units:
-    mean    Student-t   m -/+ t(n - 1) s / sqrt(n) (no percentile bootstrap: over 3 to 5 units it is their min
-            and max, and covers far less than its level)
-    share   of trajectories by seed (share): Wilson's at n_eff = p(1 - p) / var (var: the spread of the
-            seeds' shares), between the numbers of seeds and of trajectories, t(seeds - 1) for z; seeds of
-            equal shares show no spread: Wilson's over the trajectories.
-Each interval inverts a test whose two-sided p (p_value) feeds holm().
+The statistics: pure functions of numpy arrays. Intervals at LEVEL over independent units, each
+inverting a test whose two-sided p (p_value) feeds holm():
+    mean    Student-t   m -/+ t(n - 1) s / sqrt(n) (no percentile bootstrap: over 3 to 5 units it
+            is their min and max, and covers far less than its level)
+    share   of trajectories by seed: the layers of a run share its seed, so a seed's share s_i comes
+            first; m -/+ t(n - 1) max(sd, floor) / sqrt(n) over the n seeds, clipped to [0, 1].
+The floor, sqrt(a (1 - a) / c) for c trajectories a seed (their mean) and a = FLOOR_SHARE, is the
+spread of seeds that differ only by sampling at a share of a: seeds that agree by chance (4/4 in
+each of 3) would otherwise read as certain. One more hit must never lower the interval, yet it can
+raise the sd more than the mean: the lower bound is the smallest over every split with at least as
+many hits in every seed (the monotone envelope), the upper bound the largest over every split with
+at most as many. That smallest is reached with the top k seeds raised to 1 for some k = 0..n (for
+a fixed mean, filling the highest shares first gives the widest spread, and the bound is concave
+along that path): n + 1 evaluations. Measured on planted draws (a seed effect on the logit scale,
+3 to 49 seeds, shares 0.5 to 0.98): coverage at least 0.97 at 3 seeds x 4 with a seed effect of
+sd 2, at least 0.92 wherever checked; at 3 x 4 only 12/12 holds above 1/2, at 4 x 4 14/16 does
+as (4, 4, 3, 3).
 
-verdict, in this order: no effect (the interval inside [r - m, r + m], whatever its sign), holds (on the
-predicted side of r), reversed (on the other side; a share claim: its mirror's interval above r), fails (a
-share claim whose interval and mirror's both lie below r), else undecided.
-
-trend: the least-squares line of per-unit values over the P points of a line (N units), the slope's t interval
-(N - 2 df), the lack-of-fit F = (SS_lof / (P - 2)) / (SS_pe / (N - P)), and Spearman's rho with the Fisher-z
-interval, se sqrt(1.06 / (N - 3)) (Fieller, Hartley and Pearson 1957): a curved rise still reads as a rise.
-
-Row-wise correlations: Pearson, Spearman (average ranks for ties), the partial given one control
-(geometry.partial_correlation's form); NaN with a NaN, under 3 values (4 for the partial) or a constant row.
+trend: the least-squares line of per-unit values over the P points of a line (N units), the slope's
+t interval (N - 2 df), the lack-of-fit F = (SS_lof / (P - 2)) / (SS_pe / (N - P)), and Spearman's
+rho with the Fisher-z interval, se sqrt(1.06 / (N - 3)) (Fieller, Hartley and Pearson 1957).
+Row-wise correlations are NaN with a NaN, under 3 values (4 for the partial) or a constant row.
 """
 import functools
 import math
@@ -26,11 +30,12 @@ import numpy as np
 LEVEL = 0.95
 ALPHA = 0.05
 Z = 1.959963984540054      # the 0.975 quantile of the standard normal (Wilson at LEVEL)
+FLOOR_SHARE = 0.8          # share: seeds spread at least as binomial sampling at this share
 
 
 # ----------------------------------------------------------------------------- distributions
 def betainc(a, b, x):
-    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
+    """The regularized incomplete beta function I_x(a, b): its continued fraction (Lentz)."""
     if x <= 0 or x >= 1:
         return float(x >= 1)
     if x > (a + 1) / (a + b + 2):   # the fraction converges fast on this side only
@@ -40,8 +45,12 @@ def betainc(a, b, x):
     f, c, d = 1.0, 1.0, 0.0
     for i in range(400):
         m = i // 2
-        num = 1.0 if i == 0 else (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)) if i % 2 == 0 else
-                                  -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)))
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
         d = 1 + num * d
         d = 1 / (d if abs(d) > 1e-300 else 1e-300)
         c = 1 + num / (c if abs(c) > 1e-300 else 1e-300)
@@ -53,13 +62,14 @@ def betainc(a, b, x):
 
 @functools.lru_cache(maxsize=None)
 def t_quantile(p, df):
-    """The p-quantile (p > 0.5) of Student's t: bisection of P(T > t) = I_{df/(df+t^2)}(df/2, 1/2) / 2."""
+    """The p-quantile (p > 0.5) of t: bisection of P(T > t) = I_{df/(df+t^2)}(df/2, 1/2) / 2."""
     if df == math.inf:
         return Z if p == 0.975 else t_quantile(p, 1e9)
     lo, hi = 0.0, 1e4
     for _ in range(100):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if 1 - 0.5 * betainc(df / 2, 0.5, df / (df + mid * mid)) < p else (lo, mid)
+        below = 1 - 0.5 * betainc(df / 2, 0.5, df / (df + mid * mid)) < p
+        lo, hi = (mid, hi) if below else (lo, mid)
     return (lo + hi) / 2
 
 
@@ -68,7 +78,7 @@ def f_sf(f, d1, d2):
     return betainc(d2 / 2, d1 / 2, d2 / (d2 + d1 * f)) if f > 0 else 1.0
 
 
-# ----------------------------------------------------------------------------- intervals and verdicts
+# ------------------------------------------------------------------------ intervals and verdicts
 def nanmean(a, axis=None):
     """The mean of the finite values (along axis); NaN where there are none."""
     a = np.asarray(a, dtype=float)
@@ -96,30 +106,27 @@ def t_interval(values):
     return m, m - half, m + half, len(v)
 
 
-def wilson(k, n, z=Z):
-    """(share, lo, hi) of k successes in n units (n may be effective), Wilson's interval."""
-    if n == 0:
-        return math.nan, math.nan, math.nan
-    p = k / n
-    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    lo, hi = ((centre + s * half) / (1 + z * z / n) for s in (-1, 1))
-    return p, min(p, max(0.0, lo)), max(p, min(1.0, hi))
-
-
 def share(hits, counts):
-    """(share, lo, hi, n_eff, df) of hits out of counts trajectories per seed."""
+    """(share, lo, hi, se_lo, se_hi, df) of hits out of counts trajectories per seed (the module's
+    rule); se_lo, se_hi: (share - lo) / t and (hi - share) / t before clipping, for p_value."""
     hits, counts = np.asarray(hits, dtype=float), np.asarray(counts, dtype=float)
-    hits, counts = hits[counts > 0], counts[counts > 0]
-    n, N = len(counts), counts.sum()
-    if n == 0:
-        return math.nan, math.nan, math.nan, 0, math.inf
-    p, s = hits.sum() / N, hits / counts
-    # the ratio estimator's variance over seeds: seeds of more trajectories weigh more
-    var = float(((counts / counts.mean()) ** 2 * (s - p) ** 2).sum() / (n * (n - 1))) if n > 1 else 0.0
-    if var <= 1e-15 * max(p, 1e-300):
-        return (*wilson(p * N, N), N, math.inf)
-    n_eff = min(N, max(n, p * (1 - p) / var))
-    return (*wilson(p * n_eff, n_eff, t_quantile(0.5 + LEVEL / 2, n - 1)), n_eff, n - 1)
+    s = hits[counts > 0] / counts[counts > 0]
+    n = len(s)
+    if n < 2:
+        return float(s.mean()) if n else math.nan, math.nan, math.nan, math.nan, math.nan, n - 1
+    t = t_quantile(0.5 + LEVEL / 2, n - 1)
+    floor = math.sqrt(FLOOR_SHARE * (1 - FLOOR_SHARE) / counts[counts > 0].mean())
+    m = float(s.mean())
+    lo, hi = lowest(s, t, floor), 1 - lowest(1 - s, t, floor)
+    return m, max(0.0, lo), min(1.0, hi), (m - lo) / t, (hi - m) / t, n - 1
+
+
+def lowest(s, t, floor):
+    """The smallest m - t max(sd, floor) / sqrt(n) of s with its top k seeds raised to 1, k <= n."""
+    n = len(s)
+    raised = np.where(np.arange(n) < np.arange(n + 1)[:, None], 1.0, np.sort(s)[::-1])
+    spread = np.maximum(raised.std(1, ddof=1), floor)
+    return float((raised.mean(1) - t * spread / math.sqrt(n)).min())
 
 
 def p_value(est, ref, se, df):
@@ -158,7 +165,7 @@ def verdict(lo, hi, sign, ref, margin, n, mirror=None):
     return 'undecided', f'n = {n}: the interval spans {ref:g}{wide}'
 
 
-# ----------------------------------------------------------------------------- correlations, row by row
+# ---------------------------------------------------------------------- correlations, row by row
 def ranks(a):
     """Ranks 1..n along the last axis, ties at their average (pairwise: n is small)."""
     a = np.asarray(a, dtype=float)
@@ -174,7 +181,8 @@ def pearson_rows(x, y):
     xy, xx, yy = (xc * yc).sum(-1), (xc * xc).sum(-1), (yc * yc).sum(-1)
     with np.errstate(invalid='ignore', divide='ignore'):
         r = xy / np.sqrt(xx * yy)
-    tiny = (xx <= 1e-24 * np.maximum(1, (x * x).sum(-1))) | (yy <= 1e-24 * np.maximum(1, (y * y).sum(-1)))
+    tiny = ((xx <= 1e-24 * np.maximum(1, (x * x).sum(-1)))
+            | (yy <= 1e-24 * np.maximum(1, (y * y).sum(-1))))
     return np.where(tiny, np.nan, np.clip(r, -1, 1))
 
 
@@ -189,8 +197,9 @@ def partial_rows(x, y, z):
     rxy, rxz, ryz = pearson_rows(x, y), pearson_rows(x, z), pearson_rows(y, z)
     with np.errstate(invalid='ignore', divide='ignore'):
         r = (rxy - rxz * ryz) / np.sqrt((1 - rxz ** 2) * (1 - ryz ** 2))
-    return np.where((np.asarray(x).shape[-1] < 4) | (np.abs(rxz) > 1 - 1e-12) | (np.abs(ryz) > 1 - 1e-12),
-                    np.nan, np.clip(r, -1, 1))
+    collinear = (np.abs(rxz) > 1 - 1e-12) | (np.abs(ryz) > 1 - 1e-12)
+    degenerate = (np.asarray(x).shape[-1] < 4) | collinear
+    return np.where(degenerate, np.nan, np.clip(r, -1, 1))
 
 
 def spearman(x, y):
@@ -201,8 +210,7 @@ def spearman(x, y):
 
 
 def trend(x, y, point):
-    """The line and monotone statistic of y on x over units grouped by point: {slope, lo, hi, n, points,
-    lof_p, rho, rho_lo, rho_hi}."""
+    """The line and monotone statistic of y on x over units grouped by point (the module's rule)."""
     x, y, point = np.asarray(x, dtype=float), np.asarray(y, dtype=float), np.asarray(point)
     ok = np.isfinite(x) & np.isfinite(y)
     x, y, point = x[ok], y[ok], point[ok]
@@ -222,13 +230,21 @@ def trend(x, y, point):
     lof = float(resid @ resid) - pure
     if P > 2 and N > P and pure > 0:
         out['lof_p'] = f_sf((lof / (P - 2)) / (pure / (N - P)), P - 2, N - P)
-    elif P > 2 and N > P and lof > 1e-12 * float(y @ y):   # no spread within points, some off the line
+    elif P > 2 and N > P and lof > 1e-12 * float(y @ y):   # no spread within points, off the line
         out['lof_p'] = 0.0
     rho = spearman(x, y)
     half = Z * math.sqrt(1.06 / (N - 3)) if N > 3 else math.nan
-    lo, hi = (math.tanh(math.atanh(min(max(rho, -1 + 1e-12), 1 - 1e-12)) + h) for h in (-half, half))
+    z = math.atanh(min(max(rho, -1 + 1e-12), 1 - 1e-12))
+    lo, hi = (math.tanh(z + h) for h in (-half, half))
     out.update(rho=rho, rho_lo=lo, rho_hi=hi)
     return out
+
+
+def solve(A, y):
+    """Least squares of y on the columns of A; NaN when they are not independent."""
+    if np.linalg.matrix_rank(A) < A.shape[1]:
+        return np.full(A.shape[1], np.nan)
+    return np.linalg.lstsq(A, y, rcond=None)[0]
 
 
 def fit_groups(y, X, groups):
@@ -237,8 +253,6 @@ def fit_groups(y, X, groups):
     y, X = np.asarray(y, dtype=float), np.asarray(X, dtype=float).reshape(len(y), -1)
     ok = np.isfinite(y) & np.isfinite(X).all(1)
     A, y, groups = np.column_stack([np.ones(ok.sum()), X[ok]]), y[ok], np.asarray(groups)[ok]
-    solve = lambda A, y: np.linalg.lstsq(A, y, rcond=None)[0] if np.linalg.matrix_rank(A) == A.shape[1] else \
-        np.full(A.shape[1], np.nan)
     coef, names = solve(A, y), np.unique(groups)
     if len(names) < 3:
         return {'coef': coef, 'lo': coef * np.nan, 'hi': coef * np.nan}

@@ -61,9 +61,9 @@ def layer(rng, f, effect, n_head, i, cfg, noise=1.0, shift=0.0, link=0.2):
     return rec
 
 
-def write_run(root, name, seed=1, effect=1, noise=1.0, shift=0.0, link=0.2, iters=ITERS, lost=(), done=True,
-              log='metrics.jsonl', **cfg):
-    """A finished run folder; lost: metric keys it does not log."""
+def write_run(root, name, seed=1, effect=1, noise=1.0, shift=0.0, link=0.2, iters=ITERS, lost=(), more=None,
+              done=True, log='metrics.jsonl', **cfg):
+    """A finished run folder; lost: metric keys it does not log; more: {key: value} it logs too."""
     path = os.path.join(root, name)
     os.makedirs(path)
     cfg = config(seed=seed, run_name=name, **cfg)
@@ -74,6 +74,7 @@ def write_run(root, name, seed=1, effect=1, noise=1.0, shift=0.0, link=0.2, iter
         f = math.log1p(it) / math.log1p(iters[-1])
         layers = [layer(rng, f, effect, cfg['n_head'], i, cfg, noise, shift, link) for i in range(cfg['n_layer'])]
         for lay in layers:
+            lay.update({k: v for k, v in (more or {}).items() if k not in lay})
             for key in lost:
                 lay.pop(key, None)
         lines.append(json.dumps({'iter': it, 'lr': 1e-3, 'train_loss': 3 - f, 'val_loss': 3.1 - f, 'layers': layers}))
@@ -135,58 +136,123 @@ def test_the_data_is_its_content_hash_not_its_file_name(tmp_path):
     assert sorted(s.label.values()) == ['base', 'data_sha256=' + 'cd' * 32]
 
 
-def test_a_config_that_lacks_or_mistypes_a_field_skips_the_run_with_one_line(tmp_path):
-    study(tmp_path)
-    for name, change in (('lacks', lambda c: c.pop('control_keep')), ('mistyped', lambda c: c.update(control=5)),
-                         ('unknown', lambda c: c.update(control='hold'))):
-        path = write_run(str(tmp_path), name)
-        cfg = json.load(open(os.path.join(path, 'config.json')))
-        change(cfg)
-        json.dump(cfg, open(os.path.join(path, 'config.json'), 'w'))
-    write_run(str(tmp_path), 'running', done=False)
-    s = run([tmp_path], tmp_path / 'out')
-    reasons = dict((os.path.basename(p), why) for p, why in s.skipped)
-    assert reasons == {'lacks': 'config.json lacks control_keep', 'mistyped': "config.json has control=5, not a str",
-                       'unknown': "config.json has control='hold', not one of none, shrink, freeze",
-                       'running': 'unfinished (no done.json)'}
-    assert len(s.runs) == 3 and all('\n' not in w for w in s.warnings)
+ABSENT = object()
+KINDS = ('absent', 'type', 'zero', 'negative', 'huge', 'nan', 'null')
+LISTS = ('qk_imbalance', 'qk_gram', 'qk_drift', 'q_spec_norm', 'k_spec_norm', 'ctl_pr',
+         'ctl_target_pr')   # train.py logs these per head too
+EVERY_KEY = {**dict.fromkeys(geometry.BOUNDS, 1.0), **{f'{k}_heads': [1.0, 1.0] for k in LISTS}}
 
 
-# ----------------------------------------------------------------------------- records
+def faults(value):
+    """{kind: a wrong value in place of value} (a string's huge value is a long string)."""
+    text = isinstance(value, str)
+    huge = 'x' * 999 if text else 10 ** 18 if type(value) is int else 1e300
+    return dict(zip(KINDS, (ABSENT, 5 if text else 'x', 0, -1, huge, math.nan, None)))
 
-def test_impossible_values_are_bad_records_left_out_with_a_note(tmp_path):
-    paths = study(tmp_path / 'runs')
+
+def changed(d, field, value):
+    d = json.loads(json.dumps(d))
+    d.pop(field) if value is ABSENT else d.update({field: value})
+    return d
+
+
+def write_folder(path, cfg, recs):
+    os.makedirs(path)
+    json.dump(cfg, open(f'{path}/config.json', 'w'))
+    open(f'{path}/metrics.jsonl', 'w').write('\n'.join(map(json.dumps, recs)) + '\n')
+    json.dump({k: recs[-1][k] for k in ('iter', *folders.LOSSES)}, open(f'{path}/done.json', 'w'))
+    return path
+
+
+def expected(field, kind, record):
+    """'named' for a value the analysis reads that is absent, of another type, null or NaN (NaN
+    anywhere in config.json), a size or max_iters below 1, or a value outside its bounds; 'used' for
+    a value it does not read, or 0 in a layer (0.0 is in every range); else None (either)."""
+    plain = kind in ('absent', 'type', 'null', 'nan')
+    if not record:
+        read = {k for keys in folders.REQUIRED.values() for k in keys}
+        sizes = kind in ('zero', 'negative') and field in folders.SIZES + ('max_iters',)
+        if kind == 'nan' or field in read and (plain or sizes or field == 'control'):
+            return 'named'
+        return None if field in read else 'used'
+    if field in ('iter', 'layers') or field.endswith('_heads'):
+        return 'named' if kind != 'absent' or field == 'iter' else None
+    if field not in folders.LOSSES and field not in EVERY_KEY and field not in geometry.BOUNDS:
+        return 'used'
+    high = geometry.BOUNDS.get(field, (0, math.inf))[1]
+    if kind != 'absent' and plain or kind == 'negative' or kind == 'huge' and high != math.inf:
+        return 'named'
+    bounding = field in {row[1] for row in geometry.BOUNDS.values()}   # its 0 bounds another
+    return 'used' if kind == 'absent' or kind == 'zero' and not bounding else None
+
+
+def config_faults(root, cfg, recs):
+    """{run folder: what is expected} of cfg with each field set to each of KINDS, in turn."""
+    cases, read = {}, {k for keys in folders.REQUIRED.values() for k in keys}
+    slim = [{**r, 'layers': [{'pr_q': x['pr_q']} for x in r['layers']]} for r in recs]
+    for field in cfg:   # a run each, its seed unlike the good runs'
+        # the analysis reads most keys only as settings: lr and dtype stand for them there
+        where = 'analysed' if field in read | {'lr', 'dtype'} else 'loaded'
+        for kind, value in faults(cfg[field]).items():
+            wrong = changed({**cfg, 'seed': 100 + len(cases)}, field, value)
+            path = write_folder(f'{root}/{where}/{field}-{kind}', wrong, slim)
+            cases[path] = expected(field, kind, False)
+    return cases
+
+
+def faulty_record(rec, field, in_layer, value, it):
+    """rec at iteration it with field of its top level or of its first layer set to value."""
+    if not in_layer:
+        return changed({**rec, 'iter': it}, field, value)
+    first, second = rec['layers']
+    return {**rec, 'iter': it, 'layers': [changed(first, field, value), second]}
+
+
+def test_a_fault_in_any_field_of_a_config_or_record_stops_at_its_run(tmp_path):
+    """Every field of one run's config.json, and of a record (top level and a layer), set in turn to
+    each of KINDS (a run a field, a record a kind): the fault is named where the analysis reads the
+    field, and the run (the record) used where it does not; the analysis over what is used finishes
+    and the good runs' numbers are as before."""
+    good = study(tmp_path / 'runs', more=EVERY_KEY)   # every key train.py logs
     clean = run([tmp_path / 'runs'], tmp_path / 'clean')
-    lines = open(os.path.join(paths[0], 'metrics.jsonl')).read().splitlines()
-    for i, value in ((5, 1e30), (8, 1e308)):
-        rec = json.loads(lines[i])
-        rec['layers'][0]['pr_q'] = value
-        lines[i] = json.dumps(rec)
-    open(os.path.join(paths[0], 'metrics.jsonl'), 'w').write('\n'.join(lines) + '\n')
-    s = analyze.analyze([str(tmp_path / 'runs')], out=str(tmp_path / 'out'), log=quiet)   # figures too
-    notes = [w for w in s.warnings if paths[0] in w]
-    assert [n.split(': ', 1)[1] for n in notes] == [
-        f'the record of iteration {ITERS[5]} is left out: pr_q = 1e+30 outside [1, 16]',
-        f'the record of iteration {ITERS[8]} is left out: pr_q = 1e+308 outside [1, 16]']
-    assert len(s.runs[0].iters) == len(ITERS) - 2
-    for key in ('a', 'b', 'c'):   # the verdicts do not move
-        assert claim(s, key)['verdict'] == claim(clean, key)['verdict']
-    assert max(r.final('pr_q') for r in s.runs) < 16
-    assert {'fig1', 'fig2', 'fig3'} <= {n.split('_')[0] for n in os.listdir(tmp_path / 'out')}
-    assert '- figure skipped: fig4_spectra: no run kept snapshots/' in (tmp_path / 'out' / 'REPORT.md').read_text()
-
-
-def test_a_value_that_is_not_a_number_and_a_cut_last_line_are_named(tmp_path):
-    path = write_run(str(tmp_path), 'r', log='metrics.jsonl.gz')
-    lines = gzip.open(os.path.join(path, 'metrics.jsonl.gz')).read().decode().splitlines()
-    rec = json.loads(lines[3])
-    rec['layers'][1]['entropy_heads'][0] = None
-    data = '\n'.join(lines[:3] + [json.dumps(rec)] + lines[4:]) + '\n' + '{"iter": 300, "layers": [{"pr_q'
-    gzip.open(os.path.join(path, 'metrics.jsonl.gz'), 'wb').write(data.encode())
-    (r,), _ = folders.load_runs([str(tmp_path)], quiet)
-    assert r.notes == [f'metrics line {len(lines) + 1} is cut short (a kill while it was written?): left out',
-                       f'the record of iteration {ITERS[3]} is left out: entropy_heads = inf is not a finite number']
-    assert list(r.iters) == [it for it in ITERS if it != ITERS[3]]
+    cfg = json.load(open(f'{good[0]}/config.json'))
+    recs = [json.loads(line) for line in open(f'{good[0]}/metrics.jsonl')]
+    first, rec, last, layer = recs[0], recs[5], recs[-1], recs[5]['layers'][0]
+    configs, records = config_faults(tmp_path, cfg, [first, last]), {}
+    fields = [(k, False, faults(v)) for k, v in rec.items()]
+    fields += [(k, True, faults(v)) for k, v in layer.items()]
+    fields.append(('layers', False, {'extra layer': [layer] * 3, 'null layer': [None, layer]}))
+    fields.append(('pr_k_heads', True, {'long list': [2.0] * 3, 'null in a list': [None, 1.0]}))
+    for field, in_layer, wrong in fields:   # a run a field, its seed unlike the others'
+        rows = [faulty_record(rec, field, in_layer, v, 10 + i)
+                for i, v in enumerate(wrong.values())]
+        path = write_folder(f'{tmp_path}/loaded/{field}-{in_layer}-{len(records)}',
+                            {**cfg, 'seed': 900 + len(records)}, [first, *rows, last])
+        records[path] = (field, in_layer, wrong, [expected(field, k, True) for k in wrong])
+    warnings = []
+    used = {r.path: r for r in folders.load_runs([str(tmp_path)], warnings.append)[0]}
+    named = {p for p in configs if any(w.startswith((f'skipped {p}:', f'{p}:')) for w in warnings)}
+    assert [p for p, e in configs.items() if e == 'named' and p not in named] == []
+    assert [p for p, e in configs.items() if e == 'used' and p not in used] == []
+    for path, (field, in_layer, wrong, want) in records.items():
+        its = list(used[path].iters)   # the iterations written, in order, each once
+        assert its == sorted(set(its)) and set(its) <= {0, 200, *range(10, 10 + len(want))}, path
+        kept = [10 + i in its for i in range(len(want))]
+        assert [w for w, k in zip(want, kept) if (w, k) in (('named', 1), ('used', 0))] == [], path
+    for i, kind in enumerate(KINDS):   # a run a kind holds every fault of its kind the loader kept
+        top = {**rec, 'iter': 10}
+        for path, (field, in_layer, wrong, _) in records.items():
+            if kind in wrong and 10 + i in used[path].iters:
+                top = faulty_record(top, field, in_layer, wrong[kind], 10)
+        write_folder(f'{tmp_path}/analysed/{kind}', {**cfg, 'seed': 800 + i}, [first, top, last])
+    s = run([tmp_path / 'runs', tmp_path / 'analysed'], tmp_path / 'out')
+    rows, used = {r['path']: r for r in s.tables['runs']}, {r.path: r for r in s.runs}
+    assert all('\n' not in w for w in s.warnings)
+    assert [k for k in KINDS if 10 not in used[f'{tmp_path}/analysed/{k}'].iters] == []
+    for r in clean.tables['runs']:   # the good runs' numbers are as before
+        assert {**rows[r['path']], 'setting': ''} == {**r, 'setting': ''}
+    for r in clean.runs:
+        assert all(np.array_equal(r.m[k], used[r.path].m[k], equal_nan=True) for k in r.m)
 
 
 def test_a_metric_one_seed_did_not_log_leaves_the_other_seeds_in_place(tmp_path):
@@ -261,34 +327,45 @@ def test_control_keys_a_run_ignores_split_no_setting_and_a_lacking_key_is_named(
                         'settings have: kept as a setting of its own']
 
 
-def test_a_run_without_usable_records_is_skipped_and_a_cut_seed_keeps_the_others(tmp_path):
-    paths = study(tmp_path / 'runs', seeds=3) + [write_run(str(tmp_path / 'runs'), f'run_s{s}', seed=s) for s in (4, 5)]
-    gz = write_run(str(tmp_path / 'runs'), 'run_s6', seed=6, log='metrics.jsonl.gz')
+def test_a_run_without_usable_records_or_whose_log_was_cut_is_skipped_with_one_line(tmp_path):
+    paths = study(tmp_path / 'runs', seeds=4)
+    gz = write_run(str(tmp_path / 'runs'), 'run_s5', seed=5, log='metrics.jsonl.gz')
+    running = write_run(str(tmp_path / 'runs'), 'run_s6', seed=6, done=False)
     lines = open(os.path.join(paths[0], 'metrics.jsonl')).read().splitlines()
-    nan = [json.dumps({**json.loads(s), 'layers': [{**x, 'pr_q': math.nan} for x in json.loads(s)['layers']]})
-           for s in lines]
-    open(os.path.join(paths[0], 'metrics.jsonl'), 'w').write('\n'.join(nan) + '\n')
-    open(os.path.join(paths[1], 'metrics.jsonl'), 'w').write('\n'.join(lines[:4]) + '\n')
-    open(os.path.join(paths[2], 'metrics.jsonl'), 'w').write('')
+    nan = [json.loads(s) for s in lines]
+    for layer in (x for rec in nan for x in rec['layers']):
+        layer['pr_q'] = math.nan
+    writes = {paths[0]: [json.dumps(r) for r in nan], paths[1]: lines[:4], paths[2]: [],
+              paths[3]: lines + ['{"iter": 300, "layers": [{"pr_q']}   # a kill while it was written
+    for path, text in writes.items():
+        open(os.path.join(path, 'metrics.jsonl'), 'w').write('\n'.join(text))
     data = open(os.path.join(gz, 'metrics.jsonl.gz'), 'rb').read()
     open(os.path.join(gz, 'metrics.jsonl.gz'), 'wb').write(data[:len(data) // 2])
     s = run([tmp_path / 'runs'], tmp_path / 'out')
-    assert (tmp_path / 'out' / 'REPORT.md').exists() and dict(s.skipped) == {
-        paths[0]: f'none of its {len(ITERS)} geometry records is usable (the record of iteration 0 is left out: '
-                  'pr_q = inf is not a finite number)', paths[2]: 'metrics.jsonl holds no geometry record'}
-    cut = next(r for r in s.runs if r.path == gz)
-    assert 0 < len(cut.iters) < len(ITERS) and 'metrics.jsonl.gz is cut short' in cut.notes[0]
-    its, v = folders.stack(s.runs, 'pr_q')
-    assert list(its) == list(ITERS) and np.isnan(v[0, 4:]).all() and np.isfinite(v[1:3]).all()
+    cut = f'ends at iteration {ITERS[3]}, done.json at {ITERS[-1]}: cut short'
+    assert dict(s.skipped) == {
+        paths[0]: f'none of its {len(ITERS)} geometry records is usable (the record of iteration '
+                  '0 is left out: pr_q = inf is not a finite number)',
+        paths[1]: f'metrics.jsonl {cut}', paths[2]: 'metrics.jsonl holds no geometry record',
+        running: 'unfinished (no done.json)', gz: dict(s.skipped)[gz]}
+    assert dict(s.skipped)[gz].startswith('metrics.jsonl.gz ends at iteration ')
+    line = f'metrics line {len(ITERS) + 1} is cut short (a kill while it was written?): left out'
+    assert [(r.path, r.notes) for r in s.runs] == [(paths[3], [line])]
 
 
-def test_linked_run_folders_count_once_and_a_loop_ends(tmp_path):
+def test_linked_run_folders_count_once_a_loop_ends_and_a_link_out_of_the_folders_is_not_followed(
+        tmp_path):
     paths = study(tmp_path / 'runs')
+    write_run(str(tmp_path / 'other'), 'sibling')   # beside: a link to an ancestor would reach it
     (tmp_path / 'pick').mkdir()
-    for name, target in (('all', tmp_path / 'runs'), ('loop', tmp_path / 'pick'), ('one', paths[0])):
+    for name, target in (('all', tmp_path / 'runs'), ('loop', tmp_path / 'pick'), ('one', paths[0]),
+                         ('up', tmp_path)):
         os.symlink(target, tmp_path / 'pick' / name)
-    found = folders.find_runs([str(tmp_path / 'pick'), str(tmp_path / 'runs')])
+    left = []
+    found = folders.find_runs([str(tmp_path / 'pick'), str(tmp_path / 'runs')], left)
     assert found == [str(tmp_path / 'pick' / 'all' / f'run_s{s}') for s in (1, 2, 3)]
+    up = os.path.realpath(tmp_path)
+    assert left == [(str(tmp_path / 'pick' / 'up'), f'a link to {up}, outside the folders given')]
 
 
 def test_impossible_logit_scales_and_a_done_loss_not_logged_are_named(tmp_path):
@@ -306,12 +383,22 @@ def test_impossible_logit_scales_and_a_done_loss_not_logged_are_named(tmp_path):
                        'one is used'] and r.final_loss('val_loss') == 2.1
 
 
-def test_an_out_drops_the_files_its_command_wrote_before_and_no_other(tmp_path):
+def test_an_out_drops_the_files_it_wrote_before_and_no_other_and_a_bad_manifest_is_one_line(
+        tmp_path, capsys):
     out = tmp_path / 'out'
     folders.write_files(str(out), {'a.csv': 'x', 'b.csv': 'y', 'f.png': b'p'})
-    folders.write_files(str(out), {'tokens.csv': 't', 'tokens_2.png': b'p', 'tokens_3.png': b'p'}, 'tokens')
     (out / 'mine.txt').write_text('keep')
     folders.write_files(str(out), {'a.csv': 'z'})   # as with --no_figures: the figures stay
-    folders.write_files(str(out), {'tokens.csv': 'u', 'tokens_2.png': b'q'}, 'tokens')
-    assert sorted(os.listdir(out)) == ['.analyze.json', 'a.csv', 'f.png', 'mine.txt', 'tokens.csv', 'tokens_2.png']
-    assert json.load(open(out / folders.MANIFEST))['tokens_2.png'] == 'tokens'
+    assert sorted(os.listdir(out)) == ['.analyze.json', 'a.csv', 'f.png', 'mine.txt']
+    (out / 'sub').mkdir()
+    for name in (tmp_path / 'theirs.csv', out / 'sub' / 'theirs.csv'):
+        name.write_text('keep')
+    for manifest in ([str(tmp_path / 'theirs.csv')], ['../theirs.csv'], ['sub/theirs.csv'], 5, '{'):
+        (out / folders.MANIFEST).write_text(manifest if manifest == '{' else json.dumps(manifest))
+        with pytest.raises(folders.OutError, match='is not a list of file names in'):
+            folders.write_files(str(out), {'a.csv': 'z'})
+    assert sorted(os.listdir(out)) == ['.analyze.json', 'a.csv', 'f.png', 'mine.txt', 'sub']
+    assert (tmp_path / 'theirs.csv').exists() and (out / 'sub' / 'theirs.csv').exists()
+    study(tmp_path / 'runs', seeds=1)
+    assert analyze.main([str(tmp_path / 'runs'), f'--out={out}', '--no_figures']) == 2
+    assert capsys.readouterr().err.count('\n') == 1

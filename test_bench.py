@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+import bench as bench_py
 from conftest import HERE, make_text
 
 
@@ -48,3 +49,12 @@ def test_the_gpu_check_runs_every_step_at_cpu_size_and_goes_on_after_a_failure(t
     out = bench('--gpu_check', '--small', '--steps=paper_run,paper_control', f'--data_file={tmp_path / "missing.txt"}',
                 f'--log={tmp_path / "log2"}')
     assert (tmp_path / 'log2' / 'summary.txt').read_text().count('FAILED') == 2   # the second ran after the first failed
+
+
+def test_a_bad_number_or_an_absent_device_stops_bench_in_one_line_naming_it():
+    for args in (['--jobs=0'], ['--jobs=a'], ['--geometry', '--widths=abc'], ['--control', '--widths=0'],
+                 ['--whole', '--repeats=0'], ['--overhead', '--device=cuda:99']):
+        with pytest.raises(bench_py.train.configurator.Stop, match=args[-1]):
+            bench_py.main(args)
+    out = bench('--jobs=1,0')
+    assert (out.returncode, out.stdout, out.stderr.count('\n')) == (2, '', 1) and '--jobs=1,0' in out.stderr

@@ -2,14 +2,18 @@
 a seed correlated), every verdict is reachable at the study's n, equivalence comes first, (a) and (b) are judged after
 the init is forgotten, trends read a curved rise as monotone, Holm adjusts the claims table, and the control claims
 are decided on the spec arm per setting at the dose that moves PR_K."""
+import itertools
 import math
+import types
 
 import numpy as np
 import pytest
 
 import analyze
 import folders
+import report
 import stats
+import train
 import test_analyze as synth
 from analyze import ALL, Claim, View, judge
 
@@ -21,25 +25,34 @@ def test_the_interval_covers_a_planted_mean_at_its_level(n):
     assert hits / 2000 >= 0.93
 
 
-@pytest.mark.parametrize('seeds', [3, 5, 12])
-def test_a_share_covers_at_its_level_when_the_layers_of_a_seed_are_correlated(seeds):
+@pytest.mark.parametrize('seeds, sd', [(3, 2.0), (5, 1.0), (12, 1.0)])
+def test_a_share_covers_at_its_level_when_the_layers_of_a_seed_are_correlated(seeds, sd):
     rng = np.random.default_rng(seeds)
-    logit = lambda p: math.log(p / (1 - p))
-    share = np.mean(1 / (1 + np.exp(-(logit(0.7) + rng.normal(size=200_000)))))   # a seed effect of sd 1 (logit)
+    logit = lambda p: math.log(p / (1 - p))   # a seed effect of sd on the logit scale; at sd 2 a share of 0.70
+    share = np.mean(1 / (1 + np.exp(-(logit(0.8) + sd * rng.normal(size=200_000)))))
     hits = 0
     for _ in range(2000):
-        p = 1 / (1 + np.exp(-(logit(0.7) + rng.normal(size=seeds))))
+        p = 1 / (1 + np.exp(-(logit(0.8) + sd * rng.normal(size=seeds))))
         hold = (rng.random((seeds, 4)) < p[:, None]).sum(1)
         lo, hi = stats.share(hold, [4] * seeds)[1:3]
         hits += lo <= share <= hi
     assert hits / 2000 >= 0.93
 
 
+@pytest.mark.parametrize('seeds, each', [(3, 4), (4, 4), (5, 2), (12, 1)])
+def test_one_more_hit_in_any_seed_never_lowers_a_share_s_bounds(seeds, each):
+    splits = list(itertools.product(range(each + 1), repeat=seeds))
+    bounds = {h: stats.share(h, [each] * seeds)[1:3] for h in splits}
+    for h in splits:
+        for up in (h[:j] + (h[j] + 1,) + h[j + 1:] for j in range(seeds) if h[j] < each):
+            assert bounds[up][0] >= bounds[h][0] and bounds[up][1] >= bounds[h][1], (h, up)
+    assert bounds[(each,) * seeds][0] > 0.5   # all hits hold at every shape here, 12/12 at 3 x 4 too
+
+
 def test_the_quantiles_match_the_tables():
     assert stats.t_quantile(0.975, 2) == pytest.approx(4.302653, abs=1e-5)
     assert stats.t_quantile(0.975, 30) == pytest.approx(2.042272, abs=1e-5)
     assert stats.f_sf(3.708265, 2, 10) == pytest.approx(0.0625, abs=1e-4)   # F(2, 10): 0.0625 above 3.708
-    assert stats.wilson(0, 54)[2] == pytest.approx(0.0664, abs=1e-4)
     assert stats.t_sf(4.302653, 2) == pytest.approx(0.025, abs=1e-6)
     assert stats.holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
 
@@ -90,15 +103,41 @@ def collapse_then(q_end, k_end, seed, rng, apart=1.0):
 
 def test_an_asymmetry_that_begins_after_the_collapse_holds_and_one_that_never_begins_does_not():
     rng = np.random.default_rng(0)
-    apart = [collapse_then(11, 5, s, rng) for s in (1, 2, 3)]
-    together = [collapse_then(6, 6, s, rng, apart=0) for s in (1, 2, 3)]
+    apart = [collapse_then(11, 5, s, rng) for s in (1, 2, 3, 4)]
+    together = [collapse_then(6, 6, s, rng, apart=0) for s in (1, 2, 3, 4)]
     post, early = View('whole', 'post'), View('whole', 'warmup')
     assert judge(ALL['a'], apart, post)['verdict'] == 'holds' and judge(ALL['b'], apart, post)['verdict'] == 'holds'
     assert judge(ALL['a'], apart, early)['verdict'] == 'fails'   # from inside the collapse PR_Q only falls
     for key in 'ab':
         assert judge(ALL[key], together, post)['verdict'] == 'fails'
     res = judge(ALL['a'], together, post)
-    assert res['per_part'] == [0, 6] and [n for _, n in res['per_ref']] == [6, 6, 6]   # PR_K falls, PR_Q too
+    assert res['per_part'] == [0, 8] and [n for _, n in res['per_ref']] == [8, 8, 8]   # PR_K falls, PR_Q too
+
+
+def planted(run, it):
+    """The run with a record at iteration it (interpolated) where PR_Q < PR_K in every layer."""
+    its = np.union1d(run.iters, [it])
+    m = {key: np.stack([np.interp(its, run.iters, v[:, i]) for i in range(2)], 1) for key, v in run.m.items()}
+    m['pr_q'][its == it] = m['pr_k'][its == it] - 1
+    return memory_run(m['pr_q'], m['pr_k'], run.seed, its, m['dq_rel'][:, 0])
+
+
+def test_a_negative_gap_off_the_grid_changes_no_verdict_and_one_on_it_does():
+    runs, post = [collapse_then(11, 5, s, np.random.default_rng(s)) for s in (1, 2, 3, 4)], View('whole', 'post')
+    assert 1425 not in analyze.on_grid(planted(runs[0], 1425)).iters   # the grid: every 50 iterations
+    for it, verdict, all_above in ((1425, 'holds', True), (1400, 'undecided', False)):
+        found = [planted(runs[0], it)] + runs[1:]
+        assert judge(ALL['b'], found, post)['verdict'] == verdict
+        assert (judge(ALL['gap_share'], found, post)['est'] == 1) == all_above
+
+
+def test_the_final_values_are_the_mean_of_the_last_three_records_on_the_grid():
+    its, q = np.arange(0, 2100, 100), np.full((21, 2), 5.0)
+    q[-1] = 8   # PR_Q rises only at the last record: by 1 over the last three
+    run = memory_run(q, q - 1, 1, its)
+    run.m['entropy'] = np.arange(21.0)[:, None] * [1, 1]
+    assert ALL['entropy_end'].fn(run, View()) == 19 and run.final('pr_q') == 6
+    assert analyze.moves(run, View('whole', 'post'))[..., 0].tolist() == [[1, 1, 1]] * 2
 
 
 def test_a_counts_a_trajectory_only_if_it_holds_from_every_reference_and_its_mirror_from_every_one():
@@ -183,3 +222,34 @@ def test_the_regime_keeps_a_six_head_point_off_the_four_head_width_line_and_refu
     assert width['reading'].startswith('not a line') and width['n'] == 12
     assert trends[('lr', 'gap_end')]['members'] == 'lr=0.0003, min_lr=3e-05 | base | lr=0.003, min_lr=0.0003'
     assert 'min_lr' not in {t['axis'] for t in s.tables['regime_trend']}
+
+
+def token_run(cfg, iters, seed=1):
+    """tok_pr_q - tok_pr_k rises then falls at the model checkpoints (the reverse elsewhere); tok_pr_qk ~ entropy."""
+    at = iters == iters if cfg.get('pretrained') else np.isin(iters, sorted(analyze.checkpoint_iters(cfg)))
+    x = np.log1p(iters)
+    v = -np.abs(x - np.median(x[at])) * np.where(at, 1, -1)
+    heads = np.arange(4.0).reshape(1, 2, 2) + x[:, None, None]
+    m = {'tok_pr_q': np.c_[v, v] + 10, 'tok_pr_k': np.c_[v, v] * 0, 'tok_pr_qk_heads': heads, 'entropy_heads': heads}
+    return folders.Run(f'run{seed}', {**cfg, 'seed': seed}, {}, iters, m, {}, [])
+
+
+def test_token_claims_read_our_runs_at_their_model_checkpoints_and_a_series_at_every_record():
+    for cfg in (synth.config(model_ckpts=n, max_iters=m) for n, m in ((8, 2000), (2, 50), (1, 9), (3, 0))):
+        assert analyze.checkpoint_iters(cfg) == train.model_ckpt_iters(cfg)
+    cfg = synth.config(model_ckpts=8, max_iters=2000, warmup_iters=100, geom_interval=200, eval_interval=200)
+    ours = [token_run(cfg, np.array(sorted(train.log_iters(cfg))), s) for s in (1, 2, 3)]
+    series = token_run({**cfg, 'pretrained': True}, np.array([0, 8, 64, 512, 4096]))
+    study = types.SimpleNamespace(runs=ours, series=[series])
+    assert analyze.models(study) == {'our checkpoints': ours, 'pretrained models': [series]}
+    for key, sign in (('f1-early', 1), ('f1-late', -1), ('f2', 1)):
+        assert judge(ALL[key], ours)['verdict'] == 'holds' and ALL[key].fn(series, View()) == sign
+
+
+def test_a_ratio_claim_is_judged_and_its_rule_printed_in_the_units_of_its_value():
+    claim = Claim(key='r', text='r', stat='PR_Q / PR_K', fn=lambda v, view: math.log(v), log=True, ref=1.0,
+                  margin=0.05)
+    res = judge(claim, [1.19, 1.26, 1.33])   # no default bound clips it to [lo, 1]
+    assert res['verdict'] == 'holds' and 1.05 < res['lo'] < 1.19 and res['hi'] > 1.33
+    assert judge(claim, [1.01, 0.99, 1.0])['verdict'] == 'no effect'
+    assert '[0.95, 1.05], holds if it lies above 1,' in report.rule(claim, analyze.REFERENCES)

@@ -1,4 +1,4 @@
-"""sweep.sh: the grids, DRY_RUN, RUN_LIST checked before anything runs, a real sweep and its resume, Slurm."""
+"""sweep.sh: the grids, its variables and RUN_LIST checked before anything runs, a real sweep, resume, stop, Slurm."""
 import os
 import re
 import shlex
@@ -11,11 +11,18 @@ import pytest
 from conftest import HERE, make_text
 
 
+SWEEP = os.path.join(HERE, 'sweep.sh')
+# bad values of the variables sweep.sh reads (the test finds them in it); any other, a grid's numbers, gets x, 4,6, -1
+BAD = {'PRESET': ['', 'Paper'], 'OUT': [''], 'BACKEND': ['', 'slrum'], 'DRY_RUN': ['', 'true'], 'ANALYZE': ['yes'],
+       'PRINT_ARGS': ['2'], 'JOBS': ['', '0', 'a'], 'ARRAY_JOBS': ['-1'], 'DATA_FILE': ['', 'none.txt'],
+       'RUN_LIST': ['', 'none.txt'], 'PYTHON': ['', 'no-python'], 'INITS': ['normale'], 'CONTROL_KEEPS': ['frob'],
+       'SEEDS': ['2.5'], 'CUDA_VISIBLE_DEVICES': [], 'SLURM_CPUS_PER_TASK': [], 'SBATCH_ARGS': []}  # CUDA's, Slurm's
+
+
 def sweep(tmp_path, *args, **env):
     env = {**os.environ, 'PYTHON': sys.executable, 'OUT': str(tmp_path / 'out'), 'QKGEOM_CACHE': str(tmp_path / 'cache'),
            **env}
-    return subprocess.run(['bash', os.path.join(HERE, 'sweep.sh'), *args], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=600)
+    return subprocess.run(['bash', SWEEP, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
 
 
 def commands(out):
@@ -48,12 +55,24 @@ def test_extra_arguments_are_in_the_names(tmp_path):
     assert re.search(r'--run_name=(\S+)', plain[0])[1] != re.search(r'--run_name=(\S+)', decay[0])[1]
 
 
+def test_a_bad_variable_or_argument_stops_the_sweep_in_one_line_before_anything_runs(tmp_path):
+    (tmp_path / 'mine.py').write_text('n_embd = 32\n')  # the smoke preset's --n_embd=16 would win over it
+    read = sorted(set(re.findall(r'\$\{([A-Z][A-Z_]*):?-', open(SWEEP).read())))
+    cases = [({var: bad}, []) for var in read for bad in BAD.get(var, ['x', '4,6', '-1'])] + [
+        ({'OUT': 'runs#1', 'BACKEND': 'slurm'}, []), ({}, ['mine.py']), ({}, ['--overwrite=True'])]
+    for env, args in cases:
+        out = sweep(tmp_path, *args, **{'PRESET': 'smoke', 'DRY_RUN': '1', **env})
+        assert (out.returncode, out.stdout, out.stderr.count('\n')) == (2, '', 1), (env, args, out.stderr)
+        assert [w for w in [*env, *env.values(), *args] if w and w.lstrip('-') in out.stderr], out.stderr  # names it
+        assert os.listdir(tmp_path) == ['mine.py']
+
+
 @pytest.mark.parametrize('lines, words', [
     ('--seed=2\n', "'--seed=2' is not a run name"),
     ('a --seed=1\n../b --seed=2\n', "'../b' is not a run name"),
     ('a/b --seed=1\n', "'a/b' is not a run name"),
     ('a --seed=1\nb --seed=2\na --seed=3\n', 'line 3: a is listed twice'),
-    ('a --seed=1\nb --sed=2', "unknown config key 'sed'"),   # a last line without a newline is read too
+    ('a\r\nb --sed=2', "unknown config key 'sed'"),   # Windows line ends, and a last line without one, are read
 ])
 def test_run_list_lines_are_checked_before_anything_runs(tmp_path, lines, words):
     (tmp_path / 'runs.txt').write_text(lines)
@@ -70,12 +89,29 @@ def test_a_sweep_trains_its_grid_in_parallel_and_the_same_command_skips_what_is_
     assert first.returncode == 0, first.stdout + first.stderr
     done = sorted(n for n in os.listdir(tmp_path / 'out') if os.path.exists(tmp_path / 'out' / n / 'done.json'))
     assert len(done) == 4 and first.stdout.count('done ') == 4   # L2 normal, L2 tied, L4 normal, L4 freeze
+    assert '(4 of 4 ended, about 0 s left)' in first.stdout
     again = sweep(tmp_path, '--min_char_count=1', **grid)
     assert again.returncode == 0 and again.stdout.count('skip ') == 4 and 'done ' not in again.stdout
     (tmp_path / 'runs.txt').write_text(f'{done[0]} --n_layer=2 --seed=2 --min_char_count=1\n')  # done[0] has seed 1
     changed = sweep(tmp_path, RUN_LIST=str(tmp_path / 'runs.txt'), **grid)
     assert changed.returncode == 2 and changed.stdout == '' and changed.stderr.count('\n') == 1
     assert f'{done[0]} is finished with other settings (seed 1 there, 2 here)' in changed.stderr
+
+
+def test_a_stop_signal_stops_the_sweep_s_own_runs_after_their_checkpoint_and_spares_its_caller(tmp_path):
+    text, fake = tmp_path / 'text.txt', tmp_path / 'python'
+    text.write_text(make_text(20_000))
+    fake.write_text(f'#!/usr/bin/env bash\n[[ $1 == *train.py ]] || exec {sys.executable} "$@"\n'  # runs wait
+                    'trap "sleep 1; echo TERM >> $OUT/signals; exit 1" TERM; echo >> $OUT/started; sleep 99 & wait\n')
+    fake.chmod(0o755)
+    caller = (f'bash {SWEEP} --min_char_count=1 & until [ "$(cat $OUT/started 2> /dev/null | wc -l)" = 2 ]; do '
+              'sleep 0.1; done; kill -TERM $!; wait $!; echo "sweep exit $?, caller alive"')
+    env = dict(os.environ, PYTHON=str(fake), OUT=str(tmp_path / 'out'), PRESET='smoke', DATA_FILE=str(text), JOBS='2',
+               QKGEOM_CACHE=str(tmp_path / 'cache'), DEPTHS='2', INITS='normal', SEEDS='1 2', CONTROL_SEEDS='')
+    out = subprocess.run(['bash', '-c', caller], capture_output=True, text=True, env=env, timeout=300,
+                         start_new_session=True)  # whatever sweep.sh signals stays in this test's process group
+    assert out.stdout.endswith('sweep exit 130, caller alive\n') and 'the same command resumes' in out.stderr
+    assert (tmp_path / 'out' / 'signals').read_text() == 'TERM\n' * 2   # both, before sweep.sh ended
 
 
 def test_a_failed_run_is_named_and_the_sweep_exits_1(tmp_path):

@@ -1,7 +1,9 @@
 """train.py and its helpers: settings, names, data, the run folder, exact resume after a kill, DDP."""
+import errno
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -44,20 +46,18 @@ def test_overrides_take_the_type_of_the_default_and_the_command_line_wins(tmp_pa
     (tmp_path / 'c.json').write_text('{"seed": 6,\n}')
     with pytest.raises(configurator.Stop, match=f"config file {tmp_path / 'c.json'} line 2: Expecting property name"):
         train.get_config([str(tmp_path / 'c.json')])
+    (tmp_path / 'list.json').write_text('[1, 2]')
+    (tmp_path / 'latin.py').write_bytes(b'seed = 2  # caf\xe9\n')
+    for name, words in (('list.json', 'expected a JSON object'), ('latin.py', "'utf-8' codec can't decode byte 0xe9")):
+        with pytest.raises(configurator.Stop, match=f"config file {tmp_path / name}: {words}"):
+            train.get_config([str(tmp_path / name)])
 
 
 @pytest.mark.parametrize('args, words', [
     (['--n_layers=4'], "unknown config key 'n_layers'; did you mean n_layer?"),
     (['--n_layer=four'], "n_layer='four': expected int"),
-    (['--qk_init=tide'], "qk_init='tide': expected one of normal, orthogonal, tied"),
-    (['--optimizer=adam'], "optimizer='adam': expected one of adamw, sgd"),
-    *[([f'--{key}=0'], f'{key}=0: expected an integer >= 1') for key in ('eval_interval', 'ckpt_interval',
-                                                                          'control_interval', 'batch_size', 'n_head',
-                                                                          'min_char_count')],
-    (['--control_layers=5'], r"control_layers='5': layer 5 does not exist (n_layer=4: indices 0..3)"),
-    (['--control_layers=a'], "control_layers='a': expected comma-separated layer indices such as '0,2'"),
-    (['--control=shrink', '--shrink_to=0'], 'control=shrink needs shrink_to > 0 and shrink_iters >= 0 (got shrink_to=0.0'),
-    (['--n_embd=64', '--n_head=5'], 'n_embd=64 is not divisible by n_head=5'),
+    (['--lr=1e999'], 'lr=inf: expected a finite number'),
+    (['--n_embd=64', '--n_head=5'], 'n_embd=64: expected 1 <= n_embd <= 1e9 and n_embd % n_head == 0 (n_head=5)'),
     (['--run_name=../x'], 'must be one plain folder name'),
     (['--seed'], '--seed needs a value'),
 ])
@@ -88,6 +88,16 @@ def test_run_names_differ_in_every_setting_and_read_the_main_ones():
     assert out.stdout.split() == ['L4_normal_s2', 'L6_normal_freeze-k_s1']
 
 
+def test_a_text_by_another_path_or_a_link_is_the_same_run(tmp_path, text_file, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.symlink(text_file, 'link.txt')
+    cfgs = [train.get_config([f'--data_file={path}']) for path in (text_file, 'text.txt', './link.txt')]
+    settings = [{k: v for k, v in c.items() if k not in configurator.NOT_IN_NAME} for c in cfgs]  # as sweep.sh reads
+    assert settings[0] == settings[1] == settings[2] and len({c['run_name'] for c in cfgs}) == 1
+    (tmp_path / 'other.txt').write_text(make_text(60_000, seed=1))
+    assert train.get_config(['--data_file=other.txt'])['run_name'] != cfgs[0]['run_name']
+
+
 def test_a_forker_s_new_config_key_trains_under_its_own_name(tmp_path, text_file):
     fork = tmp_path / 'fork'
     fork.mkdir()
@@ -103,6 +113,8 @@ def test_a_forker_s_new_config_key_trains_under_its_own_name(tmp_path, text_file
         assert out.returncode == 0, out.stderr
     names = sorted(os.listdir(tmp_path / 'out'))
     assert len(names) == 2 and names[0] == 'L2_normal_s1-' + names[0].split('-')[1]
+    with pytest.raises(configurator.Stop, match='rope_base=inf: expected a finite number'):   # a number not in SETTINGS
+        configurator.check(dict(train.get_config([]), rope_base=float('inf')), train.SETTINGS, vars(train))
 
 
 # ----------------------------------------------------------------------------- data
@@ -189,8 +201,7 @@ def test_both_optimizers_decay_the_same_matrices(optimizer):
 
 def test_a_run_writes_its_folder_and_the_snapshots_give_the_logged_weight_metrics(reference):
     _, run_dir = reference
-    assert sorted(os.listdir(run_dir)) == ['.lock', 'ckpt.pt', 'config.json', 'done.json', 'metrics.jsonl', 'models',
-                                           'snapshots']
+    assert sorted(os.listdir(run_dir)) == ['ckpt.pt', 'config.json', 'done.json', 'metrics.jsonl', 'models', 'snapshots']
     cfg = json.load(open(os.path.join(run_dir, 'config.json')))
     assert cfg['dtype'] == 'float32' and len(cfg['data_sha256']) == 64 and cfg['vocab_size'] > 20
     rows = records(run_dir)
@@ -226,34 +237,83 @@ def test_a_finished_run_is_kept_and_overwrite_deletes_only_what_train_py_wrote(t
     assert (foreign / 'ckpt.pt').read_text() == 'not ours' and os.path.exists(run_dir)
 
 
-def overwrite_trigger(tmp_path, trigger):
-    """A text file (or --control_layers) that train.py must refuse before --overwrite=True deletes anything."""
-    text = tmp_path / 'trigger.txt'
-    if trigger == 'short':
-        text.write_text(make_text(300))
-    elif trigger == 'not utf-8':
-        text.write_bytes(make_text(60_000).encode()[:-1] + b'\xff')
-    return [f'--data_file={text}'] if trigger != 'control_layers' else ['--control_layers=5']
+def mistakes(default):
+    """A wrong type, a negative, zero, a huge value, NaN and infinity, as the default's type allows (and ',')."""
+    if isinstance(default, str):
+        return [1.5, '-1', '0', '9' * 300, 'nan', 'inf', ',']
+    return ['abc', -1, 0, 10 ** 12 if type(default) is int else 1e30, float('nan'), float('inf')]
 
 
-@pytest.mark.parametrize('trigger, words', [('missing', 'trigger.txt is not a file'),
-                                            ('short', 'validation characters, too few for block_size=32'),
-                                            ('not utf-8', 'trigger.txt is not UTF-8: byte 59999'),
-                                            ('control_layers', 'layer 5 does not exist')])
-def test_every_check_runs_before_overwrite_deletes_the_finished_run(tmp_path, reference, trigger, words):
-    text, run_dir = reference[0], pathlib.Path(reference[1])
-    before = {p: p.read_bytes() for p in run_dir.rglob('*') if p.is_file()}
-    args = tiny_args(run_dir.parent.parent, text, '--overwrite=True', f'--run_name={run_dir.name}')
-    with pytest.raises(configurator.Stop, match=words):
-        train.train(train.get_config(args + overwrite_trigger(tmp_path, trigger)))
-    assert {p: p.read_bytes() for p in run_dir.rglob('*') if p.is_file()} == before
+def test_every_mistake_in_every_setting_trains_or_is_one_line_and_a_finished_run_stays(tmp_path, monkeypatch):
+    """Each value in a config file given to a finished run with overwrite: it trains, or it stops with one line naming
+    the setting and the run's files as they were. A number that is of another type, negative, NaN or inf is refused."""
+    monkeypatch.chdir(tmp_path)   # where a relative out_dir or cache_dir goes
+    text, short, bad = tmp_path / 'text.txt', tmp_path / 'short.txt', tmp_path / 'bad.txt'
+    text.write_text(make_text(20_000))
+    short.write_text(make_text(300))
+    bad.write_bytes(make_text(20_000).encode()[:-1] + b'\xff')
+    cfg = train.get_config(tiny_args(tmp_path, text, '--n_layer=1', '--n_embd=8', '--max_iters=1', '--eval_interval=1',
+                                     '--geom_interval=1', '--eval_iters=1', '--model_ckpts=1', '--run_name=done'))
+    run_dir = pathlib.Path(train.train(cfg))
+    (tmp_path / 'base.json').write_text(json.dumps({k: cfg[k] for k in train.config_keys} | {'overwrite': True}))
+    shutil.copytree(run_dir, tmp_path / 'kept')
+    files = lambda: {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob('*') if p.is_file()}
+    before, refused = files(), set()
+    cases = [(k, v, k) for k in train.config_keys for v in mistakes(cfg[k])] + [
+        ('n_embd', 400_000, 'n_embd'), ('data_file', str(short), 'block_size'), ('data_file', str(bad), 'UTF-8')]
+    for key, value, word in cases:
+        (tmp_path / 'case.json').write_text(json.dumps({key: value}))
+        try:
+            train.train(train.get_config([str(tmp_path / 'base.json'), str(tmp_path / 'case.json')]))
+        except configurator.Stop as e:
+            assert '\n' not in e.msg and re.search(rf'\b{word}\b', e.msg), (key, value, e.msg)
+            if 'the run stops' not in e.msg:   # else the run trained, until the loss or the weights were not finite
+                assert files() == before, (key, value, e.msg)
+                refused.add((key, json.dumps(value)))
+        shutil.rmtree(run_dir)
+        shutil.copytree(tmp_path / 'kept', run_dir)
+    numbers = [(k, json.dumps(v)) for k, v, _ in cases if not isinstance(cfg[k], str) and
+               (isinstance(cfg[k], bool) or v not in (0, 10 ** 12, 1e30))]
+    assert set(numbers) <= refused, sorted(set(numbers) - refused)
+    monkeypatch.setattr(train.GPT, 'forward', lambda *a, **k: torch.empty(1 << 46))   # 256 TiB at the first batch
+    with pytest.raises(configurator.Stop, match=r'n_layer=1, n_embd=8, .* do not fit on cpu'):
+        train.train(dict(cfg, overwrite=True))
+    assert files() == before
 
 
-def test_a_run_folder_cannot_lie_outside_out_dir(tmp_path, text_file):
+def test_a_bad_run_folder_a_read_only_cache_a_full_disk_and_too_few_gpus_are_one_line(
+        tmp_path, text_file, monkeypatch):
     (tmp_path / 'out').mkdir()
+    (tmp_path / 'out' / 'file').write_text('mine')
+    os.symlink(tmp_path / 'out' / 'nowhere', tmp_path / 'out' / 'dangling')
+    os.symlink(tmp_path / 'out' / 'loop', tmp_path / 'out' / 'loop')
     os.symlink(tmp_path, tmp_path / 'out' / 'away')
-    with pytest.raises(configurator.Stop, match='outside out_dir'):
-        train.train(cfg_of(tmp_path, text_file, '--run_name=away'))
+    for arg in ('file', 'dangling', 'loop', 'away', f'x --out_dir={tmp_path / "out" / "file"}'):
+        with pytest.raises(configurator.Stop, match=r'run folder .*(\(out_dir, run_name\): |, outside out_dir)'):
+            train.train(cfg_of(tmp_path, text_file, *f'--run_name={arg}'.split()))
+    cfg = cfg_of(tmp_path, text_file, '--max_iters=8')
+    prepare.prepare_data(cfg)
+    os.chmod(tmp_path / 'cache', 0o555)
+    save = runfolder.atomic_save
+
+    def read_only(path, mode='r', **kwargs):   # root ignores the chmod: no file of the cache is opened to write
+        assert not set(mode) & set('wa+'), path
+        return open(path, mode, **kwargs)
+
+    def full_disk(obj, path, *how):
+        if path.endswith('ckpt.pt') and obj['iter'] == 8:
+            raise OSError(errno.ENOSPC, 'No space left on device', path)
+        save(obj, path, *how)
+    monkeypatch.setattr(prepare, 'open', read_only, raising=False)
+    monkeypatch.setattr(runfolder, 'atomic_save', full_disk)
+    with pytest.raises(configurator.Stop, match='no space left for .*ckpt.pt: free some; the same '
+                                                'command resumes from iteration 4'):
+        train.train(dict(cfg, ckpt_interval=4))
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    monkeypatch.setattr(os, 'environ', dict(os.environ, RANK='1', LOCAL_RANK='1', WORLD_SIZE='2', LOCAL_WORLD_SIZE='2'))
+    with pytest.raises(configurator.Stop, match='torchrun started 2 processes on a machine with 1 GPUs: use '
+                                                '--nproc_per_node=1'):
+        runfolder.start('')
 
 
 def test_one_train_py_per_run_folder(tmp_path, text_file):
@@ -331,6 +391,7 @@ def test_a_kill_or_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterru
         tiny_args(tmp_path / 'ref', text, f'--control={control}', '--shrink_iters=8'))))
     assert resumed == expected
     assert ('resuming' in out) == (at == 16 or point == 'sigint')
+    assert 'to go on cpu, evaluations aside' in out and 'nan ms/iter' not in out
     assert ('resuming in float32 on 1 threads as ckpt.pt was trained' in out) == bool(again)
 
 

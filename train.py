@@ -20,8 +20,7 @@ import random
 import signal
 import sys
 import time
-import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -94,6 +93,23 @@ compile = False            # torch.compile the training forward (where available
 threads = 0                # CPU threads for torch; 0 = torch's default
 config_keys = [k for k, v in list(globals().items())
                if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
+# what each setting must be, checked before anything is touched (configurator.check): its choices, or a condition on
+# the settings; any other number, a fork's new setting too, must be finite. 0 is none or off where a count allows it
+SETTINGS = {
+    **{k: f'1 <= {k} <= 1e9' for k in ('n_layer', 'n_head', 'block_size', 'batch_size', 'grad_accum', 'eval_iters',
+                                       'eval_windows', 'eval_interval', 'ckpt_interval', 'control_interval')},
+    **{k: f'0 <= {k} <= 1e9' for k in ('max_iters', 'geom_interval', 'model_ckpts', 'warmup_iters', 'lr_decay_iters',
+                                       'shrink_iters')},
+    **{k: f'0 <= {k} < 1' for k in ('dropout', 'beta1', 'beta2', 'momentum')}, 'min_char_count': '1 <= min_char_count',
+    'n_embd': '1 <= n_embd <= 1e9 and n_embd % n_head == 0', 'lr': '0 <= lr', 'min_lr': '0 <= min_lr <= lr',
+    'weight_decay': '0 <= weight_decay and lr * weight_decay < 1',  # < 1: the share of a weight decayed per step
+    'grad_clip': '0 <= grad_clip', 'shrink_to': '0 < shrink_to', 'seed': '0 <= seed < 2**32',
+    'threads': '0 <= threads <= 1024', 'qk_init': 'qk_init in QK_INITS', 'optimizer': 'optimizer in OPTIMIZERS',
+    'control': spectrum_control.KINDS, 'control_keep': spectrum_control.KEEPS, 'control_target': ('k', 'q'),
+    'control_scope': ('head', 'layer'), 'dataset': ('wikitext103', 'wikitext103-test'),
+    'control_layers': 'len(spectrum_control.parse_layers(control_layers, n_layer)) >= 1',  # '' is every layer
+    'data_file': "data_file == '' or os.path.isfile(data_file)", 'dtype': ('auto', 'float32', 'bfloat16'),
+}
 # -----------------------------------------------------------------------------
 
 EVAL_SEED = 1234  # the evaluation windows are the same for every run, whatever its seed
@@ -112,8 +128,7 @@ def random_offsets(data, shape, block_size, generator):
 
 
 def eval_batch(val_data, cfg):
-    """The fixed evaluation batch (entropy, token-level PR): eval_windows validation windows from EVAL_SEED, alike for
-    every run whatever its seed (analyze.py rebuilds it from config.json)."""
+    """The evaluation batch of entropy and token-level PR, alike for every run (tokens.py rebuilds it from config)."""
     gen = torch.Generator().manual_seed(EVAL_SEED)
     return get_batch(val_data, random_offsets(val_data, (cfg['eval_windows'],), cfg['block_size'], gen),
                      cfg['block_size'])
@@ -271,8 +286,7 @@ def loss_iters(cfg):
 
 
 def log_iters(cfg):
-    """The loss iterations; with geometry on, also 1, 2, 4, ... (the fast early change), every geom_interval and
-    the model checkpoints'."""
+    """The loss iterations; with geometry on, 1, 2, 4, ... (the fast early change), each geom_interval, model_ckpts."""
     m, g = cfg['max_iters'], cfg['geom_interval']
     its = loss_iters(cfg)
     if g:
@@ -315,7 +329,8 @@ def measure_geometry(model, eval_x, eval_y, n_head, w0):
 
 def measure(run, it):
     """One metrics.jsonl record: the losses (at loss iterations), the geometry of every layer, the control's PRs."""
-    row = {'iter': it, 'tokens': it * run.tokens_per_iter, 'lr': get_lr(it, run.cfg)}
+    row = {'iter': it, 'tokens': it * run.cfg['batch_size'] * run.cfg['grad_accum'] * run.cfg['block_size'],
+           'lr': get_lr(it, run.cfg)}
     if it in run.evals:
         losses = estimate_loss(run.model, run.data, run.cfg, run.dev, run.ctx)
         row.update(train_loss=losses['train'], val_loss=losses['val'])
@@ -323,7 +338,7 @@ def measure(run, it):
             nan_stop(f'the loss became {losses}', it, run)
     t0 = time.time()
     if run.cfg['geom_interval']:
-        loss, layers = measure_geometry(run.model, run.eval_x, run.eval_y, run.cfg['n_head'], run.w0)
+        loss, layers = measure_geometry(run.model, *run.eval_batch, run.cfg['n_head'], run.w0)
         if layers is None:
             nan_stop('the evaluation batch gave a loss or activations that are not finite', it, run)
         for layer, ctl_row in zip(layers, spectrum_control.report(run.ctl)):
@@ -344,18 +359,58 @@ def control_step(run, step):
 
 # ----------------------------------------------------------------------------- the run
 
+@dataclass
+class Run:
+    """What one training process holds: built by setup(), advanced by the loop, written by the writers."""
+    cfg: dict                     # the settings (get_config)
+    ddp: bool                     # under torchrun (runfolder.start): process `rank` of `world`, on dev
+    rank: int
+    world: int
+    dev: str                      # cpu, cuda, cuda:1, mps
+    dir: str = ''                 # out_dir/run_name
+    lock: object = None           # dir/.lock, held while this process trains there (rank 0)
+    meta: dict = None             # the encoded text (prepare.py): vocab_size, chars, sha256, cache_key, n_train, n_val
+    data: dict = None             # 'train', 'val': the encoded text, uint16 memmaps
+    data_gen: torch.Generator = None  # the order of the training windows, from seed (in ckpt.pt)
+    eval_batch: tuple = ()        # the fixed evaluation windows (x, y) on dev, alike for every run
+    model: GPT = None
+    train_model: nn.Module = None  # the model as a training step calls it: compiled, DDP-wrapped where asked
+    optimizer: torch.optim.Optimizer = None
+    ctl: dict = None              # the control's state: the step-0 spectra it steers from (control.py)
+    w0: torch.Tensor = None       # every layer's W_Q, W_K at step 0, (n_layer, 2, C, C): the learned part is W - w0
+    dtype: str = 'float32'        # the autocast dtype and CPU threads (set_numerics): a resumed run keeps ckpt.pt's
+    threads: int = 1
+    ctx: object = contextlib.nullcontext()  # autocast to dtype, or nothing
+    start: int = 0                # this process's first iteration: 0, or the one ckpt.pt holds
+    saved_at: int = None          # the iteration ckpt.pt holds
+    elapsed: float = 0.0          # wall seconds of the run's earlier processes
+    metrics: object = None        # metrics.jsonl, open to append (rank 0)
+    logs: set = None              # the iterations with a record (log_iters), with losses, with a model checkpoint
+    evals: set = None
+    ckpts: set = None
+    losses: list = field(default_factory=list)  # (iteration, training loss on dev) the host has not read
+    last: dict = field(default_factory=dict)    # the latest record, for done.json
+    t_start: float = 0.0          # when this process's loop began
+    t_geom: float = 0.0           # seconds measuring geometry and writing snapshots and model checkpoints
+    t_ctl: float = 0.0            # seconds in the control
+    mark: tuple = (0.0, 0)        # (time, iteration) from which ms/iter counts: training time only
+    master = property(lambda self: self.rank == 0)
+    ckpt_path = property(lambda self: os.path.join(self.dir, 'ckpt.pt'))
+
+
 def train(cfg):
     """One run from its config: trains, logs, checkpoints; resumes an unfinished run. Returns the run folder."""
-    ddp, rank, world, dev = runfolder.start(cfg['device'])
-    run = types.SimpleNamespace(cfg=cfg, dev=dev, ddp=ddp, rank=rank, world=world, master=rank == 0)
-    setup(run)
-    loop(run)
-    finish(run)
+    run = Run(cfg, *runfolder.start(cfg['device']))
+    with runfolder.held(run):  # out of memory or of disk space is one line; no .lock is left behind
+        setup(run)
+        loop(run)
+        finish(run)
     return run.dir
 
 
 def setup(run):
-    """Seeds and numerics; the data; the run folder locked, and resumed or started over; the model."""
+    """Seeds and numerics; the data; the run folder locked; the model, optimizer and a first batch built. Only then
+    is the folder started over or trimmed to ckpt.pt: a check or an allocation that fails leaves it as it was."""
     cfg, dev_type = run.cfg, run.dev.split(':')[0]
     if cfg['grad_accum'] % run.world:
         raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the {run.world} DDP processes")
@@ -365,33 +420,31 @@ def setup(run):
     torch.manual_seed(cfg['seed'])
     use_bf16 = cfg['dtype'] == 'bfloat16' or (cfg['dtype'] == 'auto' and dev_type == 'cuda'
                                                and torch.cuda.is_bf16_supported())
-    set_numerics(run, 'bfloat16' if use_bf16 else 'float32', cfg['threads'] or torch.get_num_threads())
-    # ---- the data, then the run folder: every check that can refuse the command runs before anything is deleted
+    runfolder.set_numerics(run, 'bfloat16' if use_bf16 else 'float32', cfg['threads'] or torch.get_num_threads())
     run.dir = runfolder.open_folder(cfg)
+    runfolder.check_memory(cfg, run.dev)
     train_data, val_data, run.meta = prepare.prepare_data(cfg)  # one process encodes a text; the others wait
-    run.ckpt_path = os.path.join(run.dir, 'ckpt.pt')
-    resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
+    run.data, run.data_gen = {'train': train_data, 'val': val_data}, torch.Generator().manual_seed(cfg['seed'])
     if run.master:
         run.lock = runfolder.lock(run.dir)
         print(f'run folder {run.dir}', flush=True)
-        if not resuming and runfolder.start_over(run.dir) and not cfg['overwrite']:
-            print(f'{run.dir} has no ckpt.pt to resume from: starting at iteration 0', flush=True)
-    run.data = {'train': train_data, 'val': val_data}
-    run.data_gen = torch.Generator().manual_seed(cfg['seed'])
-    run.eval_x, run.eval_y = (t.to(run.dev) for t in eval_batch(val_data, cfg))
+    resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
+    run.eval_batch = tuple(t.to(run.dev) for t in eval_batch(val_data, cfg))
     build_model(run, dev_type, resuming)
+    if run.master:
+        runfolder.begin(run, resuming)
+    run.train_model = runfolder.compiled_and_wrapped(run.model, cfg['compile'], run.ddp, run.dev)
 
 
 def build_model(run, dev_type, resuming):
-    """The model, optimizer and control state, the checkpoint over them when resuming; compiled, DDP-wrapped."""
+    """The model, optimizer and control state, the checkpoint over them when resuming; then one micro-batch forward and
+    back, so that memory the run cannot have fails before the run folder is touched (the random states stay)."""
     cfg = run.cfg
-    run.gcfg = GPTConfig(run.meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'], cfg['n_embd'],
-                         cfg['bias'], cfg['dropout'])
-    run.model = GPT(run.gcfg, cfg['qk_init']).to(run.dev)
+    run.model = GPT(GPTConfig(run.meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'], cfg['n_embd'],
+                              cfg['bias'], cfg['dropout']), cfg['qk_init']).to(run.dev)
     run.optimizer = make_optimizer(run.model, cfg, dev_type)
-    run.ctl = spectrum_control.record(cfg, run.model.qk_weights())  # the step-0 spectra control steers from
-    run.w0 = torch.stack([torch.stack(pair) for pair in run.model.qk_weights()]).detach()  # (n_layer, 2, C, C)
-    run.start, run.elapsed, run.saved_at = 0, 0.0, None
+    run.ctl = spectrum_control.record(cfg, run.model.qk_weights())
+    run.w0 = torch.stack([torch.stack(pair) for pair in run.model.qk_weights()]).detach()
     if resuming:
         ckpt = runfolder.load_checkpoint(run.ckpt_path, cfg, run.meta, run.model, run.optimizer, run.data_gen)
         run.start = run.saved_at = ckpt['iter']
@@ -399,39 +452,19 @@ def build_model(run, dev_type, resuming):
         if ckpt['numerics'] != {'dtype': run.dtype, 'threads': run.threads}:
             print(f"resuming in {ckpt['numerics']['dtype']} on {ckpt['numerics']['threads']} threads as ckpt.pt was "
                   f"trained (either changes the numbers), not {run.dtype} on {run.threads}", flush=True)
-            set_numerics(run, **ckpt['numerics'])
-    if run.master:  # the run folder trimmed to the checkpoint, config.json written, metrics.jsonl opened
-        if resuming:
-            runfolder.trim(run.dir, run.start)
-            print(f'resuming {run.dir} from iteration {run.start}', flush=True)
-        meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
-        runfolder.write_json(dict(cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
-                                  git_commit=runfolder.git_commit(), vocab_size=meta['vocab_size'], n_params=n_params,
-                                  data_sha256=meta['sha256'], n_chars=meta['n_train'] + meta['n_val'],
-                                  data_cache=meta['cache_key']), os.path.join(run.dir, 'config.json'))
-        run.metrics = open(os.path.join(run.dir, 'metrics.jsonl'), 'a')
-    run.train_model = run.model
-    if cfg['compile'] and hasattr(torch, 'compile') and dev_type != 'mps':
-        run.train_model = torch.compile(run.model)
-    if run.ddp:
-        run.train_model = torch.nn.parallel.DistributedDataParallel(
-            run.train_model, device_ids=[int(run.dev.split(':')[1])] if ':' in run.dev else None)
-
-
-def set_numerics(run, dtype, threads):
-    """The autocast dtype and the CPU threads: both change the numbers, so a resumed run keeps its checkpoint's."""
-    torch.set_num_threads(threads)
-    run.dtype, run.threads = dtype, threads
-    run.ctx = torch.autocast(run.dev.split(':')[0], torch.bfloat16) if dtype == 'bfloat16' else contextlib.nullcontext()
+            runfolder.set_numerics(run, **ckpt['numerics'])
+    with torch.random.fork_rng(devices=[run.dev] if run.dev.startswith('cuda') else []), run.ctx:
+        x, y = get_batch(run.data['train'], random_offsets(run.data['train'], (cfg['grad_accum'], cfg['batch_size']),
+                                                           cfg['block_size'], torch.Generator())[0], cfg['block_size'])
+        run.model(x.to(run.dev), y.to(run.dev))[1].backward()
+    run.optimizer.zero_grad(set_to_none=True)
 
 
 def loop(run):
     """A record at the logged iterations, an optimizer step, the control; ckpt.pt every ckpt_interval, on a signal."""
     cfg = run.cfg
-    run.losses, run.logs, run.evals, run.ckpts = [], log_iters(cfg), loss_iters(cfg), model_ckpt_iters(cfg)
-    run.tokens_per_iter = cfg['batch_size'] * cfg['grad_accum'] * cfg['block_size']
-    run.t_start, run.t_geom, run.t_ctl = time.time(), 0.0, 0.0
-    run.t_mark, run.it_mark, run.last = run.t_start, run.start, {}  # for ms/iter: training time only
+    run.logs, run.evals, run.ckpts = log_iters(cfg), loss_iters(cfg), model_ckpt_iters(cfg)
+    run.t_start, run.mark = time.time(), (time.time(), run.start)
     caught = []  # Ctrl-C or SIGTERM (a Slurm time limit), acted on between two iterations; a second one as usual
     catch = lambda num, frame: caught.append(num) or signal.signal(num, handlers[num])
     handlers = {s: signal.signal(s, catch) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -452,6 +485,9 @@ def loop(run):
                 checkpoint(run, it)
             train_step(run, it)
             control_step(run, it + 1)
+            if run.master and it + 1 == run.start + 5 < cfg['max_iters']:  # a CPU can take hours: say so now
+                left = (time.time() - run.mark[0]) / (it + 1 - run.mark[1]) * (cfg['max_iters'] - it - 1)
+                print(f'about {runfolder.fmt_time(left)} to go on {run.dev}, evaluations aside', flush=True)
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
@@ -482,8 +518,7 @@ def train_step(run, it):
 
 
 def check_losses(run, caught):
-    """The one host read of the training losses since the last, and of the signals caught: a loss that is not finite
-    stops every DDP rank; whether any rank caught a signal is returned."""
+    """One host read of the losses since the last (one not finite stops all DDP ranks); whether a rank got a signal."""
     values = torch.stack([loss for _, loss in run.losses] + [torch.tensor(float(caught), device=run.dev)])
     if run.ddp:
         torch.distributed.all_reduce(values)
@@ -504,36 +539,23 @@ def nan_stop(what, it, run):
 # ----------------------------------------------------------------------------- what the run writes
 
 def record(run, it):
-    """Measure (RESEARCH above), then write: the snapshot, a model checkpoint at its iterations, the record."""
-    ms = 1000 * (time.time() - run.t_mark) / (it - run.it_mark) if it > run.it_mark else float('nan')
+    """Measure (RESEARCH above), then write: the snapshot and model checkpoint of the iteration, if any, the record."""
+    ms = 1000 * (time.time() - run.mark[0]) / (it - run.mark[1]) if it > run.mark[1] else None
     row = measure(run, it)
-    t0 = time.time()
-    if run.cfg['geom_interval'] and run.cfg['save_snapshots']:
-        q, k = (np.stack([w[side].detach().float().cpu().numpy() for w in run.model.qk_weights()]) for side in (0, 1))
-        runfolder.atomic_save(dict(q=q, k=k, n_head=run.cfg['n_head']), runfolder.file_path(run.dir, 'snapshots', it),
-                              lambda arrays, f: np.savez(f, **arrays))
-    if it in run.ckpts:
-        runfolder.atomic_save({'model': run.model.state_dict(), 'model_config': run.gcfg.__dict__, 'iter': it},
-                              runfolder.file_path(run.dir, 'models', it))
-    run.t_geom += time.time() - t0  # geometry share: measuring (in measure) and these writes, not the losses
+    runfolder.save_weights(run, it)  # its time counts as geometry's, as measuring it does (not the losses')
     row['time'] = run.elapsed + time.time() - run.t_start
     print(json.dumps(row), file=run.metrics, flush=True)
     run.last = row
-    print_record(row, ms, run)
-    run.t_mark, run.it_mark = time.time(), it  # time spent measuring is not training time
+    runfolder.print_record(row, ms, run)
+    run.mark = (time.time(), it)  # time spent measuring is not training time
 
 
 def checkpoint(run, it):
-    """ckpt.pt: everything that decides the rest of the run, never of weights that are not finite."""
+    """ckpt.pt (runfolder.save_checkpoint), never of weights that are not finite."""
     if not torch.stack([torch.isfinite(p).all() for p in run.model.parameters()]).all():
         nan_stop('the weights are no longer finite', it, run)
-    if not run.master:
-        return
-    runfolder.atomic_save({'model': run.model.state_dict(), 'optimizer': run.optimizer.state_dict(), 'iter': it,
-                           'elapsed': run.elapsed + time.time() - run.t_start, 'config': run.cfg, 'control': run.ctl,
-                           'rng': runfolder.rng_state(run.data_gen), 'data_sha256': run.meta['sha256'], 'w0': run.w0,
-                           'numerics': {'dtype': run.dtype, 'threads': run.threads}}, run.ckpt_path)
-    run.saved_at = it
+    if run.master:
+        runfolder.save_checkpoint(run, it)
 
 
 def finish(run):
@@ -541,41 +563,18 @@ def finish(run):
     checkpoint(run, run.cfg['max_iters'])
     run.elapsed += time.time() - run.t_start
     if run.master:
-        run.metrics.close()
-        done = {k: run.last.get(k) for k in ('iter', 'train_loss', 'val_loss')}
-        for key in ('pr_q', 'pr_k', 'pr_qk', 'entropy', 'entropy_norm') if run.last.get('layers') else ():
-            done[key] = float(np.mean([layer[key] for layer in run.last['layers']]))
-        share = lambda t: t / max(time.time() - run.t_start, 1e-9)  # of this process's wall time
-        done.update(wall_time=run.elapsed, geometry_share=share(run.t_geom), control_share=share(run.t_ctl))
-        runfolder.write_json(done, os.path.join(run.dir, 'done.json'))
-        print(f"done in {fmt_time(run.elapsed)}: val loss {done['val_loss']:.4f}; geometry logging took "
-              f"{100 * share(run.t_geom):.1f}% of wall time; run folder {run.dir}", flush=True)
+        done = runfolder.write_done(run)
+        print(f"done in {runfolder.fmt_time(run.elapsed)}: val loss {done['val_loss']:.4f}; geometry logging took "
+              f"{100 * done['geometry_share']:.1f}% of wall time; run folder {run.dir}", flush=True)
     if run.ddp:
         torch.distributed.barrier()  # every rank got here: rank 0 has finished writing
-
-
-def print_record(row, ms, run):
-    frac = (row['iter'] - run.start) / max(1, run.cfg['max_iters'] - run.start)
-    eta = fmt_time((time.time() - run.t_start) * (1 - frac) / frac) if row['iter'] - run.start >= 10 else '-'
-    losses = f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, " if 'val_loss' in row else ''
-    speed = f"{ms:.1f} ms/iter, {1000 * run.tokens_per_iter / ms:.0f} tok/s"
-    msg = f"iter {row['iter']}: {losses}lr {row['lr']:.2e}, {speed}, ETA {eta}"
-    mean = lambda key: np.mean([layer[key] for layer in row['layers']])
-    print(msg + (f" | pr_q {mean('pr_q'):.1f} pr_k {mean('pr_k'):.1f} entropy {mean('entropy'):.3f}"
-                 if row.get('layers') else ''), flush=True)
-
-
-def fmt_time(s):
-    return f'{s / 3600:.1f}h' if s > 5400 else f'{s / 60:.1f}m' if s > 90 else f'{s:.0f}s'
 
 
 # ----------------------------------------------------------------------------- main
 
 def get_config(argv):
-    """The config block above, then config files, then --key=value (configurator.py), the control's checked too."""
-    return configurator.get_config(argv, {k: globals()[k] for k in config_keys},
-                                   {'qk_init': sorted(QK_INITS), 'optimizer': sorted(OPTIMIZERS)},
-                                   lambda cfg: spectrum_control.check_settings(cfg, cfg['n_layer']))
+    """The config block above, then config files, then --key=value (configurator.py), checked against SETTINGS."""
+    return configurator.get_config(argv, {k: globals()[k] for k in config_keys}, SETTINGS, globals())
 
 
 def main(argv):

@@ -1,0 +1,279 @@
+"""
+Measure a pretrained model's checkpoints at the token level, into a folder that analyze.py reads
+like a run folder. Needs transformers (pip install transformers).
+
+    python pretrained.py --model=EleutherAI/pythia-160m --revisions=pythia --text=wiki.test.raw
+    python pretrained.py --model=gpt2 --text=my_text.txt
+    python analyze.py out/        # our runs and the series in out/, read alike
+
+A series writes out_dir/<name>/: config.json (pretrained=true, the model, its family and sizes, the
+text and its windows), metrics.jsonl with one record per revision (iter = its training step, the N
+of Pythia's stepN; per layer the token-level values train.py logs, from geometry.token_geometry),
+and done.json, written last.
+
+Queries and keys come from hooks on each family's projections (FAMILIES). On rotary families they
+are taken after the rotary embedding, as attention uses them (--rope=before: as projected). A key
+head that several query heads share (grouped-query attention) is repeated to each of them.
+"""
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from collections import namedtuple
+
+import torch
+
+import geometry
+
+
+def neox_qk(out, n_head):
+    """GPT-NeoX's fused output (B, T, n_head * 3 * d), (q, k, v) per head -> q, k (B, T, C)."""
+    q, k, _ = out.unflatten(-1, (n_head, 3, -1)).unbind(-2)
+    return q.flatten(-2), k.flatten(-2)
+
+
+def gpt2_qk(out, n_head):
+    """GPT-2's fused output (B, T, 3 * C), q then k then v -> q, k (B, T, C)."""
+    return out.chunk(3, dim=-1)[:2]
+
+
+# model types (the first names the family), the modules whose outputs are q and k, split: a fused
+# output -> q, k. Causal language models only: entropy is defined over the keys j <= i.
+Family = namedtuple('Family', 'model_types q k split rotary', defaults=(None, False))
+FAMILIES = (
+    Family(('gpt2',), 'c_attn', 'c_attn', gpt2_qk),
+    Family(('gpt_neox',), 'query_key_value', 'query_key_value', neox_qk, rotary=True),
+    Family(('opt',), 'q_proj', 'k_proj'),
+    Family(('llama', 'mistral', 'qwen2'), 'q_proj', 'k_proj', rotary=True))
+PYTHIA = ['step0'] + [f'step{2 ** i}' for i in range(10)]
+PYTHIA += [f'step{1000 * 2 ** i}' for i in range(8)]
+REVISION_PRESETS = {'pythia': PYTHIA + ['step143000']}
+OWN = ('config.json', 'metrics.jsonl', 'done.json')   # what this command writes in a series folder
+
+
+class Stop(Exception):
+    """A plausible mistake, as one line."""
+
+
+def family_of(config):
+    """(name, Family) of a transformers config."""
+    kind = getattr(config, 'model_type', None)
+    for fam in FAMILIES:
+        if kind in fam.model_types:
+            return fam.model_types[0], fam
+    known = ', '.join(t for fam in FAMILIES for t in fam.model_types)
+    raise Stop(f'architecture {kind!r} is not supported (causal language models: {known}); '
+               'a new one is a row of FAMILIES in pretrained.py')
+
+
+def source(name, revision):
+    """from_pretrained's arguments: the folder name/revision if there is one, else name at
+    revision."""
+    if revision and os.path.isdir(f'{name}/{revision}'):
+        return {'pretrained_model_name_or_path': f'{name}/{revision}'}
+    if revision:
+        return {'pretrained_model_name_or_path': name, 'revision': revision}
+    return {'pretrained_model_name_or_path': name}
+
+
+def text_windows(tokenizer, text, n_seqs, seq_len):
+    """(B, T) ids: up to n_seqs windows of seq_len tokens, each with the tokenizer's special
+    tokens."""
+    ids = tokenizer(text, add_special_tokens=False)['input_ids']
+    bare, full = (tokenizer('a', add_special_tokens=s)['input_ids'] for s in (False, True))
+    at = full.index(bare[0]) if bare and bare[0] in full else 0   # full: head + bare + tail
+    head, tail = full[:at], full[at + len(bare):]
+    n = seq_len - len(head) - len(tail)
+    count = min(n_seqs, len(ids) // n) or 1
+    return torch.tensor([head + ids[i * n:i * n + n] + tail for i in range(count)])
+
+
+def rotate(attn, q, k, cos_sin, d):
+    """q, k (B, T, heads * d) turned as attention turns them (its module's apply_rotary_pos_emb)."""
+    if cos_sin is None:
+        raise Stop(f'{type(attn).__name__} was called without position_embeddings; use '
+                   '--rope=before')
+    heads = lambda t: t.unflatten(-1, (-1, d)).transpose(1, 2)
+    turn = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    q, k = turn(heads(q), heads(k), *cos_sin)
+    return q.transpose(1, 2).flatten(-2), k.transpose(1, 2).flatten(-2)
+
+
+@torch.no_grad()
+def capture_qk(model, ids, rope='after'):
+    """Per layer (q, k) from hooks on the family's projections, and the attention probabilities."""
+    fam, n_head = family_of(model.config)[1], model.config.num_attention_heads
+    holds_qk = lambda m: hasattr(m, fam.q) and hasattr(m, fam.k)
+    attns = [m for m in model.modules()   # self-attention: the modules holding q and k
+             if holds_qk(m) and not getattr(m, 'is_cross_attention', False)]
+    seen = {}   # a projection's output, an attention's rotary angles
+    keep = lambda module, inputs, out: seen.update({module: out})
+    hooks = [getattr(a, name).register_forward_hook(keep) for a in attns for name in {fam.q, fam.k}]
+    if fam.rotary:
+        angles = lambda m, args, kwargs: seen.update({m: kwargs.get('position_embeddings')})
+        hooks += [a.register_forward_pre_hook(angles, with_kwargs=True) for a in attns]
+    try:
+        ids = ids.to(model.device)
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_attentions=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    if not attns or out.attentions is None or len(out.attentions) != len(attns):
+        raise Stop(f'{type(model).__name__}: no attention probabilities per layer holding {fam.q}')
+    q, k = ([seen[getattr(a, name)] for a in attns] for name in (fam.q, fam.k))
+    layers = [fam.split(o, n_head) for o in q] if fam.split else list(zip(q, k))
+    if fam.rotary and rope == 'after':
+        d = layers[0][0].shape[-1] // n_head
+        layers = [rotate(a, q, k, seen[a], d) for a, (q, k) in zip(attns, layers)]
+    return layers, list(out.attentions)
+
+
+def measure(model, ids, rope='after'):
+    """(geometry.token_geometry of each layer of a causal transformers model on ids, q's width)."""
+    n_head, found = model.config.num_attention_heads, []
+    for (q, k), att in zip(*capture_qk(model, ids, rope)):
+        d = q.shape[-1] // n_head
+        shared = n_head // (k.shape[-1] // d)   # query heads per key head
+        k = k.unflatten(-1, (-1, d)).repeat_interleave(shared, dim=-2).flatten(-2)
+        found.append(geometry.token_geometry(q, k, att, n_head))
+    return found, q.shape[-1]
+
+
+def steps_of(revisions):
+    """The training step of each revision, the N of its stepN (a lone revision without one: 0)."""
+    found = [re.search(r'step(\d+)', r or '') for r in revisions]
+    if len(revisions) == 1:
+        return [int(found[0][1]) if found[0] else 0]
+    lacking = [r for r, m in zip(revisions, found) if not m]
+    if lacking:
+        raise Stop(f'revision {lacking[0]!r} names no training step (as step1000 does): pass '
+                   'revisions that do, or one revision')
+    steps = [int(m[1]) for m in found]
+    if len(set(steps)) < len(steps):
+        raise Stop(f'--revisions names a step twice: {", ".join(revisions)}')
+    return steps
+
+
+def is_series(path):
+    try:
+        return json.load(open(os.path.join(path, 'config.json'))).get('pretrained') is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def series_folder(out_dir, name, overwrite):
+    """out_dir/name, refused when name is not a plain name or the folder holds a config.json not
+    written here or (without overwrite) a series; with overwrite, what this command wrote goes."""
+    path = os.path.join(out_dir, name)
+    if name in ('', '.', '..') or os.path.basename(name) != name:
+        raise Stop(f'--name={name!r} must be one plain folder name inside out_dir')
+    if os.path.exists(os.path.join(path, 'config.json')) and not is_series(path):
+        raise Stop(f'{path} holds a config.json not written here; pass another --name or --out_dir')
+    ours = [f for f in OWN if os.path.exists(os.path.join(path, f))]
+    if ours and not overwrite:
+        raise Stop(f'{path} holds a series ({", ".join(ours)}); pass --overwrite to measure it '
+                   'again, or another --name')
+    for f in ours:
+        os.remove(os.path.join(path, f))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def write_json(obj, path):
+    with open(path + '.tmp', 'w') as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + '.tmp', path)
+
+
+def write_series(path, a, tf, revisions, ids, config, log):
+    """Each revision's record into path/metrics.jsonl, in the order of its step; config.json (config
+    and the model's sizes) at the first."""
+    with open(os.path.join(path, 'metrics.jsonl'), 'w') as metrics:
+        for step, revision in sorted(zip(steps_of(revisions), revisions)):
+            t0 = time.time()
+            model = tf.AutoModel.from_pretrained(**source(a.model, revision), dtype=torch.float32,
+                                                 attn_implementation='eager')
+            family, fam = family_of(model.config)
+            layers, width = measure(model.to(config['device']).eval(), ids, a.rope)
+            sizes = {'n_layer': len(layers), 'n_head': model.config.num_attention_heads,
+                     'n_embd': width}
+            if 'family' not in config:
+                config.update(family=family, rope=a.rope if fam.rotary else 'none', **sizes)
+                write_json(config, os.path.join(path, 'config.json'))
+            if sizes != {k: config[k] for k in sizes}:
+                raise Stop(f'revision {revision} has {sizes}, unlike the first revision')
+            record = {'iter': step, 'revision': revision or '', 'time': time.time() - t0,
+                      'layers': layers}
+            metrics.write(json.dumps(record) + '\n')
+            metrics.flush()
+            log(f'{a.model} {revision or "(default)"}: step {step}, {time.time() - t0:.1f}s')
+    return step
+
+
+def run(a, tf, log=print):
+    """Measure each revision of a.model into its series folder; the folder. Every check that can
+    refuse runs before --overwrite removes anything."""
+    if a.rope not in ('after', 'before'):
+        raise Stop(f'--rope={a.rope}: after or before')
+    if not os.path.isfile(a.text):
+        raise Stop(f'{a.text} is not there; pass --text=FILE (any UTF-8 text)')
+    revisions = [r or None for r in REVISION_PRESETS.get(a.revisions) or a.revisions.split(',')]
+    steps_of(revisions)
+    text = open(a.text, encoding='utf-8', errors='replace').read(100_000)
+    tokenizer = tf.AutoTokenizer.from_pretrained(**source(a.model, revisions[0]))
+    ids = text_windows(tokenizer, text, a.n_seqs, a.seq_len)
+    if ids.shape[1] < 2:
+        raise Stop(f'{a.text} gives fewer than 2 tokens a window; pass a longer text')
+    name = a.name or os.path.basename(os.path.normpath(a.model))
+    path = series_folder(a.out_dir, name if a.rope == 'after' else f'{name}-before', a.overwrite)
+    device = a.device or ('cuda' if torch.cuda.is_available() else
+                          'mps' if torch.backends.mps.is_available() else 'cpu')
+    config = {'pretrained': True, 'model': a.model, 'revisions': revisions,
+              'block_size': ids.shape[1], 'eval_windows': ids.shape[0], 'data_file': a.text,
+              'data_sha256': hashlib.sha256(text.encode()).hexdigest(), 'device': device,
+              'torch': torch.__version__, 'transformers': tf.__version__}
+    t0 = time.time()
+    last = write_series(path, a, tf, revisions, ids, config, log)
+    done = {'iter': last, 'revisions': len(revisions), 'wall_time': time.time() - t0}
+    write_json(done, os.path.join(path, 'done.json'))
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description='the token-level geometry of a pretrained checkpoint '
+                                'series, as a folder analyze.py reads')
+    p.add_argument('--model', required=True, help='a model name, or a local folder of revisions')
+    p.add_argument('--revisions', default='',
+                   help="R1,R2,... or 'pythia' (default: the model as it is)")
+    p.add_argument('--text', default='data/wikitext-103-raw/wiki.test.raw',
+                   help='a UTF-8 text, of which the first 100,000 characters are read (default: '
+                   'WikiText-103 test, where train.py downloads it)')
+    p.add_argument('--rope', default='after',
+                   help='rotary families: q, k after the rotary embedding or before it')
+    p.add_argument('--n_seqs', type=int, default=8, help='windows of the text')
+    p.add_argument('--seq_len', type=int, default=256, help='tokens a window')
+    p.add_argument('--out_dir', default='out', help='series go to out_dir/name/')
+    p.add_argument('--name', default='', help="the series' folder (default: the model's last name; "
+                   "-before is added with --rope=before)")
+    p.add_argument('--overwrite', action='store_true', help='measure a series in its folder again')
+    p.add_argument('--device', default='', help="'' = cuda, then mps, then cpu")
+    a = p.parse_args(argv)
+    try:
+        import transformers
+    except ImportError:
+        print('error: pretrained.py needs transformers: pip install transformers', file=sys.stderr)
+        return 2
+    try:
+        path = run(a, transformers)
+    except (Stop, OSError) as e:   # OSError: transformers found no such model or revision
+        print(f'error: {e}'.splitlines()[0], file=sys.stderr)
+        return 2
+    print(f'wrote {path}; `python analyze.py {a.out_dir}` reads it')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
