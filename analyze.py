@@ -363,16 +363,13 @@ CLAIMS = [
 ]
 
 
-def across(key, stat, fn, tables=('map',)):
-    """A descriptive correlation across the (layer, head) pairs of each record."""
-    return Stat(key=key, stat=f'{stat} {PAIRS}', fn=fn, lenses=HEADS, tables=tables,
-                limits=CORRELATION)
+def described(key, stat, x, y, scope='heads', kind='spearman', changes=False, tables=('map',)):
+    """A descriptive correlation of roles x, y: across the (layer, head) pairs of each record in the
+    head lenses, or within a run over its records (scope 'time') in every lens."""
+    lenses = {'lenses': HEADS} if scope == 'heads' else {'lenses': ALL4, 'window': 'all'}
+    return Stat(key=key, stat=f"{stat} {PAIRS if scope == 'heads' else TIME}", tables=tables,
+                fn=correlation(x, y, scope, kind, changes), limits=CORRELATION, **lenses)
 
-
-def over_time(key, stat, fn):
-    """A descriptive correlation within a run over its records, in every lens."""
-    return Stat(key=key, stat=f'{stat} {TIME}', fn=fn, lenses=ALL4, window='all', tables=('map',),
-                limits=CORRELATION)
 
 def final_stats():
     """The final PR gap and ratio in each weight lens (the ratio on the log scale)."""
@@ -406,22 +403,19 @@ def control_stats():
 
 
 STATS = [
-    across('qk~entropy', 'Spearman of PR_QK with entropy', correlation('qk', 'entropy')),
-    across('k~entropy (r)', 'Pearson of PR_K with entropy',
-           correlation('k', 'entropy', kind='pearson')),
-    across('qk~entropy|scale', 'Pearson partial of PR_QK with entropy given the log scale',
-           correlation('qk', 'entropy', kind='partial')),
-    across('scale~entropy', 'Pearson of log ||W_QK^h||_2 with entropy',
-           correlation('scale', 'entropy', kind='pearson'), ('map', 'regime')),
-    over_time('k~entropy over time',
-              'Spearman of PR_K with entropy (two trends correlate, linked or not)',
-              correlation('k', 'entropy', 'time')),
-    over_time('dk~dentropy over time', 'Spearman of their changes between records',
-              correlation('k', 'entropy', 'time', changes=True)),
-    over_time('k~qk over time', 'Spearman of PR_K with PR_QK', correlation('k', 'qk', 'time')),
-    over_time('k~entropy|scale over time',
-              'Pearson partial of PR_K with entropy given the log scale',
-              correlation('k', 'entropy', 'time', 'partial')),
+    described('qk~entropy', 'Spearman of PR_QK with entropy', 'qk', 'entropy'),
+    described('k~entropy (r)', 'Pearson of PR_K with entropy', 'k', 'entropy', kind='pearson'),
+    described('qk~entropy|scale', 'Pearson partial of PR_QK with entropy given the log scale',
+              'qk', 'entropy', kind='partial'),
+    described('scale~entropy', 'Pearson of log ||W_QK^h||_2 with entropy', 'scale', 'entropy',
+              kind='pearson', tables=('map', 'regime')),
+    described('k~entropy over time', 'Spearman of PR_K with entropy (two trends correlate, '
+              'linked or not)', 'k', 'entropy', 'time'),
+    described('dk~dentropy over time', 'Spearman of their changes between records', 'k',
+              'entropy', 'time', changes=True),
+    described('k~qk over time', 'Spearman of PR_K with PR_QK', 'k', 'qk', 'time'),
+    described('k~entropy|scale over time', 'Pearson partial of PR_K with entropy given the log '
+              'scale', 'k', 'entropy', 'time', 'partial'),
     Stat(key='gap_share', stat="the share of (b)'s grid records with PR_Q - PR_K > 0 (of the "
                                'iterations from the reference on), over layers',
          fn=gap_share, lenses=ALL4, window='post', tables=('regime',), limits=(0.0, 1.0)),

@@ -328,11 +328,9 @@ def regime_points(study, tables):
 def imbalance(study, tables):
     """qk_imbalance and qk_drift over training per uncontrolled setting, each in its panel (they
     coincide where D_h starts at 0: tied inits); per head, the final PR gap against imbalance."""
-    groups = {}
-    for name, runs in settings_of(study).items():
-        logged = [r for r in runs if 'qk_imbalance_heads' in r.m]
-        if logged:
-            groups[name] = logged
+    logged = {name: [r for r in runs if 'qk_imbalance_heads' in r.m]
+              for name, runs in settings_of(study).items()}
+    groups = {name: runs for name, runs in logged.items() if runs}
     if not groups:
         raise Skip('qk_imbalance is not logged (runs trained before train.py logged it)')
     fig, (ax_i, ax_d, ax_s) = panels(3, 5, 4.4, 3)

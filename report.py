@@ -138,9 +138,7 @@ def caveat(study):
         why.append(f"n = {most_seeds} seed{'s' if most_seeds > 1 else ''} per setting")
     if most_records < FEW_RECORDS:
         why.append(f'at most {most_records} geometry records a run from the end of warm-up on')
-    if not why:
-        return []
-    return [f"**These verdicts rest on {' and '.join(why)}: they mean little.**", '']
+    return [f"**These verdicts rest on {' and '.join(why)}: they mean little.**", ''] if why else []
 
 
 def write(study, tables, claims, registry, figure_notes, files, refs):
