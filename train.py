@@ -352,9 +352,10 @@ def control_step(run, step):
     """The causal experiment: reshape the controlled spectra after optimizer step number `step`."""
     if run.cfg['control'] == 'none':
         return
-    t0 = time.time()
+    sync = getattr(torch, run.dev.split(':')[0]).synchronize   # the queued backward and step are not control time
+    t0 = sync() or time.time()
     spectrum_control.apply(run.ctl, run.cfg, run.model.qk_weights(), step)
-    run.t_ctl += time.time() - t0
+    run.t_ctl += (sync() or time.time()) - t0
 
 
 # ----------------------------------------------------------------------------- the run
