@@ -316,6 +316,21 @@ def test_a_bad_run_folder_a_read_only_cache_a_full_disk_and_too_few_gpus_are_one
         runfolder.start('')
 
 
+def test_ckpt_pt_holds_this_device_s_cuda_rng_and_each_ddp_rank_draws_its_own(monkeypatch):
+    """Mocked CUDA: a resume on fewer GPUs restores the device's own state, and ranks > 0 get their own streams."""
+    states, seeds, gen = {}, [], torch.Generator()
+    monkeypatch.setattr(torch.cuda, 'get_rng_state', lambda dev: f'state of {dev}')
+    monkeypatch.setattr(torch.cuda, 'set_rng_state', lambda state, dev: states.update({str(dev): state}))
+    monkeypatch.setattr(torch.cuda, 'manual_seed', seeds.append)
+    saved = runfolder.rng_state(gen, 'cuda:3')
+    for cuda, dev in ((saved['cuda'], 'cuda:0'), (['a', 'b'], 'cuda:1'), (['a'], 'cuda:2')):  # lists: older ckpt.pt
+        runfolder.set_rng_state(dict(saved, cuda=cuda), gen, torch.device(dev))
+    assert states == {'cuda:0': 'state of cuda:3', 'cuda:1': 'b'}
+    for rank, it in ((0, 0), (1, 0), (2, 0), (1, 8)):   # rank 0's stream: torch.manual_seed's, then ckpt.pt's
+        runfolder.seed_all(1, rank, it)
+    assert len(seeds) == 3 == len(set(seeds))
+
+
 def test_one_train_py_per_run_folder(tmp_path, text_file):
     args = tiny_args(tmp_path, text_file, '--run_name=held')
     lock = runfolder.lock(str(tmp_path / 'out' / 'held'))

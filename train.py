@@ -16,7 +16,6 @@ import contextlib
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
@@ -415,10 +414,7 @@ def setup(run):
     cfg, dev_type = run.cfg, run.dev.split(':')[0]
     if cfg['grad_accum'] % run.world:
         raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the {run.world} DDP processes")
-    # ---- seeding: python, numpy, torch (the data order has its own generator)
-    random.seed(cfg['seed'])
-    np.random.seed(cfg['seed'])
-    torch.manual_seed(cfg['seed'])
+    runfolder.seed_all(cfg['seed'], run.rank, 0)  # python, numpy, torch (the data order has its own generator)
     use_bf16 = cfg['dtype'] == 'bfloat16' or (cfg['dtype'] == 'auto' and dev_type == 'cuda'
                                                and torch.cuda.is_bf16_supported())
     runfolder.set_numerics(run, 'bfloat16' if use_bf16 else 'float32', cfg['threads'] or torch.get_num_threads())
@@ -450,6 +446,7 @@ def build_model(run, dev_type, resuming):
         ckpt = runfolder.load_checkpoint(run.ckpt_path, cfg, run.meta, run.model, run.optimizer, run.data_gen)
         run.start = run.saved_at = ckpt['iter']
         run.elapsed, run.ctl, run.w0 = ckpt['elapsed'], ckpt['control'], ckpt['w0'].to(run.dev)
+        runfolder.seed_all(cfg['seed'], run.rank, run.start)
         if ckpt['numerics'] != {'dtype': run.dtype, 'threads': run.threads}:
             print(f"resuming in {ckpt['numerics']['dtype']} on {ckpt['numerics']['threads']} threads as ckpt.pt was "
                   f"trained (either changes the numbers), not {run.dtype} on {run.threads}", flush=True)
