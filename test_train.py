@@ -163,6 +163,14 @@ def test_the_evaluation_batch_does_not_depend_on_the_seed_or_the_global_rng(tmp_
     assert torch.equal(x1, x2)
 
 
+def test_a_batch_is_pinned_for_a_gpu_only(monkeypatch):
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, 'pin_memory', lambda t: pinned.append(tuple(t.shape)) or t)
+    for pin in (False, True):
+        x, y = train.get_batch(np.arange(100, dtype=np.uint16), torch.tensor([0, 5]), 8, pin)
+    assert pinned == [(2, 8), (2, 8)] and (y - x == 1).all()
+
+
 # ----------------------------------------------------------------------------- the model and the optimizer
 
 @pytest.mark.parametrize('name', sorted(train.QK_INITS))

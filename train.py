@@ -115,11 +115,12 @@ EVAL_SEED = 1234  # the evaluation windows are the same for every run, whatever 
 
 # ----------------------------------------------------------------------------- batches
 
-def get_batch(data, idx, block_size):
-    """Windows of block_size starting at the given offsets: inputs and next-character targets."""
+def get_batch(data, idx, block_size, pin=False):
+    """Windows of block_size starting at the given offsets: inputs and next-character targets; pinned (for CUDA),
+    so that a non_blocking copy to the GPU overlaps its work."""
     x = np.stack([data[i:i + block_size] for i in idx.tolist()]).astype(np.int64)
     y = np.stack([data[i + 1:i + 1 + block_size] for i in idx.tolist()]).astype(np.int64)
-    return torch.from_numpy(x), torch.from_numpy(y)
+    return tuple(t.pin_memory() if pin else t for t in (torch.from_numpy(x), torch.from_numpy(y)))
 
 
 def random_offsets(data, shape, block_size, generator):
@@ -501,7 +502,7 @@ def train_step(run, it):
                              run.data_gen)
     step_loss = 0.0
     for m in range(micro):
-        x, y = get_batch(run.data['train'], offsets[run.rank * micro + m], cfg['block_size'])
+        x, y = get_batch(run.data['train'], offsets[run.rank * micro + m], cfg['block_size'], 'cuda' in run.dev)
         if run.ddp:
             run.train_model.require_backward_grad_sync = m == micro - 1
         with run.ctx:
