@@ -285,6 +285,8 @@ def start(name):
         raise Stop(f"--device={name} is not available here (available: {', '.join(here)})")
     dev = name or ('cuda' if cuda else 'mps' if 'mps' in here else 'cpu')
     if int(os.environ.get('RANK', -1)) == -1:
+        if dev.startswith('cuda:'):  # the current device, which synchronize and RNG states without a device mean
+            torch.cuda.set_device(dev)
         return False, 0, 1, dev
     if dev.startswith('cuda') and int(os.environ.get('LOCAL_WORLD_SIZE', 1)) > len(cuda):
         raise Stop(f"torchrun started {os.environ['LOCAL_WORLD_SIZE']} processes on a machine with {len(cuda)} GPUs: "

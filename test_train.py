@@ -325,7 +325,8 @@ def test_a_bad_run_folder_a_read_only_cache_a_full_disk_and_too_few_gpus_are_one
 
 
 def test_ckpt_pt_holds_this_device_s_cuda_rng_and_each_ddp_rank_draws_its_own(monkeypatch):
-    """Mocked CUDA: a resume on fewer GPUs restores the device's own state, and ranks > 0 get their own streams."""
+    """Mocked CUDA: a resume on fewer GPUs restores the device's own state, ranks > 0 get their own streams, and
+    --device=cuda:1 is the current device (that torch.cuda.synchronize() waits for)."""
     states, seeds, gen = {}, [], torch.Generator()
     monkeypatch.setattr(torch.cuda, 'get_rng_state', lambda dev: f'state of {dev}')
     monkeypatch.setattr(torch.cuda, 'set_rng_state', lambda state, dev: states.update({str(dev): state}))
@@ -337,6 +338,9 @@ def test_ckpt_pt_holds_this_device_s_cuda_rng_and_each_ddp_rank_draws_its_own(mo
     for rank, it in ((0, 0), (1, 0), (2, 0), (1, 8)):   # rank 0's stream: torch.manual_seed's, then ckpt.pt's
         runfolder.seed_all(1, rank, it)
     assert len(seeds) == 3 == len(set(seeds))
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+    monkeypatch.setattr(torch.cuda, 'set_device', lambda dev: states.update(current=dev))
+    assert runfolder.start('cuda:1') == (False, 0, 1, 'cuda:1') and states['current'] == 'cuda:1'
 
 
 def test_one_train_py_per_run_folder(tmp_path, text_file):
