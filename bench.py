@@ -11,8 +11,10 @@ Every speed figure the README quotes, and the GPU check, each from one command:
     python bench.py --overhead [--device=cuda]  a training step, a control step and a geometry record of train.py at
                       the paper shape (n_layer 4, n_embd 384, 6 heads, block 256, batch 64), their ratios, and the
                       kernels (aten operations) each launches
+    python bench.py --syncs  a training step and a control step of --overhead under torch.cuda.set_sync_debug_mode:
+                      where each synchronises with the host (exit 1 if anywhere; CUDA only)
     python bench.py --gpu_check [--small] [--steps=a,b]  the GPU path end to end, going on after a failed step: the
-                      tests, paper-preset runs (plain, controlled, compiled), --overhead, DDP on 2 GPUs,
+                      tests, paper-preset runs (plain, controlled, compiled), --overhead, --syncs, DDP on 2 GPUs,
                       --jobs=1,2,4,8 at that size, a smoke sweep; --small shrinks every step (smoke sizes, a few
                       tests) to check it on a CPU. Logs, and each step's status and time, in --log (summary.txt)
 
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -196,9 +199,8 @@ def count_kernels(run, steps):
     print(f"kernels per step (aten operations, the optimizer fused): {', '.join(counts)}")
 
 
-def bench_overhead(args, device, repeats):
-    """train.py's own training step, control step and geometry record on random tokens (their speed does not depend on
-    the text), synchronised with the device before each clock reading."""
+def overhead_run(args, device):
+    """train.py's Run at the paper shape on random tokens, and its steps: training, control, geometry record."""
     cfg = train.get_config([*preset_args('paper'), '--control=shrink', '--shrink_iters=1', f'--device={device}', *args])
     torch.manual_seed(0)
     if cfg['threads']:
@@ -211,9 +213,16 @@ def bench_overhead(args, device, repeats):
     train.build_model(run, device.split(':')[0], resuming=False)   # the model, optimizer and control state of a run
     run.train_model = run.model
     x, y = (t.to(device) for t in train.get_batch(data, torch.arange(cfg['eval_windows']) * 997, cfg['block_size']))
-    sync = getattr(getattr(torch, device.split(':')[0], None), 'synchronize', lambda: None)
     steps = {'training step': lambda: train.train_step(run, 0), 'control step': lambda: train.control_step(run, 1),
              'geometry record': lambda: train.measure_geometry(run.model, x, y, cfg['n_head'], run.w0)}
+    return run, cfg, steps
+
+
+def bench_overhead(args, device, repeats):
+    """The steps of overhead_run (their speed does not depend on the text), synchronised with the device before each
+    clock reading."""
+    run, cfg, steps = overhead_run(args, device)
+    sync = getattr(torch, device.split(':')[0]).synchronize
     count_kernels(run, steps)
     ms = {name: timed(lambda: (step(), sync()), repeats) for name, step in steps.items()}
     sizes = ', '.join(f'{k} {cfg[k]}' for k in ('n_layer', 'n_embd', 'n_head', 'block_size', 'batch_size'))
@@ -225,12 +234,41 @@ def bench_overhead(args, device, repeats):
           f"training step, {100 * ms['geometry record'] / (every * train_ms):.2f}% at one record per {every} steps")
 
 
+def count_syncs(steps):
+    """{step: ['file:line', ...]} where each step, called once before, synchronises with the host, from the warnings
+    of torch.cuda.set_sync_debug_mode('warn'); printed."""
+    found = {}
+    for name, step in steps.items():
+        step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            torch.cuda.set_sync_debug_mode('warn')
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode('default')
+        found[name] = [f'{w.filename}:{w.lineno}' for w in caught if 'synchroniz' in str(w.message)]
+        print(f"{name}: {len(found[name])} host syncs {' '.join(sorted(set(found[name])))}", flush=True)
+    return found
+
+
+def bench_syncs(args, device):
+    """A training step and control.apply (the control step without its timing's synchronisations)."""
+    if not device.startswith('cuda'):
+        raise train.configurator.Stop(f'--syncs needs CUDA (torch.cuda.set_sync_debug_mode), not --device={device}')
+    run, cfg, steps = overhead_run(args, device)
+    count_syncs({'training step': steps['training step'],
+                 'control step': lambda: control.apply(run.ctl, cfg, run.model.qk_weights(), 1)})
+
+
 def gpu_check(a, data_args):
     """Each step logged to LOG/STEP.log, its status and time to LOG/summary.txt; a failed step does not stop
     the next."""
     os.makedirs(a.log, exist_ok=True)
     py, small, runs, ngpu = sys.executable, a.small, os.path.join(a.log, 'runs'), torch.cuda.device_count()
     preset = 'smoke' if small else 'paper'
+    tiny = (['--n_embd=32', '--n_head=2', '--block_size=32', '--batch_size=4', '--eval_windows=2', '--repeats=1']
+            if small else [])
     run = [py, 'train.py', *preset_args(preset), *data_args, f'--out_dir={runs}', '--overwrite=True']
     steps = {
         'tests': [py, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *(['test_geometry.py', '-k', 'test_pr_'] if small
@@ -239,8 +277,8 @@ def gpu_check(a, data_args):
         'paper_control': [*run, '--control=shrink', '--shrink_to=0.2', '--run_name=paper_control'],
         'paper_compile': 'skipped (--small: compiling takes minutes on a CPU; test_train.py compiles on one)' if small
         else [*run, '--compile=True', '--run_name=paper_compile'],
-        'overhead': [py, 'bench.py', '--overhead', *(['--n_embd=32', '--n_head=2', '--block_size=32', '--batch_size=4',
-                                                      '--eval_windows=2', '--repeats=1'] if small else [])],
+        'overhead': [py, 'bench.py', '--overhead', *tiny],
+        'syncs': [py, 'bench.py', '--syncs', *tiny] if ngpu else 'skipped (set_sync_debug_mode is CUDA only)',
         'ddp': f'skipped (DDP needs 2 GPUs, {ngpu} here)' if ngpu < 2 else
         [py, '-m', 'torch.distributed.run', '--nproc_per_node=2', *run[1:], '--grad_accum=2', '--run_name=ddp'],
         'jobs': [py, 'bench.py', f"--jobs={'2' if small else '1,2,4,8'}", f'--preset={preset}',
@@ -261,9 +299,17 @@ def gpu_check(a, data_args):
                     rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                         env=sweep_env if name == 'sweep' else None).returncode
             line = f"{name}: {rc if isinstance(rc, str) else 'ok' if rc == 0 else f'FAILED (exit {rc})'} in " \
-                   f"{time.perf_counter() - t0:.0f} s" + run_speed(os.path.join(runs, name))
+                   f"{time.perf_counter() - t0:.0f} s" + run_speed(os.path.join(runs, name)) + found_syncs(a.log, name)
             print(line, flush=True)
             summary.write(line + '\n')
+
+
+def found_syncs(log, name):
+    """'; training step: 0 host syncs; control step: 1 host syncs FILE:LINE' from the syncs step's log, else ''."""
+    path = os.path.join(log, f'{name}.log')
+    if name != 'syncs' or not os.path.isfile(path):
+        return ''
+    return ''.join(f'; {line.strip()}' for line in open(path) if ' host syncs' in line)
 
 
 def run_speed(run_dir):
@@ -279,7 +325,7 @@ def main(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument('--jobs', help='K,K,...: runs at once on one device')
-    for flag in ('whole', 'geometry', 'control', 'overhead', 'gpu_check', 'plain'):
+    for flag in ('whole', 'geometry', 'control', 'overhead', 'syncs', 'gpu_check', 'plain'):
         mode.add_argument(f'--{flag}', action='store_true', help=argparse.SUPPRESS if flag == 'plain' else None)
     p.add_argument('--preset', default='', help='(--jobs) the sweep.sh preset [paper on a GPU, else cpu]')
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
@@ -310,6 +356,8 @@ def main(argv):
         (bench_geometry if a.geometry else bench_control)([int(w) for w in a.widths.split(',')])
     elif a.overhead:
         bench_overhead(extra, a.device, a.repeats)
+    elif a.syncs:
+        bench_syncs(extra, a.device)
     else:
         gpu_check(a, data_args)
 

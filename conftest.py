@@ -35,8 +35,8 @@ def text_file(tmp_path):
 
 
 def tiny_args(tmp_path, text_file, *extra):
-    """A 2-layer, 32-wide model for 16 iterations, writing under tmp_path."""
-    return [f'--data_file={text_file}', f'--out_dir={tmp_path / "out"}', f'--cache_dir={tmp_path / "cache"}',
+    """A 2-layer, 32-wide model for 16 iterations on the CPU (in float32 on any machine), writing under tmp_path."""
+    return ['--device=cpu', f'--data_file={text_file}', f'--out_dir={tmp_path / "out"}', f'--cache_dir={tmp_path / "cache"}',
             '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=8', '--max_iters=16',
             '--eval_interval=8', '--geom_interval=8', '--eval_iters=2', '--eval_windows=4', '--ckpt_interval=8',
             '--model_ckpts=4', '--warmup_iters=2', '--min_char_count=1', '--threads=1', *extra]

@@ -151,7 +151,7 @@ def save_checkpoint(run, it):
     """ckpt.pt: everything that decides the rest of the run."""
     atomic_save({'model': run.model.state_dict(), 'optimizer': run.optimizer.state_dict(), 'iter': it,
                  'elapsed': run.elapsed + time.time() - run.t_start, 'config': run.cfg, 'control': run.ctl,
-                 'rng': rng_state(run.data_gen), 'data_sha256': run.meta['sha256'], 'w0': run.w0,
+                 'rng': rng_state(run.data_gen, run.dev), 'data_sha256': run.meta['sha256'], 'w0': run.w0,
                  'numerics': {'dtype': run.dtype, 'threads': run.threads}}, run.ckpt_path)
     run.saved_at = it
 
@@ -214,21 +214,36 @@ def trim(run_dir, keep_below):
             os.remove(os.path.join(run_dir, name))
 
 
-def rng_state(data_gen):
+def rng_state(data_gen, dev):
+    """The random states of this process; of CUDA, its own device's only (a resume may see fewer GPUs)."""
     np_state = np.random.get_state()
     return {'torch': torch.get_rng_state(), 'data': data_gen.get_state(), 'python': random.getstate(),
             'numpy': (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-            'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            'cuda': torch.cuda.get_rng_state(dev) if dev.startswith('cuda') else None}
 
 
-def set_rng_state(state, data_gen):
+def set_rng_state(state, data_gen, dev):
     torch.set_rng_state(state['torch'])
     data_gen.set_state(state['data'])
     random.setstate(state['python'])
     n = state['numpy']
     np.random.set_state((n[0], n[1].numpy().astype(np.uint32), *n[2:]))
-    if state['cuda'] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state['cuda'])
+    cuda = state['cuda']  # an older train.py saved a list, every visible GPU's
+    if isinstance(cuda, list):
+        cuda = cuda[dev.index or 0] if len(cuda) > (dev.index or 0) else None
+    if cuda is not None and dev.type == 'cuda':
+        torch.cuda.set_rng_state(cuda, dev)
+
+
+def seed_all(seed, rank, it):
+    """python, numpy and torch from the seed at iteration 0; a DDP rank > 0 its own CUDA stream (dropout masks) from
+    the seed, rank and iteration, at the start and on resuming (ckpt.pt holds rank 0's)."""
+    if it == 0:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+    if rank:
+        torch.cuda.manual_seed(hash((seed, rank, it)) % 2 ** 63)   # ignored without CUDA
 
 
 def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
@@ -242,7 +257,7 @@ def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
                    f"resume, or --overwrite=True to start over")
     model.load_state_dict(ckpt['model'])
     optimizer.load_state_dict(ckpt['optimizer'])
-    set_rng_state(ckpt['rng'], data_gen)
+    set_rng_state(ckpt['rng'], data_gen, next(model.parameters()).device)
     return ckpt
 
 
@@ -270,6 +285,8 @@ def start(name):
         raise Stop(f"--device={name} is not available here (available: {', '.join(here)})")
     dev = name or ('cuda' if cuda else 'mps' if 'mps' in here else 'cpu')
     if int(os.environ.get('RANK', -1)) == -1:
+        if dev.startswith('cuda:'):  # the current device, which synchronize and RNG states without a device mean
+            torch.cuda.set_device(dev)
         return False, 0, 1, dev
     if dev.startswith('cuda') and int(os.environ.get('LOCAL_WORLD_SIZE', 1)) > len(cuda):
         raise Stop(f"torchrun started {os.environ['LOCAL_WORLD_SIZE']} processes on a machine with {len(cuda)} GPUs: "

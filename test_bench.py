@@ -1,9 +1,11 @@
 """bench.py: each mode runs and prints its table, the GPU check included at its CPU size."""
 import os
+import warnings
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import bench as bench_py
 from conftest import HERE, make_text
@@ -41,9 +43,10 @@ def test_the_gpu_check_runs_every_step_at_cpu_size_and_goes_on_after_a_failure(t
     assert out.returncode == 0, out.stderr
     summary = (tmp_path / 'log' / 'summary.txt').read_text()
     assert [line.split(':')[0] for line in summary.splitlines()[1:]] == [
-        'tests', 'paper_run', 'paper_control', 'paper_compile', 'overhead', 'ddp', 'jobs', 'sweep']
+        'tests', 'paper_run', 'paper_control', 'paper_compile', 'overhead', 'syncs', 'ddp', 'jobs', 'sweep']
     assert 'FAILED' not in summary and 'paper_control: ok in' in summary and '% of its wall time' in summary, summary
-    assert 'ddp: skipped (DDP needs 2 GPUs, 0 here)' in summary
+    assert ('syncs: ok' if torch.cuda.device_count() else 'syncs: skipped (set_sync_debug_mode is CUDA') in summary
+    assert f'ddp: skipped (DDP needs 2 GPUs, {torch.cuda.device_count()} here)' in summary or 'ddp: ok' in summary
     overhead = (tmp_path / 'log' / 'overhead.log').read_text().splitlines()
     assert [line.split()[:2] for line in overhead[-3:]] == [['training', 'step'], ['control', 'step'], ['geometry', 'record']]
     out = bench('--gpu_check', '--small', '--steps=paper_run,paper_control', f'--data_file={tmp_path / "missing.txt"}',
@@ -53,8 +56,15 @@ def test_the_gpu_check_runs_every_step_at_cpu_size_and_goes_on_after_a_failure(t
 
 def test_a_bad_number_or_an_absent_device_stops_bench_in_one_line_naming_it():
     for args in (['--jobs=0'], ['--jobs=a'], ['--geometry', '--widths=abc'], ['--control', '--widths=0'],
-                 ['--whole', '--repeats=0'], ['--overhead', '--device=cuda:99']):
+                 ['--whole', '--repeats=0'], ['--overhead', '--device=cuda:99'], ['--syncs', '--device=cpu']):
         with pytest.raises(bench_py.train.configurator.Stop, match=args[-1]):
             bench_py.main(args)
     out = bench('--jobs=1,0')
     assert (out.returncode, out.stdout, out.stderr.count('\n')) == (2, '', 1) and '--jobs=1,0' in out.stderr
+
+
+def test_count_syncs_names_each_step_s_host_syncs_and_restores_the_debug_mode(monkeypatch):
+    modes = []
+    monkeypatch.setattr(torch.cuda, 'set_sync_debug_mode', modes.append)
+    found = bench_py.count_syncs({'quiet': lambda: None, 'syncing': lambda: warnings.warn('a synchronizing operation')})
+    assert [len(where) for where in found.values()] == [0, 1] and modes == ['warn', 'default'] * 2

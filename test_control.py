@@ -2,6 +2,7 @@
 control inside a tiny training run."""
 import os
 import re
+import types
 import warnings
 
 import numpy as np
@@ -388,7 +389,7 @@ def test_out_of_reach_target_clamps_and_warns_once_per_run():
 
 @pytest.mark.parametrize('name, scope', [('shrink', 'head'), ('freeze', 'layer')])
 def test_a_control_step_and_a_record_copy_nothing_to_the_host_but_the_record_s_values_once(monkeypatch, name, scope):
-    """On a GPU each host copy stalls the device: a control step makes none (Tensor.cpu, .item, .tolist, .numpy and
+    """On a GPU each host copy stalls the device: a control step makes none but its timing's syncs (Tensor.cpu, .item, .tolist, .numpy and
     bool() of a tensor raise inside it), and a geometry record makes one .tolist of its finished values."""
     import train
     torch.manual_seed(0)
@@ -398,10 +399,13 @@ def test_a_control_step_and_a_record_copy_nothing_to_the_host_but_the_record_s_v
     x = torch.randint(20, (2, 8))
     for method in ('cpu', 'item', 'tolist', 'numpy', '__bool__'):
         monkeypatch.setattr(torch.Tensor, method, lambda t, *a, m=method, **k: pytest.fail(f'a host copy: Tensor.{m}'))
+    syncs, run = [], types.SimpleNamespace(cfg=cfg, ctl=state, model=model, dev='cuda', t_ctl=0.0)
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda *a: syncs.append(a))   # timed between two syncs
     for step in (1, 2, 3):
         with torch.no_grad():
             model.qk_weights()[0][1].add_(0.01 * torch.ones(32, 32))   # a move for the control to undo
-        control.apply(state, cfg, model.qk_weights(), step)
+        train.control_step(run, step)
+    assert len(syncs) == 6 and run.t_ctl > 0
     monkeypatch.undo()
     tolist, copies = torch.Tensor.tolist, []
     monkeypatch.setattr(torch.Tensor, 'tolist', lambda t: copies.append('tolist') or tolist(t))

@@ -70,8 +70,8 @@ def test_the_command_line_gives_one_line_and_exit_2(tmp_path):
     out = run_train(['--n_layers=4'])
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: unknown config key 'n_layers'; did you mean n_layer?"]
-    out = run_train(['--device=cuda:3', f'--out_dir={tmp_path}'])
-    assert out.returncode == 2 and 'error: --device=cuda:3 is not available here (available: cpu' in out.stderr
+    out = run_train(['--device=cuda:99', f'--out_dir={tmp_path}'])
+    assert out.returncode == 2 and 'error: --device=cuda:99 is not available here (available: cpu' in out.stderr
     help_text = run_train(['--help']).stdout
     assert all(f'\n{key} = ' in help_text for key in train.config_keys) and '| --print_run_names <' in help_text
 
@@ -161,6 +161,14 @@ def test_the_evaluation_batch_does_not_depend_on_the_seed_or_the_global_rng(tmp_
     torch.rand(100)
     x2, _ = train.eval_batch(val, cfg_of(tmp_path, text_file, '--seed=2'))
     assert torch.equal(x1, x2)
+
+
+def test_a_batch_is_pinned_for_a_gpu_only(monkeypatch):
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, 'pin_memory', lambda t: pinned.append(tuple(t.shape)) or t)
+    for pin in (False, True):
+        x, y = train.get_batch(np.arange(100, dtype=np.uint16), torch.tensor([0, 5]), 8, pin)
+    assert pinned == [(2, 8), (2, 8)] and (y - x == 1).all()
 
 
 # ----------------------------------------------------------------------------- the model and the optimizer
@@ -316,6 +324,25 @@ def test_a_bad_run_folder_a_read_only_cache_a_full_disk_and_too_few_gpus_are_one
         runfolder.start('')
 
 
+def test_ckpt_pt_holds_this_device_s_cuda_rng_and_each_ddp_rank_draws_its_own(monkeypatch):
+    """Mocked CUDA: a resume on fewer GPUs restores the device's own state, ranks > 0 get their own streams, and
+    --device=cuda:1 is the current device (that torch.cuda.synchronize() waits for)."""
+    states, seeds, gen = {}, [], torch.Generator()
+    monkeypatch.setattr(torch.cuda, 'get_rng_state', lambda dev: f'state of {dev}')
+    monkeypatch.setattr(torch.cuda, 'set_rng_state', lambda state, dev: states.update({str(dev): state}))
+    monkeypatch.setattr(torch.cuda, 'manual_seed', seeds.append)
+    saved = runfolder.rng_state(gen, 'cuda:3')
+    for cuda, dev in ((saved['cuda'], 'cuda:0'), (['a', 'b'], 'cuda:1'), (['a'], 'cuda:2')):  # lists: older ckpt.pt
+        runfolder.set_rng_state(dict(saved, cuda=cuda), gen, torch.device(dev))
+    assert states == {'cuda:0': 'state of cuda:3', 'cuda:1': 'b'}
+    for rank, it in ((0, 0), (1, 0), (2, 0), (1, 8)):   # rank 0's stream: torch.manual_seed's, then ckpt.pt's
+        runfolder.seed_all(1, rank, it)
+    assert len(seeds) == 3 == len(set(seeds))
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+    monkeypatch.setattr(torch.cuda, 'set_device', lambda dev: states.update(current=dev))
+    assert runfolder.start('cuda:1') == (False, 0, 1, 'cuda:1') and states['current'] == 'cuda:1'
+
+
 def test_one_train_py_per_run_folder(tmp_path, text_file):
     args = tiny_args(tmp_path, text_file, '--run_name=held')
     lock = runfolder.lock(str(tmp_path / 'out' / 'held'))
@@ -426,7 +453,7 @@ def test_a_nan_loss_stops_the_run_and_keeps_its_checkpoint(tmp_path, text_file):
 
 
 def test_two_ddp_processes_match_one_process(tmp_path, text_file):
-    args = tiny_args(tmp_path, text_file, '--grad_accum=2', '--model_ckpts=0', '--save_snapshots=False', '--device=cpu')
+    args = tiny_args(tmp_path, text_file, '--grad_accum=2', '--model_ckpts=0', '--save_snapshots=False')
     train.train(train.get_config(args + ['--run_name=one']))
     ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_port=29533',
                           'train.py', *args, '--run_name=two'], cwd=HERE, capture_output=True, text=True,

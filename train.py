@@ -16,7 +16,6 @@ import contextlib
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
@@ -116,11 +115,12 @@ EVAL_SEED = 1234  # the evaluation windows are the same for every run, whatever 
 
 # ----------------------------------------------------------------------------- batches
 
-def get_batch(data, idx, block_size):
-    """Windows of block_size starting at the given offsets: inputs and next-character targets."""
+def get_batch(data, idx, block_size, pin=False):
+    """Windows of block_size starting at the given offsets: inputs and next-character targets; pinned (for CUDA),
+    so that a non_blocking copy to the GPU overlaps its work."""
     x = np.stack([data[i:i + block_size] for i in idx.tolist()]).astype(np.int64)
     y = np.stack([data[i + 1:i + 1 + block_size] for i in idx.tolist()]).astype(np.int64)
-    return torch.from_numpy(x), torch.from_numpy(y)
+    return tuple(t.pin_memory() if pin else t for t in (torch.from_numpy(x), torch.from_numpy(y)))
 
 
 def random_offsets(data, shape, block_size, generator):
@@ -352,9 +352,10 @@ def control_step(run, step):
     """The causal experiment: reshape the controlled spectra after optimizer step number `step`."""
     if run.cfg['control'] == 'none':
         return
-    t0 = time.time()
+    sync = getattr(torch, run.dev.split(':')[0]).synchronize   # the queued backward and step are not control time
+    t0 = sync() or time.time()
     spectrum_control.apply(run.ctl, run.cfg, run.model.qk_weights(), step)
-    run.t_ctl += time.time() - t0
+    run.t_ctl += (sync() or time.time()) - t0
 
 
 # ----------------------------------------------------------------------------- the run
@@ -414,10 +415,7 @@ def setup(run):
     cfg, dev_type = run.cfg, run.dev.split(':')[0]
     if cfg['grad_accum'] % run.world:
         raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the {run.world} DDP processes")
-    # ---- seeding: python, numpy, torch (the data order has its own generator)
-    random.seed(cfg['seed'])
-    np.random.seed(cfg['seed'])
-    torch.manual_seed(cfg['seed'])
+    runfolder.seed_all(cfg['seed'], run.rank, 0)  # python, numpy, torch (the data order has its own generator)
     use_bf16 = cfg['dtype'] == 'bfloat16' or (cfg['dtype'] == 'auto' and dev_type == 'cuda'
                                                and torch.cuda.is_bf16_supported())
     runfolder.set_numerics(run, 'bfloat16' if use_bf16 else 'float32', cfg['threads'] or torch.get_num_threads())
@@ -449,6 +447,7 @@ def build_model(run, dev_type, resuming):
         ckpt = runfolder.load_checkpoint(run.ckpt_path, cfg, run.meta, run.model, run.optimizer, run.data_gen)
         run.start = run.saved_at = ckpt['iter']
         run.elapsed, run.ctl, run.w0 = ckpt['elapsed'], ckpt['control'], ckpt['w0'].to(run.dev)
+        runfolder.seed_all(cfg['seed'], run.rank, run.start)
         if ckpt['numerics'] != {'dtype': run.dtype, 'threads': run.threads}:
             print(f"resuming in {ckpt['numerics']['dtype']} on {ckpt['numerics']['threads']} threads as ckpt.pt was "
                   f"trained (either changes the numbers), not {run.dtype} on {run.threads}", flush=True)
@@ -503,7 +502,7 @@ def train_step(run, it):
                              run.data_gen)
     step_loss = 0.0
     for m in range(micro):
-        x, y = get_batch(run.data['train'], offsets[run.rank * micro + m], cfg['block_size'])
+        x, y = get_batch(run.data['train'], offsets[run.rank * micro + m], cfg['block_size'], 'cuda' in run.dev)
         if run.ddp:
             run.train_model.require_backward_grad_sync = m == micro - 1
         with run.ctx:
