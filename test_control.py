@@ -314,7 +314,7 @@ def test_scope_reaches_each_blocks_target_and_reports_it(scope, blocks):
     state = control.record(cfg, qk)
     control.apply(state, cfg, qk, 2)
     for (_, wk), p0, row in zip(qk, state['pr0'], control.report(state)):
-        target = 0.7 * p0   # halfway from 1 to 0.4
+        target = 0.7 * p0   # step 2 of 4: halfway from 1 x pr0 to 0.4 x pr0
         assert torch.allclose(geometry.matrix_pr(blocks(wk)), target, rtol=1e-5, atol=0)
         heads = ['ctl_target_pr_heads', 'ctl_pr_heads'] if scope == 'head' else []
         assert set(row) == {'ctl_target_pr', 'ctl_pr', *heads}
