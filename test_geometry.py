@@ -11,15 +11,9 @@ RTOL = 1e-9  # float64 throughout; eigvalsh/QR/SVD paths differ from numpy's SVD
 
 
 @pytest.fixture(autouse=True)
-def seed_and_one_thread():
-    """Seeded, on one CPU thread: on matrices this small a second thread mostly waits (on a busy machine the
-    trainings at the end take 30 times longer with two)."""
+def seed():
     np.random.seed(0)
     torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---- independent numpy references -----------------------------------------------------------
