@@ -27,6 +27,14 @@ def private_cache(tmp_path_factory):
     os.environ['QKGEOM_CACHE'] = str(tmp_path_factory.mktemp('cache'))
 
 
+@pytest.fixture(autouse=True, scope='session')
+def one_thread():
+    """torch on one CPU thread in the test process: on the tests' small tensors a second thread mostly waits
+    (on two busy cores the Q/K trainings of test_geometry.py take 30 times longer with two)."""
+    import torch
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def text_file(tmp_path):
     path = tmp_path / 'text.txt'

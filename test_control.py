@@ -13,29 +13,19 @@ import control
 import geometry
 
 
-def control_spectrum(s, target_pr, rtol=None, keep='fro'):
-    """control._control on one spectrum s (n,) or a batch (..., n), target a number or a tensor (...), as a
-    user would call the transform: returns (s' float64, alpha: a float for 1-D s, else a tensor)."""
-    s, rtol = spectra(s, rtol)
-    if keep not in control.KEEPS:
-        raise ValueError(f'control_keep={keep!r} is not one of fro, spec')
-    target = torch.as_tensor(target_pr, dtype=torch.float64).expand(s.shape[:-1])
-    s_new, alpha = control._control(s, target, rtol, keep)[:2]
-    return s_new, alpha.item() if alpha.ndim == 0 else alpha
+def control_spectrum(s, target_pr, keep='fro'):
+    """control._control on one spectrum s (n,), values below n * eps(float64) * max(s) counting as zero:
+    returns (s' float64, alpha float)."""
+    s = torch.as_tensor(s, dtype=torch.float64)
+    target = torch.tensor(target_pr, dtype=torch.float64)
+    s_new, alpha = control._control(s, target, len(s) * torch.finfo(torch.float64).eps, keep)[:2]
+    return s_new, alpha.item()
 
 
-def reachable_pr(s, rtol=None):
-    """(pr_min, pr_max) that s^alpha covers: floats for 1-D s, else tensors."""
-    s, rtol = spectra(s, rtol)
-    pr_min, pr_max = control._reach(s, rtol)[2:]
-    return (pr_min.item(), pr_max.item()) if s.ndim == 1 else (pr_min, pr_max)
-
-
-def spectra(s, rtol):
-    s = torch.as_tensor(s).detach().to(torch.float64)
-    if s.ndim < 1 or not torch.isfinite(s).all() or (s < 0).any():
-        raise ValueError(f'expected finite nonnegative singular values (..., n), got shape {tuple(s.shape)}')
-    return s, s.shape[-1] * torch.finfo(torch.float64).eps if rtol is None else rtol
+def reachable_pr(s):
+    """(pr_min, pr_max) that s^alpha covers, with control_spectrum's zero threshold."""
+    s = torch.as_tensor(s, dtype=torch.float64)
+    return tuple(pr.item() for pr in control._reach(s, len(s) * torch.finfo(torch.float64).eps)[2:])
 
 
 def ctl_cfg(**overrides):
@@ -84,21 +74,48 @@ def random_spectrum(seed):
 
 # ----------------------------------------------------------------------------- the transform
 
+def np_control(s, target, keep):
+    """An independent numpy reference of the transform: bisection on alpha itself (geometric midpoints),
+    the PR from its definition, then c from the kept quantity."""
+    s = np.asarray(s, dtype=np.float64)
+    nz = s > len(s) * np.finfo(np.float64).eps * s.max()
+    x = s[nz] / s[nz].max()
+
+    def pr_of(alpha):
+        lam = x ** (2 * alpha)
+        return lam.sum() ** 2 / (lam ** 2).sum()
+    lo, hi = 1e-13, 1e13
+    for _ in range(300):
+        mid = np.sqrt(lo * hi)
+        lo, hi = (mid, hi) if pr_of(mid) > target else (lo, mid)
+    xa = x ** np.sqrt(lo * hi)
+    c = s.max() if keep == 'spec' else np.sqrt((s[nz] ** 2).sum() / (xa ** 2).sum())
+    out = s.copy()
+    out[nz] = c * xa
+    return out
+
+
+@pytest.mark.parametrize('keep', ['fro', 'spec'])
 @pytest.mark.parametrize('seed', range(60))
-def test_transform_hits_target_keeps_norm_and_is_a_power(seed):
+def test_transform_hits_target_keeps_its_quantity_is_a_power_and_matches_numpy(seed, keep):
     s = random_spectrum(seed)
-    g = torch.Generator().manual_seed(10_000 + seed)
     pr_min, pr_max = reachable_pr(s)
     # shrinking and growing targets, inside the reachable range (the ends are tested on their own)
-    target = pr_min + (pr_max - pr_min) * (0.02 + 0.96 * torch.rand(1, generator=g, dtype=torch.float64).item())
-    s_new, alpha = control_spectrum(s, target)
+    frac = 0.02 + 0.96 * torch.rand(1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).item()
+    target = pr_min + (pr_max - pr_min) * frac
+    s_new, alpha = control_spectrum(s, target, keep=keep)
     assert abs(pr(s_new) - target) <= 1e-10 * target
-    assert abs((s_new ** 2).sum() - (s ** 2).sum()) <= 1e-9 * (s ** 2).sum()
+    if keep == 'fro':
+        assert abs((s_new ** 2).sum() - (s ** 2).sum()) <= 1e-10 * (s ** 2).sum()
+    else:
+        assert abs(s_new.max() - s.max()) <= 1e-10 * s.max()
     assert torch.equal(s_new[s == 0], s[s == 0])   # zeros stay zero
     nz = s > 0
     assert alpha > 0 and torch.all(s_new[nz] > 0)
     # s' = c s^alpha, checked as ratios to the top value (s^alpha alone can overflow: alpha reaches 1e3 here)
     assert torch.allclose(s_new[nz] / s_new[0], (s[nz] / s[0]) ** alpha, rtol=1e-9, atol=1e-300)
+    ref = torch.from_numpy(np_control(s.numpy(), target, keep))
+    assert torch.allclose(s_new, ref, rtol=1e-8, atol=1e-12 * s.max().item())
 
 
 def test_out_of_reach_targets_clamp_to_rank_and_top_multiplicity():
@@ -122,51 +139,12 @@ def test_flat_spectrum_is_left_as_it_is(s, target):
 
 # ----------------------------------------------------------------------------- control_keep: fro or spec
 
-def np_control(s, target, keep):
-    """An independent numpy reference of the transform: bisection on alpha itself (geometric midpoints),
-    the PR from its definition, then c from the kept quantity."""
-    s = np.asarray(s, dtype=np.float64)
-    nz = s > len(s) * np.finfo(np.float64).eps * s.max()
-    x = s[nz] / s[nz].max()
-
-    def pr_of(alpha):
-        lam = x ** (2 * alpha)
-        return lam.sum() ** 2 / (lam ** 2).sum()
-    lo, hi = 1e-13, 1e13
-    for _ in range(300):
-        mid = np.sqrt(lo * hi)
-        lo, hi = (mid, hi) if pr_of(mid) > target else (lo, mid)
-    xa = x ** np.sqrt(lo * hi)
-    c = s.max() if keep == 'spec' else np.sqrt((s[nz] ** 2).sum() / (xa ** 2).sum())
-    out = s.copy()
-    out[nz] = c * xa
-    return out
-
-
-@pytest.mark.parametrize('keep', ['fro', 'spec'])
-@pytest.mark.parametrize('seed', range(40))
-def test_keep_preserves_its_quantity_hits_the_target_and_matches_numpy(seed, keep):
-    s = random_spectrum(seed)
-    pr_min, pr_max = reachable_pr(s)
-    frac = 0.02 + 0.96 * torch.rand(1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).item()
-    target = pr_min + (pr_max - pr_min) * frac
-    s_new, _ = control_spectrum(s, target, keep=keep)
-    assert abs(pr(s_new) - target) <= 1e-10 * target
-    if keep == 'fro':
-        assert abs((s_new ** 2).sum() - (s ** 2).sum()) <= 1e-10 * (s ** 2).sum()
-    else:
-        assert abs(s_new.max() - s.max()) <= 1e-10 * s.max()
-    ref = torch.from_numpy(np_control(s.numpy(), target, keep))
-    assert torch.allclose(s_new, ref, rtol=1e-8, atol=1e-12 * s.max().item())
-
-
 def _planted(C=24, seed=0):
-    """A float64 (C, C) weight with known singular vectors U, V and spectrum s."""
+    """U, s, V of a float64 (C, C) weight U diag(s) V^T: random orthogonal U, V, a descending spectrum s."""
     g = torch.Generator().manual_seed(seed)
     U = torch.linalg.qr(torch.randn(C, C, generator=g, dtype=torch.float64)).Q
     V = torch.linalg.qr(torch.randn(C, C, generator=g, dtype=torch.float64)).Q
-    s = torch.rand(C, generator=g, dtype=torch.float64).sort(descending=True).values
-    return U @ torch.diag(s) @ V.T
+    return U, torch.rand(C, generator=g, dtype=torch.float64).sort(descending=True).values, V
 
 
 @pytest.mark.parametrize('scope', ['head', 'layer'])
@@ -176,7 +154,8 @@ def test_apply_spec_keeps_each_blocks_top_singular_value_and_only_the_scale_diff
     the top singular value (spec) against the Frobenius norm (fro)."""
     results = {}
     for keep in ('fro', 'spec'):
-        W = _planted(seed=5)
+        U, s, V = _planted(seed=5)
+        W = U @ torch.diag(s) @ V.T
         qk = [(torch.nn.Parameter(W.clone()), torch.nn.Parameter(W.clone()))]
         cfg = ctl_cfg(control=control_name, control_scope=scope, control_keep=keep, shrink_to=0.4, shrink_iters=0)
         state = control.record(cfg, qk)
@@ -267,17 +246,13 @@ def test_freeze_restores_the_step0_pr_both_ways(direction):
 def test_apply_keeps_singular_vectors_and_norm_float64():
     """W' = U diag(s') V^T with the original U and V, reaching the target, for random and rank-deficient W."""
     for seed in range(10):
-        g = torch.Generator().manual_seed(seed)
-        C, d = 24, 6
-        U = torch.linalg.qr(torch.randn(C, C, generator=g, dtype=torch.float64)).Q
-        V = torch.linalg.qr(torch.randn(C, C, generator=g, dtype=torch.float64)).Q
-        s = torch.rand(C, generator=g, dtype=torch.float64).sort(descending=True).values
+        U, s, V = _planted(seed=seed)
         if seed % 2:
-            s[C // 2:] = 0.0   # rank-deficient
+            s[12:] = 0.0   # rank-deficient
         W = U @ torch.diag(s) @ V.T
         qk = [(torch.nn.Parameter(W.clone()), torch.nn.Parameter(W.clone()))]
         for factor, control_name in ((0.4, 'shrink'), (1.0, 'freeze')):
-            cfg = ctl_cfg(control=control_name, control_scope='layer', shrink_to=factor, shrink_iters=0, n_head=C // d)
+            cfg = ctl_cfg(control=control_name, control_scope='layer', shrink_to=factor, shrink_iters=0)
             state = control.record(cfg, qk)
             if control_name == 'freeze':   # spread the spectrum (same U, V) so that freeze must lower it back
                 with torch.no_grad():
@@ -293,16 +268,22 @@ def test_apply_keeps_singular_vectors_and_norm_float64():
             assert abs(geometry.matrix_pr(W_new) - factor * state['pr0'][0][0]) <= 1e-6 * state['pr0'][0][0]
 
 
-def test_apply_target_k_leaves_w_q_bit_identical_and_q_mirrors():
+@pytest.mark.parametrize('overrides, moved', [   # moved: per layer, whether (W_Q, W_K) changed
+    (dict(control_target='k'), [(False, True)] * 3), (dict(control_target='q'), [(True, False)] * 3),
+    (dict(control='none'), [(False, False)] * 3),
+    (dict(control_layers='1'), [(False, False), (False, True), (False, False)])])
+def test_control_moves_only_its_target_in_its_layers_and_reports_those(overrides, moved):
     qk = make_qk()
     before = snapshot(qk)
-    cfg = ctl_cfg(shrink_iters=1)
-    control.apply(control.record(cfg, qk), cfg, qk, 1)
-    assert all(torch.equal(wq, bq) and not torch.equal(wk, bk) for (wq, wk), (bq, bk) in zip(qk, before))
-    qk = make_qk()
-    cfg = ctl_cfg(shrink_iters=1, control_target='q')
-    control.apply(control.record(cfg, qk), cfg, qk, 1)
-    assert all(torch.equal(wk, bk) and not torch.equal(wq, bq) for (wq, wk), (bq, bk) in zip(qk, before))
+    cfg = ctl_cfg(shrink_iters=1, **overrides)
+    state = control.record(cfg, qk)
+    for step in range(1, 4):
+        control.apply(state, cfg, qk, step)
+    assert [tuple(not torch.equal(w, b) for w, b in zip(*pairs)) for pairs in zip(qk, before)] == moved
+    rows = control.report(state)
+    assert [row != {} for row in rows] == [any(m) for m in moved]
+    for layer, pr0 in zip(state['layers'], state['pr0']):   # shrink_to=0.5: the mean head PR halves
+        assert rows[layer]['ctl_pr'] < 0.6 * pr0.mean().item()
 
 
 def test_bf16_weights_reach_their_target():
@@ -325,53 +306,24 @@ def test_a_control_step_launches_no_more_kernels_than_a_training_step(capsys):
     assert 0 < int(counts['control']) <= int(counts['training'])
 
 
-def test_control_none_changes_nothing_and_reports_nothing():
-    qk = make_qk()
-    before = snapshot(qk)
-    cfg = ctl_cfg(control='none')
-    state = control.record(cfg, qk)
-    for step in range(1, 4):
-        control.apply(state, cfg, qk, step)
-    assert all(torch.equal(a, b) for pair, bpair in zip(qk, before) for a, b in zip(pair, bpair))
-    assert control.report(state) == [{}, {}, {}]
-
-
-def test_head_scope_reaches_each_heads_target():
+@pytest.mark.parametrize('scope, blocks', [('head', lambda w: geometry.split_heads(w, 4)),
+                                           ('layer', lambda w: w[None])])   # one block: the matrix
+def test_scope_reaches_each_blocks_target_and_reports_it(scope, blocks):
     qk = make_qk(seed=4)
-    cfg = ctl_cfg(shrink_to=0.4, shrink_iters=4)
+    cfg = ctl_cfg(control_scope=scope, shrink_to=0.4, shrink_iters=4)
     state = control.record(cfg, qk)
     control.apply(state, cfg, qk, 2)
-    target = control.target_pr(state, cfg, 2)   # 0.7 x pr0
-    for (_, wk), t in zip(qk, target):
-        assert torch.allclose(geometry.matrix_pr(geometry.split_heads(wk, 4)), t, rtol=1e-5, atol=0)
-    rows = control.report(state)
-    for row, t in zip(rows, target):
-        assert row['ctl_target_pr_heads'] == pytest.approx(t.tolist(), rel=1e-12)
-        assert row['ctl_pr_heads'] == pytest.approx(t.tolist(), rel=1e-5)
-        assert row['ctl_pr'] == pytest.approx(sum(row['ctl_pr_heads']) / 4, rel=1e-12)
-        assert row['ctl_target_pr'] == pytest.approx(t.mean().item(), rel=1e-12)
-
-
-def test_layer_scope_reaches_the_layer_target():
-    qk = make_qk(seed=5)
-    cfg = ctl_cfg(control_scope='layer', shrink_iters=1)
-    state = control.record(cfg, qk)
-    control.apply(state, cfg, qk, 1)
     for (_, wk), p0, row in zip(qk, state['pr0'], control.report(state)):
-        target = 0.5 * float(p0[0])
-        assert geometry.matrix_pr(wk) == pytest.approx(target, rel=1e-5)
-        assert set(row) == {'ctl_target_pr', 'ctl_pr'} and row['ctl_pr'] == pytest.approx(target, rel=1e-5)
-
-
-def test_control_layers_touches_only_those_layers():
-    qk = make_qk()
-    before = snapshot(qk)
-    cfg = ctl_cfg(control_layers='1', shrink_iters=1)
-    state = control.record(cfg, qk)
-    control.apply(state, cfg, qk, 1)
-    assert [torch.equal(wk, bk) for (_, wk), (_, bk) in zip(qk, before)] == [True, False, True]
-    rows = control.report(state)
-    assert rows[0] == {} and rows[2] == {} and rows[1]['ctl_pr'] < 0.6 * sum(state['pr0'][0]) / 4
+        target = 0.7 * p0   # step 2 of 4: halfway from 1 x pr0 to 0.4 x pr0
+        assert torch.allclose(geometry.matrix_pr(blocks(wk)), target, rtol=1e-5, atol=0)
+        heads = ['ctl_target_pr_heads', 'ctl_pr_heads'] if scope == 'head' else []
+        assert set(row) == {'ctl_target_pr', 'ctl_pr', *heads}
+        assert row['ctl_target_pr'] == pytest.approx(target.mean().item(), rel=1e-12)
+        assert row['ctl_pr'] == pytest.approx(target.mean().item(), rel=1e-5)
+        if heads:
+            assert row['ctl_target_pr_heads'] == pytest.approx(target.tolist(), rel=1e-12)
+            assert row['ctl_pr_heads'] == pytest.approx(target.tolist(), rel=1e-5)
+            assert row['ctl_pr'] == pytest.approx(sum(row['ctl_pr_heads']) / 4, rel=1e-12)
 
 
 def test_out_of_reach_target_clamps_and_warns_once_per_run():
@@ -429,7 +381,6 @@ def train_run(tmp_path, text_file):
 
 
 def _snapshot_heads(run_dir, it, side):
-    import numpy as np
     snap = np.load(os.path.join(run_dir, 'snapshots', f'qk_{it:07d}.npz'))
     return [geometry.matrix_pr(geometry.split_heads(w, int(snap['n_head']))).tolist() for w in snap[side]]
 

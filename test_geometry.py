@@ -53,25 +53,33 @@ def uniform_causal(T):
     return np.tril(np.ones((T, T))) / np.arange(1, T + 1)[:, None]
 
 
+def np_entropies(att):
+    """H_i = -sum_j a_ij log a_ij of every row i >= 1 of att (..., T, T), one row at a time."""
+    T = att.shape[-1]
+    H = np.zeros(att.shape[:-2] + (T - 1,))
+    for idx in np.ndindex(att.shape[:-2]):
+        for i in range(1, T):
+            H[idx][i - 1] = -sum(a * math.log(a) for a in att[idx][i, :i + 1] if a > 0)
+    return H
+
+
+def np_grams(W, n_head):
+    """W^h W^h^T for each head's rows W^h of W."""
+    return [w @ w.T for w in np.split(W, n_head)]
+
+
 # ---- participation ratio: closed forms --------------------------------------------------------
 
-@pytest.mark.parametrize("d", [1, 5, 64])
-def test_pr_identity_is_d(d):
-    assert g.matrix_pr(np.eye(d)) == pytest.approx(d, rel=1e-12)
-    assert g.participation_ratio(np.ones(d)) == pytest.approx(d, rel=1e-12)
+RANK_ONE = np.outer(np.random.RandomState(3).randn(40), np.random.RandomState(4).randn(30))
 
 
-def test_pr_rank_one_is_one():
-    M = np.outer(np.random.randn(40), np.random.randn(30))
-    assert g.matrix_pr(M) == pytest.approx(1.0, rel=1e-12)
-    assert g.participation_ratio([3.0, 0.0, 0.0]) == pytest.approx(1.0, rel=1e-12)
-
-
-def test_pr_diagonal_by_hand():
-    # diag(1, 2, 3): s = 1, 2, 3, so PR = (1 + 4 + 9)^2 / (1 + 16 + 81) = 196 / 98 = 2
-    assert g.matrix_pr(np.diag([1.0, 2.0, 3.0])) == pytest.approx(196 / 98, rel=1e-12)
-    # eigenvalues 1, 2, 3 directly: (1 + 2 + 3)^2 / (1 + 4 + 9) = 36 / 14
-    assert g.participation_ratio([1.0, 2.0, 3.0]) == pytest.approx(36 / 14, rel=1e-12)
+# identity: PR = d; rank one: 1; diag(1, 2, 3) has s = 1, 2, 3, so PR = (1 + 4 + 9)^2 / (1 + 16 + 81)
+# = 196 / 98, and eigenvalues 1, 2, 3 give (1 + 2 + 3)^2 / (1 + 4 + 9) = 36 / 14
+@pytest.mark.parametrize("M,lam,pr_M,pr_lam", [(np.eye(d), np.ones(d), d, d) for d in (1, 5, 64)] + [
+    (RANK_ONE, [3.0, 0.0, 0.0], 1.0, 1.0), (np.diag([1.0, 2.0, 3.0]), [1.0, 2.0, 3.0], 196 / 98, 36 / 14)])
+def test_pr_closed_forms(M, lam, pr_M, pr_lam):
+    assert g.matrix_pr(M) == pytest.approx(pr_M, rel=1e-12)
+    assert g.participation_ratio(lam) == pytest.approx(pr_lam, rel=1e-12)
 
 
 @pytest.mark.parametrize("scale", [1e-150, 1e-3, 3.7, 1e120])
@@ -143,35 +151,23 @@ def test_activation_pr_matches_numpy_cov():
 
 # ---- attention entropy ------------------------------------------------------------------------
 
-def test_entropy_uniform_causal():
-    T = 16
-    att = np.broadcast_to(uniform_causal(T), (2, 3, T, T))
-    expected = np.mean([math.log(i + 1) for i in range(1, T)])
-    assert g.mean_attention_entropy(att) == pytest.approx(expected, rel=1e-12)
-    assert g.mean_attention_entropy(att, normalized=True) == pytest.approx(1.0, rel=1e-12)
-    assert g.attention_entropy(att).shape == (2, 3, T - 1)
-
-
-def test_entropy_one_hot_is_zero():
-    T = 10
-    first_key = np.zeros((T, T))
-    first_key[:, 0] = 1.0
-    for att in (np.eye(T), first_key):
-        assert g.mean_attention_entropy(att) == 0.0
-        assert g.mean_attention_entropy(att, normalized=True) == 0.0
+# uniform over the allowed keys: H_i = log(i + 1); one-hot (on the diagonal, or every row on key 0): 0
+@pytest.mark.parametrize("att,plain,norm", [
+    (np.broadcast_to(uniform_causal(16), (2, 3, 16, 16)), np.log(np.arange(2, 17)).mean(), 1.0),
+    (np.eye(10), 0.0, 0.0), (np.tile(np.eye(10)[0], (10, 1)), 0.0, 0.0)])
+def test_entropy_closed_forms(att, plain, norm):
+    assert g.mean_attention_entropy(att) == pytest.approx(plain, rel=1e-12, abs=0)
+    assert g.mean_attention_entropy(att, normalized=True) == pytest.approx(norm, rel=1e-12, abs=0)
+    assert g.attention_entropy(att).shape == (*att.shape[:-2], att.shape[-1] - 1)
 
 
 def test_entropy_matches_python_loop():
-    B, H, T = 2, 3, 9
-    att = causal_softmax(B, H, T)
-    plain, norm = g.attention_entropy(att), g.attention_entropy(att, normalized=True)
-    for b in range(B):
-        for h in range(H):
-            for i in range(1, T):
-                H_i = -sum(a * math.log(a) for a in att[b, h, i, :i + 1] if a > 0)
-                assert plain[b, h, i - 1].item() == pytest.approx(H_i, rel=1e-12)
-                assert norm[b, h, i - 1].item() == pytest.approx(H_i / math.log(i + 1), rel=1e-12)
-    assert g.mean_attention_entropy(att) == pytest.approx(plain.mean().item(), rel=1e-12)
+    att = causal_softmax(2, 3, 9)
+    H = np_entropies(att)
+    np.testing.assert_allclose(g.attention_entropy(att).numpy(), H, rtol=1e-12)
+    H_norm = H / np.log(np.arange(2, 10))   # rows i = 1..8: log(i + 1)
+    np.testing.assert_allclose(g.attention_entropy(att, normalized=True).numpy(), H_norm, rtol=1e-12)
+    assert g.mean_attention_entropy(att) == pytest.approx(H.mean(), rel=1e-12)
 
 
 # ---- layer and token geometry against numpy ---------------------------------------------------
@@ -186,19 +182,18 @@ TOKEN_KEYS = {"tok_pr_q", "tok_pr_k", "tok_pr_q_head", "tok_pr_k_head", "tok_pr_
 
 
 def np_layer_geometry(W_Q, W_K, n_head):
-    d = W_Q.shape[0] // n_head
     ref = {}
     for name, W in (("q", W_Q), ("k", W_K)):
         s = np_svals(W)
-        heads = [np_pr(np_svals(W[h * d:(h + 1) * d]) ** 2) for h in range(n_head)]
+        heads = [np_pr(np_svals(w) ** 2) for w in np.split(W, n_head)]
         ref |= {f"pr_{name}": np_pr(s ** 2), f"pr_{name}_heads": heads, f"pr_{name}_head": np.mean(heads),
                 f"erank_{name}": np_erank(s), f"srank_{name}": (W ** 2).sum() / s[0] ** 2,
-                f"{name}_spec_norm_heads": [np.linalg.norm(W[h * d:(h + 1) * d], 2) for h in range(n_head)]}
-    grams = [[W[h * d:(h + 1) * d] @ W[h * d:(h + 1) * d].T for W in (W_Q, W_K)] for h in range(n_head)]
+                f"{name}_spec_norm_heads": [np.linalg.norm(w, 2) for w in np.split(W, n_head)]}
+    grams = list(zip(np_grams(W_Q, n_head), np_grams(W_K, n_head)))
     ref["qk_gram_heads"] = [(np.linalg.norm(Gq) + np.linalg.norm(Gk)) / 2 for Gq, Gk in grams]
     ref["qk_imbalance_heads"] = [np.linalg.norm(Gq - Gk) / n for (Gq, Gk), n in zip(grams, ref["qk_gram_heads"])]
-    inter = [W_Q[h * d:(h + 1) * d].T @ W_K[h * d:(h + 1) * d] for h in range(n_head)]
-    s_qk = [np_svals(A)[:d] for A in inter]
+    inter = [wq.T @ wk for wq, wk in zip(np.split(W_Q, n_head), np.split(W_K, n_head))]
+    s_qk = [np_svals(A)[:W_Q.shape[0] // n_head] for A in inter]
     ref["pr_qk_heads"] = [np_pr(s ** 2) for s in s_qk]
     ref["qk_spec_norm_heads"] = [np.linalg.norm(A, 2) for A in inter]
     ref["qk_fro_norm_heads"] = [np.linalg.norm(A, "fro") for A in inter]
@@ -222,11 +217,7 @@ def np_token_geometry(q, k, att, n_head):
             logits = q[b, :, h * d:(h + 1) * d] @ k[b, :, h * d:(h + 1) * d].T / math.sqrt(d)  # T x T
             pr_qk[b, h] = np_pr(np_svals(logits) ** 2)
     ref |= {"tok_pr_qk": pr_qk.mean(), "tok_pr_qk_heads": list(pr_qk.mean(0))}
-    H = np.zeros((B, n_head, T - 1))
-    for b in range(B):
-        for h in range(n_head):
-            for i in range(1, T):
-                H[b, h, i - 1] = -sum(a * math.log(a) for a in att[b, h, i, :i + 1] if a > 0)
+    H = np_entropies(att)
     Hn = H / np.log(np.arange(2, T + 1))
     ref |= {"entropy": H.mean(), "entropy_norm": Hn.mean(),
             "entropy_heads": list(H.mean((0, 2))), "entropy_norm_heads": list(Hn.mean((0, 2)))}
@@ -298,21 +289,19 @@ def test_learned_part_of_rank_r_with_equal_singular_values_has_pr_r(r):
 
 def test_learned_part_per_head_by_hand():
     C, n_head = 24, 4
-    d = C // n_head
     W_Q0, W_K0 = np.random.randn(C, C), np.random.randn(C, C)
     W_Q = W_Q0 + np.random.randn(C, C) * np.linspace(0.1, 2.0, C)   # an uneven change
     W_K = W_K0 + np.outer(np.random.randn(C), np.random.randn(C)) + 0.1 * np.random.randn(C, C)
     out = g.learned_geometry(W_Q, W_K, W_Q0, W_K0, n_head)
     for name, dW, W0 in (("q", W_Q - W_Q0, W_Q0), ("k", W_K - W_K0, W_K0)):
-        heads = [np_pr(np_svals(dW[h * d:(h + 1) * d]) ** 2) for h in range(n_head)]
+        heads = [np_pr(np_svals(w) ** 2) for w in np.split(dW, n_head)]
         assert np.allclose(out[f"pr_d{name}_heads"], heads, rtol=RTOL)
         assert out[f"pr_d{name}_head"] == pytest.approx(np.mean(heads), rel=RTOL)
         assert out[f"pr_d{name}"] == pytest.approx(np_pr(np_svals(dW) ** 2), rel=RTOL)
         assert out[f"d{name}_rel"] == pytest.approx(np.linalg.norm(dW) / np.linalg.norm(W0), rel=RTOL)
-    D = lambda A, B, h: A[h * d:(h + 1) * d] @ A[h * d:(h + 1) * d].T - B[h * d:(h + 1) * d] @ B[h * d:(h + 1) * d].T
+    D, D0 = (np.subtract(np_grams(A, n_head), np_grams(B, n_head)) for A, B in ((W_Q, W_K), (W_Q0, W_K0)))
     gram = g.layer_geometry(W_Q, W_K, n_head)["qk_gram_heads"]
-    drift = [np.linalg.norm(D(W_Q, W_K, h) - D(W_Q0, W_K0, h)) / gram[h] for h in range(n_head)]
-    assert np.allclose(out["qk_drift_heads"], drift, rtol=RTOL)
+    assert np.allclose(out["qk_drift_heads"], np.linalg.norm(D - D0, axis=(1, 2)) / gram, rtol=RTOL)
 
 
 def test_learned_part_of_an_unchanged_or_zero_init_weight_is_zero_not_nan():
@@ -372,10 +361,6 @@ def test_partial_correlation_with_nothing_to_correlate_is_nan():
     assert math.isnan(g.partial_correlation(np.full(10, 3.0), x))
     assert math.isnan(g.partial_correlation(x[:3], x[:3] ** 2, z[:3]))   # 3 points, one control
     assert not math.isnan(g.partial_correlation(x[:4], x[:4] ** 2, z[:4]))
-    with pytest.raises(ValueError, match="must share n"):
-        g.partial_correlation(x, x[:9], z)
-    with pytest.raises(ValueError, match="y has 1 NaN"):
-        g.partial_correlation(x, with_value(x, 2, np.nan))
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -398,13 +383,13 @@ def with_value(x, index, value):
     (lambda: g.attention_entropy(np.full((4, 4), 0.25)), "causal"),
     (lambda: g.token_geometry(QK, QK, ATT[:, :1], 2), "att must have shape"),
     (lambda: g.learned_geometry(W8, W8, W8[:4], W8, 2), "W_Q0 and W_K0 must have the shape of W_Q and W_K"),
+    (lambda: g.partial_correlation(W8[0], W8[1, :7], W8[2]), "must share n"),
+    (lambda: g.partial_correlation(W8[0], with_value(W8[1], 2, np.nan)), "y has 1 NaN"),
 ])
 def test_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
 
-
-# ---- input types ------------------------------------------------------------------------------
 
 # ---- the conservation law of D_h: gradient flow keeps it, finite steps and Adam do not ---------
 
@@ -439,11 +424,9 @@ def train_qk(optimizer, lr, steps, qk_init="normal", seed=0):
 def drift(before, after, n_head=2):
     """||D_h(t) - D_h(0)||_F summed over heads, with D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T, and how far the Gram
     matrix W_Q^h W_Q^h^T itself moved."""
-    d = before[0].shape[0] // n_head
-    gram = lambda w, h: w[h * d:(h + 1) * d] @ w[h * d:(h + 1) * d].T
-    D = lambda wq, wk, h: gram(wq, h) - gram(wk, h)
-    return (sum(np.linalg.norm(D(*after, h) - D(*before, h)) for h in range(n_head)),
-            sum(np.linalg.norm(gram(after[0], h) - gram(before[0], h)) for h in range(n_head)))
+    D, D0 = (np.subtract(np_grams(wq, n_head), np_grams(wk, n_head)) for wq, wk in (after, before))
+    moved = np.subtract(np_grams(after[0], n_head), np_grams(before[0], n_head))
+    return np.linalg.norm(D - D0, axis=(1, 2)).sum(), np.linalg.norm(moved, axis=(1, 2)).sum()
 
 
 def test_plain_sgd_drifts_d_h_in_proportion_to_lr_and_adamw_does_not():
