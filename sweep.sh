@@ -19,8 +19,8 @@ case $BACKEND in local|slurm) ;; *) die "BACKEND=$BACKEND: use local or slurm" ;
 for v in DRY_RUN ANALYZE PRINT_ARGS; do [[ ${!v-0} =~ ^[01]$ ]] || die "$v=${!v}: use 1 (yes) or 0 (no)"; done
 for v in JOBS ARRAY_JOBS; do [[ ${!v-1} =~ ^[1-9][0-9]*$ ]] || die "$v=${!v}: runs at once, a number >= 1"; done
 for v in WIDTHS CONTROL_WIDTH; do [[ ${!v-} =~ ^[[:space:][:digit:]]*$ ]] || die "$v=${!v}: whole numbers"; done
-GRID_NUMBERS=(DEPTHS SEEDS CONTROL_SEEDS LADDER_SEEDS LONG_ITERS LENGTHS DROPOUT_LENGTHS LENGTH_SEEDS SCAN_SEEDS ARM_SEEDS
-              SHRINK_TOS LRS ADAMW_LRS SGD_LRS OPTIM_SHRINK ADAMW_LR SGD_LR)  # train.py checks each value's type and range
+GRID_NUMBERS=(DEPTHS SEEDS CONTROL_SEEDS LADDER_SEEDS LONG_ITERS LENGTHS DROPOUT_LENGTHS LENGTH_SEEDS SCAN_SEEDS
+              ARM_SEEDS SHRINK_TOS LRS ADAMW_LRS SGD_LRS OPTIM_SHRINK ADAMW_LR SGD_LR)  # train.py checks type and range
 for v in "${GRID_NUMBERS[@]}"; do
     [[ ${!v-} =~ ^([[:space:][:digit:].]|[eE][-+]?)*$ ]] || die "$v=${!v}: numbers >= 0, separated by spaces"
 done
@@ -73,7 +73,7 @@ ladder() {  # width (4 heads up to head size 64, then heads of 64), length, lr, 
         for width in ${WIDTHS-32 64 128 256 384}; do
             heads=$(( width <= 256 ? 4 : width / 64 ))
             add --n_embd="$width" --n_head="$heads" --seed="$seed"
-            [ "$width" = "${CONTROL_WIDTH-256}" ] && controls "--n_embd=$width --n_head=$heads" "$seed" ""  # freeze only
+            [ "$width" = "${CONTROL_WIDTH-256}" ] && controls "--n_embd=$width --n_head=$heads" "$seed" ""  # freeze
         done
         for iters in ${LONG_ITERS-8000}; do add --n_embd=128 --max_iters="$iters" --seed="$seed"; done
         for lr in ${LRS-3e-4 3e-3}; do add --lr="$lr" --min_lr="$(tenth "$lr")" --seed="$seed"; done

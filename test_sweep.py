@@ -104,7 +104,8 @@ def test_a_stop_signal_stops_the_sweep_s_own_runs_after_their_checkpoint_and_spa
     caller = (f'bash {SWEEP} --min_char_count=1 & until [ "$(cat $OUT/started 2> /dev/null | wc -l)" = 2 ]; do '
               'sleep 0.1; done; kill -TERM $!; wait $!; echo "sweep exit $?, caller alive"')
     env = dict(os.environ, PYTHON=str(fake), OUT=str(tmp_path / 'out'), PRESET='smoke', DATA_FILE=str(text_file),
-               JOBS='2', QKGEOM_CACHE=str(tmp_path / 'cache'), DEPTHS='2', INITS='normal', SEEDS='1 2', CONTROL_SEEDS='')
+               JOBS='2', QKGEOM_CACHE=str(tmp_path / 'cache'), DEPTHS='2', INITS='normal', SEEDS='1 2',
+               CONTROL_SEEDS='')
     out = subprocess.run(['bash', '-c', caller], capture_output=True, text=True, env=env, timeout=300,
                          start_new_session=True)  # whatever sweep.sh signals stays in this test's process group
     assert out.stdout.endswith('sweep exit 130, caller alive\n') and 'the same command resumes' in out.stderr
