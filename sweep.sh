@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
-# A study's grid of train.py runs, then the analysis; README.md (Sweeps) shows the commands. Each run that ends prints
-# how many have and the time left. Stop it at any time (Ctrl-C, SIGTERM: its runs checkpoint); the same command again
-# trains only what is left: finished runs are skipped (--overwrite=True is refused: move one away to train it again),
-# stopped ones resume. Arguments (--key=value, config files) go to every run and into its name; a config file's
-# setting that the preset or the grid overrides is refused: a --key=value wins over a file, so pass it as one.
+# A study's grid of train.py runs, then the analysis (README.md, Sweeps). Stop it at any time: the same command trains
+# what is left. Arguments (--key=value, config files) go to every run and into its name.
 #
 # Environment [default], each checked before anything runs:
 #   PRESET     paper | cpu | wide | ladder | length | optim | smoke [paper]   OUT  where the runs go [out/$PRESET]
@@ -21,11 +18,11 @@ PRESET=${PRESET-paper} OUT=${OUT-out/${PRESET-paper}} BACKEND=${BACKEND-local} P
 case $BACKEND in local|slurm) ;; *) die "BACKEND=$BACKEND: use local or slurm" ;; esac
 for v in DRY_RUN ANALYZE PRINT_ARGS; do [[ ${!v-0} =~ ^[01]$ ]] || die "$v=${!v}: use 1 (yes) or 0 (no)"; done
 for v in JOBS ARRAY_JOBS; do [[ ${!v-1} =~ ^[1-9][0-9]*$ ]] || die "$v=${!v}: runs at once, a number >= 1"; done
-for v in DEPTHS SEEDS CONTROL_SEEDS WIDTHS CONTROL_WIDTH LADDER_SEEDS LONG_ITERS LENGTHS DROPOUT_LENGTHS LENGTH_SEEDS \
-         SCAN_SEEDS ARM_SEEDS; do [[ ${!v-} =~ ^[[:space:][:digit:]]*$ ]] || die "$v=${!v}: whole numbers"; done
-NUMBER='^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$'  # train.py checks the words (INITS, CONTROL_KEEPS) and ranges
-for v in SHRINK_TOS LRS ADAMW_LRS SGD_LRS OPTIM_SHRINK ADAMW_LR SGD_LR; do
-    for w in ${!v-}; do [[ $w =~ $NUMBER ]] || die "$v=${!v}: '$w' is not a number"; done
+for v in WIDTHS CONTROL_WIDTH; do [[ ${!v-} =~ ^[[:space:][:digit:]]*$ ]] || die "$v=${!v}: whole numbers"; done
+GRID_NUMBERS=(DEPTHS SEEDS CONTROL_SEEDS LADDER_SEEDS LONG_ITERS LENGTHS DROPOUT_LENGTHS LENGTH_SEEDS SCAN_SEEDS
+              ARM_SEEDS SHRINK_TOS LRS ADAMW_LRS SGD_LRS OPTIM_SHRINK ADAMW_LR SGD_LR)  # train.py checks type and range
+for v in "${GRID_NUMBERS[@]}"; do
+    [[ ${!v-} =~ ^([[:space:][:digit:].]|[eE][-+]?)*$ ]] || die "$v=${!v}: numbers >= 0, separated by spaces"
 done
 [ -z "${DATA_FILE-}" ] || [ -f "$DATA_FILE" ] || die "DATA_FILE=$DATA_FILE is not a file"
 [[ $BACKEND = slurm && $OUT == *[#%]* ]] && die "OUT=$OUT: Slurm reads # in #SBATCH lines as a comment, % as a pattern"
@@ -76,9 +73,7 @@ ladder() {  # width (4 heads up to head size 64, then heads of 64), length, lr, 
         for width in ${WIDTHS-32 64 128 256 384}; do
             heads=$(( width <= 256 ? 4 : width / 64 ))
             add --n_embd="$width" --n_head="$heads" --seed="$seed"
-            [ "$width" = "${CONTROL_WIDTH-256}" ] && for keep in ${CONTROL_KEEPS-fro spec}; do
-                add --n_embd="$width" --n_head="$heads" --control=freeze --control_keep="$keep" --seed="$seed"
-            done
+            [ "$width" = "${CONTROL_WIDTH-256}" ] && controls "--n_embd=$width --n_head=$heads" "$seed" ""  # freeze
         done
         for iters in ${LONG_ITERS-8000}; do add --n_embd=128 --max_iters="$iters" --seed="$seed"; done
         for lr in ${LRS-3e-4 3e-3}; do add --lr="$lr" --min_lr="$(tenth "$lr")" --seed="$seed"; done
@@ -87,7 +82,8 @@ ladder() {  # width (4 heads up to head size 64, then heads of 64), length, lr, 
 length() {  # how far training goes (the cosine schedule spans each length), and the same with dropout
     for seed in ${LENGTH_SEEDS-1 2 3}; do
         for iters in ${LENGTHS-2000 4000 8000 16000}; do add --max_iters="$iters" --seed="$seed"; done
-        for iters in ${DROPOUT_LENGTHS-8000 16000}; do add --max_iters="$iters" --dropout=0.1 --seed="$seed"; done; done
+        for iters in ${DROPOUT_LENGTHS-8000 16000}; do add --max_iters="$iters" --dropout=0.1 --seed="$seed"; done
+    done
 }
 optim() {  # the lr scan of each optimizer, the arms at the tuned lrs, the key control at AdamW's
     local sgd="--optimizer=sgd --weight_decay=0"  # SGD's coupled decay at these lrs takes W_Q, W_K to zero
@@ -98,8 +94,7 @@ optim() {  # the lr scan of each optimizer, the arms at the tuned lrs, the key c
     local a="--lr=${ADAMW_LR-1e-2} --min_lr=$(tenth "${ADAMW_LR-1e-2}")"
     local s="$sgd --lr=${SGD_LR-0.3} --min_lr=$(tenth "${SGD_LR-0.3}")"
     for seed in ${ARM_SEEDS-1 2 3 4 5}; do
-        add $a --seed="$seed"; add $a --decay_qk=False --seed="$seed"; add $a --qk_init=tied --seed="$seed"
-        add $s --seed="$seed"; add $s --qk_init=tied --seed="$seed"
+        for arm in "$a" "$a --decay_qk=False" "$a --qk_init=tied" "$s" "$s --qk_init=tied"; do add $arm --seed="$seed"; done
     done
     controls "$a" "${ARM_SEEDS-1 2 3 4 5}" "${OPTIM_SHRINK-0.1}"
 }
@@ -151,8 +146,7 @@ for i, args in enumerate(map(shlex.split, sys.stdin)):
     if diff:
         sys.exit(f"sweep.sh: {run} is finished with other settings ({diff}): move it away or rename the run")
     first.setdefault(cfg["run_name"], i)
-print("\n".join(f"{i} {name}" for name, i in first.items()))' "$REPO" "$OUT" "${#ARGS[@]}" "${#EXTRA[@]}" "${RUN_LIST-}") ||
-    exit 2
+print("\n".join(f"{i} {name}" for name, i in first.items()))' "$REPO" "$OUT" "${#ARGS[@]}" "${#EXTRA[@]}" "${RUN_LIST-}") || exit 2
 while read -r i name; do NAMES+=("$name") RUNS+=("${GRID[$i]}"); done <<< "$names"
 command_of() { CMD=("$PYTHON" "$REPO/train.py" "${ARGS[@]}" ${RUNS[$1]} ${EXTRA[@]+"${EXTRA[@]}"} --out_dir="$OUT"
                     --run_name="${NAMES[$1]}"); }  # the train.py command of run $1
@@ -169,8 +163,10 @@ if [ "$BACKEND" = slurm ]; then  # one array task per run not done, read from th
     TASKS=$(for i in ${TODO[@]+"${TODO[@]}"}; do  # a task whose run another submission has finished does nothing
         printf '[ -f %q ] || ' "$OUT/${NAMES[$i]}/done.json"; shown "$i" " >> $(printf %q "$OUT/logs/${NAMES[$i]}.log") 2>&1"
     done) && n=${#TODO[@]}
-    SCRIPT=$(echo '#!/usr/bin/env bash'; printf '#SBATCH %q\n' --job-name="qkgeom-$PRESET" --array="0-$((n - 1))%$JOBS" \
-        --output="$SUB/%A_%a.out" "${SLURM[@]}"; printf 'eval "$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" %q)"\n' "$SUB/commands.txt")
+    SBATCH=(--job-name="qkgeom-$PRESET" --array="0-$((n - 1))%$JOBS" --output="$SUB/%A_%a.out" "${SLURM[@]}")
+    SCRIPT=$(echo '#!/usr/bin/env bash'
+             printf '#SBATCH %q\n' "${SBATCH[@]}"
+             printf 'eval "$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" %q)"\n' "$SUB/commands.txt")
 fi
 echo "sweep: PRESET=$PRESET, ${#NAMES[@]} runs in $OUT (${#TODO[@]} to train), JOBS=$JOBS, --threads=$THREADS each"
 if [ "${DRY_RUN-0}" = 1 ]; then  # what would run, and nothing written
@@ -187,8 +183,9 @@ if [ "$BACKEND" = slurm ]; then  # the analysis after all of the array's tasks
         job=$(sbatch --parsable ${SBATCH_ARGS-} "$SUB/array.sbatch") || die "sbatch failed"
         echo "submitted array job $job: $n runs, from $SUB"; dep="--dependency=afterok:${job%%;*}"
     fi
-    [ "${ANALYZE-1}" = 1 ] && sbatch ${SBATCH_ARGS-} $dep --job-name="qkgeom-$PRESET-analyze" --cpus-per-task=2 --mem=8G \
-        --time=1:00:00 --output="$OUT/logs/analyze_%j.out" --wrap="$(printf '%q ' "$PYTHON" "$REPO/analyze.py" "$OUT")"
+    ANALYSIS=(--job-name="qkgeom-$PRESET-analyze" --cpus-per-task=2 --mem=8G --time=1:00:00 $dep
+              --output="$OUT/logs/analyze_%j.out" --wrap="$(printf '%q ' "$PYTHON" "$REPO/analyze.py" "$OUT")")
+    [ "${ANALYZE-1}" = 1 ] && sbatch ${SBATCH_ARGS-} "${ANALYSIS[@]}"
     exit 0
 fi
 run_one() {  # run_one I SLOT: train run I, on GPU SLOT mod the number of GPUs when there are any

@@ -2,13 +2,12 @@
 import os
 import re
 import shlex
-import stat
 import subprocess
 import sys
 
 import pytest
 
-from conftest import HERE, make_text
+from conftest import HERE
 
 
 SWEEP = os.path.join(HERE, 'sweep.sh')
@@ -48,11 +47,9 @@ def test_dry_run_lists_each_preset_s_grid_and_writes_nothing(tmp_path, preset, n
 def test_extra_arguments_are_in_the_names(tmp_path):
     runs = commands(sweep(tmp_path, '--seed=7', PRESET='ladder', DRY_RUN='1'))
     assert len(runs) == 10 and all('_s7' in c for c in runs)   # 10 settings, not 30 copies of them
-    plain = commands(sweep(tmp_path, PRESET='cpu', DRY_RUN='1', SEEDS='1', DEPTHS='4', INITS='normal',
-                           CONTROL_SEEDS=''))
-    decay = commands(sweep(tmp_path, '--decay_qk=False', PRESET='cpu', DRY_RUN='1', SEEDS='1', DEPTHS='4',
-                           INITS='normal', CONTROL_SEEDS=''))
-    assert re.search(r'--run_name=(\S+)', plain[0])[1] != re.search(r'--run_name=(\S+)', decay[0])[1]
+    one = dict(PRESET='cpu', DRY_RUN='1', SEEDS='1', DEPTHS='4', INITS='normal', CONTROL_SEEDS='')
+    plain, decay = (commands(sweep(tmp_path, *args, **one))[0] for args in ([], ['--decay_qk=False']))
+    assert re.search(r'--run_name=(\S+)', plain)[1] != re.search(r'--run_name=(\S+)', decay)[1]
 
 
 def test_a_bad_variable_or_argument_stops_the_sweep_in_one_line_before_anything_runs(tmp_path):
@@ -80,10 +77,8 @@ def test_run_list_lines_are_checked_before_anything_runs(tmp_path, lines, words)
     assert out.returncode == 2 and words in out.stderr and not (tmp_path / 'out').exists()
 
 
-def test_a_sweep_trains_its_grid_in_parallel_and_the_same_command_skips_what_is_done(tmp_path):
-    text = tmp_path / 'text.txt'
-    text.write_text(make_text(20_000))
-    grid = dict(PRESET='smoke', DATA_FILE=str(text), JOBS='2', DEPTHS='2', INITS='normal tied', SEEDS='1',
+def test_a_sweep_trains_its_grid_in_parallel_skips_what_is_done_and_names_a_failed_run(tmp_path, text_file):
+    grid = dict(PRESET='smoke', DATA_FILE=str(text_file), JOBS='2', DEPTHS='2', INITS='normal tied', SEEDS='1',
                 CONTROL_SEEDS='1', SHRINK_TOS='', CONTROL_KEEPS='fro', ANALYZE='0')
     first = sweep(tmp_path, '--min_char_count=1', **grid)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -96,30 +91,25 @@ def test_a_sweep_trains_its_grid_in_parallel_and_the_same_command_skips_what_is_
     changed = sweep(tmp_path, RUN_LIST=str(tmp_path / 'runs.txt'), **grid)
     assert changed.returncode == 2 and changed.stdout == '' and changed.stderr.count('\n') == 1
     assert f'{done[0]} is finished with other settings (seed 1 there, 2 here)' in changed.stderr
+    (tmp_path / 'runs.txt').write_text('bad --n_embd=16 --block_size=100000\n')
+    failed = sweep(tmp_path, RUN_LIST=str(tmp_path / 'runs.txt'), **grid)
+    assert failed.returncode == 1 and 'FAILED bad' in failed.stdout and 'runs failed' in failed.stdout
 
 
-def test_a_stop_signal_stops_the_sweep_s_own_runs_after_their_checkpoint_and_spares_its_caller(tmp_path):
-    text, fake = tmp_path / 'text.txt', tmp_path / 'python'
-    text.write_text(make_text(20_000))
+def test_a_stop_signal_stops_the_sweep_s_own_runs_after_their_checkpoint_and_spares_its_caller(tmp_path, text_file):
+    fake = tmp_path / 'python'
     fake.write_text(f'#!/usr/bin/env bash\n[[ $1 == *train.py ]] || exec {sys.executable} "$@"\n'  # runs wait
                     'trap "sleep 1; echo TERM >> $OUT/signals; exit 1" TERM; echo >> $OUT/started; sleep 99 & wait\n')
     fake.chmod(0o755)
     caller = (f'bash {SWEEP} --min_char_count=1 & until [ "$(cat $OUT/started 2> /dev/null | wc -l)" = 2 ]; do '
               'sleep 0.1; done; kill -TERM $!; wait $!; echo "sweep exit $?, caller alive"')
-    env = dict(os.environ, PYTHON=str(fake), OUT=str(tmp_path / 'out'), PRESET='smoke', DATA_FILE=str(text), JOBS='2',
-               QKGEOM_CACHE=str(tmp_path / 'cache'), DEPTHS='2', INITS='normal', SEEDS='1 2', CONTROL_SEEDS='')
+    env = dict(os.environ, PYTHON=str(fake), OUT=str(tmp_path / 'out'), PRESET='smoke', DATA_FILE=str(text_file),
+               JOBS='2', QKGEOM_CACHE=str(tmp_path / 'cache'), DEPTHS='2', INITS='normal', SEEDS='1 2',
+               CONTROL_SEEDS='')
     out = subprocess.run(['bash', '-c', caller], capture_output=True, text=True, env=env, timeout=300,
                          start_new_session=True)  # whatever sweep.sh signals stays in this test's process group
     assert out.stdout.endswith('sweep exit 130, caller alive\n') and 'the same command resumes' in out.stderr
     assert (tmp_path / 'out' / 'signals').read_text() == 'TERM\n' * 2   # both, before sweep.sh ended
-
-
-def test_a_failed_run_is_named_and_the_sweep_exits_1(tmp_path):
-    (tmp_path / 'runs.txt').write_text('ok --max_iters=2 --geom_interval=1\nbad --n_embd=16 --block_size=100000\n')
-    text = tmp_path / 'text.txt'
-    text.write_text(make_text(20_000))
-    out = sweep(tmp_path, PRESET='smoke', RUN_LIST=str(tmp_path / 'runs.txt'), DATA_FILE=str(text), ANALYZE='0')
-    assert out.returncode == 1 and 'done ok' in out.stdout and 'FAILED bad' in out.stdout
 
 
 def test_a_python_without_torch_is_named_with_how_to_point_at_the_right_one(tmp_path):
@@ -138,9 +128,9 @@ def test_a_second_slurm_submission_leaves_the_pending_first_array_s_files_alone(
     bin_dir.mkdir()
     fake = bin_dir / 'sbatch'  # records its arguments, one call per line, and answers job id 42
     fake.write_text('#!/usr/bin/env bash\nprintf "%q " "$@" >> "$SBATCH_LOG"; echo >> "$SBATCH_LOG"; echo 42\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    fake.chmod(0o755)
     text, out_dir = tmp_path / 'my text.txt', tmp_path / 'the runs'
-    text.write_text(make_text(20_000))
+    text.write_text('A plain text to train on, short and repetitive. ' * 400)
     env = dict(PRESET='smoke', BACKEND='slurm', DATA_FILE=str(text), OUT=str(out_dir), DEPTHS='2', INITS='normal',
                CONTROL_SEEDS='', PATH=f'{bin_dir}:{os.environ["PATH"]}', SBATCH_LOG=str(log))
     dry = sweep(tmp_path, '--min_char_count=1', SEEDS='1 2', DRY_RUN='1', **env)
@@ -174,8 +164,6 @@ def test_ci_runs_the_readme_s_test_lines_and_no_user_file_names_a_path_outside_t
     tests = lines[lines.index('python -m pip install -r requirements-dev.txt'):][:2]
     ci = [line for line in open(os.path.join(HERE, '.ci', 'run')).read().splitlines() if line and line[0] != '#']
     assert tests == ['python -m pip install -r requirements-dev.txt', 'python -m pytest -q'] == ci[-2:]
-    users = ['README.md', 'sweep.sh', *(f for f in os.listdir(HERE) if f.endswith('.py') and not f.startswith(
-        ('test_', 'conftest')))]
-    for name in users:
-        text = open(os.path.join(HERE, name)).read()
-        assert not [p for p in ('../shared', '/work/', 'DESIGN.md') if p in text], name
+    users = [f for f in os.listdir(HERE) if f.endswith('.py') and not f.startswith(('test_', 'conftest'))]
+    for name in ['README.md', 'sweep.sh', *users]:
+        assert not [p for p in ('../shared', '/work/', 'DESIGN.md') if p in open(os.path.join(HERE, name)).read()], name
