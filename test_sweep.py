@@ -28,7 +28,8 @@ def commands(out):
     return [line for line in out.stdout.splitlines() if 'train.py' in line]
 
 
-@pytest.mark.parametrize('preset, n', [('paper', 77), ('cpu', 77), ('smoke', 77), ('ladder', 30), ('length', 18), ('optim', 57)])
+@pytest.mark.parametrize('preset, n', [('paper', 77), ('cpu', 77), ('smoke', 77), ('ladder', 30), ('length', 18),
+                                       ('optim', 57), ('wide', 67)])
 def test_dry_run_lists_each_preset_s_grid_and_writes_nothing(tmp_path, preset, n):
     out = sweep(tmp_path, PRESET=preset, DRY_RUN='1')
     assert out.returncode == 0, out.stderr
@@ -42,6 +43,8 @@ def test_dry_run_lists_each_preset_s_grid_and_writes_nothing(tmp_path, preset, n
         arms = [c for c in runs if '--seed=5' in c]
         assert len(arms) == 9 and sum('--control=' in c for c in arms) == 4
         assert all('--weight_decay=0' in c for c in runs if 'optimizer=sgd' in c)
+    if preset == 'wide':  # the control and its none arm (seeds 1-5) before the matrix
+        assert all('--n_layer=4 --qk_init=normal' in c for c in runs[:35]) and '--control=' not in runs[35]
 
 
 def test_extra_arguments_are_in_the_names(tmp_path):
