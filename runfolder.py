@@ -16,13 +16,11 @@ import time
 import numpy as np
 import torch
 
-from configurator import Stop
+from configurator import NOT_IN_NAME, Stop
 
-# what train.py writes in a run folder: starting over deletes these and nothing else
-OWN = re.compile(r'(done\.json|ckpt\.pt|metrics\.jsonl|config\.json|\.lock)(\.tmp)?'
+# what train.py writes in a run folder (its .lock aside): starting over deletes these and nothing else
+OWN = re.compile(r'(done\.json|ckpt\.pt|metrics\.jsonl|config\.json)(\.tmp)?'
                  r'|snapshots/qk_\d{7}\.npz(\.tmp)?|models/model_\d{7}\.pt(\.tmp)?')
-# settings that may change between a run and its resumption: where things are, not what is computed
-RESUMABLE = ('overwrite', 'device', 'threads', 'compile', 'out_dir', 'data_file', 'data_dir', 'cache_dir', 'data_url')
 
 
 def file_path(run_dir, sub, it):
@@ -52,11 +50,12 @@ def read_metrics(path):
 
 
 def open_folder(cfg):
-    """out_dir/run_name, refused when it resolves outside out_dir or holds a finished run (without overwrite)."""
+    """out_dir/run_name, refused unless it is one folder in out_dir (a link elsewhere, '..' and 'a/b' are not), or
+    when it holds a finished run (without overwrite)."""
     run_dir = os.path.join(cfg['out_dir'], cfg['run_name'])
-    out, real = os.path.realpath(cfg['out_dir']), os.path.realpath(run_dir)
-    if os.path.dirname(real) != out:
-        raise Stop(f'run folder {run_dir} resolves to {real}, outside out_dir={cfg["out_dir"]}')
+    real = os.path.realpath(run_dir)
+    if os.path.dirname(real) != os.path.realpath(cfg['out_dir']):
+        raise Stop(f"run folder {run_dir} resolves to {real}, not a folder of out_dir={cfg['out_dir']}")
     if os.path.exists(os.path.join(run_dir, 'done.json')) and not cfg['overwrite']:
         raise Stop(f'{run_dir} holds a finished run; pass --overwrite=True to train it again, or another --run_name')
     return run_dir
@@ -185,7 +184,7 @@ def fmt_time(s):
     return f'{s / 3600:.1f}h' if s > 5400 else f'{s / 60:.1f}m' if s > 90 else f'{s:.0f}s'
 
 
-def own_files(run_dir):  # glob leaves out .lock, which stays held
+def own_files(run_dir):  # glob leaves out .lock, which stays held until the end
     return [n for n in glob.glob('**', root_dir=run_dir, recursive=True) if OWN.fullmatch(n)]
 
 
@@ -216,23 +215,18 @@ def trim(run_dir, keep_below):
 
 def rng_state(data_gen, dev):
     """The random states of this process; of CUDA, its own device's only (a resume may see fewer GPUs)."""
-    np_state = np.random.get_state()
+    kind, key, *rest = np.random.get_state()  # key as a list: torch.load(weights_only=True) reads no numpy array
     return {'torch': torch.get_rng_state(), 'data': data_gen.get_state(), 'python': random.getstate(),
-            'numpy': (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-            'cuda': torch.cuda.get_rng_state(dev) if dev.startswith('cuda') else None}
+            'numpy': (kind, key.tolist(), *rest), 'cuda': torch.cuda.get_rng_state(dev) if dev.startswith('cuda') else None}
 
 
 def set_rng_state(state, data_gen, dev):
     torch.set_rng_state(state['torch'])
     data_gen.set_state(state['data'])
     random.setstate(state['python'])
-    n = state['numpy']
-    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), *n[2:]))
-    cuda = state['cuda']  # an older train.py saved a list, every visible GPU's
-    if isinstance(cuda, list):
-        cuda = cuda[dev.index or 0] if len(cuda) > (dev.index or 0) else None
-    if cuda is not None and dev.type == 'cuda':
-        torch.cuda.set_rng_state(cuda, dev)
+    np.random.set_state(state['numpy'])
+    if state['cuda'] is not None and dev.type == 'cuda':
+        torch.cuda.set_rng_state(state['cuda'], dev)
 
 
 def seed_all(seed, rank, it):
@@ -249,7 +243,7 @@ def seed_all(seed, rank, it):
 def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
     """Restore the model, optimizer and RNG states from ckpt.pt (refused if its settings or text differ); returns it."""
     ckpt = torch.load(path, map_location='cpu', weights_only=True)
-    changed = [k for k in cfg if k not in RESUMABLE + ('data_sha256',) and ckpt['config'].get(k) != cfg[k]]
+    changed = [k for k in cfg if k not in NOT_IN_NAME + ('data_sha256',) and ckpt['config'].get(k) != cfg[k]]
     changed += ['dtype and threads, which an older train.py did not record'] * ('numerics' not in ckpt)
     changed += ['the training text'] * (ckpt['data_sha256'] != meta['sha256'])
     if changed:
