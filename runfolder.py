@@ -49,65 +49,35 @@ def read_metrics(path):
     return rows
 
 
-def open_folder(cfg):
-    """out_dir/run_name, refused unless it is one folder in out_dir (a link elsewhere, '..' and 'a/b' are not), or
-    when it holds a finished run (without overwrite)."""
+def claim(cfg, master):
+    """(out_dir/run_name, its .lock held by rank 0): refused unless it is one folder in out_dir (a link elsewhere,
+    '..' and 'a/b' are not), when it holds a finished run (without overwrite), or while another train.py holds
+    its .lock (the OS releases it however that process ended)."""
     run_dir = os.path.join(cfg['out_dir'], cfg['run_name'])
     real = os.path.realpath(run_dir)
     if os.path.dirname(real) != os.path.realpath(cfg['out_dir']):
         raise Stop(f"run folder {run_dir} resolves to {real}, not a folder of out_dir={cfg['out_dir']}")
     if os.path.exists(os.path.join(run_dir, 'done.json')) and not cfg['overwrite']:
         raise Stop(f'{run_dir} holds a finished run; pass --overwrite=True to train it again, or another --run_name')
-    return run_dir
-
-
-def lock(run_dir):
-    """Hold run_dir/.lock (the OS releases it however the process ends), or refuse naming the holder's PID."""
+    if not master:
+        return run_dir, None
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as e:  # a file, a dangling link or a link loop on the way, a name too long
         raise Stop(f'cannot make the run folder {run_dir} (out_dir, run_name): {e.strerror}') from None
-    f = open(os.path.join(run_dir, '.lock'), 'a+')
+    lock = open(os.path.join(run_dir, '.lock'), 'a+')
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
-        raise Stop(f'another train.py (PID {f.read().strip()}) is training in {run_dir}') from None
-    f.truncate(0)
-    print(os.getpid(), file=f, flush=True)
-    return f
+        lock.seek(0)
+        raise Stop(f'another train.py (PID {lock.read().strip()}) is training in {run_dir}') from None
+    lock.truncate(0)
+    print(os.getpid(), file=lock, flush=True)
+    return run_dir, lock
 
 
 def sizes(cfg):
     return ', '.join(f'{k}={cfg[k]}' for k in ('n_layer', 'n_embd', 'block_size', 'batch_size', 'grad_accum'))
-
-
-def check_memory(cfg, dev):
-    """Before building: a lower bound (float32 weights and gradients, a bfloat16 activation per layer) past the
-    device's memory is refused, as on a CPU it is not an error but a kill."""
-    need = 2 * cfg['n_layer'] * cfg['n_embd'] * (48 * cfg['n_embd'] + cfg['batch_size'] * cfg['block_size'])
-    have = (torch.cuda.get_device_properties(dev).total_memory if dev.startswith('cuda')
-            else os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE'))
-    if need > have:
-        raise Stop(f'{sizes(cfg)} need over {need >> 30} GiB, more than the {have >> 30} GiB of {dev}')
-
-
-def begin(run, resuming):
-    """Only once the run is built: the old run's files deleted (overwrite, or no ckpt.pt) or trimmed to ckpt.pt;
-    config.json written, metrics.jsonl opened."""
-    if resuming:
-        trim(run.dir, run.start)
-        print(f'resuming {run.dir} from iteration {run.start}', flush=True)
-    elif start_over(run.dir) and not run.cfg['overwrite']:
-        print(f'{run.dir} has no ckpt.pt to resume from: starting at iteration 0', flush=True)
-    meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
-    commit = subprocess.run('git rev-parse HEAD', shell=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                            capture_output=True, text=True).stdout.strip() or None
-    atomic_save(json.dumps(dict(run.cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
-                                git_commit=commit, vocab_size=meta['vocab_size'], n_params=n_params,
-                                data_sha256=meta['sha256'], n_chars=meta['n_train'] + meta['n_val'],
-                                data_cache=meta['cache_key']), indent=1).encode(), os.path.join(run.dir, 'config.json'))
-    run.metrics = open(os.path.join(run.dir, 'metrics.jsonl'), 'a')
 
 
 @contextlib.contextmanager
@@ -133,55 +103,22 @@ def held(run):
             run.lock.close()
 
 
-def save_weights(run, it):
-    """The record's snapshot of every W_Q, W_K (float32), and the model checkpoint at its iterations."""
-    t0 = time.time()
-    if run.cfg['geom_interval'] and run.cfg['save_snapshots']:
-        q, k = (np.stack([w[side].detach().float().cpu().numpy() for w in run.model.qk_weights()]) for side in (0, 1))
-        atomic_save(dict(q=q, k=k, n_head=run.cfg['n_head']), file_path(run.dir, 'snapshots', it),
-                    lambda arrays, f: np.savez(f, **arrays))
-    if it in run.ckpts:
-        atomic_save({'model': run.model.state_dict(), 'model_config': run.model.config.__dict__, 'iter': it},
-                    file_path(run.dir, 'models', it))
-    run.t_geom += time.time() - t0
-
-
-def save_checkpoint(run, it):
-    """ckpt.pt: everything that decides the rest of the run."""
-    atomic_save({'model': run.model.state_dict(), 'optimizer': run.optimizer.state_dict(), 'iter': it,
-                 'elapsed': run.elapsed + time.time() - run.t_start, 'config': run.cfg, 'control': run.ctl,
-                 'rng': rng_state(run.data_gen, run.dev), 'data_sha256': run.meta['sha256'], 'w0': run.w0,
-                 'numerics': {'dtype': run.dtype, 'threads': run.threads}}, run.ckpt_path)
-    run.saved_at = it
-
-
-def write_done(run):
-    """done.json, written last so that a sweep knows the run is complete: the final losses and mean geometry, the
-    wall time and the shares of this process's time spent on geometry and on the control."""
-    run.metrics.close()
-    done = {k: run.last.get(k) for k in ('iter', 'train_loss', 'val_loss')}
-    for key in ('pr_q', 'pr_k', 'pr_qk', 'entropy', 'entropy_norm') if run.last.get('layers') else ():
-        done[key] = float(np.mean([layer[key] for layer in run.last['layers']]))
-    share = lambda t: t / max(time.time() - run.t_start, 1e-9)
-    done.update(wall_time=run.elapsed, geometry_share=share(run.t_geom), control_share=share(run.t_ctl))
-    atomic_save(json.dumps(done, indent=1).encode(), os.path.join(run.dir, 'done.json'))
-    return done
-
-
-def print_record(row, ms, run):
-    """A record on one line: losses, speed, the time left, the mean geometry."""
-    frac = (row['iter'] - run.start) / max(1, run.cfg['max_iters'] - run.start)
-    eta = fmt_time((time.time() - run.t_start) * (1 - frac) / frac) if row['iter'] - run.start >= 10 else '-'
-    losses = f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, " if 'val_loss' in row else ''
-    speed = f"{ms:.1f} ms/iter, {1000 * row['tokens'] / row['iter'] / ms:.0f} tok/s, " if ms else ''
-    msg = f"iter {row['iter']}: {losses}lr {row['lr']:.2e}, {speed}ETA {eta}"
-    mean = lambda key: np.mean([layer[key] for layer in row['layers']])
-    print(msg + (f" | pr_q {mean('pr_q'):.1f} pr_k {mean('pr_k'):.1f} entropy {mean('entropy'):.3f}"
-                 if row.get('layers') else ''), flush=True)
-
-
-def fmt_time(s):
-    return f'{s / 3600:.1f}h' if s > 5400 else f'{s / 60:.1f}m' if s > 90 else f'{s:.0f}s'
+def begin(run, resuming):
+    """Only once the run is built: the old run's files deleted (overwrite, or no ckpt.pt) or trimmed to ckpt.pt;
+    config.json written, metrics.jsonl opened."""
+    if resuming:
+        trim(run.dir, run.start)
+        print(f'resuming {run.dir} from iteration {run.start}', flush=True)
+    elif start_over(run.dir) and not run.cfg['overwrite']:
+        print(f'{run.dir} has no ckpt.pt to resume from: starting at iteration 0', flush=True)
+    meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
+    commit = subprocess.run('git rev-parse HEAD', shell=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                            capture_output=True, text=True).stdout.strip() or None
+    config = dict(run.cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
+                  git_commit=commit, vocab_size=meta['vocab_size'], n_params=n_params, data_sha256=meta['sha256'],
+                  n_chars=meta['n_train'] + meta['n_val'], data_cache=meta['cache_key'])
+    atomic_save(json.dumps(config, indent=1).encode(), os.path.join(run.dir, 'config.json'))
+    run.metrics = open(os.path.join(run.dir, 'metrics.jsonl'), 'a')
 
 
 def own_files(run_dir):  # glob leaves out .lock, which stays held until the end
@@ -217,7 +154,8 @@ def rng_state(data_gen, dev):
     """The random states of this process; of CUDA, its own device's only (a resume may see fewer GPUs)."""
     kind, key, *rest = np.random.get_state()  # key as a list: torch.load(weights_only=True) reads no numpy array
     return {'torch': torch.get_rng_state(), 'data': data_gen.get_state(), 'python': random.getstate(),
-            'numpy': (kind, key.tolist(), *rest), 'cuda': torch.cuda.get_rng_state(dev) if dev.startswith('cuda') else None}
+            'numpy': (kind, key.tolist(), *rest),
+            'cuda': torch.cuda.get_rng_state(dev) if dev.startswith('cuda') else None}
 
 
 def set_rng_state(state, data_gen, dev):
@@ -241,7 +179,7 @@ def seed_all(seed, rank, it):
 
 
 def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
-    """Restore the model, optimizer and RNG states from ckpt.pt (refused if its settings or text differ); returns it."""
+    """Restore the model, optimizer and random states from ckpt.pt (refused if its settings or text differ)."""
     ckpt = torch.load(path, map_location='cpu', weights_only=True)
     changed = [k for k in cfg if k not in NOT_IN_NAME + ('data_sha256',) and ckpt['config'].get(k) != cfg[k]]
     changed += ['dtype and threads, which an older train.py did not record'] * ('numerics' not in ckpt)
@@ -260,6 +198,35 @@ def set_numerics(run, dtype, threads):
     torch.set_num_threads(threads)
     run.dtype, run.threads = dtype, threads
     run.ctx = torch.autocast(run.dev.split(':')[0], torch.bfloat16) if dtype == 'bfloat16' else contextlib.nullcontext()
+
+
+def save_weights(run, it, model_too):
+    """The record's snapshot of every W_Q, W_K (float32), and the model checkpoint (model_too)."""
+    t0 = time.time()
+    if run.cfg['geom_interval'] and run.cfg['save_snapshots']:
+        q, k = (np.stack([w[side].detach().float().cpu().numpy() for w in run.model.qk_weights()]) for side in (0, 1))
+        atomic_save(dict(q=q, k=k, n_head=run.cfg['n_head']), file_path(run.dir, 'snapshots', it),
+                    lambda arrays, f: np.savez(f, **arrays))
+    if model_too:
+        atomic_save({'model': run.model.state_dict(), 'model_config': run.model.config.__dict__, 'iter': it},
+                    file_path(run.dir, 'models', it))
+    run.t_geom += time.time() - t0
+
+
+def print_record(row, ms, run):
+    """A record on one line: losses, speed, the time left, the mean geometry."""
+    frac = (row['iter'] - run.start) / max(1, run.cfg['max_iters'] - run.start)
+    eta = fmt_time((time.time() - run.t_start) * (1 - frac) / frac) if row['iter'] - run.start >= 10 else '-'
+    losses = f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, " if 'val_loss' in row else ''
+    speed = f"{ms:.1f} ms/iter, {1000 * row['tokens'] / row['iter'] / ms:.0f} tok/s, " if ms else ''
+    msg = f"iter {row['iter']}: {losses}lr {row['lr']:.2e}, {speed}ETA {eta}"
+    mean = lambda key: np.mean([layer[key] for layer in row['layers']])
+    print(msg + (f" | pr_q {mean('pr_q'):.1f} pr_k {mean('pr_k'):.1f} entropy {mean('entropy'):.3f}"
+                 if row.get('layers') else ''), flush=True)
+
+
+def fmt_time(s):
+    return f'{s / 3600:.1f}h' if s > 5400 else f'{s / 60:.1f}m' if s > 90 else f'{s:.0f}s'
 
 
 def compiled_and_wrapped(model, use_compile, ddp, dev):

@@ -270,12 +270,11 @@ def get_lr(it, cfg):
 
 
 def model_ckpt_iters(cfg):
-    """0, then model_ckpts - 1 iterations log-spaced from the end of warm-up to max_iters."""
+    """0, then model_ckpts - 1 iterations log-spaced from max_iters down to the end of warm-up."""
     n, m = cfg['model_ckpts'], cfg['max_iters']
-    if n < 1 or m < 1:
-        return {0} if n >= 1 else set()
-    lo, k = min(max(1, cfg['warmup_iters']), m), n - 1
-    return {0} | {int(round(lo * (m / lo) ** (i / (k - 1)))) if k > 1 else m for i in range(k)}
+    if n < 2 or m < 1:
+        return {0} if n else set()
+    return {0} | set(np.geomspace(m, min(max(1, cfg['warmup_iters']), m), n - 1).round().astype(int).tolist())
 
 
 def loss_iters(cfg):
@@ -331,11 +330,9 @@ def measure(run, it):
     """One metrics.jsonl record: the losses (at loss iterations), the geometry of every layer, the control's PRs."""
     row = {'iter': it, 'tokens': it * run.cfg['batch_size'] * run.cfg['grad_accum'] * run.cfg['block_size'],
            'lr': get_lr(it, run.cfg)}
-    if it in run.evals:
+    if it in loss_iters(run.cfg):
         losses = estimate_loss(run.model, run.data, run.cfg, run.dev, run.ctx)
         row.update(train_loss=losses['train'], val_loss=losses['val'])
-        if not all(map(math.isfinite, losses.values())):
-            nan_stop(f'the loss became {losses}', it, run)
     t0 = time.time()
     if run.cfg['geom_interval']:
         loss, layers = measure_geometry(run.model, *run.eval_batch, run.cfg['n_head'], run.w0)
@@ -386,15 +383,12 @@ class Run:
     saved_at: int = None          # the iteration ckpt.pt holds
     elapsed: float = 0.0          # wall seconds of the run's earlier processes
     metrics: object = None        # metrics.jsonl, open to append (rank 0)
-    logs: set = None              # the iterations with a record (log_iters), with losses, with a model checkpoint
-    evals: set = None
-    ckpts: set = None
     losses: list = field(default_factory=list)  # (iteration, training loss on dev) the host has not read
     last: dict = field(default_factory=dict)    # the latest record, for done.json
     t_start: float = 0.0          # when this process's loop began
     t_geom: float = 0.0           # seconds measuring geometry and writing snapshots and model checkpoints
     t_ctl: float = 0.0            # seconds in the control
-    mark: tuple = (0.0, 0)        # (time, iteration) from which ms/iter counts: training time only
+    mark: tuple = (0.0, 0)        # (time, iteration) from which ms/iter and the time left count: training only
     master = property(lambda self: self.rank == 0)
     ckpt_path = property(lambda self: os.path.join(self.dir, 'ckpt.pt'))
 
@@ -419,17 +413,14 @@ def setup(run):
     use_bf16 = cfg['dtype'] == 'bfloat16' or (cfg['dtype'] == 'auto' and dev_type == 'cuda'
                                                and torch.cuda.is_bf16_supported())
     runfolder.set_numerics(run, 'bfloat16' if use_bf16 else 'float32', cfg['threads'] or torch.get_num_threads())
-    run.dir = runfolder.open_folder(cfg)
-    runfolder.check_memory(cfg, run.dev)
+    run.dir, run.lock = runfolder.claim(cfg, run.master)
     train_data, val_data, run.meta = prepare.prepare_data(cfg)  # one process encodes a text; the others wait
     run.data, run.data_gen = {'train': train_data, 'val': val_data}, torch.Generator().manual_seed(cfg['seed'])
-    if run.master:
-        run.lock = runfolder.lock(run.dir)
-        print(f'run folder {run.dir}', flush=True)
     resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
     run.eval_batch = tuple(t.to(run.dev) for t in eval_batch(val_data, cfg))
     build_model(run, dev_type, resuming)
     if run.master:
+        print(f'run folder {run.dir}', flush=True)
         runfolder.begin(run, resuming)
     run.train_model = runfolder.compiled_and_wrapped(run.model, cfg['compile'], run.ddp, run.dev)
 
@@ -461,8 +452,7 @@ def build_model(run, dev_type, resuming):
 
 def loop(run):
     """A record at the logged iterations, an optimizer step, the control; ckpt.pt every ckpt_interval, on a signal."""
-    cfg = run.cfg
-    run.logs, run.evals, run.ckpts = log_iters(cfg), loss_iters(cfg), model_ckpt_iters(cfg)
+    cfg, logs = run.cfg, log_iters(run.cfg)
     run.t_start, run.mark = time.time(), (time.time(), run.start)
     caught = []  # Ctrl-C or SIGTERM (a Slurm time limit), acted on between two iterations; a second one as usual
     catch = lambda num, frame: caught.append(num) or signal.signal(num, handlers[num])
@@ -471,12 +461,12 @@ def loop(run):
         for it in range(run.start, cfg['max_iters'] + 1):
             ckpt_due = it > run.start and it % cfg['ckpt_interval'] == 0
             stop = caught and not run.ddp
-            if it in run.logs or ckpt_due:  # DDP ranks read their losses (and a signal) together here only
+            if it in logs or ckpt_due:  # DDP ranks read their losses (and a signal) together here only
                 stop = check_losses(run, len(caught))
             if stop:
                 checkpoint(run, it)
                 sys.exit(f'stopped at iteration {it}: ckpt.pt holds it, and the same command resumes from there')
-            if run.master and it in run.logs:
+            if run.master and it in logs:
                 record(run, it)
             if it == cfg['max_iters']:
                 break
@@ -541,7 +531,7 @@ def record(run, it):
     """Measure (RESEARCH above), then write: the snapshot and model checkpoint of the iteration, if any, the record."""
     ms = 1000 * (time.time() - run.mark[0]) / (it - run.mark[1]) if it > run.mark[1] else None
     row = measure(run, it)
-    runfolder.save_weights(run, it)  # its time counts as geometry's, as measuring it does (not the losses')
+    runfolder.save_weights(run, it, it in model_ckpt_iters(run.cfg))  # geometry's time, as measuring them is
     row['time'] = run.elapsed + time.time() - run.t_start
     print(json.dumps(row), file=run.metrics, flush=True)
     run.last = row
@@ -550,19 +540,31 @@ def record(run, it):
 
 
 def checkpoint(run, it):
-    """ckpt.pt (runfolder.save_checkpoint), never of weights that are not finite."""
+    """ckpt.pt: everything that decides the rest of the run, never of weights that are not finite."""
     if not torch.stack([torch.isfinite(p).all() for p in run.model.parameters()]).all():
         nan_stop('the weights are no longer finite', it, run)
     if run.master:
-        runfolder.save_checkpoint(run, it)
+        runfolder.atomic_save({'model': run.model.state_dict(), 'optimizer': run.optimizer.state_dict(), 'iter': it,
+                               'elapsed': run.elapsed + time.time() - run.t_start, 'config': run.cfg, 'w0': run.w0,
+                               'control': run.ctl, 'rng': runfolder.rng_state(run.data_gen, run.dev),
+                               'data_sha256': run.meta['sha256'],
+                               'numerics': {'dtype': run.dtype, 'threads': run.threads}}, run.ckpt_path)
+        run.saved_at = it
 
 
 def finish(run):
-    """The final checkpoint, then done.json last, so a sweep knows the run is complete."""
+    """The final checkpoint, then done.json last, so that a sweep knows the run is complete: the final losses and
+    mean geometry, the wall time, and the shares of this process's time spent on geometry and on the control."""
     checkpoint(run, run.cfg['max_iters'])
     run.elapsed += time.time() - run.t_start
     if run.master:
-        done = runfolder.write_done(run)
+        run.metrics.close()
+        done = {k: run.last.get(k) for k in ('iter', 'train_loss', 'val_loss')}
+        for key in ('pr_q', 'pr_k', 'pr_qk', 'entropy', 'entropy_norm') if run.last.get('layers') else ():
+            done[key] = float(np.mean([layer[key] for layer in run.last['layers']]))
+        share = lambda t: t / max(time.time() - run.t_start, 1e-9)
+        done.update(wall_time=run.elapsed, geometry_share=share(run.t_geom), control_share=share(run.t_ctl))
+        runfolder.atomic_save(json.dumps(done, indent=1).encode(), os.path.join(run.dir, 'done.json'))
         print(f"done in {runfolder.fmt_time(run.elapsed)}: val loss {done['val_loss']:.4f}; geometry logging took "
               f"{100 * done['geometry_share']:.1f}% of wall time; run folder {run.dir}", flush=True)
     if run.ddp:
