@@ -1,5 +1,5 @@
 """
-The run folder out_dir/run_name/ (the README lists its files), its lock, the checkpoint with the RNG states,
+The run folder out_dir/run_name/ (the README lists its files), its lock, the checkpoint, the random streams,
 devices and DDP. Files are written to a temporary name and renamed: a kill never leaves half of one.
 """
 import contextlib
@@ -150,36 +150,20 @@ def trim(run_dir, keep_below):
             os.remove(os.path.join(run_dir, name))
 
 
-def rng_state(data_gen, dev):
-    """The random states of this process; of CUDA, its own device's only (a resume may see fewer GPUs)."""
-    kind, key, *rest = np.random.get_state()  # key as a list: torch.load(weights_only=True) reads no numpy array
-    return {'torch': torch.get_rng_state(), 'data': data_gen.get_state(), 'python': random.getstate(),
-            'numpy': (kind, key.tolist(), *rest),
-            'cuda': torch.cuda.get_rng_state(dev) if dev.startswith('cuda') else None}
+def seed_all(seed, rank, it, data_gen=None):
+    """Every random stream of iteration it from (seed, rank, it) alone, so that a resumed run draws what the
+    uninterrupted one drew, on any number of GPUs: python, numpy and torch (dropout masks, every device) each DDP
+    rank its own; data_gen (the training windows) alike on every rank, so the data does not depend on their number."""
+    mix = lambda *key: int(np.random.SeedSequence((seed, it, *key)).generate_state(1)[0])
+    random.seed(mix(rank + 1))
+    np.random.seed(mix(rank + 1))
+    torch.manual_seed(mix(rank + 1))
+    if data_gen is not None:
+        data_gen.manual_seed(mix(0))
 
 
-def set_rng_state(state, data_gen, dev):
-    torch.set_rng_state(state['torch'])
-    data_gen.set_state(state['data'])
-    random.setstate(state['python'])
-    np.random.set_state(state['numpy'])
-    if state['cuda'] is not None and dev.type == 'cuda':
-        torch.cuda.set_rng_state(state['cuda'], dev)
-
-
-def seed_all(seed, rank, it):
-    """python, numpy and torch from the seed at iteration 0; a DDP rank > 0 its own CUDA stream (dropout masks) from
-    the seed, rank and iteration, at the start and on resuming (ckpt.pt holds rank 0's)."""
-    if it == 0:
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
-    if rank:
-        torch.cuda.manual_seed(hash((seed, rank, it)) % 2 ** 63)   # ignored without CUDA
-
-
-def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
-    """Restore the model, optimizer and random states from ckpt.pt (refused if its settings or text differ)."""
+def load_checkpoint(path, cfg, meta, model, optimizer):
+    """Restore the model and optimizer from ckpt.pt (refused if its settings or text differ)."""
     ckpt = torch.load(path, map_location='cpu', weights_only=True)
     changed = [k for k in cfg if k not in NOT_IN_NAME + ('data_sha256',) and ckpt['config'].get(k) != cfg[k]]
     changed += ['dtype and threads, which an older train.py did not record'] * ('numerics' not in ckpt)
@@ -189,7 +173,6 @@ def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
                    f"resume, or --overwrite=True to start over")
     model.load_state_dict(ckpt['model'])
     optimizer.load_state_dict(ckpt['optimizer'])
-    set_rng_state(ckpt['rng'], data_gen, next(model.parameters()).device)
     return ckpt
 
 

@@ -3,6 +3,7 @@ import errno
 import json
 import os
 import pathlib
+import random
 import re
 import shutil
 import signal
@@ -323,18 +324,22 @@ def test_a_bad_run_folder_a_held_one_a_read_only_cache_a_full_disk_and_too_few_g
         runfolder.start('')
 
 
-def test_ckpt_pt_holds_this_device_s_cuda_rng_and_each_ddp_rank_draws_its_own(monkeypatch):
-    """Mocked CUDA: a resume on fewer GPUs restores the device's own state, ranks > 0 get their own streams, and
-    --device=cuda:1 is the current device (that torch.cuda.synchronize() waits for)."""
-    states, seeds, gen = {}, [], torch.Generator()
-    monkeypatch.setattr(torch.cuda, 'get_rng_state', lambda dev: f'state of {dev}')
-    monkeypatch.setattr(torch.cuda, 'set_rng_state', lambda state, dev: states.update({str(dev): state}))
-    monkeypatch.setattr(torch.cuda, 'manual_seed', seeds.append)
-    runfolder.set_rng_state(runfolder.rng_state(gen, 'cuda:3'), gen, torch.device('cuda:0'))
-    assert states == {'cuda:0': 'state of cuda:3'}
-    for rank, it in ((0, 0), (1, 0), (2, 0), (1, 8)):   # rank 0's stream: torch.manual_seed's, then ckpt.pt's
-        runfolder.seed_all(1, rank, it)
-    assert len(seeds) == 3 == len(set(seeds))
+def test_a_step_s_random_streams_follow_seed_rank_and_iteration_alone(monkeypatch):
+    """Mocked CUDA: what a step draws does not depend on what was drawn before it (a resume is exact, on any
+    number of GPUs: nothing device-specific is saved); DDP ranks draw their own dropout masks and the same
+    windows; and --device=cuda:1 is the current device (that torch.cuda.synchronize() waits for)."""
+    cuda, states = [], {}
+    monkeypatch.setattr(torch.cuda, 'manual_seed_all', cuda.append)
+    gen = torch.Generator()
+
+    def draws(rank, it):   # CUDA's seed, torch's, numpy's and python's draws, the windows' offsets
+        runfolder.seed_all(1, rank, it, gen)
+        return (cuda[-1], torch.rand(2).tolist(), np.random.rand(), random.random(),
+                torch.randperm(9, generator=gen).tolist())
+    first = draws(0, 8)
+    torch.rand(100), np.random.rand(9), random.random(), torch.rand(9, generator=gen)   # earlier draws
+    assert draws(0, 8) == first and draws(0, 9)[-1] != first[-1]
+    assert all(a != b for a, b in zip(draws(1, 8)[:-1], first)) and draws(1, 8)[-1] == first[-1]
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
     monkeypatch.setattr(torch.cuda, 'set_device', lambda dev: states.update(current=dev))
     assert runfolder.start('cuda:1') == (False, 0, 1, 'cuda:1') and states['current'] == 'cuda:1'
@@ -426,7 +431,8 @@ def test_a_checkpoint_resumes_only_with_its_own_settings_and_text_in_its_own_dty
     torch.save({k: v for k, v in ckpt.items() if k != 'numerics'}, path)
     with pytest.raises(configurator.Stop, match=r'other settings \(dtype and threads, which an older train.py did'):
         train.train(train.get_config(args))
-    torch.save(dict(ckpt, numerics={'dtype': 'bfloat16', 'threads': 1}), path)   # as if trained on a GPU (dtype=auto)
+    rng = {'torch': torch.get_rng_state(), 'python': [3, 1]}   # ignored: every step seeds its own draws
+    torch.save(dict(ckpt, rng=rng, numerics={'dtype': 'bfloat16', 'threads': 1}), path)   # as on a GPU
     train.train(train.get_config(args))
     assert 'resuming in bfloat16 on 1 threads as ckpt.pt was trained' in capsys.readouterr().out
     assert json.load(open(tmp_path / 'out' / 'r' / 'config.json'))['dtype'] == 'bfloat16'

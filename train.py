@@ -369,7 +369,7 @@ class Run:
     lock: object = None           # dir/.lock, held while this process trains there (rank 0)
     meta: dict = None             # the encoded text (prepare.py): vocab_size, chars, sha256, cache_key, n_train, n_val
     data: dict = None             # 'train', 'val': the encoded text, uint16 memmaps
-    data_gen: torch.Generator = None  # the order of the training windows, from seed (in ckpt.pt)
+    data_gen: torch.Generator = field(default_factory=torch.Generator)  # the training windows, seeded each step
     eval_batch: tuple = ()        # the fixed evaluation windows (x, y) on dev, alike for every run
     model: GPT = None
     train_model: nn.Module = None  # the model as a training step calls it: compiled, DDP-wrapped where asked
@@ -409,13 +409,13 @@ def setup(run):
     cfg, dev_type = run.cfg, run.dev.split(':')[0]
     if cfg['grad_accum'] % run.world:
         raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the {run.world} DDP processes")
-    runfolder.seed_all(cfg['seed'], run.rank, 0)  # python, numpy, torch (the data order has its own generator)
+    torch.manual_seed(cfg['seed'])  # the model's init, alike on every DDP rank (each step seeds its own draws)
     use_bf16 = cfg['dtype'] == 'bfloat16' or (cfg['dtype'] == 'auto' and dev_type == 'cuda'
                                                and torch.cuda.is_bf16_supported())
     runfolder.set_numerics(run, 'bfloat16' if use_bf16 else 'float32', cfg['threads'] or torch.get_num_threads())
     run.dir, run.lock = runfolder.claim(cfg, run.master)
     train_data, val_data, run.meta = prepare.prepare_data(cfg)  # one process encodes a text; the others wait
-    run.data, run.data_gen = {'train': train_data, 'val': val_data}, torch.Generator().manual_seed(cfg['seed'])
+    run.data = {'train': train_data, 'val': val_data}
     resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
     run.eval_batch = tuple(t.to(run.dev) for t in eval_batch(val_data, cfg))
     build_model(run, dev_type, resuming)
@@ -427,7 +427,7 @@ def setup(run):
 
 def build_model(run, dev_type, resuming):
     """The model, optimizer and control state, the checkpoint over them when resuming; then one micro-batch forward and
-    back, so that memory the run cannot have fails before the run folder is touched (the random states stay)."""
+    back, so that memory the run cannot have fails before the run folder is touched."""
     cfg = run.cfg
     run.model = GPT(GPTConfig(run.meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'], cfg['n_embd'],
                               cfg['bias'], cfg['dropout']), cfg['qk_init']).to(run.dev)
@@ -435,17 +435,15 @@ def build_model(run, dev_type, resuming):
     run.ctl = spectrum_control.record(cfg, run.model.qk_weights())
     run.w0 = torch.stack([torch.stack(pair) for pair in run.model.qk_weights()]).detach()
     if resuming:
-        ckpt = runfolder.load_checkpoint(run.ckpt_path, cfg, run.meta, run.model, run.optimizer, run.data_gen)
+        ckpt = runfolder.load_checkpoint(run.ckpt_path, cfg, run.meta, run.model, run.optimizer)
         run.start = run.saved_at = ckpt['iter']
         run.elapsed, run.ctl, run.w0 = ckpt['elapsed'], ckpt['control'], ckpt['w0'].to(run.dev)
-        runfolder.seed_all(cfg['seed'], run.rank, run.start)
         if ckpt['numerics'] != {'dtype': run.dtype, 'threads': run.threads}:
             print(f"resuming in {ckpt['numerics']['dtype']} on {ckpt['numerics']['threads']} threads as ckpt.pt was "
                   f"trained (either changes the numbers), not {run.dtype} on {run.threads}", flush=True)
             runfolder.set_numerics(run, **ckpt['numerics'])
-    with torch.random.fork_rng(devices=[run.dev] if run.dev.startswith('cuda') else []), run.ctx:
-        x, y = get_batch(run.data['train'], random_offsets(run.data['train'], (cfg['grad_accum'], cfg['batch_size']),
-                                                           cfg['block_size'], torch.Generator())[0], cfg['block_size'])
+    with run.ctx:
+        x, y = get_batch(run.data['train'], torch.zeros(cfg['batch_size'], dtype=torch.long), cfg['block_size'])
         run.model(x.to(run.dev), y.to(run.dev))[1].backward()
     run.optimizer.zero_grad(set_to_none=True)
 
@@ -487,6 +485,7 @@ def train_step(run, it):
     cfg, micro = run.cfg, run.cfg['grad_accum'] // run.world
     for group in run.optimizer.param_groups:
         group['lr'] = get_lr(it, cfg)
+    runfolder.seed_all(cfg['seed'], run.rank, it, run.data_gen)  # a resumed step draws what it drew uninterrupted
     # every rank draws the whole global batch's offsets, so the data stream does not depend on world
     offsets = random_offsets(run.data['train'], (cfg['grad_accum'], cfg['batch_size']), cfg['block_size'],
                              run.data_gen)
@@ -546,8 +545,7 @@ def checkpoint(run, it):
     if run.master:
         runfolder.atomic_save({'model': run.model.state_dict(), 'optimizer': run.optimizer.state_dict(), 'iter': it,
                                'elapsed': run.elapsed + time.time() - run.t_start, 'config': run.cfg, 'w0': run.w0,
-                               'control': run.ctl, 'rng': runfolder.rng_state(run.data_gen, run.dev),
-                               'data_sha256': run.meta['sha256'],
+                               'control': run.ctl, 'data_sha256': run.meta['sha256'],
                                'numerics': {'dtype': run.dtype, 'threads': run.threads}}, run.ckpt_path)
         run.saved_at = it
 
