@@ -104,13 +104,26 @@ def held(run):
 
 
 def begin(run, resuming):
-    """Only once the run is built: the old run's files deleted (overwrite, or no ckpt.pt) or trimmed to ckpt.pt;
-    config.json written, metrics.jsonl opened."""
-    if resuming:
-        trim(run.dir, run.start)
+    """Only once the run is built: the old run's files deleted (where its config.json says train.py wrote them) or
+    trimmed to ckpt.pt's iteration; config.json written, metrics.jsonl opened."""
+    found = [n for n in glob.glob('**', root_dir=run.dir, recursive=True) if OWN.fullmatch(n)]  # .lock stays held
+    path = os.path.join(run.dir, 'metrics.jsonl')
+    if resuming:  # the records and files of iterations from ckpt.pt's on, which the resumed run writes again
+        rows = [r for r in read_metrics(path) if r['iter'] < run.start]
+        atomic_save(''.join(json.dumps(r) + '\n' for r in rows).encode(), path)
+        found = [n for n in found if any(int(it) >= run.start for it in re.findall(r'\d{7}', n))]
         print(f'resuming {run.dir} from iteration {run.start}', flush=True)
-    elif start_over(run.dir) and not run.cfg['overwrite']:
-        print(f'{run.dir} has no ckpt.pt to resume from: starting at iteration 0', flush=True)
+    else:
+        try:
+            ours = 'git_commit' in json.load(open(os.path.join(run.dir, 'config.json')))
+        except (OSError, ValueError):
+            ours = all(n.endswith('.tmp') for n in found)  # a kill during the first config.json write
+        if found and not ours:
+            raise Stop(f'{run.dir} holds {found[0]}, not written by train.py: move it away, or another --run_name')
+        if found and not run.cfg['overwrite']:
+            print(f'{run.dir} has no ckpt.pt to resume from: starting at iteration 0', flush=True)
+    for name in sorted(found, key=lambda n: n == 'config.json'):  # config.json last
+        os.remove(os.path.join(run.dir, name))
     meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
     commit = subprocess.run('git rev-parse HEAD', shell=True, cwd=os.path.dirname(os.path.abspath(__file__)),
                             capture_output=True, text=True).stdout.strip() or None
@@ -118,36 +131,7 @@ def begin(run, resuming):
                   git_commit=commit, vocab_size=meta['vocab_size'], n_params=n_params, data_sha256=meta['sha256'],
                   n_chars=meta['n_train'] + meta['n_val'], data_cache=meta['cache_key'])
     atomic_save(json.dumps(config, indent=1).encode(), os.path.join(run.dir, 'config.json'))
-    run.metrics = open(os.path.join(run.dir, 'metrics.jsonl'), 'a')
-
-
-def own_files(run_dir):  # glob leaves out .lock, which stays held until the end
-    return [n for n in glob.glob('**', root_dir=run_dir, recursive=True) if OWN.fullmatch(n)]
-
-
-def start_over(run_dir):
-    """Delete what train.py wrote in run_dir, and only where its config.json says train.py wrote it."""
-    found = own_files(run_dir)
-    try:
-        ours = 'git_commit' in json.load(open(os.path.join(run_dir, 'config.json')))
-    except (OSError, ValueError):
-        ours = all(n.endswith('.tmp') for n in found)  # a kill during the first config.json write
-    if found and not ours:
-        raise Stop(f'{run_dir} holds {found[0]}, not written by train.py; move it away or choose another --run_name')
-    for name in sorted(found, key=lambda n: n == 'config.json'):  # config.json last
-        os.remove(os.path.join(run_dir, name))
-    return found
-
-
-def trim(run_dir, keep_below):
-    """Drop the records and files of iterations from keep_below on, which the resumed run writes again."""
-    path = os.path.join(run_dir, 'metrics.jsonl')
-    rows = [r for r in read_metrics(path) if r['iter'] < keep_below]
-    atomic_save(''.join(json.dumps(r) + '\n' for r in rows).encode(), path)
-    for name in own_files(run_dir):
-        it = re.search(r'_(\d{7})\.', name)
-        if it and int(it[1]) >= keep_below:
-            os.remove(os.path.join(run_dir, name))
+    run.metrics = open(path, 'a')
 
 
 def seed_all(seed, rank, it, data_gen=None):
