@@ -23,11 +23,6 @@ OWN = re.compile(r'(done\.json|ckpt\.pt|metrics\.jsonl|config\.json)(\.tmp)?'
                  r'|snapshots/qk_\d{7}\.npz(\.tmp)?|models/model_\d{7}\.pt(\.tmp)?')
 
 
-def file_path(run_dir, sub, it):
-    """The snapshot (sub='snapshots') or model checkpoint (sub='models') of iteration it."""
-    return os.path.join(run_dir, sub, f'qk_{it:07d}.npz' if sub == 'snapshots' else f'model_{it:07d}.pt')
-
-
 def atomic_save(obj, path, save=torch.save):
     """obj (bytes as they are, anything else by save(obj, file)) to path + '.tmp', then renamed into place."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -37,15 +32,13 @@ def atomic_save(obj, path, save=torch.save):
 
 
 def read_metrics(path):
-    """The records of a metrics.jsonl; a last line cut short by a kill mid-write is dropped."""
-    lines = open(path, 'rb').read().splitlines() if os.path.exists(path) else []
+    """The records of a metrics.jsonl, each ended by a newline: a last line that a kill cut short is left out."""
     rows = []
-    for i, line in enumerate(lines):
+    for i, line in enumerate(open(path, 'rb').read().split(b'\n')[:-1] if os.path.exists(path) else []):
         try:
             rows.append(json.loads(line))
         except ValueError:
-            if i < len(lines) - 1:
-                raise Stop(f'{path} line {i + 1} is not JSON; pass --overwrite=True to start the run over') from None
+            raise Stop(f'{path} line {i + 1} is not JSON; pass --overwrite=True to start the run over') from None
     return rows
 
 
@@ -76,10 +69,6 @@ def claim(cfg, master):
     return run_dir, lock
 
 
-def sizes(cfg):
-    return ', '.join(f'{k}={cfg[k]}' for k in ('n_layer', 'n_embd', 'block_size', 'batch_size', 'grad_accum'))
-
-
 @contextlib.contextmanager
 def held(run):
     """Around a run: its .lock removed at the end while still held, so that a finished or stopped run leaves none;
@@ -95,7 +84,8 @@ def held(run):
     except (RuntimeError, MemoryError) as e:  # out of memory, of the device or of the host
         if 'allocate' not in str(e):
             raise
-        raise Stop(f"{sizes(run.cfg)} do not fit on {run.dev}: {str(e).splitlines()[0]}") from None
+        sizes = [f'{k}={run.cfg[k]}' for k in ('n_layer', 'n_embd', 'block_size', 'batch_size', 'grad_accum')]
+        raise Stop(f"{', '.join(sizes)} do not fit on {run.dev}: {str(e).splitlines()[0]}") from None
     finally:
         if run.lock:
             with contextlib.suppress(OSError):  # the folder may be gone
@@ -172,36 +162,28 @@ def save_weights(run, it, model_too):
     t0 = time.time()
     if run.cfg['geom_interval'] and run.cfg['save_snapshots']:
         q, k = (np.stack([w[side].detach().float().cpu().numpy() for w in run.model.qk_weights()]) for side in (0, 1))
-        atomic_save(dict(q=q, k=k, n_head=run.cfg['n_head']), file_path(run.dir, 'snapshots', it),
+        atomic_save(dict(q=q, k=k, n_head=run.cfg['n_head']), f'{run.dir}/snapshots/qk_{it:07d}.npz',
                     lambda arrays, f: np.savez(f, **arrays))
     if model_too:
         atomic_save({'model': run.model.state_dict(), 'model_config': run.model.config.__dict__, 'iter': it},
-                    file_path(run.dir, 'models', it))
+                    f'{run.dir}/models/model_{it:07d}.pt')
     run.t_geom += time.time() - t0
 
 
 def print_record(row, ms, run):
-    """A record on one line: losses, speed, the time left, the mean geometry."""
-    frac = (row['iter'] - run.start) / max(1, run.cfg['max_iters'] - run.start)
-    eta = fmt_time((time.time() - run.t_start) * (1 - frac) / frac) if row['iter'] - run.start >= 10 else '-'
+    """A record on one line: losses, speed, the training time left (evaluations aside), the mean geometry."""
     losses = f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, " if 'val_loss' in row else ''
-    speed = f"{ms:.1f} ms/iter, {1000 * row['tokens'] / row['iter'] / ms:.0f} tok/s, " if ms else ''
-    msg = f"iter {row['iter']}: {losses}lr {row['lr']:.2e}, {speed}ETA {eta}"
-    mean = lambda key: np.mean([layer[key] for layer in row['layers']])
-    print(msg + (f" | pr_q {mean('pr_q'):.1f} pr_k {mean('pr_k'):.1f} entropy {mean('entropy'):.3f}"
-                 if row.get('layers') else ''), flush=True)
+    left = ms and fmt_time(ms * (run.cfg['max_iters'] - row['iter']) / 1000)
+    speed = f", {ms:.1f} ms/iter, {1000 * row['tokens'] / row['iter'] / ms:.0f} tok/s, ETA {left}" if ms else ''
+    geometry = ''
+    if row.get('layers'):
+        mean = lambda key: np.mean([layer[key] for layer in row['layers']])
+        geometry = f" | pr_q {mean('pr_q'):.1f} pr_k {mean('pr_k'):.1f} entropy {mean('entropy'):.3f}"
+    print(f"iter {row['iter']}: {losses}lr {row['lr']:.2e}{speed}{geometry}", flush=True)
 
 
 def fmt_time(s):
     return f'{s / 3600:.1f}h' if s > 5400 else f'{s / 60:.1f}m' if s > 90 else f'{s:.0f}s'
-
-
-def compiled_and_wrapped(model, use_compile, ddp, dev):
-    """The model as a training step calls it: compiled where asked (not on MPS), wrapped for DDP."""
-    if use_compile and hasattr(torch, 'compile') and not dev.startswith('mps'):
-        model = torch.compile(model)
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[int(dev.split(':')[1])] if ':' in dev else
-                                                     None) if ddp else model
 
 
 def start(name):
@@ -212,16 +194,14 @@ def start(name):
     if name and name not in here:
         raise Stop(f"--device={name} is not available here (available: {', '.join(here)})")
     dev = name or ('cuda' if cuda else 'mps' if 'mps' in here else 'cpu')
-    if int(os.environ.get('RANK', -1)) == -1:
-        if dev.startswith('cuda:'):  # the current device, which synchronize and RNG states without a device mean
-            torch.cuda.set_device(dev)
-        return False, 0, 1, dev
-    if dev.startswith('cuda') and int(os.environ.get('LOCAL_WORLD_SIZE', 1)) > len(cuda):
-        raise Stop(f"torchrun started {os.environ['LOCAL_WORLD_SIZE']} processes on a machine with {len(cuda)} GPUs: "
-                   f"use --nproc_per_node={len(cuda)}")
-    import torch.distributed as dist
-    dist.init_process_group('nccl' if dev.startswith('cuda') else 'gloo')
-    if dev.startswith('cuda'):
-        dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    ddp = 'RANK' in os.environ
+    if ddp and dev.startswith('cuda'):
+        if int(os.environ['LOCAL_WORLD_SIZE']) > len(cuda):
+            raise Stop(f"torchrun started {os.environ['LOCAL_WORLD_SIZE']} processes on a machine with {len(cuda)} "
+                       f"GPUs: use --nproc_per_node={len(cuda)}")
+        dev = f"cuda:{os.environ['LOCAL_RANK']}"
+    if dev.startswith('cuda:'):  # the current device, which synchronize without a device means
         torch.cuda.set_device(dev)
-    return True, int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), dev
+    if ddp:
+        torch.distributed.init_process_group('nccl' if dev.startswith('cuda') else 'gloo')
+    return ddp, int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1)), dev

@@ -212,7 +212,7 @@ def test_a_run_writes_its_folder_and_the_snapshots_give_the_logged_weight_metric
     assert [r['iter'] for r in rows] == [0, 1, 2, 4, 6, 8, 16] and 'val_loss' in rows[-1]
     w0 = np.load(os.path.join(run_dir, 'snapshots', 'qk_0000000.npz'))
     for r in rows:
-        snap = np.load(runfolder.file_path(run_dir, 'snapshots', r['iter']))
+        snap = np.load(f"{run_dir}/snapshots/qk_{r['iter']:07d}.npz")
         for layer, logged in enumerate(r['layers']):
             again = {**geometry.layer_geometry(snap['q'][layer], snap['k'][layer], 2),
                      **geometry.learned_geometry(snap['q'][layer], snap['k'][layer], w0['q'][layer], w0['k'][layer], 2)}
@@ -479,6 +479,6 @@ def test_bf16_autocast_runs_and_its_weight_metrics_are_those_of_its_float32_snap
     run_dir = train.train(cfg_of(tmp_path, text_file, '--dtype=bfloat16', '--max_iters=8'))
     assert json.load(open(os.path.join(run_dir, 'config.json')))['dtype'] == 'bfloat16'
     last = records(run_dir)[-1]
-    snap = np.load(runfolder.file_path(run_dir, 'snapshots', 8))
+    snap = np.load(f'{run_dir}/snapshots/qk_0000008.npz')
     assert last['layers'][0]['pr_k_head'] == geometry.layer_geometry(snap['q'][0], snap['k'][0], 2)['pr_k_head']
     assert 0 < last['layers'][0]['entropy'] <= np.log(32)

@@ -265,7 +265,7 @@ def get_lr(it, cfg):
         return cfg['lr'] * (it + 1) / (cfg['warmup_iters'] + 1)
     if it >= decay_iters:
         return cfg['min_lr']
-    ratio = (it - cfg['warmup_iters']) / max(1, decay_iters - cfg['warmup_iters'])
+    ratio = (it - cfg['warmup_iters']) / (decay_iters - cfg['warmup_iters'])  # warmup_iters <= it < decay_iters
     return cfg['min_lr'] + 0.5 * (1 + math.cos(math.pi * ratio)) * (cfg['lr'] - cfg['min_lr'])
 
 
@@ -287,10 +287,9 @@ def loss_iters(cfg):
 def log_iters(cfg):
     """The loss iterations; with geometry on, 1, 2, 4, ... (the fast early change), each geom_interval, model_ckpts."""
     m, g = cfg['max_iters'], cfg['geom_interval']
-    its = loss_iters(cfg)
+    its = loss_iters(cfg) | model_ckpt_iters(cfg)
     if g:
         its |= set(range(0, m + 1, g)) | {2 ** i for i in range(int(math.log2(g)) + 1) if 2 ** i <= m}
-        its |= model_ckpt_iters(cfg)
     return its
 
 
@@ -422,7 +421,9 @@ def setup(run):
     if run.master:
         print(f'run folder {run.dir}', flush=True)
         runfolder.begin(run, resuming)
-    run.train_model = runfolder.compiled_and_wrapped(run.model, cfg['compile'], run.ddp, run.dev)
+    run.train_model = torch.compile(run.model) if cfg['compile'] and dev_type != 'mps' else run.model  # none on MPS
+    if run.ddp:  # on CUDA, the device start() made current
+        run.train_model = nn.parallel.DistributedDataParallel(run.train_model)
 
 
 def build_model(run, dev_type, resuming):
