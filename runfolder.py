@@ -110,8 +110,8 @@ def begin(run, resuming):
             ours = all(n.endswith('.tmp') for n in found)  # a kill during the first config.json write
         if found and not ours:
             raise Stop(f'{run.dir} holds {found[0]}, not written by train.py: move it away, or another --run_name')
-        if found and not run.cfg['overwrite']:
-            print(f'{run.dir} has no ckpt.pt to resume from: starting at iteration 0', flush=True)
+        fresh = ': no ckpt.pt to resume from, starting at iteration 0' if found and not run.cfg['overwrite'] else ''
+        print(f'run folder {run.dir}{fresh}', flush=True)
     for name in sorted(found, key=lambda n: n == 'config.json'):  # config.json last
         os.remove(os.path.join(run.dir, name))
     meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())

@@ -56,7 +56,6 @@ def test_overrides_take_the_type_of_the_default_and_the_command_line_wins(tmp_pa
 
 @pytest.mark.parametrize('args, words', [
     (['--n_layers=4'], "unknown config key 'n_layers'; did you mean n_layer?"),
-    (['--n_layer=four'], "n_layer='four': expected int"),
     (['--n_embd=64', '--n_head=5'], 'n_embd=64: expected 1 <= n_embd <= 1e9 and n_embd % n_head == 0 (n_head=5)'),
     (['--seed'], '--seed needs a value'),
 ])
@@ -325,12 +324,10 @@ def test_a_bad_run_folder_a_held_one_a_read_only_cache_a_full_disk_and_too_few_g
 
 
 def test_a_step_s_random_streams_follow_seed_rank_and_iteration_alone(monkeypatch):
-    """Mocked CUDA: what a step draws does not depend on what was drawn before it (a resume is exact, on any
-    number of GPUs: nothing device-specific is saved); DDP ranks draw their own dropout masks and the same
-    windows; and --device=cuda:1 is the current device (that torch.cuda.synchronize() waits for)."""
-    cuda, states = [], {}
+    """Mocked CUDA: a step's draws do not depend on earlier ones (a resume is exact on any number of GPUs), DDP
+    ranks draw their own dropout masks and the same windows; --device=cuda:1 is the current device."""
+    cuda, states, gen = [], {}, torch.Generator()
     monkeypatch.setattr(torch.cuda, 'manual_seed_all', cuda.append)
-    gen = torch.Generator()
 
     def draws(rank, it):   # CUDA's seed, torch's, numpy's and python's draws, the windows' offsets
         runfolder.seed_all(1, rank, it, gen)
@@ -345,10 +342,8 @@ def test_a_step_s_random_streams_follow_seed_rank_and_iteration_alone(monkeypatc
     assert runfolder.start('cuda:1') == (False, 0, 1, 'cuda:1') and states['current'] == 'cuda:1'
 
 
-def test_a_cut_last_line_is_survivable_and_any_other_bad_line_is_named(tmp_path):
+def test_a_bad_line_of_metrics_jsonl_is_named(tmp_path):   # a cut last line: the half_line kill below
     path = tmp_path / 'metrics.jsonl'
-    path.write_text('{"iter": 0}\n{"iter": 1, "layers": [{"a": 1}')
-    assert runfolder.read_metrics(path) == [{'iter': 0}]
     path.write_text('{"iter": 0}\n{"iter": 1, "lay\n{"iter": 2}\n')
     with pytest.raises(configurator.Stop, match='line 2 is not JSON'):
         runfolder.read_metrics(path)
@@ -431,8 +426,7 @@ def test_a_checkpoint_resumes_only_with_its_own_settings_and_text_in_its_own_dty
     torch.save({k: v for k, v in ckpt.items() if k != 'numerics'}, path)
     with pytest.raises(configurator.Stop, match=r'other settings \(dtype and threads, which an older train.py did'):
         train.train(train.get_config(args))
-    rng = {'torch': torch.get_rng_state(), 'python': [3, 1]}   # ignored: every step seeds its own draws
-    torch.save(dict(ckpt, rng=rng, numerics={'dtype': 'bfloat16', 'threads': 1}), path)   # as on a GPU
+    torch.save(dict(ckpt, rng={'python': [3]}, numerics={'dtype': 'bfloat16', 'threads': 1}), path)  # rng ignored
     train.train(train.get_config(args))
     assert 'resuming in bfloat16 on 1 threads as ckpt.pt was trained' in capsys.readouterr().out
     assert json.load(open(tmp_path / 'out' / 'r' / 'config.json'))['dtype'] == 'bfloat16'

@@ -128,7 +128,7 @@ def random_offsets(data, shape, block_size, generator):
 
 
 def eval_batch(val_data, cfg):
-    """The evaluation batch of entropy and token-level PR, alike for every run (tokens.py rebuilds it from config)."""
+    """The evaluation batch of entropy and token-level PR, alike for every run."""
     gen = torch.Generator().manual_seed(EVAL_SEED)
     return get_batch(val_data, random_offsets(val_data, (cfg['eval_windows'],), cfg['block_size'], gen),
                      cfg['block_size'])
@@ -419,7 +419,6 @@ def setup(run):
     run.eval_batch = tuple(t.to(run.dev) for t in eval_batch(val_data, cfg))
     build_model(run, dev_type, resuming)
     if run.master:
-        print(f'run folder {run.dir}', flush=True)
         runfolder.begin(run, resuming)
     run.train_model = torch.compile(run.model) if cfg['compile'] and dev_type != 'mps' else run.model  # none on MPS
     if run.ddp:  # on CUDA, the device start() made current
