@@ -32,20 +32,19 @@ def atomic_save(obj, path, save=torch.save):
 
 
 def read_metrics(path):
-    """The records of a metrics.jsonl, each ended by a newline: a last line that a kill cut short is left out."""
+    """The records of a metrics.jsonl, each ending in a newline: a last line a kill cut short is left out."""
     rows = []
     for i, line in enumerate(open(path, 'rb').read().split(b'\n')[:-1] if os.path.exists(path) else []):
         try:
             rows.append(json.loads(line))
         except ValueError:
-            raise Stop(f'{path} line {i + 1} is not JSON; pass --overwrite=True to start the run over') from None
+            raise Stop(f'{path} line {i + 1} is not JSON; --overwrite=True starts the run over') from None
     return rows
 
 
 def claim(cfg, master):
-    """(out_dir/run_name, its .lock held by rank 0): refused unless it is one folder in out_dir (a link elsewhere,
-    '..' and 'a/b' are not), when it holds a finished run (without overwrite), or while another train.py holds
-    its .lock (the OS releases it however that process ended)."""
+    """(out_dir/run_name, its .lock held by rank 0), unless it is not one folder of out_dir, holds a finished
+    run (without overwrite), or another train.py holds its .lock (released however that process ended)."""
     run_dir = os.path.join(cfg['out_dir'], cfg['run_name'])
     real = os.path.realpath(run_dir)
     if os.path.dirname(real) != os.path.realpath(cfg['out_dir']):
@@ -94,9 +93,9 @@ def held(run):
 
 
 def begin(run, resuming):
-    """Only once the run is built: the old run's files deleted (where its config.json says train.py wrote them) or
-    trimmed to ckpt.pt's iteration; config.json written, metrics.jsonl opened."""
-    found = [n for n in glob.glob('**', root_dir=run.dir, recursive=True) if OWN.fullmatch(n)]  # .lock stays held
+    """Only once the run is built: the old run's files deleted (where its config.json says train.py wrote
+    them) or trimmed to ckpt.pt's iteration; config.json written, metrics.jsonl opened."""
+    found = [n for n in glob.glob('**', root_dir=run.dir, recursive=True) if OWN.fullmatch(n)]
     path = os.path.join(run.dir, 'metrics.jsonl')
     if resuming:  # the records and files of iterations from ckpt.pt's on, which the resumed run writes again
         rows = [r for r in read_metrics(path) if r['iter'] < run.start]
@@ -109,8 +108,8 @@ def begin(run, resuming):
         except (OSError, ValueError):
             ours = all(n.endswith('.tmp') for n in found)  # a kill during the first config.json write
         if found and not ours:
-            raise Stop(f'{run.dir} holds {found[0]}, not written by train.py: move it away, or another --run_name')
-        fresh = ': no ckpt.pt to resume from, starting at iteration 0' if found and not run.cfg['overwrite'] else ''
+            raise Stop(f'{run.dir} holds {found[0]}, not written by train.py: move it, or another --run_name')
+        fresh = ': no ckpt.pt, starting at iteration 0' if found and not run.cfg['overwrite'] else ''
         print(f'run folder {run.dir}{fresh}', flush=True)
     for name in sorted(found, key=lambda n: n == 'config.json'):  # config.json last
         os.remove(os.path.join(run.dir, name))
@@ -125,9 +124,8 @@ def begin(run, resuming):
 
 
 def seed_all(seed, rank, it, data_gen=None):
-    """Every random stream of iteration it from (seed, rank, it) alone, so that a resumed run draws what the
-    uninterrupted one drew, on any number of GPUs: python, numpy and torch (dropout masks, every device) each DDP
-    rank its own; data_gen (the training windows) alike on every rank, so the data does not depend on their number."""
+    """Every random stream of iteration it from (seed, rank, it) alone, so a resume draws what the
+    uninterrupted run drew: python, numpy, torch (dropout) per DDP rank; data_gen (windows) alike on all."""
     mix = lambda *key: int(np.random.SeedSequence((seed, it, *key)).generate_state(1)[0])
     random.seed(mix(rank + 1))
     np.random.seed(mix(rank + 1))
@@ -173,8 +171,8 @@ def save_weights(run, it, model_too):
 def print_record(row, ms, run):
     """A record on one line: losses, speed, the training time left (evaluations aside), the mean geometry."""
     losses = f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, " if 'val_loss' in row else ''
-    left = ms and fmt_time(ms * (run.cfg['max_iters'] - row['iter']) / 1000)
-    speed = f", {ms:.1f} ms/iter, {1000 * row['tokens'] / row['iter'] / ms:.0f} tok/s, ETA {left}" if ms else ''
+    left = ms and f", ETA {fmt_time(ms * (run.cfg['max_iters'] - row['iter']) / 1000)}"
+    speed = f", {ms:.1f} ms/iter, {1000 * row['tokens'] / row['iter'] / ms:.0f} tok/s{left}" if ms else ''
     geometry = ''
     if row.get('layers'):
         mean = lambda key: np.mean([layer[key] for layer in row['layers']])
@@ -197,8 +195,8 @@ def start(name):
     ddp = 'RANK' in os.environ
     if ddp and dev.startswith('cuda'):
         if int(os.environ['LOCAL_WORLD_SIZE']) > len(cuda):
-            raise Stop(f"torchrun started {os.environ['LOCAL_WORLD_SIZE']} processes on a machine with {len(cuda)} "
-                       f"GPUs: use --nproc_per_node={len(cuda)}")
+            raise Stop(f"torchrun started {os.environ['LOCAL_WORLD_SIZE']} processes on a machine with "
+                       f"{len(cuda)} GPUs: use --nproc_per_node={len(cuda)}")
         dev = f"cuda:{os.environ['LOCAL_RANK']}"
     if dev.startswith('cuda:'):  # the current device, which synchronize without a device means
         torch.cuda.set_device(dev)

@@ -324,8 +324,8 @@ def test_a_bad_run_folder_a_held_one_a_read_only_cache_a_full_disk_and_too_few_g
 
 
 def test_a_step_s_random_streams_follow_seed_rank_and_iteration_alone(monkeypatch):
-    """Mocked CUDA: a step's draws do not depend on earlier ones (a resume is exact on any number of GPUs), DDP
-    ranks draw their own dropout masks and the same windows; --device=cuda:1 is the current device."""
+    """Mocked CUDA: a step's draws do not depend on earlier ones (a resume is exact on any number of GPUs),
+    DDP ranks draw their own dropout masks and the same windows; --device=cuda:1 is the current device."""
     cuda, states, gen = [], {}, torch.Generator()
     monkeypatch.setattr(torch.cuda, 'manual_seed_all', cuda.append)
 
@@ -426,7 +426,7 @@ def test_a_checkpoint_resumes_only_with_its_own_settings_and_text_in_its_own_dty
     torch.save({k: v for k, v in ckpt.items() if k != 'numerics'}, path)
     with pytest.raises(configurator.Stop, match=r'other settings \(dtype and threads, which an older train.py did'):
         train.train(train.get_config(args))
-    torch.save(dict(ckpt, rng={'python': [3]}, numerics={'dtype': 'bfloat16', 'threads': 1}), path)  # rng ignored
+    torch.save(dict(ckpt, rng={'python': [3]}, numerics={'dtype': 'bfloat16', 'threads': 1}), path)
     train.train(train.get_config(args))
     assert 'resuming in bfloat16 on 1 threads as ckpt.pt was trained' in capsys.readouterr().out
     assert json.load(open(tmp_path / 'out' / 'r' / 'config.json'))['dtype'] == 'bfloat16'

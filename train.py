@@ -116,8 +116,7 @@ EVAL_SEED = 1234  # the evaluation windows are the same for every run, whatever 
 # ----------------------------------------------------------------------------- batches
 
 def get_batch(data, idx, block_size, pin=False):
-    """Windows of block_size starting at the given offsets: inputs and next-character targets; pinned (for CUDA),
-    so that a non_blocking copy to the GPU overlaps its work."""
+    """Inputs and next-character targets of the windows at idx; pinned for a non_blocking copy to a GPU."""
     x = np.stack([data[i:i + block_size] for i in idx.tolist()]).astype(np.int64)
     y = np.stack([data[i + 1:i + 1 + block_size] for i in idx.tolist()]).astype(np.int64)
     return tuple(t.pin_memory() if pin else t for t in (torch.from_numpy(x), torch.from_numpy(y)))
@@ -265,7 +264,7 @@ def get_lr(it, cfg):
         return cfg['lr'] * (it + 1) / (cfg['warmup_iters'] + 1)
     if it >= decay_iters:
         return cfg['min_lr']
-    ratio = (it - cfg['warmup_iters']) / (decay_iters - cfg['warmup_iters'])  # warmup_iters <= it < decay_iters
+    ratio = (it - cfg['warmup_iters']) / (decay_iters - cfg['warmup_iters'])  # > 0 here
     return cfg['min_lr'] + 0.5 * (1 + math.cos(math.pi * ratio)) * (cfg['lr'] - cfg['min_lr'])
 
 
@@ -368,7 +367,7 @@ class Run:
     lock: object = None           # dir/.lock, held while this process trains there (rank 0)
     meta: dict = None             # the encoded text (prepare.py): vocab_size, chars, sha256, cache_key, n_train, n_val
     data: dict = None             # 'train', 'val': the encoded text, uint16 memmaps
-    data_gen: torch.Generator = field(default_factory=torch.Generator)  # the training windows, seeded each step
+    data_gen: torch.Generator = field(default_factory=torch.Generator)  # the windows' order, seeded each step
     eval_batch: tuple = ()        # the fixed evaluation windows (x, y) on dev, alike for every run
     model: GPT = None
     train_model: nn.Module = None  # the model as a training step calls it: compiled, DDP-wrapped where asked
@@ -408,7 +407,7 @@ def setup(run):
     cfg, dev_type = run.cfg, run.dev.split(':')[0]
     if cfg['grad_accum'] % run.world:
         raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the {run.world} DDP processes")
-    torch.manual_seed(cfg['seed'])  # the model's init, alike on every DDP rank (each step seeds its own draws)
+    torch.manual_seed(cfg['seed'])  # the init, alike on every DDP rank; each step seeds its own draws
     use_bf16 = cfg['dtype'] == 'bfloat16' or (cfg['dtype'] == 'auto' and dev_type == 'cuda'
                                                and torch.cuda.is_bf16_supported())
     runfolder.set_numerics(run, 'bfloat16' if use_bf16 else 'float32', cfg['threads'] or torch.get_num_threads())
@@ -420,7 +419,7 @@ def setup(run):
     build_model(run, dev_type, resuming)
     if run.master:
         runfolder.begin(run, resuming)
-    run.train_model = torch.compile(run.model) if cfg['compile'] and dev_type != 'mps' else run.model  # none on MPS
+    run.train_model = torch.compile(run.model) if cfg['compile'] and dev_type != 'mps' else run.model
     if run.ddp:  # on CUDA, the device start() made current
         run.train_model = nn.parallel.DistributedDataParallel(run.train_model)
 
@@ -443,7 +442,7 @@ def build_model(run, dev_type, resuming):
                   f"trained (either changes the numbers), not {run.dtype} on {run.threads}", flush=True)
             runfolder.set_numerics(run, **ckpt['numerics'])
     with run.ctx:
-        x, y = get_batch(run.data['train'], torch.zeros(cfg['batch_size'], dtype=torch.long), cfg['block_size'])
+        x, y = get_batch(run.data['train'], torch.zeros(cfg['batch_size'], dtype=int), cfg['block_size'])
         run.model(x.to(run.dev), y.to(run.dev))[1].backward()
     run.optimizer.zero_grad(set_to_none=True)
 
@@ -485,7 +484,7 @@ def train_step(run, it):
     cfg, micro = run.cfg, run.cfg['grad_accum'] // run.world
     for group in run.optimizer.param_groups:
         group['lr'] = get_lr(it, cfg)
-    runfolder.seed_all(cfg['seed'], run.rank, it, run.data_gen)  # a resumed step draws what it drew uninterrupted
+    runfolder.seed_all(cfg['seed'], run.rank, it, run.data_gen)  # as drawn uninterrupted
     # every rank draws the whole global batch's offsets, so the data stream does not depend on world
     offsets = random_offsets(run.data['train'], (cfg['grad_accum'], cfg['batch_size']), cfg['block_size'],
                              run.data_gen)
@@ -551,8 +550,8 @@ def checkpoint(run, it):
 
 
 def finish(run):
-    """The final checkpoint, then done.json last, so that a sweep knows the run is complete: the final losses and
-    mean geometry, the wall time, and the shares of this process's time spent on geometry and on the control."""
+    """The final checkpoint, then done.json (a sweep's sign of a complete run): the final losses and mean
+    geometry, the wall time, and the shares of this process's time spent on geometry and on the control."""
     checkpoint(run, run.cfg['max_iters'])
     run.elapsed += time.time() - run.t_start
     if run.master:
