@@ -194,10 +194,10 @@ def start(name):
     dev = name or ('cuda' if cuda else 'mps' if 'mps' in here else 'cpu')
     ddp = 'RANK' in os.environ
     if ddp and dev.startswith('cuda'):
-        if int(os.environ['LOCAL_WORLD_SIZE']) > len(cuda):
+        if int(os.environ.get('LOCAL_WORLD_SIZE', 1)) > len(cuda):
             raise Stop(f"torchrun started {os.environ['LOCAL_WORLD_SIZE']} processes on a machine with "
                        f"{len(cuda)} GPUs: use --nproc_per_node={len(cuda)}")
-        dev = f"cuda:{os.environ['LOCAL_RANK']}"
+        dev = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
     if dev.startswith('cuda:'):  # the current device, which synchronize without a device means
         torch.cuda.set_device(dev)
     if ddp:
