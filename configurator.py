@@ -1,8 +1,7 @@
 """
-train.py's settings: the defaults of its config block, then config files, then --key=value (which always
-wins), each checked against train.py's SETTINGS table before anything is touched. A config file ending in .json
-is a JSON object; any other is Python, executed as nanoGPT's configurator does (run only files you trust), its
-top-level names the settings.
+train.py's settings: its config block, then config files, then --key=value (always last), each checked against
+train.py's SETTINGS table before anything is touched. A .json config file is a JSON object; any other is Python,
+executed as nanoGPT's configurator does (run only files you trust), its top-level names the settings.
 """
 import ast
 import contextlib
@@ -20,10 +19,10 @@ class Stop(SystemExit):
         self.msg = msg
 
 
-# where things are and how fast, not what is computed: left out of the run name's settings hash (data_file is in
-# it by its content, as data_sha256)
-NOT_IN_NAME = ('out_dir', 'run_name', 'overwrite', 'device', 'threads', 'compile', 'cache_dir', 'data_dir', 'data_url',
-               'ckpt_interval', 'data_file')
+# where things are and how fast, not what is computed: left out of the run name's hash, and free to change when a
+# run resumes (the text of data_file is in both by its content, as data_sha256)
+NOT_IN_NAME = ('out_dir', 'run_name', 'overwrite', 'device', 'threads', 'compile', 'cache_dir', 'data_dir',
+               'data_url', 'ckpt_interval', 'data_file')
 # in the readable part of the run name
 NAMED = ('n_layer', 'qk_init', 'control', 'control_target', 'control_keep', 'shrink_to', 'seed')
 
@@ -102,9 +101,7 @@ def get_config(argv, defaults, table, names):
     if cfg['data_file']:  # a link or another spelling of the same path is the same text
         import prepare  # prepare.py imports this module
         cfg['data_sha256'] = prepare.sha256_of([cfg['data_file']])
-    name = cfg['run_name'] = cfg['run_name'] or run_name(cfg, defaults)
-    if name in ('.', '..') or '/' in name or os.sep in name or not name.isprintable():
-        raise Stop(f'run_name={name!r} must be one plain folder name inside out_dir')
+    cfg['run_name'] = cfg['run_name'] or run_name(cfg, defaults)
     return cfg
 
 

@@ -4,7 +4,6 @@ part, uint16 train.bin and val.bin, and meta.json, in a cache folder whose name 
 min_char_count and ENCODER_VERSION. WikiText-103 is downloaded into data_dir when it is not there.
 """
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -18,21 +17,20 @@ from configurator import Stop
 # part of every cache's key: bump it with any change to how the text is read or encoded
 ENCODER_VERSION = 1
 WIKITEXT = ('wiki.train.raw', 'wiki.valid.raw', 'wiki.test.raw')
+HASHES = {}  # the files' (path, size, time) -> their SHA-256
 
 
 def sha256_of(paths):
     """Of the files' bytes, remembered while they keep their size and time (get_config and prepare_data both ask)."""
-    return _sha256(tuple((os.path.realpath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths))
-
-
-@functools.lru_cache
-def _sha256(stamps):
-    h = hashlib.sha256()
-    for path, _, _ in stamps:
-        with open(path, 'rb') as f:
-            for block in iter(lambda: f.read(1 << 24), b''):
-                h.update(block)
-    return h.hexdigest()
+    stamps = tuple((os.path.realpath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
+    if stamps not in HASHES:
+        h = hashlib.sha256()
+        for path, _, _ in stamps:
+            with open(path, 'rb') as f:
+                for block in iter(lambda: f.read(1 << 24), b''):
+                    h.update(block)
+        HASHES[stamps] = h.hexdigest()
+    return HASHES[stamps]
 
 
 def pieces(path, start=0, stop=None):

@@ -1,5 +1,5 @@
 """
-The run folder out_dir/run_name/ (the README lists its files), its lock, the checkpoint with the RNG states,
+The run folder out_dir/run_name/ (the README lists its files), its lock, the checkpoint, the random streams,
 devices and DDP. Files are written to a temporary name and renamed: a kill never leaves half of one.
 """
 import contextlib
@@ -16,18 +16,11 @@ import time
 import numpy as np
 import torch
 
-from configurator import Stop
+from configurator import NOT_IN_NAME, Stop
 
-# what train.py writes in a run folder: starting over deletes these and nothing else
-OWN = re.compile(r'(done\.json|ckpt\.pt|metrics\.jsonl|config\.json|\.lock)(\.tmp)?'
+# what train.py writes in a run folder (its .lock aside): starting over deletes these and nothing else
+OWN = re.compile(r'(done\.json|ckpt\.pt|metrics\.jsonl|config\.json)(\.tmp)?'
                  r'|snapshots/qk_\d{7}\.npz(\.tmp)?|models/model_\d{7}\.pt(\.tmp)?')
-# settings that may change between a run and its resumption: where things are, not what is computed
-RESUMABLE = ('overwrite', 'device', 'threads', 'compile', 'out_dir', 'data_file', 'data_dir', 'cache_dir', 'data_url')
-
-
-def file_path(run_dir, sub, it):
-    """The snapshot (sub='snapshots') or model checkpoint (sub='models') of iteration it."""
-    return os.path.join(run_dir, sub, f'qk_{it:07d}.npz' if sub == 'snapshots' else f'model_{it:07d}.pt')
 
 
 def atomic_save(obj, path, save=torch.save):
@@ -39,76 +32,40 @@ def atomic_save(obj, path, save=torch.save):
 
 
 def read_metrics(path):
-    """The records of a metrics.jsonl; a last line cut short by a kill mid-write is dropped."""
-    lines = open(path, 'rb').read().splitlines() if os.path.exists(path) else []
+    """The records of a metrics.jsonl, each ending in a newline: a last line a kill cut short is left out."""
     rows = []
-    for i, line in enumerate(lines):
+    for i, line in enumerate(open(path, 'rb').read().split(b'\n')[:-1] if os.path.exists(path) else []):
         try:
             rows.append(json.loads(line))
         except ValueError:
-            if i < len(lines) - 1:
-                raise Stop(f'{path} line {i + 1} is not JSON; pass --overwrite=True to start the run over') from None
+            raise Stop(f'{path} line {i + 1} is not JSON; --overwrite=True starts the run over') from None
     return rows
 
 
-def open_folder(cfg):
-    """out_dir/run_name, refused when it resolves outside out_dir or holds a finished run (without overwrite)."""
+def claim(cfg, master):
+    """(out_dir/run_name, its .lock held by rank 0), unless it is not one folder of out_dir, holds a finished
+    run (without overwrite), or another train.py holds its .lock (released however that process ended)."""
     run_dir = os.path.join(cfg['out_dir'], cfg['run_name'])
-    out, real = os.path.realpath(cfg['out_dir']), os.path.realpath(run_dir)
-    if os.path.dirname(real) != out:
-        raise Stop(f'run folder {run_dir} resolves to {real}, outside out_dir={cfg["out_dir"]}')
+    real = os.path.realpath(run_dir)
+    if os.path.dirname(real) != os.path.realpath(cfg['out_dir']):
+        raise Stop(f"run folder {run_dir} resolves to {real}, not a folder of out_dir={cfg['out_dir']}")
     if os.path.exists(os.path.join(run_dir, 'done.json')) and not cfg['overwrite']:
         raise Stop(f'{run_dir} holds a finished run; pass --overwrite=True to train it again, or another --run_name')
-    return run_dir
-
-
-def lock(run_dir):
-    """Hold run_dir/.lock (the OS releases it however the process ends), or refuse naming the holder's PID."""
+    if not master:
+        return run_dir, None
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as e:  # a file, a dangling link or a link loop on the way, a name too long
         raise Stop(f'cannot make the run folder {run_dir} (out_dir, run_name): {e.strerror}') from None
-    f = open(os.path.join(run_dir, '.lock'), 'a+')
+    lock = open(os.path.join(run_dir, '.lock'), 'a+')
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
-        raise Stop(f'another train.py (PID {f.read().strip()}) is training in {run_dir}') from None
-    f.truncate(0)
-    print(os.getpid(), file=f, flush=True)
-    return f
-
-
-def sizes(cfg):
-    return ', '.join(f'{k}={cfg[k]}' for k in ('n_layer', 'n_embd', 'block_size', 'batch_size', 'grad_accum'))
-
-
-def check_memory(cfg, dev):
-    """Before building: a lower bound (float32 weights and gradients, a bfloat16 activation per layer) past the
-    device's memory is refused, as on a CPU it is not an error but a kill."""
-    need = 2 * cfg['n_layer'] * cfg['n_embd'] * (48 * cfg['n_embd'] + cfg['batch_size'] * cfg['block_size'])
-    have = (torch.cuda.get_device_properties(dev).total_memory if dev.startswith('cuda')
-            else os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE'))
-    if need > have:
-        raise Stop(f'{sizes(cfg)} need over {need >> 30} GiB, more than the {have >> 30} GiB of {dev}')
-
-
-def begin(run, resuming):
-    """Only once the run is built: the old run's files deleted (overwrite, or no ckpt.pt) or trimmed to ckpt.pt;
-    config.json written, metrics.jsonl opened."""
-    if resuming:
-        trim(run.dir, run.start)
-        print(f'resuming {run.dir} from iteration {run.start}', flush=True)
-    elif start_over(run.dir) and not run.cfg['overwrite']:
-        print(f'{run.dir} has no ckpt.pt to resume from: starting at iteration 0', flush=True)
-    meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
-    commit = subprocess.run('git rev-parse HEAD', shell=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                            capture_output=True, text=True).stdout.strip() or None
-    atomic_save(json.dumps(dict(run.cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
-                                git_commit=commit, vocab_size=meta['vocab_size'], n_params=n_params,
-                                data_sha256=meta['sha256'], n_chars=meta['n_train'] + meta['n_val'],
-                                data_cache=meta['cache_key']), indent=1).encode(), os.path.join(run.dir, 'config.json'))
-    run.metrics = open(os.path.join(run.dir, 'metrics.jsonl'), 'a')
+        lock.seek(0)
+        raise Stop(f'another train.py (PID {lock.read().strip()}) is training in {run_dir}') from None
+    lock.truncate(0)
+    print(os.getpid(), file=lock, flush=True)
+    return run_dir, lock
 
 
 @contextlib.contextmanager
@@ -126,7 +83,8 @@ def held(run):
     except (RuntimeError, MemoryError) as e:  # out of memory, of the device or of the host
         if 'allocate' not in str(e):
             raise
-        raise Stop(f"{sizes(run.cfg)} do not fit on {run.dev}: {str(e).splitlines()[0]}") from None
+        sizes = [f'{k}={run.cfg[k]}' for k in ('n_layer', 'n_embd', 'block_size', 'batch_size', 'grad_accum')]
+        raise Stop(f"{', '.join(sizes)} do not fit on {run.dev}: {str(e).splitlines()[0]}") from None
     finally:
         if run.lock:
             with contextlib.suppress(OSError):  # the folder may be gone
@@ -134,122 +92,52 @@ def held(run):
             run.lock.close()
 
 
-def save_weights(run, it):
-    """The record's snapshot of every W_Q, W_K (float32), and the model checkpoint at its iterations."""
-    t0 = time.time()
-    if run.cfg['geom_interval'] and run.cfg['save_snapshots']:
-        q, k = (np.stack([w[side].detach().float().cpu().numpy() for w in run.model.qk_weights()]) for side in (0, 1))
-        atomic_save(dict(q=q, k=k, n_head=run.cfg['n_head']), file_path(run.dir, 'snapshots', it),
-                    lambda arrays, f: np.savez(f, **arrays))
-    if it in run.ckpts:
-        atomic_save({'model': run.model.state_dict(), 'model_config': run.model.config.__dict__, 'iter': it},
-                    file_path(run.dir, 'models', it))
-    run.t_geom += time.time() - t0
-
-
-def save_checkpoint(run, it):
-    """ckpt.pt: everything that decides the rest of the run."""
-    atomic_save({'model': run.model.state_dict(), 'optimizer': run.optimizer.state_dict(), 'iter': it,
-                 'elapsed': run.elapsed + time.time() - run.t_start, 'config': run.cfg, 'control': run.ctl,
-                 'rng': rng_state(run.data_gen, run.dev), 'data_sha256': run.meta['sha256'], 'w0': run.w0,
-                 'numerics': {'dtype': run.dtype, 'threads': run.threads}}, run.ckpt_path)
-    run.saved_at = it
-
-
-def write_done(run):
-    """done.json, written last so that a sweep knows the run is complete: the final losses and mean geometry, the
-    wall time and the shares of this process's time spent on geometry and on the control."""
-    run.metrics.close()
-    done = {k: run.last.get(k) for k in ('iter', 'train_loss', 'val_loss')}
-    for key in ('pr_q', 'pr_k', 'pr_qk', 'entropy', 'entropy_norm') if run.last.get('layers') else ():
-        done[key] = float(np.mean([layer[key] for layer in run.last['layers']]))
-    share = lambda t: t / max(time.time() - run.t_start, 1e-9)
-    done.update(wall_time=run.elapsed, geometry_share=share(run.t_geom), control_share=share(run.t_ctl))
-    atomic_save(json.dumps(done, indent=1).encode(), os.path.join(run.dir, 'done.json'))
-    return done
-
-
-def print_record(row, ms, run):
-    """A record on one line: losses, speed, the time left, the mean geometry."""
-    frac = (row['iter'] - run.start) / max(1, run.cfg['max_iters'] - run.start)
-    eta = fmt_time((time.time() - run.t_start) * (1 - frac) / frac) if row['iter'] - run.start >= 10 else '-'
-    losses = f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, " if 'val_loss' in row else ''
-    speed = f"{ms:.1f} ms/iter, {1000 * row['tokens'] / row['iter'] / ms:.0f} tok/s, " if ms else ''
-    msg = f"iter {row['iter']}: {losses}lr {row['lr']:.2e}, {speed}ETA {eta}"
-    mean = lambda key: np.mean([layer[key] for layer in row['layers']])
-    print(msg + (f" | pr_q {mean('pr_q'):.1f} pr_k {mean('pr_k'):.1f} entropy {mean('entropy'):.3f}"
-                 if row.get('layers') else ''), flush=True)
-
-
-def fmt_time(s):
-    return f'{s / 3600:.1f}h' if s > 5400 else f'{s / 60:.1f}m' if s > 90 else f'{s:.0f}s'
-
-
-def own_files(run_dir):  # glob leaves out .lock, which stays held
-    return [n for n in glob.glob('**', root_dir=run_dir, recursive=True) if OWN.fullmatch(n)]
-
-
-def start_over(run_dir):
-    """Delete what train.py wrote in run_dir, and only where its config.json says train.py wrote it."""
-    found = own_files(run_dir)
-    try:
-        ours = 'git_commit' in json.load(open(os.path.join(run_dir, 'config.json')))
-    except (OSError, ValueError):
-        ours = all(n.endswith('.tmp') for n in found)  # a kill during the first config.json write
-    if found and not ours:
-        raise Stop(f'{run_dir} holds {found[0]}, not written by train.py; move it away or choose another --run_name')
+def begin(run, resuming):
+    """Only once the run is built: the old run's files deleted (where its config.json says train.py wrote
+    them) or trimmed to ckpt.pt's iteration; config.json written, metrics.jsonl opened."""
+    found = [n for n in glob.glob('**', root_dir=run.dir, recursive=True) if OWN.fullmatch(n)]
+    path = os.path.join(run.dir, 'metrics.jsonl')
+    if resuming:  # the records and files of iterations from ckpt.pt's on, which the resumed run writes again
+        rows = [r for r in read_metrics(path) if r['iter'] < run.start]
+        atomic_save(''.join(json.dumps(r) + '\n' for r in rows).encode(), path)
+        found = [n for n in found if any(int(it) >= run.start for it in re.findall(r'\d{7}', n))]
+        print(f'resuming {run.dir} from iteration {run.start}', flush=True)
+    else:
+        try:
+            ours = 'git_commit' in json.load(open(os.path.join(run.dir, 'config.json')))
+        except (OSError, ValueError):
+            ours = all(n.endswith('.tmp') for n in found)  # a kill during the first config.json write
+        if found and not ours:
+            raise Stop(f'{run.dir} holds {found[0]}, not written by train.py: move it, or another --run_name')
+        fresh = ': no ckpt.pt, starting at iteration 0' if found and not run.cfg['overwrite'] else ''
+        print(f'run folder {run.dir}{fresh}', flush=True)
     for name in sorted(found, key=lambda n: n == 'config.json'):  # config.json last
-        os.remove(os.path.join(run_dir, name))
-    return found
+        os.remove(os.path.join(run.dir, name))
+    meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
+    commit = subprocess.run('git rev-parse HEAD', shell=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                            capture_output=True, text=True).stdout.strip() or None
+    config = dict(run.cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev, world_size=run.world,
+                  git_commit=commit, vocab_size=meta['vocab_size'], n_params=n_params, data_sha256=meta['sha256'],
+                  n_chars=meta['n_train'] + meta['n_val'], data_cache=meta['cache_key'])
+    atomic_save(json.dumps(config, indent=1).encode(), os.path.join(run.dir, 'config.json'))
+    run.metrics = open(path, 'a')
 
 
-def trim(run_dir, keep_below):
-    """Drop the records and files of iterations from keep_below on, which the resumed run writes again."""
-    path = os.path.join(run_dir, 'metrics.jsonl')
-    rows = [r for r in read_metrics(path) if r['iter'] < keep_below]
-    atomic_save(''.join(json.dumps(r) + '\n' for r in rows).encode(), path)
-    for name in own_files(run_dir):
-        it = re.search(r'_(\d{7})\.', name)
-        if it and int(it[1]) >= keep_below:
-            os.remove(os.path.join(run_dir, name))
+def seed_all(seed, rank, it, data_gen=None):
+    """Every random stream of iteration it from (seed, rank, it) alone, so a resume draws what the
+    uninterrupted run drew: python, numpy, torch (dropout) per DDP rank; data_gen (windows) alike on all."""
+    mix = lambda *key: int(np.random.SeedSequence((seed, it, *key)).generate_state(1)[0])
+    random.seed(mix(rank + 1))
+    np.random.seed(mix(rank + 1))
+    torch.manual_seed(mix(rank + 1))
+    if data_gen is not None:
+        data_gen.manual_seed(mix(0))
 
 
-def rng_state(data_gen, dev):
-    """The random states of this process; of CUDA, its own device's only (a resume may see fewer GPUs)."""
-    np_state = np.random.get_state()
-    return {'torch': torch.get_rng_state(), 'data': data_gen.get_state(), 'python': random.getstate(),
-            'numpy': (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-            'cuda': torch.cuda.get_rng_state(dev) if dev.startswith('cuda') else None}
-
-
-def set_rng_state(state, data_gen, dev):
-    torch.set_rng_state(state['torch'])
-    data_gen.set_state(state['data'])
-    random.setstate(state['python'])
-    n = state['numpy']
-    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), *n[2:]))
-    cuda = state['cuda']  # an older train.py saved a list, every visible GPU's
-    if isinstance(cuda, list):
-        cuda = cuda[dev.index or 0] if len(cuda) > (dev.index or 0) else None
-    if cuda is not None and dev.type == 'cuda':
-        torch.cuda.set_rng_state(cuda, dev)
-
-
-def seed_all(seed, rank, it):
-    """python, numpy and torch from the seed at iteration 0; a DDP rank > 0 its own CUDA stream (dropout masks) from
-    the seed, rank and iteration, at the start and on resuming (ckpt.pt holds rank 0's)."""
-    if it == 0:
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
-    if rank:
-        torch.cuda.manual_seed(hash((seed, rank, it)) % 2 ** 63)   # ignored without CUDA
-
-
-def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
-    """Restore the model, optimizer and RNG states from ckpt.pt (refused if its settings or text differ); returns it."""
+def load_checkpoint(path, cfg, meta, model, optimizer):
+    """Restore the model and optimizer from ckpt.pt (refused if its settings or text differ)."""
     ckpt = torch.load(path, map_location='cpu', weights_only=True)
-    changed = [k for k in cfg if k not in RESUMABLE + ('data_sha256',) and ckpt['config'].get(k) != cfg[k]]
+    changed = [k for k in cfg if k not in NOT_IN_NAME + ('data_sha256',) and ckpt['config'].get(k) != cfg[k]]
     changed += ['dtype and threads, which an older train.py did not record'] * ('numerics' not in ckpt)
     changed += ['the training text'] * (ckpt['data_sha256'] != meta['sha256'])
     if changed:
@@ -257,7 +145,6 @@ def load_checkpoint(path, cfg, meta, model, optimizer, data_gen):
                    f"resume, or --overwrite=True to start over")
     model.load_state_dict(ckpt['model'])
     optimizer.load_state_dict(ckpt['optimizer'])
-    set_rng_state(ckpt['rng'], data_gen, next(model.parameters()).device)
     return ckpt
 
 
@@ -268,12 +155,33 @@ def set_numerics(run, dtype, threads):
     run.ctx = torch.autocast(run.dev.split(':')[0], torch.bfloat16) if dtype == 'bfloat16' else contextlib.nullcontext()
 
 
-def compiled_and_wrapped(model, use_compile, ddp, dev):
-    """The model as a training step calls it: compiled where asked (not on MPS), wrapped for DDP."""
-    if use_compile and hasattr(torch, 'compile') and not dev.startswith('mps'):
-        model = torch.compile(model)
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[int(dev.split(':')[1])] if ':' in dev else
-                                                     None) if ddp else model
+def save_weights(run, it, model_too):
+    """The record's snapshot of every W_Q, W_K (float32), and the model checkpoint (model_too)."""
+    t0 = time.time()
+    if run.cfg['geom_interval'] and run.cfg['save_snapshots']:
+        q, k = (np.stack([w[side].detach().float().cpu().numpy() for w in run.model.qk_weights()]) for side in (0, 1))
+        atomic_save(dict(q=q, k=k, n_head=run.cfg['n_head']), f'{run.dir}/snapshots/qk_{it:07d}.npz',
+                    lambda arrays, f: np.savez(f, **arrays))
+    if model_too:
+        atomic_save({'model': run.model.state_dict(), 'model_config': run.model.config.__dict__, 'iter': it},
+                    f'{run.dir}/models/model_{it:07d}.pt')
+    run.t_geom += time.time() - t0
+
+
+def print_record(row, ms, run):
+    """A record on one line: losses, speed, the training time left (evaluations aside), the mean geometry."""
+    losses = f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, " if 'val_loss' in row else ''
+    left = ms and f", ETA {fmt_time(ms * (run.cfg['max_iters'] - row['iter']) / 1000)}"
+    speed = f", {ms:.1f} ms/iter, {1000 * row['tokens'] / row['iter'] / ms:.0f} tok/s{left}" if ms else ''
+    geometry = ''
+    if row.get('layers'):
+        mean = lambda key: np.mean([layer[key] for layer in row['layers']])
+        geometry = f" | pr_q {mean('pr_q'):.1f} pr_k {mean('pr_k'):.1f} entropy {mean('entropy'):.3f}"
+    print(f"iter {row['iter']}: {losses}lr {row['lr']:.2e}{speed}{geometry}", flush=True)
+
+
+def fmt_time(s):
+    return f'{s / 3600:.1f}h' if s > 5400 else f'{s / 60:.1f}m' if s > 90 else f'{s:.0f}s'
 
 
 def start(name):
@@ -284,16 +192,14 @@ def start(name):
     if name and name not in here:
         raise Stop(f"--device={name} is not available here (available: {', '.join(here)})")
     dev = name or ('cuda' if cuda else 'mps' if 'mps' in here else 'cpu')
-    if int(os.environ.get('RANK', -1)) == -1:
-        if dev.startswith('cuda:'):  # the current device, which synchronize and RNG states without a device mean
-            torch.cuda.set_device(dev)
-        return False, 0, 1, dev
-    if dev.startswith('cuda') and int(os.environ.get('LOCAL_WORLD_SIZE', 1)) > len(cuda):
-        raise Stop(f"torchrun started {os.environ['LOCAL_WORLD_SIZE']} processes on a machine with {len(cuda)} GPUs: "
-                   f"use --nproc_per_node={len(cuda)}")
-    import torch.distributed as dist
-    dist.init_process_group('nccl' if dev.startswith('cuda') else 'gloo')
-    if dev.startswith('cuda'):
-        dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    ddp = 'RANK' in os.environ
+    if ddp and dev.startswith('cuda'):
+        if int(os.environ.get('LOCAL_WORLD_SIZE', 1)) > len(cuda):
+            raise Stop(f"torchrun started {os.environ['LOCAL_WORLD_SIZE']} processes on a machine with "
+                       f"{len(cuda)} GPUs: use --nproc_per_node={len(cuda)}")
+        dev = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
+    if dev.startswith('cuda:'):  # the current device, which synchronize without a device means
         torch.cuda.set_device(dev)
-    return True, int(os.environ['RANK']), int(os.environ['WORLD_SIZE']), dev
+    if ddp:
+        torch.distributed.init_process_group('nccl' if dev.startswith('cuda') else 'gloo')
+    return ddp, int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1)), dev

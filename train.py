@@ -116,8 +116,7 @@ EVAL_SEED = 1234  # the evaluation windows are the same for every run, whatever 
 # ----------------------------------------------------------------------------- batches
 
 def get_batch(data, idx, block_size, pin=False):
-    """Windows of block_size starting at the given offsets: inputs and next-character targets; pinned (for CUDA),
-    so that a non_blocking copy to the GPU overlaps its work."""
+    """Inputs and next-character targets of the windows at idx; pinned for a non_blocking copy to a GPU."""
     x = np.stack([data[i:i + block_size] for i in idx.tolist()]).astype(np.int64)
     y = np.stack([data[i + 1:i + 1 + block_size] for i in idx.tolist()]).astype(np.int64)
     return tuple(t.pin_memory() if pin else t for t in (torch.from_numpy(x), torch.from_numpy(y)))
@@ -128,7 +127,7 @@ def random_offsets(data, shape, block_size, generator):
 
 
 def eval_batch(val_data, cfg):
-    """The evaluation batch of entropy and token-level PR, alike for every run (tokens.py rebuilds it from config)."""
+    """The evaluation batch of entropy and token-level PR, alike for every run."""
     gen = torch.Generator().manual_seed(EVAL_SEED)
     return get_batch(val_data, random_offsets(val_data, (cfg['eval_windows'],), cfg['block_size'], gen),
                      cfg['block_size'])
@@ -265,17 +264,16 @@ def get_lr(it, cfg):
         return cfg['lr'] * (it + 1) / (cfg['warmup_iters'] + 1)
     if it >= decay_iters:
         return cfg['min_lr']
-    ratio = (it - cfg['warmup_iters']) / max(1, decay_iters - cfg['warmup_iters'])
+    ratio = (it - cfg['warmup_iters']) / (decay_iters - cfg['warmup_iters'])  # > 0 here
     return cfg['min_lr'] + 0.5 * (1 + math.cos(math.pi * ratio)) * (cfg['lr'] - cfg['min_lr'])
 
 
 def model_ckpt_iters(cfg):
-    """0, then model_ckpts - 1 iterations log-spaced from the end of warm-up to max_iters."""
+    """0, then model_ckpts - 1 iterations log-spaced from max_iters down to the end of warm-up."""
     n, m = cfg['model_ckpts'], cfg['max_iters']
-    if n < 1 or m < 1:
-        return {0} if n >= 1 else set()
-    lo, k = min(max(1, cfg['warmup_iters']), m), n - 1
-    return {0} | {int(round(lo * (m / lo) ** (i / (k - 1)))) if k > 1 else m for i in range(k)}
+    if n < 2 or m < 1:
+        return {0} if n else set()
+    return {0} | set(np.geomspace(m, min(max(1, cfg['warmup_iters']), m), n - 1).round().astype(int).tolist())
 
 
 def loss_iters(cfg):
@@ -288,10 +286,9 @@ def loss_iters(cfg):
 def log_iters(cfg):
     """The loss iterations; with geometry on, 1, 2, 4, ... (the fast early change), each geom_interval, model_ckpts."""
     m, g = cfg['max_iters'], cfg['geom_interval']
-    its = loss_iters(cfg)
+    its = loss_iters(cfg) | model_ckpt_iters(cfg)
     if g:
         its |= set(range(0, m + 1, g)) | {2 ** i for i in range(int(math.log2(g)) + 1) if 2 ** i <= m}
-        its |= model_ckpt_iters(cfg)
     return its
 
 
@@ -331,11 +328,9 @@ def measure(run, it):
     """One metrics.jsonl record: the losses (at loss iterations), the geometry of every layer, the control's PRs."""
     row = {'iter': it, 'tokens': it * run.cfg['batch_size'] * run.cfg['grad_accum'] * run.cfg['block_size'],
            'lr': get_lr(it, run.cfg)}
-    if it in run.evals:
+    if it in loss_iters(run.cfg):
         losses = estimate_loss(run.model, run.data, run.cfg, run.dev, run.ctx)
         row.update(train_loss=losses['train'], val_loss=losses['val'])
-        if not all(map(math.isfinite, losses.values())):
-            nan_stop(f'the loss became {losses}', it, run)
     t0 = time.time()
     if run.cfg['geom_interval']:
         loss, layers = measure_geometry(run.model, *run.eval_batch, run.cfg['n_head'], run.w0)
@@ -372,7 +367,7 @@ class Run:
     lock: object = None           # dir/.lock, held while this process trains there (rank 0)
     meta: dict = None             # the encoded text (prepare.py): vocab_size, chars, sha256, cache_key, n_train, n_val
     data: dict = None             # 'train', 'val': the encoded text, uint16 memmaps
-    data_gen: torch.Generator = None  # the order of the training windows, from seed (in ckpt.pt)
+    data_gen: torch.Generator = field(default_factory=torch.Generator)  # the windows' order, seeded each step
     eval_batch: tuple = ()        # the fixed evaluation windows (x, y) on dev, alike for every run
     model: GPT = None
     train_model: nn.Module = None  # the model as a training step calls it: compiled, DDP-wrapped where asked
@@ -386,15 +381,12 @@ class Run:
     saved_at: int = None          # the iteration ckpt.pt holds
     elapsed: float = 0.0          # wall seconds of the run's earlier processes
     metrics: object = None        # metrics.jsonl, open to append (rank 0)
-    logs: set = None              # the iterations with a record (log_iters), with losses, with a model checkpoint
-    evals: set = None
-    ckpts: set = None
     losses: list = field(default_factory=list)  # (iteration, training loss on dev) the host has not read
     last: dict = field(default_factory=dict)    # the latest record, for done.json
     t_start: float = 0.0          # when this process's loop began
     t_geom: float = 0.0           # seconds measuring geometry and writing snapshots and model checkpoints
     t_ctl: float = 0.0            # seconds in the control
-    mark: tuple = (0.0, 0)        # (time, iteration) from which ms/iter counts: training time only
+    mark: tuple = (0.0, 0)        # (time, iteration) from which ms/iter and the time left count: training only
     master = property(lambda self: self.rank == 0)
     ckpt_path = property(lambda self: os.path.join(self.dir, 'ckpt.pt'))
 
@@ -415,28 +407,26 @@ def setup(run):
     cfg, dev_type = run.cfg, run.dev.split(':')[0]
     if cfg['grad_accum'] % run.world:
         raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the {run.world} DDP processes")
-    runfolder.seed_all(cfg['seed'], run.rank, 0)  # python, numpy, torch (the data order has its own generator)
+    torch.manual_seed(cfg['seed'])  # the init, alike on every DDP rank; each step seeds its own draws
     use_bf16 = cfg['dtype'] == 'bfloat16' or (cfg['dtype'] == 'auto' and dev_type == 'cuda'
                                                and torch.cuda.is_bf16_supported())
     runfolder.set_numerics(run, 'bfloat16' if use_bf16 else 'float32', cfg['threads'] or torch.get_num_threads())
-    run.dir = runfolder.open_folder(cfg)
-    runfolder.check_memory(cfg, run.dev)
+    run.dir, run.lock = runfolder.claim(cfg, run.master)
     train_data, val_data, run.meta = prepare.prepare_data(cfg)  # one process encodes a text; the others wait
-    run.data, run.data_gen = {'train': train_data, 'val': val_data}, torch.Generator().manual_seed(cfg['seed'])
-    if run.master:
-        run.lock = runfolder.lock(run.dir)
-        print(f'run folder {run.dir}', flush=True)
+    run.data = {'train': train_data, 'val': val_data}
     resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
     run.eval_batch = tuple(t.to(run.dev) for t in eval_batch(val_data, cfg))
     build_model(run, dev_type, resuming)
     if run.master:
         runfolder.begin(run, resuming)
-    run.train_model = runfolder.compiled_and_wrapped(run.model, cfg['compile'], run.ddp, run.dev)
+    run.train_model = torch.compile(run.model) if cfg['compile'] and dev_type != 'mps' else run.model
+    if run.ddp:  # on CUDA, the device start() made current
+        run.train_model = nn.parallel.DistributedDataParallel(run.train_model)
 
 
 def build_model(run, dev_type, resuming):
     """The model, optimizer and control state, the checkpoint over them when resuming; then one micro-batch forward and
-    back, so that memory the run cannot have fails before the run folder is touched (the random states stay)."""
+    back, so that memory the run cannot have fails before the run folder is touched."""
     cfg = run.cfg
     run.model = GPT(GPTConfig(run.meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'], cfg['n_embd'],
                               cfg['bias'], cfg['dropout']), cfg['qk_init']).to(run.dev)
@@ -444,25 +434,22 @@ def build_model(run, dev_type, resuming):
     run.ctl = spectrum_control.record(cfg, run.model.qk_weights())
     run.w0 = torch.stack([torch.stack(pair) for pair in run.model.qk_weights()]).detach()
     if resuming:
-        ckpt = runfolder.load_checkpoint(run.ckpt_path, cfg, run.meta, run.model, run.optimizer, run.data_gen)
+        ckpt = runfolder.load_checkpoint(run.ckpt_path, cfg, run.meta, run.model, run.optimizer)
         run.start = run.saved_at = ckpt['iter']
         run.elapsed, run.ctl, run.w0 = ckpt['elapsed'], ckpt['control'], ckpt['w0'].to(run.dev)
-        runfolder.seed_all(cfg['seed'], run.rank, run.start)
         if ckpt['numerics'] != {'dtype': run.dtype, 'threads': run.threads}:
             print(f"resuming in {ckpt['numerics']['dtype']} on {ckpt['numerics']['threads']} threads as ckpt.pt was "
                   f"trained (either changes the numbers), not {run.dtype} on {run.threads}", flush=True)
             runfolder.set_numerics(run, **ckpt['numerics'])
-    with torch.random.fork_rng(devices=[run.dev] if run.dev.startswith('cuda') else []), run.ctx:
-        x, y = get_batch(run.data['train'], random_offsets(run.data['train'], (cfg['grad_accum'], cfg['batch_size']),
-                                                           cfg['block_size'], torch.Generator())[0], cfg['block_size'])
+    with run.ctx:
+        x, y = get_batch(run.data['train'], torch.zeros(cfg['batch_size'], dtype=int), cfg['block_size'])
         run.model(x.to(run.dev), y.to(run.dev))[1].backward()
     run.optimizer.zero_grad(set_to_none=True)
 
 
 def loop(run):
     """A record at the logged iterations, an optimizer step, the control; ckpt.pt every ckpt_interval, on a signal."""
-    cfg = run.cfg
-    run.logs, run.evals, run.ckpts = log_iters(cfg), loss_iters(cfg), model_ckpt_iters(cfg)
+    cfg, logs = run.cfg, log_iters(run.cfg)
     run.t_start, run.mark = time.time(), (time.time(), run.start)
     caught = []  # Ctrl-C or SIGTERM (a Slurm time limit), acted on between two iterations; a second one as usual
     catch = lambda num, frame: caught.append(num) or signal.signal(num, handlers[num])
@@ -471,12 +458,12 @@ def loop(run):
         for it in range(run.start, cfg['max_iters'] + 1):
             ckpt_due = it > run.start and it % cfg['ckpt_interval'] == 0
             stop = caught and not run.ddp
-            if it in run.logs or ckpt_due:  # DDP ranks read their losses (and a signal) together here only
+            if it in logs or ckpt_due:  # DDP ranks read their losses (and a signal) together here only
                 stop = check_losses(run, len(caught))
             if stop:
                 checkpoint(run, it)
                 sys.exit(f'stopped at iteration {it}: ckpt.pt holds it, and the same command resumes from there')
-            if run.master and it in run.logs:
+            if run.master and it in logs:
                 record(run, it)
             if it == cfg['max_iters']:
                 break
@@ -497,6 +484,7 @@ def train_step(run, it):
     cfg, micro = run.cfg, run.cfg['grad_accum'] // run.world
     for group in run.optimizer.param_groups:
         group['lr'] = get_lr(it, cfg)
+    runfolder.seed_all(cfg['seed'], run.rank, it, run.data_gen)  # as drawn uninterrupted
     # every rank draws the whole global batch's offsets, so the data stream does not depend on world
     offsets = random_offsets(run.data['train'], (cfg['grad_accum'], cfg['batch_size']), cfg['block_size'],
                              run.data_gen)
@@ -541,7 +529,7 @@ def record(run, it):
     """Measure (RESEARCH above), then write: the snapshot and model checkpoint of the iteration, if any, the record."""
     ms = 1000 * (time.time() - run.mark[0]) / (it - run.mark[1]) if it > run.mark[1] else None
     row = measure(run, it)
-    runfolder.save_weights(run, it)  # its time counts as geometry's, as measuring it does (not the losses')
+    runfolder.save_weights(run, it, it in model_ckpt_iters(run.cfg))  # geometry's time, as measuring them is
     row['time'] = run.elapsed + time.time() - run.t_start
     print(json.dumps(row), file=run.metrics, flush=True)
     run.last = row
@@ -550,19 +538,30 @@ def record(run, it):
 
 
 def checkpoint(run, it):
-    """ckpt.pt (runfolder.save_checkpoint), never of weights that are not finite."""
+    """ckpt.pt: everything that decides the rest of the run, never of weights that are not finite."""
     if not torch.stack([torch.isfinite(p).all() for p in run.model.parameters()]).all():
         nan_stop('the weights are no longer finite', it, run)
     if run.master:
-        runfolder.save_checkpoint(run, it)
+        runfolder.atomic_save({'model': run.model.state_dict(), 'optimizer': run.optimizer.state_dict(), 'iter': it,
+                               'elapsed': run.elapsed + time.time() - run.t_start, 'config': run.cfg, 'w0': run.w0,
+                               'control': run.ctl, 'data_sha256': run.meta['sha256'],
+                               'numerics': {'dtype': run.dtype, 'threads': run.threads}}, run.ckpt_path)
+        run.saved_at = it
 
 
 def finish(run):
-    """The final checkpoint, then done.json last, so a sweep knows the run is complete."""
+    """The final checkpoint, then done.json (a sweep's sign of a complete run): the final losses and mean
+    geometry, the wall time, and the shares of this process's time spent on geometry and on the control."""
     checkpoint(run, run.cfg['max_iters'])
     run.elapsed += time.time() - run.t_start
     if run.master:
-        done = runfolder.write_done(run)
+        run.metrics.close()
+        done = {k: run.last.get(k) for k in ('iter', 'train_loss', 'val_loss')}
+        for key in ('pr_q', 'pr_k', 'pr_qk', 'entropy', 'entropy_norm') if run.last.get('layers') else ():
+            done[key] = float(np.mean([layer[key] for layer in run.last['layers']]))
+        share = lambda t: t / max(time.time() - run.t_start, 1e-9)
+        done.update(wall_time=run.elapsed, geometry_share=share(run.t_geom), control_share=share(run.t_ctl))
+        runfolder.atomic_save(json.dumps(done, indent=1).encode(), os.path.join(run.dir, 'done.json'))
         print(f"done in {runfolder.fmt_time(run.elapsed)}: val loss {done['val_loss']:.4f}; geometry logging took "
               f"{100 * done['geometry_share']:.1f}% of wall time; run folder {run.dir}", flush=True)
     if run.ddp:
