@@ -87,6 +87,18 @@ class Run:
         return next((float(v) for v in found if v < math.inf), math.nan)
 
 
+def model_ckpt_iters(cfg):
+    """The iterations train.py saves the model at: 0, then model_ckpts - 1 iterations log-spaced
+    from the end of warm-up to max_iters (train.py imports it: one schedule for both sides)."""
+    n, m = cfg['model_ckpts'], cfg['max_iters']
+    if n < 1 or m < 1:
+        return {0} if n >= 1 else set()
+    lo, k = min(max(1, cfg['warmup_iters']), m), n - 1
+    if k == 1:
+        return {0, m}
+    return {0} | {int(round(lo * (m / lo) ** (i / (k - 1)))) for i in range(k)}
+
+
 def config_settings(cfgs):
     """Each config's keys but BOOKKEEPING; a key its control kind ignores as most of its kind."""
     out = [{k: v for k, v in c.items() if k not in BOOKKEEPING} for c in cfgs]

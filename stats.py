@@ -17,9 +17,6 @@ along that path): n + 1 evaluations. Measured on planted draws (a seed effect on
 sd 2, at least 0.92 wherever checked; at 3 x 4 only 12/12 holds above 1/2, at 4 x 4 14/16 does
 as (4, 4, 3, 3).
 
-trend: the least-squares line of per-unit values over the P points of a line (N units), the slope's
-t interval (N - 2 df), the lack-of-fit F = (SS_lof / (P - 2)) / (SS_pe / (N - P)), and Spearman's
-rho with the Fisher-z interval, se sqrt(1.06 / (N - 3)) (Fieller, Hartley and Pearson 1957).
 Row-wise correlations are NaN with a NaN, under 3 values (4 for the partial) or a constant row.
 """
 import functools
@@ -29,7 +26,6 @@ import numpy as np
 
 LEVEL = 0.95
 ALPHA = 0.05
-Z = 1.959963984540054      # the 0.975 quantile of the standard normal (Wilson at LEVEL)
 FLOOR_SHARE = 0.8          # share: seeds spread at least as binomial sampling at this share
 
 
@@ -60,22 +56,20 @@ def betainc(a, b, x):
     return front * (f - 1)
 
 
+def t_sf(t, df):
+    """P(T > t) for Student's t with df degrees of freedom: I_{df/(df+t^2)}(df/2, 1/2) / 2."""
+    tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))
+    return tail if t > 0 else 1 - tail
+
+
 @functools.lru_cache(maxsize=None)
 def t_quantile(p, df):
-    """The p-quantile (p > 0.5) of t: bisection of P(T > t) = I_{df/(df+t^2)}(df/2, 1/2) / 2."""
-    if df == math.inf:
-        return Z if p == 0.975 else t_quantile(p, 1e9)
+    """The p-quantile (p > 0.5) of Student's t: bisection of t_sf."""
     lo, hi = 0.0, 1e4
     for _ in range(100):
         mid = (lo + hi) / 2
-        below = 1 - 0.5 * betainc(df / 2, 0.5, df / (df + mid * mid)) < p
-        lo, hi = (mid, hi) if below else (lo, mid)
+        lo, hi = (mid, hi) if t_sf(mid, df) > 1 - p else (lo, mid)
     return (lo + hi) / 2
-
-
-def f_sf(f, d1, d2):
-    """P(F > f) for the F distribution with d1, d2 degrees of freedom."""
-    return betainc(d2 / 2, d1 / 2, d2 / (d2 + d1 * f)) if f > 0 else 1.0
 
 
 # ------------------------------------------------------------------------ intervals and verdicts
@@ -86,14 +80,6 @@ def nanmean(a, axis=None):
     with np.errstate(invalid='ignore', divide='ignore'):
         m = np.where(np.isfinite(a), a, 0).sum(axis) / n
     return float(m) if np.ndim(m) == 0 else np.where(n > 0, m, np.nan)
-
-
-def t_sf(t, df):
-    """P(T > t) for Student's t with df degrees of freedom (df = inf: the standard normal)."""
-    if df == math.inf:
-        return 0.5 * math.erfc(t / math.sqrt(2))
-    tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))
-    return tail if t > 0 else 1 - tail
 
 
 def t_interval(values):
@@ -207,37 +193,6 @@ def spearman(x, y):
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     ok = np.isfinite(x) & np.isfinite(y)
     return float(spearman_rows(x[ok], y[ok])) if ok.sum() >= 3 else math.nan
-
-
-def trend(x, y, point):
-    """The line and monotone statistic of y on x over units grouped by point (the module's rule)."""
-    x, y, point = np.asarray(x, dtype=float), np.asarray(y, dtype=float), np.asarray(point)
-    ok = np.isfinite(x) & np.isfinite(y)
-    x, y, point = x[ok], y[ok], point[ok]
-    P, N = len(np.unique(point)), len(y)
-    out = dict.fromkeys(('slope', 'lo', 'hi', 'lof_p', 'rho', 'rho_lo', 'rho_hi'), math.nan)
-    out.update(n=N, points=P)
-    if P < 2 or np.ptp(x) == 0:
-        return out
-    xc = x - x.mean()
-    slope = float(xc @ (y - y.mean()) / (xc @ xc))
-    resid = y - y.mean() - slope * xc
-    out['slope'] = slope
-    if N > 2:
-        half = t_quantile(0.5 + LEVEL / 2, N - 2) * math.sqrt((resid @ resid) / (N - 2) / (xc @ xc))
-        out.update(lo=slope - half, hi=slope + half)
-    pure = sum(float(((y[point == p] - y[point == p].mean()) ** 2).sum()) for p in np.unique(point))
-    lof = float(resid @ resid) - pure
-    if P > 2 and N > P and pure > 0:
-        out['lof_p'] = f_sf((lof / (P - 2)) / (pure / (N - P)), P - 2, N - P)
-    elif P > 2 and N > P and lof > 1e-12 * float(y @ y):   # no spread within points, off the line
-        out['lof_p'] = 0.0
-    rho = spearman(x, y)
-    half = Z * math.sqrt(1.06 / (N - 3)) if N > 3 else math.nan
-    z = math.atanh(min(max(rho, -1 + 1e-12), 1 - 1e-12))
-    lo, hi = (math.tanh(z + h) for h in (-half, half))
-    out.update(rho=rho, rho_lo=lo, rho_hi=hi)
-    return out
 
 
 def solve(A, y):

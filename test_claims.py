@@ -1,7 +1,7 @@
 """Planted tests of the one standard of evidence: the intervals cover at their level (a share too, with the layers of
 a seed correlated), every verdict is reachable at the study's n, equivalence comes first, (a) and (b) are judged after
-the init is forgotten, trends read a curved rise as monotone, Holm adjusts the claims table, and the control claims
-are decided on the spec arm per setting at the dose that moves PR_K."""
+the init is forgotten, Holm adjusts the claims table, and the control claims are decided on the spec arm per
+setting at the dose that moves PR_K."""
 import itertools
 import math
 import types
@@ -52,7 +52,6 @@ def test_one_more_hit_in_any_seed_never_lowers_a_share_s_bounds(seeds, each):
 def test_the_quantiles_match_the_tables():
     assert stats.t_quantile(0.975, 2) == pytest.approx(4.302653, abs=1e-5)
     assert stats.t_quantile(0.975, 30) == pytest.approx(2.042272, abs=1e-5)
-    assert stats.f_sf(3.708265, 2, 10) == pytest.approx(0.0625, abs=1e-4)   # F(2, 10): 0.0625 above 3.708
     assert stats.t_sf(4.302653, 2) == pytest.approx(0.025, abs=1e-6)
     assert stats.holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
 
@@ -150,21 +149,6 @@ def test_a_counts_a_trajectory_only_if_it_holds_from_every_reference_and_its_mir
     assert analyze.outcomes(a).tolist() == [0, -1]                    # neither; the mirror from every reference
 
 
-def test_a_zigzag_is_not_a_line_a_line_is_recovered_and_a_curved_rise_reads_monotone():
-    x, point = np.repeat(np.arange(5.0), 3), np.repeat(np.arange(5), 3)
-    rng = np.random.default_rng(1)
-    zigzag = stats.trend(x, np.where(point % 2, 1.0, -1.0) + rng.normal(0, 0.1, 15), point)
-    assert zigzag['lof_p'] < 0.05 and analyze.reading(zigzag, [0] * 5).startswith('not a line')
-    assert analyze.reading(zigzag, [0] * 5).endswith('no monotone trend')
-    curve = stats.trend(x, 1 - np.exp(-2 * x) + rng.normal(0, 0.02, 15), point)   # rises, then saturates
-    assert curve['lof_p'] < 0.05 and analyze.reading(curve, [0] * 5).endswith('rises monotonically')
-    hits = 0
-    for _ in range(1000):
-        fit = stats.trend(x, 0.5 - 0.2 * x + rng.normal(0, 0.3, 15), point)
-        hits += fit['lo'] <= -0.2 <= fit['hi']
-    assert hits / 1000 >= 0.93
-
-
 def test_planted_control_effects_reach_each_verdict_per_setting_on_the_spec_arm(tmp_path):
     shifts = {'holds': [0.30, 0.32, 0.28], 'reversed': [-0.30, -0.32, -0.28], 'no effect': [0.004, -0.003, 0.002],
               'undecided': [0.20, -0.15, 0.05]}
@@ -210,23 +194,9 @@ def test_d_is_not_measured_when_no_dose_moves_pr_k_well_below_or_there_is_no_spe
     assert (rows['e']['verdict'], rows['e']['value']) == ('not measured', 'no control_keep=spec arm')
 
 
-def test_the_regime_keeps_a_six_head_point_off_the_four_head_width_line_and_refuses_a_zigzag(tmp_path):
-    for emb, heads, effect in ((16, 2, 1), (32, 2, -1), (64, 2, 1), (128, 2, -1), (96, 3, 1)):
-        synth.study(tmp_path, name=f'e{emb}', n_embd=emb, n_head=heads, effect=effect)
-    for lr, min_lr in ((3e-4, 3e-5), (3e-3, 3e-4)):   # min_lr = lr / 10 moves with lr
-        synth.study(tmp_path, name=f'lr{lr}', lr=lr, min_lr=min_lr)
-    s = synth.run([tmp_path], tmp_path / 'out')
-    trends = {(t['axis'], t['statistic']): t for t in s.tables['regime_trend'] if t['position'] == 'all'}
-    width = trends[('n_embd', 'gap_end')]
-    assert width['members'] == 'base | n_embd=32 | n_embd=64 | n_embd=128' and width['line'] == 'n_head=2, lr=0.001'
-    assert width['reading'].startswith('not a line') and width['n'] == 12
-    assert trends[('lr', 'gap_end')]['members'] == 'lr=0.0003, min_lr=3e-05 | base | lr=0.003, min_lr=0.0003'
-    assert 'min_lr' not in {t['axis'] for t in s.tables['regime_trend']}
-
-
 def token_run(cfg, iters, seed=1):
     """tok_pr_q - tok_pr_k rises then falls at the model checkpoints (the reverse elsewhere); tok_pr_qk ~ entropy."""
-    at = iters == iters if cfg.get('pretrained') else np.isin(iters, sorted(analyze.checkpoint_iters(cfg)))
+    at = iters == iters if cfg.get('pretrained') else np.isin(iters, sorted(folders.model_ckpt_iters(cfg)))
     x = np.log1p(iters)
     v = -np.abs(x - np.median(x[at])) * np.where(at, 1, -1)
     heads = np.arange(4.0).reshape(1, 2, 2) + x[:, None, None]
@@ -235,8 +205,6 @@ def token_run(cfg, iters, seed=1):
 
 
 def test_token_claims_read_our_runs_at_their_model_checkpoints_and_a_series_at_every_record():
-    for cfg in (synth.config(model_ckpts=n, max_iters=m) for n, m in ((8, 2000), (2, 50), (1, 9), (3, 0))):
-        assert analyze.checkpoint_iters(cfg) == train.model_ckpt_iters(cfg)
     cfg = synth.config(model_ckpts=8, max_iters=2000, warmup_iters=100, geom_interval=200, eval_interval=200)
     ours = [token_run(cfg, np.array(sorted(train.log_iters(cfg))), s) for s in (1, 2, 3)]
     series = token_run({**cfg, 'pretrained': True}, np.array([0, 8, 64, 512, 4096]))

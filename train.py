@@ -31,6 +31,7 @@ import control as spectrum_control  # "control" is also a config key
 import geometry
 import prepare
 import runfolder
+from folders import model_ckpt_iters   # the analysis reads the same schedule
 
 # -----------------------------------------------------------------------------
 # config: module globals, overridden by config files and then --key=value
@@ -267,15 +268,6 @@ def get_lr(it, cfg):
         return cfg['min_lr']
     ratio = (it - cfg['warmup_iters']) / max(1, decay_iters - cfg['warmup_iters'])
     return cfg['min_lr'] + 0.5 * (1 + math.cos(math.pi * ratio)) * (cfg['lr'] - cfg['min_lr'])
-
-
-def model_ckpt_iters(cfg):
-    """0, then model_ckpts - 1 iterations log-spaced from the end of warm-up to max_iters."""
-    n, m = cfg['model_ckpts'], cfg['max_iters']
-    if n < 1 or m < 1:
-        return {0} if n >= 1 else set()
-    lo, k = min(max(1, cfg['warmup_iters']), m), n - 1
-    return {0} | {int(round(lo * (m / lo) ** (i / (k - 1)))) if k > 1 else m for i in range(k)}
 
 
 def loss_iters(cfg):
