@@ -68,7 +68,7 @@ def t_quantile(p, df):
     lo, hi = 0.0, 1e4
     for _ in range(100):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_sf(mid, df) > 1 - p else (lo, mid)
+        lo, hi = (mid, hi) if 1 - t_sf(mid, df) < p else (lo, mid)
     return (lo + hi) / 2
 
 
