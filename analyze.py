@@ -276,7 +276,7 @@ class Stat:
     unit: str = 'seed'          # seed | pair | model | trajectory
     lenses: tuple = ('whole',)  # its own first; the map measures it in each
     window: str = 'warmup'      # its own
-    tables: tuple = ()          # map, regime, fig9, optimizer, control: where it is shown
+    tables: tuple = ()          # map, regime, trend (REPORT.md, fig9), optimizer, control
     control: str = ''           # a pair's control kind ('': any)
     log: bool = False           # fn gives logs; intervals, ref and margin are shown as their exp
     limits: tuple = UNBOUNDED   # an interval is clipped to these (a correlation: CORRELATION)
@@ -352,7 +352,7 @@ def described(key, stat, x, y, scope='heads', kind='spearman', changes=False, ta
 def final_stats():
     """The final PR gap and ratio in each weight lens (the ratio on the log scale)."""
     out = []
-    for lens, suffix, tables in (('whole', '', ('regime', 'fig9')),
+    for lens, suffix, tables in (('whole', '', ('regime', 'trend')),
                                  ('head', '_head', ('regime', 'fig9', 'optimizer')),
                                  ('learned', '_learned', ('regime',))):
         size, what = LENSES[lens].size, LENSES[lens].what
@@ -398,11 +398,11 @@ STATS = [
          fn=gap_share, lenses=ALL4, window='post', tables=('regime',), limits=(0.0, 1.0)),
     *final_stats(),
     Stat(key='entropy_end', stat='final attention entropy (nats)', fn=value('entropy'),
-         tables=('regime', 'fig9')),
+         tables=('regime', 'trend')),
     Stat(key='imbalance_start', stat='qk_imbalance at the first record',
          fn=value('qk_imbalance', 'first'), tables=('optimizer',)),
     Stat(key='imbalance_end', stat='final qk_imbalance', fn=value('qk_imbalance'),
-         tables=('regime', 'optimizer', 'fig9')),
+         tables=('regime', 'optimizer', 'trend')),
     Stat(key='imbalance_conserved', stat='final qk_imbalance had D_h kept its initial norm',
          fn=conserved_imbalance, tables=('optimizer',)),
     Stat(key='drift_end', stat='final qk_drift, ||D_h(t) - D_h(0)||_F / gram(t)',
@@ -413,7 +413,7 @@ STATS = [
          fn=lambda run, view: run.final_loss('val_loss'), tables=('regime', 'optimizer')),
     Stat(key='train_val_gap', stat='final val_loss - train_loss',
          fn=lambda run, view: run.final_loss('val_loss') - run.final_loss('train_loss'),
-         tables=('regime', 'fig9')),
+         tables=('regime', 'trend')),
     *control_stats(),
 ]
 ALL = {s.key: s for s in CLAIMS + STATS}
@@ -657,20 +657,85 @@ def claims_table(study, cells):
 
 # ------------------------------------------------------------------------------------- the regime
 def regime(study):
-    """Each statistic per point (uncontrolled setting), all layers; none below 2 points."""
+    """(a row per statistic and point (uncontrolled setting), all layers; their trends); none below
+    2 points."""
     points = group(uncontrolled(study.runs), lambda r: r.setting)
     if len(points) < 2:
-        return []
+        return [], []
     shown_here = [s for s in CLAIMS + STATS
                   if s.unit in ('trajectory', 'seed') and {'regime', 'optimizer'} & set(s.tables)]
-    rows = []
+    rows, units = [], {}
     for setting, runs in points.items():
         for s in shown_here:
             res = judge(s, runs, View(s.lenses[0], s.window, study.from_iter))
+            units[(setting, s.key)] = res['values']
             rows.append({'point': study.label[setting], 'statistic': s.key, 'seeds': len(runs),
                          'n': res['n'], 'est': res['est'], 'lo': res['lo'], 'hi': res['hi'],
                          'value': shown(s, res), 'verdict': res['verdict']})
-    return rows
+    return rows, trends(study, points, units, rows)
+
+
+def axes(points):
+    """The settings varying between points but a constant multiple of an earlier one (lr / 10)."""
+    cfgs = [runs[0].settings for runs in points.values()]
+    numeric = lambda k: all(type(c.get(k)) in folders.NUMBER and c.get(k) for c in cfgs)
+    out = []
+    for k in (k for k in folders.varying(cfgs) if k not in folders.CONTROL_KEYS):
+        ratio = lambda a: {round(c[k] / c[a], 12) for c in cfgs}
+        multiple = any(numeric(a) and numeric(k) and len(ratio(a)) == 1 for a in out)
+        if not multiple:
+            out.append(k)
+    return out
+
+
+def trends(study, points, units, rows):
+    """Per numeric axis, each line of points equal in every other axis, each statistic's trend_row
+    with the point verdicts."""
+    ax, cfg, out = axes(points), {s: runs[0].settings for s, runs in points.items()}, []
+    verdicts = {(r['point'], r['statistic']): r['verdict'] for r in rows}
+    for axis in (a for a in ax if all(type(c.get(a)) in folders.NUMBER for c in cfg.values())):
+        others = lambda s: tuple((a, cfg[s].get(a)) for a in ax if a != axis)
+        for fixed, line in group(points, others).items():
+            line = sorted(line, key=lambda s: cfg[s][axis])
+            log2 = all(cfg[s][axis] > 0 for s in line)
+            x = {s: math.log2(cfg[s][axis]) if log2 else cfg[s][axis] for s in line}
+            head = {'axis': axis, 'line': ', '.join(f'{a}={v}' for a, v in fixed) or 'all points'}
+            for key in dict.fromkeys(k for (s, k) in units if s in line):
+                have = [s for s in line if units.get((s, key))]
+                row = trend_row(key, [x[s] for s in have], [units[(s, key)] for s in have])
+                names = [study.label[s] for s in have]
+                if row:
+                    out.append({**head, 'members': ' | '.join(names), 'statistic': key, **row,
+                                'verdicts': ', '.join(verdicts[(n, key)] or '-' for n in names)})
+    return out
+
+
+def trend_row(key, xs, units):
+    """stats.trend of the units' values at xs (a list of values a point) and its reading; None
+    below 2 points."""
+    counts = [len(u) for u in units]
+    fit = stats.trend(np.repeat(xs, counts), sum(units, []), np.repeat(range(len(xs)), counts))
+    if fit['points'] < 2:
+        return None
+    means = [np.mean(u) for u in units]
+    return {**fit, 'reading': reading(fit, np.exp(means) if ALL[key].log else means)}
+
+
+def side(lo, hi, up, down, neither):
+    """The word for an interval: up above 0, down below 0, else neither."""
+    return up if lo > 0 else down if hi < 0 else neither
+
+
+def reading(fit, means):
+    """The line (up, down, no clear slope, or not a line by lack of fit) and the monotone trend."""
+    line = side(fit['lo'], fit['hi'], 'up', 'down', 'no clear slope')
+    if fit['lof_p'] < stats.ALPHA:
+        line = 'not a line: point means ' + ', '.join(f'{m:.3g}' for m in means)
+    elif fit['points'] == 2:
+        line += ' (2 points: no lack-of-fit test)'
+    mono = side(fit['rho_lo'], fit['rho_hi'], 'rises monotonically', 'falls monotonically',
+                'no monotone trend')
+    return f'{line}; {mono}' if np.isfinite(fit['rho_lo']) else line
 
 
 # ------------------------------------------------------------------------------- the other tables
@@ -714,9 +779,8 @@ def dose_fits(study):
         for name, fit, i in (('slope', one, 1), ('pr_coef', two, 1), ('scale_coef', two, 2)):
             row.update({name: fit['coef'][i], f'{name}_lo': fit['lo'][i],
                         f'{name}_hi': fit['hi'][i]})
-        lo, hi = row['pr_coef_lo'], row['pr_coef_hi']
-        follows = 'follows' if lo > 0 else 'goes against' if hi < 0 else 'undecided'
-        row['entropy follows PR_K'] = follows
+        row['entropy follows PR_K'] = side(row['pr_coef_lo'], row['pr_coef_hi'], 'follows',
+                                           'goes against', 'undecided')
         out.append(row)
     return out
 
@@ -827,11 +891,11 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
     if not study.runs:
         raise Skip(f'no usable run folder under {", ".join(paths)} ({len(study.skipped)} skipped)')
     per_pair, dose = control_tables(study)
-    cells = robustness_cells(study)
-    t = study.tables = dict(claims=claims_table(study, cells), cells=cells, regime=regime(study),
-                            control=per_pair, control_dose=dose, runs=runs_rows(study),
-                            control_dose_fit=dose_fits(study), settings=setting_rows(study),
-                            token_series=token_rows(study))
+    cells, (points, lines) = robustness_cells(study), regime(study)
+    t = study.tables = dict(claims=claims_table(study, cells), cells=cells, regime=points,
+                            regime_trend=lines, control=per_pair, control_dose=dose,
+                            control_dose_fit=dose_fits(study), runs=runs_rows(study),
+                            settings=setting_rows(study), token_series=token_rows(study))
     figs = plots.draw(study, t, log) if figures else {'files': {}, 'notes': []}
     files = {**figs['files'], **report.map_tables(cells, ALL)}
     for stem in sorted(set(t) - {'cells'}):

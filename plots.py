@@ -228,9 +228,14 @@ def control(study, tables):
     return fig
 
 
+def trended(stat):
+    """Whether REPORT.md and fig9 show a statistic's trends: claims and those tagged 'trend'."""
+    return hasattr(stat, 'sign') or 'trend' in stat.tables
+
+
 def regime_points(study, tables):
-    """Each claim and statistic tagged 'fig9' at every regime point, in the study's order."""
-    keys = [k for k, s in study.stats.items() if hasattr(s, 'sign') or 'fig9' in s.tables]
+    """Each trended statistic at every regime point, in the study's order."""
+    keys = [k for k, s in study.stats.items() if trended(s)]
     rows = group([r for r in tables['regime'] if r['statistic'] in keys and r['n']],
                  lambda r: r['statistic'])
     if not rows:

@@ -30,8 +30,9 @@ SECTIONS = {   # title: (what it says, why it can be empty); its tables follow, 
         'Final values, controlled - baseline (the none run of its other settings, seed).',
         'no controlled run has a control=none run with the same other settings and seed'),
     'Regime': (
-        'Each statistic per point (uncontrolled setting), all layers, with its verdict where it is '
-        'a claim. Nothing is extrapolated.',
+        'Each statistic per point (uncontrolled setting), all layers; trends along a setting, the '
+        'rest fixed: slope per doubling (per unit if a value is 0), lack of fit (p < 0.05: not a '
+        "line), Spearman's rho. Nothing is extrapolated.",
         'the regime compares two or more uncontrolled settings'),
     'Queries, keys and the optimizer': (
         'D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is conserved under gradient flow (geometry.py); '
@@ -181,7 +182,7 @@ def sections(study, tables, registry, files, figure_notes):
     described = '[descriptive.md](descriptive.md)' if 'descriptive.md' in files else ''
     bodies = {'Robustness map': [files.get('robustness_map.md', '')],
               'Descriptive statistics': [described], 'Trajectories': [],
-              'Control experiment': control_lines(tables), 'Regime': [by_point(tables)],
+              'Control experiment': control_lines(tables), 'Regime': regime_lines(tables, registry),
               'Queries, keys and the optimizer': [by_point(tables, optimizer)],
               'Token level': token_lines(tables)}
     drawn = bool(figure_notes) or any(n.endswith('.png') for n in files)
@@ -238,6 +239,24 @@ def by_point(tables, keep=None):
         return ''
     order = [pivot[k] for k in (keep or pivot) if k in pivot]
     return folders.markdown(order, ['statistic'] + points)
+
+
+def interval(row, key='slope', low='lo', high='hi'):
+    """'+0.1 [-0.2, +0.4]' of a trend row's estimate and its interval."""
+    return f'{signed(row[key])} [{signed(row[low])}, {signed(row[high])}]'
+
+
+def regime_lines(tables, registry):
+    if not tables['regime']:
+        return []
+    trends = []
+    for r in (r for r in tables['regime_trend'] if plots.trended(registry[r['statistic']])):
+        row = {k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading')}
+        row.update(verdicts=r['verdicts'], slope=interval(r),
+                   Spearman=interval(r, 'rho', 'rho_lo', 'rho_hi'))
+        trends.append(row)
+    table = folders.markdown(trends) if trends else 'No numeric setting with two points on a line.'
+    return [by_point(tables), '### Trends', '', table]
 
 
 def token_lines(tables):

@@ -1,7 +1,7 @@
 """Planted tests of the one standard of evidence: the intervals cover at their level (a share too, with the layers of
 a seed correlated), every verdict is reachable at the study's n, equivalence comes first, (a) and (b) are judged after
-the init is forgotten, Holm adjusts the claims table, and the control claims are decided on the spec arm per
-setting at the dose that moves PR_K."""
+the init is forgotten, trends read a curved rise as monotone, Holm adjusts the claims table, and the control claims
+are decided on the spec arm per setting at the dose that moves PR_K."""
 import itertools
 import math
 import types
@@ -52,6 +52,7 @@ def test_one_more_hit_in_any_seed_never_lowers_a_share_s_bounds(seeds, each):
 def test_the_quantiles_match_the_tables():
     assert stats.t_quantile(0.975, 2) == pytest.approx(4.302653, abs=1e-5)
     assert stats.t_quantile(0.975, 30) == pytest.approx(2.042272, abs=1e-5)
+    assert stats.f_sf(3.708265, 2, 10) == pytest.approx(0.0625, abs=1e-4)   # F(2, 10): 0.0625 above 3.708
     assert stats.t_sf(4.302653, 2) == pytest.approx(0.025, abs=1e-6)
     assert stats.holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
 
@@ -149,6 +150,21 @@ def test_a_counts_a_trajectory_only_if_it_holds_from_every_reference_and_its_mir
     assert analyze.outcomes(a).tolist() == [0, -1]                    # neither; the mirror from every reference
 
 
+def test_a_zigzag_is_not_a_line_a_line_is_recovered_and_a_curved_rise_reads_monotone():
+    x, point = np.repeat(np.arange(5.0), 3), np.repeat(np.arange(5), 3)
+    rng = np.random.default_rng(1)
+    zigzag = stats.trend(x, np.where(point % 2, 1.0, -1.0) + rng.normal(0, 0.1, 15), point)
+    assert zigzag['lof_p'] < 0.05 and analyze.reading(zigzag, [0] * 5).startswith('not a line')
+    assert analyze.reading(zigzag, [0] * 5).endswith('no monotone trend')
+    curve = stats.trend(x, 1 - np.exp(-2 * x) + rng.normal(0, 0.02, 15), point)   # rises, then saturates
+    assert curve['lof_p'] < 0.05 and analyze.reading(curve, [0] * 5).endswith('rises monotonically')
+    hits = 0
+    for _ in range(1000):
+        fit = stats.trend(x, 0.5 - 0.2 * x + rng.normal(0, 0.3, 15), point)
+        hits += fit['lo'] <= -0.2 <= fit['hi']
+    assert hits / 1000 >= 0.93
+
+
 def test_planted_control_effects_reach_each_verdict_per_setting_on_the_spec_arm(tmp_path):
     shifts = {'holds': [0.30, 0.32, 0.28], 'reversed': [-0.30, -0.32, -0.28], 'no effect': [0.004, -0.003, 0.002],
               'undecided': [0.20, -0.15, 0.05]}
@@ -192,6 +208,20 @@ def test_d_is_not_measured_when_no_dose_moves_pr_k_well_below_or_there_is_no_spe
     rows = {r['key']: r for r in synth.run([tmp_path], tmp_path / 'out').tables['claims']}
     assert rows['d']['verdict'] == 'not measured' and rows['d']['value'].startswith('no dose moves per-head PR_K')
     assert (rows['e']['verdict'], rows['e']['value']) == ('not measured', 'no control_keep=spec arm')
+
+
+def test_the_regime_keeps_a_six_head_point_off_the_four_head_width_line_and_refuses_a_zigzag(tmp_path):
+    for emb, heads, effect in ((16, 2, 1), (32, 2, -1), (64, 2, 1), (128, 2, -1), (96, 3, 1)):
+        synth.study(tmp_path, name=f'e{emb}', n_embd=emb, n_head=heads, effect=effect)
+    for lr, min_lr in ((3e-4, 3e-5), (3e-3, 3e-4)):   # min_lr = lr / 10 moves with lr
+        synth.study(tmp_path, name=f'lr{lr}', lr=lr, min_lr=min_lr)
+    s = synth.run([tmp_path], tmp_path / 'out')
+    trends = {(t['axis'], t['statistic']): t for t in s.tables['regime_trend']}
+    width = trends[('n_embd', 'gap_end')]
+    assert width['members'] == 'base | n_embd=32 | n_embd=64 | n_embd=128' and width['line'] == 'n_head=2, lr=0.001'
+    assert width['reading'].startswith('not a line') and width['n'] == 12
+    assert trends[('lr', 'gap_end')]['members'] == 'lr=0.0003, min_lr=3e-05 | base | lr=0.003, min_lr=0.0003'
+    assert 'min_lr' not in {t['axis'] for t in s.tables['regime_trend']}
 
 
 def token_run(cfg, iters, seed=1):
