@@ -664,15 +664,15 @@ def regime(study):
         return [], []
     shown_here = [s for s in CLAIMS + STATS
                   if s.unit in ('trajectory', 'seed') and {'regime', 'optimizer'} & set(s.tables)]
-    rows, units = [], {}
+    rows, found = [], {}
     for setting, runs in points.items():
         for s in shown_here:
             res = judge(s, runs, View(s.lenses[0], s.window, study.from_iter))
-            units[(setting, s.key)] = res['values']
+            found[(setting, s.key)] = res
             rows.append({'point': study.label[setting], 'statistic': s.key, 'seeds': len(runs),
                          'n': res['n'], 'est': res['est'], 'lo': res['lo'], 'hi': res['hi'],
                          'value': shown(s, res), 'verdict': res['verdict']})
-    return rows, trends(study, points, units, rows)
+    return rows, trends(study, points, found)
 
 
 def axes(points):
@@ -688,37 +688,34 @@ def axes(points):
     return out
 
 
-def trends(study, points, units, rows):
-    """Per numeric axis, each line of points equal in every other axis, each statistic's trend_row
-    with the point verdicts."""
+def trends(study, points, found):
+    """Per numeric axis, each line of points equal in every other axis: its line_trends."""
     ax, cfg, out = axes(points), {s: runs[0].settings for s, runs in points.items()}, []
-    verdicts = {(r['point'], r['statistic']): r['verdict'] for r in rows}
     for axis in (a for a in ax if all(type(c.get(a)) in folders.NUMBER for c in cfg.values())):
         others = lambda s: tuple((a, cfg[s].get(a)) for a in ax if a != axis)
         for fixed, line in group(points, others).items():
-            line = sorted(line, key=lambda s: cfg[s][axis])
-            log2 = all(cfg[s][axis] > 0 for s in line)
-            x = {s: math.log2(cfg[s][axis]) if log2 else cfg[s][axis] for s in line}
             head = {'axis': axis, 'line': ', '.join(f'{a}={v}' for a, v in fixed) or 'all points'}
-            for key in dict.fromkeys(k for (s, k) in units if s in line):
-                have = [s for s in line if units.get((s, key))]
-                row = trend_row(key, [x[s] for s in have], [units[(s, key)] for s in have])
-                names = [study.label[s] for s in have]
-                if row:
-                    out.append({**head, 'members': ' | '.join(names), 'statistic': key, **row,
-                                'verdicts': ', '.join(verdicts[(n, key)] or '-' for n in names)})
+            at = {s: cfg[s][axis] for s in sorted(line, key=lambda s: cfg[s][axis])}
+            out += line_trends(study, found, head, at)
     return out
 
 
-def trend_row(key, xs, units):
-    """stats.trend of the units' values at xs (a list of values a point) and its reading; None
-    below 2 points."""
-    counts = [len(u) for u in units]
-    fit = stats.trend(np.repeat(xs, counts), sum(units, []), np.repeat(range(len(xs)), counts))
-    if fit['points'] < 2:
-        return None
-    means = [np.mean(u) for u in units]
-    return {**fit, 'reading': reading(fit, np.exp(means) if ALL[key].log else means)}
+def line_trends(study, found, head, at):
+    """Each statistic's stats.trend over a line's points (at: setting -> its value on the axis; x
+    is its log2 where every value is positive), the trend's reading and the point verdicts."""
+    log2, out = all(v > 0 for v in at.values()), []
+    for key in dict.fromkeys(k for _, k in found):
+        have = [s for s in at if found[(s, key)]['values']]
+        if len(have) < 2:
+            continue
+        units = [found[(s, key)]['values'] for s in have]
+        fit = stats.trend([math.log2(at[s]) if log2 else at[s] for s in have], units)
+        means = [np.mean(u) for u in units]
+        out.append({**head, 'members': ' | '.join(study.label[s] for s in have),
+                    'statistic': key, **fit,
+                    'reading': reading(fit, np.exp(means) if ALL[key].log else means),
+                    'verdicts': ', '.join(found[(s, key)]['verdict'] or '-' for s in have)})
+    return out
 
 
 def side(lo, hi, up, down, neither):

@@ -151,16 +151,15 @@ def test_a_counts_a_trajectory_only_if_it_holds_from_every_reference_and_its_mir
 
 
 def test_a_zigzag_is_not_a_line_a_line_is_recovered_and_a_curved_rise_reads_monotone():
-    x, point = np.repeat(np.arange(5.0), 3), np.repeat(np.arange(5), 3)
-    rng = np.random.default_rng(1)
-    zigzag = stats.trend(x, np.where(point % 2, 1.0, -1.0) + rng.normal(0, 0.1, 15), point)
+    x, at, rng = np.arange(5.0), np.arange(5.0)[:, None], np.random.default_rng(1)   # at: 3 units a point
+    zigzag = stats.trend(x, np.where(at % 2, 1.0, -1.0) + rng.normal(0, 0.1, (5, 3)))
     assert zigzag['lof_p'] < 0.05 and analyze.reading(zigzag, [0] * 5).startswith('not a line')
     assert analyze.reading(zigzag, [0] * 5).endswith('no monotone trend')
-    curve = stats.trend(x, 1 - np.exp(-2 * x) + rng.normal(0, 0.02, 15), point)   # rises, then saturates
+    curve = stats.trend(x, 1 - np.exp(-2 * at) + rng.normal(0, 0.02, (5, 3)))   # rises, then saturates
     assert curve['lof_p'] < 0.05 and analyze.reading(curve, [0] * 5).endswith('rises monotonically')
     hits = 0
     for _ in range(1000):
-        fit = stats.trend(x, 0.5 - 0.2 * x + rng.normal(0, 0.3, 15), point)
+        fit = stats.trend(x, 0.5 - 0.2 * at + rng.normal(0, 0.3, (5, 3)))
         hits += fit['lo'] <= -0.2 <= fit['hi']
     assert hits / 1000 >= 0.93
 
