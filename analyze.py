@@ -381,16 +381,12 @@ def control_stats():
 
 STATS = [
     described('qk~entropy', 'Spearman of PR_QK with entropy', 'qk', 'entropy'),
-    described('k~entropy (r)', 'Pearson of PR_K with entropy', 'k', 'entropy', kind='pearson'),
-    described('qk~entropy|scale', 'Pearson partial of PR_QK with entropy given the log scale',
-              'qk', 'entropy', kind='partial'),
     described('scale~entropy', 'Pearson of log ||W_QK^h||_2 with entropy', 'scale', 'entropy',
               kind='pearson', tables=('map', 'regime')),
     described('k~entropy over time', 'Spearman of PR_K with entropy (two trends correlate, '
               'linked or not)', 'k', 'entropy', 'time'),
     described('dk~dentropy over time', 'Spearman of their changes between records', 'k',
               'entropy', 'time', changes=True),
-    described('k~qk over time', 'Spearman of PR_K with PR_QK', 'k', 'qk', 'time'),
     described('k~entropy|scale over time', 'Pearson partial of PR_K with entropy given the log '
               'scale', 'k', 'entropy', 'time', 'partial'),
     Stat(key='gap_share', stat="the share of (b)'s grid records with PR_Q - PR_K > 0 (of the "
@@ -598,11 +594,7 @@ def beside(claim, study, pool, cell):
         return '; '.join([f"keep=fro ({cell['arm']}): {shown(claim, cell)}"] + more)
     out, view = [], View(claim.lenses[0], claim.window, study.from_iter)
     if claim.unit == 'trajectory':
-        split = group(pool, decayed)
-        parts = [f"{'' if d else 'no '}decay on W_Q, W_K {averaged(claim, rs, view)}"
-                 for d, rs in split.items()] if len(split) > 1 else []
-        out.append(f'seed-averaged layers: {averaged(claim, pool, view)}'
-                   + (f" ({'; '.join(parts)})" if parts else ''))
+        out.append(f'seed-averaged layers: {averaged(claim, pool, view)}')
     if cell.get('per_ref'):
         names = [name.split(' (')[0] for name in REFERENCES[claim.window]]
         counts = ', '.join(f'{name} {k}/{n}' for name, (k, n) in zip(names, cell['per_ref']))
@@ -736,17 +728,14 @@ def reading(fit, means):
 
 
 # ------------------------------------------------------------------------------- the other tables
-def control_tables(study):
-    """(control: every paired statistic per seed pair; control_dose: each over an arm's pairs)."""
-    per_pair, dose, paired = [], [], [s for s in STATS if 'control' in s.tables]
+def control_dose(study):
+    """Each paired statistic over an arm's seed pairs, with (d) or (e)'s verdict."""
+    dose, paired = [], [s for s in STATS if 'control' in s.tables]
     for (setting, arm), pairs in study.arms.items():
         head = {'setting': study.label[setting], 'arm': study.arm_name(arm)}
         kind, target = dict(arm)['control'], dict(arm)['control_target']
         claim = next(c for c in CLAIMS if c.control == kind)
         res, eff = {s.key: judge(s, pairs) for s in paired}, judge(claim, pairs)
-        for c, b in pairs:
-            row = {**head, 'seed': c.seed, 'run': c.path, 'baseline': b.path}
-            per_pair.append({**row, **{s.key: s.fn((c, b), View()) for s in paired}})
         k = sum(v * claim.sign > 0 for v in eff['values'])
         baseline = nanmean([b.final(f'pr_{target}_head') for _, b in pairs])
         row = {**head, 'n': len(pairs), 'baseline PR/head': baseline}
@@ -755,7 +744,7 @@ def control_tables(study):
                     'predicted sign': f"{k}/{eff['n']}",
                     'verdict': verdict_text(eff) if target == 'k' else 'mirror: no verdict'})
         dose.append(row)
-    return per_pair, dose
+    return dose
 
 
 def dose_fits(study):
@@ -887,10 +876,9 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
     folders.check_out(study.out)
     if not study.runs:
         raise Skip(f'no usable run folder under {", ".join(paths)} ({len(study.skipped)} skipped)')
-    per_pair, dose = control_tables(study)
     cells, (points, lines) = robustness_cells(study), regime(study)
     t = study.tables = dict(claims=claims_table(study, cells), cells=cells, regime=points,
-                            regime_trend=lines, control=per_pair, control_dose=dose,
+                            regime_trend=lines, control_dose=control_dose(study),
                             control_dose_fit=dose_fits(study), runs=runs_rows(study),
                             settings=setting_rows(study), token_series=token_rows(study))
     figs = plots.draw(study, t, log) if figures else {'files': {}, 'notes': []}

@@ -179,17 +179,14 @@ def entropy_and_pr(study, tables):
 
 
 def dose_response(ax, study, keys, colours_of, key):
-    """Each seed pair at the change in key it achieved; each arm's mean, t interval: (xs, ys)."""
-    xs, ys = [], []
+    """Each seed pair at the change in key it achieved; each arm's mean, t interval."""
     for colour, k in zip(colours_of, keys):
         x = [c.final(key) - b.final(key) for c, b in study.arms[k]]
         y = [c.final('entropy') - b.final('entropy') for c, b in study.arms[k]]
         ax.scatter(x, y, color=colour, s=16)
-        xs, ys = xs + x, ys + y
         (mean_x, *_), (mean_y, lo, hi, _) = stats.t_interval(x), stats.t_interval(y)
         ax.errorbar([mean_x], [mean_y], yerr=np.nan_to_num([[mean_y - lo], [hi - mean_y]]), fmt='D',
                     color=colour, mec='k', capsize=4)
-    return xs, ys
 
 
 def control(study, tables):
@@ -198,7 +195,6 @@ def control(study, tables):
     if not fams:
         raise Skip('no controlled runs paired with a baseline')
     fig, grid = panels(3 * len(fams), 5, 4.2, 3)
-    fits = {(r['setting'], r['arm']): r for r in tables['control_dose_fit']}
     for axes, ((setting, rest), keys) in zip(grid.reshape(-1, 3), fams):
         key = f"pr_{dict(rest)['control_target']}_head"
         doses = colormaps['Blues'](np.linspace(0.45, 0.95, len(keys)))   # darker: a stronger dose
@@ -210,12 +206,7 @@ def control(study, tables):
             text = plain(f'{label} ({len(runs)})', 30)
             for ax, metric in zip(axes, (key, 'entropy')):
                 ax.plot(*mean_line(runs, metric), color=colour, label=text)
-        xs, ys = dose_response(axes[2], study, keys, doses, key)
-        fit = fits.get((study.label[setting], study.arm_name(rest)))
-        if fit and np.isfinite(fit['slope']):   # least squares passes through the points' mean
-            x0 = np.array([min(xs), max(xs)])
-            y0 = np.nanmean(ys) + fit['slope'] * (x0 - np.nanmean(xs))
-            axes[2].plot(x0, y0, 'k:', label='least sq.')
+        dose_response(axes[2], study, keys, doses, key)
         axes[2].axhline(0, color='k', lw=0.8)
         axes[2].set(xlabel=f'change in {key}', ylabel='change in final entropy (nats)',
                     title='controlled - baseline per seed pair;\narm mean, t interval')
