@@ -241,19 +241,14 @@ def by_point(tables, keep=None):
     return folders.markdown(order, ['statistic'] + points)
 
 
-def interval(row, key='slope', low='lo', high='hi'):
-    """'+0.1 [-0.2, +0.4]' of a trend row's estimate and its interval."""
-    return f'{signed(row[key])} [{signed(row[low])}, {signed(row[high])}]'
-
-
 def regime_lines(tables, registry):
     if not tables['regime']:
         return []
     trends = []
     for r in (r for r in tables['regime_trend'] if plots.trended(registry[r['statistic']])):
-        row = {k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading')}
-        row.update(verdicts=r['verdicts'], slope=interval(r),
-                   Spearman=interval(r, 'rho', 'rho_lo', 'rho_hi'))
+        row = {k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading', 'verdicts')}
+        row['slope'] = f"{signed(r['slope'])} [{signed(r['lo'])}, {signed(r['hi'])}]"
+        row['Spearman'] = f"{signed(r['rho'])} [{signed(r['rho_lo'])}, {signed(r['rho_hi'])}]"
         trends.append(row)
     table = folders.markdown(trends) if trends else 'No numeric setting with two points on a line.'
     return [by_point(tables), '### Trends', '', table]
