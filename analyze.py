@@ -200,15 +200,9 @@ def final_pr(stat):
     return fn
 
 
-def value(key, at='final'):
-    """A statistic of a run: a metric's layer mean, final or at the first record."""
-    def fn(run, view):
-        if at == 'final':
-            return run.final(key)
-        if key not in run.m or not len(run.iters):
-            return math.nan
-        return nanmean(run.m[key][0])
-    return fn
+def value(key):
+    """A statistic of a run: a metric's final layer mean."""
+    return lambda run, view: run.final(key)
 
 
 def conserved_imbalance(run, view):
@@ -395,8 +389,6 @@ STATS = [
     *final_stats(),
     Stat(key='entropy_end', stat='final attention entropy (nats)', fn=value('entropy'),
          tables=('regime', 'trend')),
-    Stat(key='imbalance_start', stat='qk_imbalance at the first record',
-         fn=value('qk_imbalance', 'first'), tables=('optimizer',)),
     Stat(key='imbalance_end', stat='final qk_imbalance', fn=value('qk_imbalance'),
          tables=('regime', 'optimizer', 'trend')),
     Stat(key='imbalance_conserved', stat='final qk_imbalance had D_h kept its initial norm',
