@@ -568,14 +568,6 @@ def robustness_cells(study):
     return cells
 
 
-def averaged(claim, runs, view):
-    """'hits/n, mirror m' of a trajectory claim over the seed-averaged layer trajectories: each
-    layer of each setting averaged over its seeds (the paper's unit)."""
-    settings = group(runs, lambda r: r.setting).values()
-    res = shares([claim.fn(seed_mean(rs), view) for rs in settings])
-    return f"{res['hits']}/{res['n']}, mirror {res['mirror']}/{res['n']}"
-
-
 def beside(claim, study, pool, cell):
     """Shown beside a claim's verdict: Claim.beside (a pair claim: the fro arm's); a trajectory
     claim's count over seed-averaged trajectories; (a)'s counts per reference and part."""
@@ -585,8 +577,11 @@ def beside(claim, study, pool, cell):
         more = [f"{k} {shown(ALL[k], judge(ALL[k], cell['pairs']))}" for k in claim.beside]
         return '; '.join([f"keep=fro ({cell['arm']}): {shown(claim, cell)}"] + more)
     out, view = [], View(claim.lenses[0], claim.window, study.from_iter)
-    if claim.unit == 'trajectory':
-        out.append(f'seed-averaged layers: {averaged(claim, pool, view)}')
+    if claim.unit == 'trajectory':   # each layer of a setting averaged over its seeds: the paper's
+        settings = group(pool, lambda r: r.setting).values()
+        res = shares([claim.fn(seed_mean(rs), view) for rs in settings])
+        hits, mirror, n = res['hits'], res['mirror'], res['n']
+        out.append(f'seed-averaged layers: {hits}/{n}, mirror {mirror}/{n}')
     if cell.get('per_ref'):
         names = [name.split(' (')[0] for name in REFERENCES[claim.window]]
         counts = ', '.join(f'{name} {k}/{n}' for name, (k, n) in zip(names, cell['per_ref']))

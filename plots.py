@@ -212,9 +212,7 @@ def control(study, tables):
                     title='controlled - baseline per seed pair;\narm mean, t interval')
         iteration_axis(axes[0], f'{key} (layer mean)', names[setting])
         iteration_axis(axes[1], 'attention entropy (nats, layer mean)')
-        handles = axes[0].get_legend_handles_labels()
-        extra = axes[2].get_legend_handles_labels()
-        axes[2].legend(handles[0] + extra[0], handles[1] + extra[1], fontsize=7, loc='upper left',
+        axes[2].legend(*axes[0].get_legend_handles_labels(), fontsize=7, loc='upper left',
                        bbox_to_anchor=(1.02, 1))
     return fig
 
