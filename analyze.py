@@ -347,7 +347,7 @@ def final_stats():
     """The final PR gap and ratio in each weight lens (the ratio on the log scale)."""
     out = []
     for lens, suffix, tables in (('whole', '', ('regime', 'trend')),
-                                 ('head', '_head', ('regime', 'fig9', 'optimizer')),
+                                 ('head', '_head', ('regime', 'trend', 'optimizer')),
                                  ('learned', '_learned', ('regime',))):
         size, what = LENSES[lens].size, LENSES[lens].what
         out.append(Stat(key=f'gap_end{suffix}', stat=f'final (PR_Q - PR_K) / {size} in the {what}',
