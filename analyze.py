@@ -719,13 +719,12 @@ def control_dose(study):
     """Each paired statistic over an arm's seed pairs, with (d) or (e)'s verdict."""
     dose, paired = [], [s for s in STATS if 'control' in s.tables]
     for (setting, arm), pairs in study.arms.items():
-        head = {'setting': study.label[setting], 'arm': study.arm_name(arm)}
         kind, target = dict(arm)['control'], dict(arm)['control_target']
         claim = next(c for c in CLAIMS if c.control == kind)
         res, eff = {s.key: judge(s, pairs) for s in paired}, judge(claim, pairs)
         k = sum(v * claim.sign > 0 for v in eff['values'])
-        baseline = nanmean([b.final(f'pr_{target}_head') for _, b in pairs])
-        row = {**head, 'n': len(pairs), 'baseline PR/head': baseline}
+        row = {'setting': study.label[setting], 'arm': study.arm_name(arm), 'n': len(pairs),
+               'baseline PR/head': nanmean([b.final(f'pr_{target}_head') for _, b in pairs])}
         row.update({s.key[2:]: shown(s, res[s.key]) for s in paired})
         row.update({'well below': bool(res['d_pr_head_rel']['hi'] < WELL_BELOW),
                     'predicted sign': f"{k}/{eff['n']}",
