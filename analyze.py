@@ -577,7 +577,7 @@ def beside(claim, study, pool, cell):
         more = [f"{k} {shown(ALL[k], judge(ALL[k], cell['pairs']))}" for k in claim.beside]
         return '; '.join([f"keep=fro ({cell['arm']}): {shown(claim, cell)}"] + more)
     out, view = [], View(claim.lenses[0], claim.window, study.from_iter)
-    if claim.unit == 'trajectory':   # each layer of a setting averaged over its seeds: the paper's
+    if claim.unit == 'trajectory':   # the paper's unit: a setting's layer averaged over its seeds
         settings = group(pool, lambda r: r.setting).values()
         res = shares([claim.fn(seed_mean(rs), view) for rs in settings])
         hits, mirror, n = res['hits'], res['mirror'], res['n']
