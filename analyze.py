@@ -4,7 +4,7 @@ Run folders in, the study's evidence out: REPORT.md, tables, figures.
     python analyze.py out/ [more/] [--out=DIR] [--no_figures] [--from_iter=N]   # -> out/analysis/
 
 A new logged metric (say `qk_cos` per layer) with a claim and a figure:
-    1. a statistic:  def final_cos(run, view): return run.final('qk_cos', layers_of(run, view))
+    1. a statistic:  def final_cos(run, view): return run.final('qk_cos')
     2. a row:        Claim(key='g', text='(g) queries and keys align', stat='final qk_cos',
                      fn=final_cos, margin=0.05) in CLAIMS (the paper's claims), or
                      Stat(...) in STATS (descriptive)
@@ -13,7 +13,7 @@ A new logged metric (say `qk_cos` per layer) with a claim and a figure:
 A statistic is fn(unit, view); a unit is a seed (a run), a seed pair (a controlled run and the none
 run of its other settings and seed) or a model (a run or a pretrained series, read at its model
 checkpoints); (a), (b) give signs per trajectory (a layer of a run), summarised per seed
-(stats.share). A view: a lens, a window, a layer position. Why (a), (b) start where the init is
+(stats.share). A view: a lens and a window. Why (a), (b) start where the init is
 forgotten and (d), (e) read the spec arm: README.md. (a), (b) read only the records of the regular
 grid (every geom_interval-th iteration and the last): the log-spaced extra records move with a
 run's length. (f1), (f2) read the token-level values of a model's checkpoints: train.py's
@@ -55,15 +55,7 @@ FORGOTTEN = ('init forgotten (the first record where ||W - W(0)||_F >= ||W(0)||_
 REFERENCES = {'all': ('the first record',),
               'warmup': ('the end of warm-up', 'twice that', '10% of training'),
               'post': (FORGOTTEN, '25% of training', '50% of training')}
-POSITIONS = ('all', 'first', 'middle', 'last')
-View = namedtuple('View', 'lens window position from_iter',
-                  defaults=('whole', 'all', 'all', None))
-
-
-def layers_of(run, view):
-    n = run.n_layer
-    at = {'all': list(range(n)), 'first': [0], 'middle': list(range(1, n - 1)), 'last': [n - 1]}
-    return at[view.position]
+View = namedtuple('View', 'lens window from_iter', defaults=('whole', 'all', None))
 
 
 def usable(run, it):
@@ -117,24 +109,11 @@ def seed_mean(runs):
     return mean
 
 
-def checkpoint_iters(cfg):
-    """The iterations of a run's model checkpoints: train.py's model_ckpt_iters (0, then
-    model_ckpts - 1 log-spaced from the end of warm-up to max_iters); the analysis reads logs only,
-    so it keeps its own copy, held to train.py's by a test."""
-    n, m = cfg['model_ckpts'], cfg['max_iters']
-    if n < 1 or m < 1:
-        return {0} if n >= 1 else set()
-    lo, k = min(max(1, cfg['warmup_iters']), m), n - 1
-    if k == 1:
-        return {0, m}
-    return {0} | {int(round(lo * (m / lo) ** (i / (k - 1)))) for i in range(k)}
-
-
 def checkpoints(run):
     """The indices of the records measured on a model checkpoint (all of a pretrained series')."""
     if run.pretrained:
         return np.arange(len(run.iters))
-    return np.flatnonzero(np.isin(run.iters, sorted(checkpoint_iters(run.cfg))))
+    return np.flatnonzero(np.isin(run.iters, sorted(folders.model_ckpt_iters(run.cfg))))
 
 
 # ------------------------------------------------------------------------ statistics of one unit
@@ -145,7 +124,7 @@ def series(run, key, i):
 def moves(run, view):
     """(a), per trajectory and reference: signs of PR_Q(end) - PR_Q(ref), PR_K(ref) - PR_K(end)."""
     run, out, lens = on_grid(run), [], LENSES[view.lens]
-    for i in layers_of(run, view):
+    for i in range(run.n_layer):
         q, k = series(run, lens.q, i), series(run, lens.k, i)
         q1, k1 = nanmean(q[-FINAL_LOGS:]), nanmean(k[-FINAL_LOGS:])
         at = [usable(run, it) for it in references(run, view, [i])]
@@ -157,7 +136,7 @@ def moves(run, view):
 def gap_signs(run, view):
     """(b), per trajectory and record from the window's start (after iteration 0): the gap sign."""
     run, lens, out = on_grid(run), LENSES[view.lens], []
-    for i in layers_of(run, view):
+    for i in range(run.n_layer):
         kept = run.iters >= max(start(run, view, [i]), 1)
         gap = series(run, lens.q, i) - series(run, lens.k, i)
         out.append(np.where(kept, np.sign(gap), np.nan)[:, None])
@@ -171,14 +150,14 @@ def gap_share(run, view):
     return float((signs[kept] > 0).mean()) if kept.any() else math.nan
 
 
-def values(run, role, lens, heads, layers):
+def values(run, role, lens, heads):
     """(records, values) of a role (k, qk: the lens' PR_K, PR_QK; entropy; scale: log
     ||W_QK^h||_2), per (layer, head) or per layer; None if not logged."""
     key = {'entropy': 'entropy', 'scale': 'qk_spec_norm'}.get(role) or getattr(LENSES[lens], role)
     key = key.removesuffix('_head') + '_heads' if heads else key
     if key not in run.m:
         return None
-    a = run.m[key][:, layers]
+    a = run.m[key]
     if role == 'scale':
         with np.errstate(divide='ignore', invalid='ignore'):
             a = np.log(np.where(a > 0, a, np.nan))
@@ -194,16 +173,15 @@ def correlation(x, y, scope='heads', kind='spearman', changes=False):
             'partial': stats.partial_rows}[kind]
 
     def fn(run, view):
-        layers = layers_of(run, view)
-        vals = [values(run, role, view.lens, scope == 'heads', layers) for role in roles]
-        if not layers or any(v is None for v in vals):
+        vals = [values(run, role, view.lens, scope == 'heads') for role in roles]
+        if any(v is None for v in vals):
             return math.nan
-        keep = run.iters >= start(run, view, layers)
+        keep = run.iters >= start(run, view, list(range(run.n_layer)))
         if scope == 'time':
             kept = [v[keep] for v in vals]
             kept = [np.diff(v, axis=0) if changes else v for v in kept]
             return nanmean(corr(*(v.T for v in kept)))
-        key = (x, y, kind, changes, view.lens, view.position)
+        key = (x, y, kind, changes, view.lens)
         if key not in run.memo:   # every window of the run reads the same per-record correlations
             run.memo[key] = corr(*(np.diff(v, axis=0) if changes else v for v in vals))
         return nanmean(run.memo[key][keep[:-1] if changes else keep])
@@ -213,7 +191,7 @@ def correlation(x, y, scope='heads', kind='spearman', changes=False):
 def final_pr(stat):
     """A statistic of a run: final (PR_Q - PR_K) / C (/ d per head), or log(PR_Q / PR_K)."""
     def fn(run, view):
-        lens, layers = LENSES[view.lens], layers_of(run, view)
+        lens, layers = LENSES[view.lens], range(run.n_layer)
         q, k = (np.array([run.final(key, [i]) for i in layers]) for key in (lens.q, lens.k))
         if stat == 'gap':
             return nanmean(q - k) / getattr(run, lens.size)
@@ -222,22 +200,16 @@ def final_pr(stat):
     return fn
 
 
-def value(key, at='final'):
-    """A statistic of a run: a metric's layer mean, final or at the first record."""
-    def fn(run, view):
-        if at == 'final':
-            return run.final(key, layers_of(run, view))
-        if key not in run.m or not len(run.iters):
-            return math.nan
-        return nanmean(run.m[key][0, layers_of(run, view)])
-    return fn
+def value(key):
+    """A statistic of a run: a metric's final layer mean."""
+    return lambda run, view: run.final(key)
 
 
 def conserved_imbalance(run, view):
     """The final qk_imbalance had D_h kept its norm: imbalance_h(0) gram_h(0) / gram_h(t)."""
     if not {'qk_imbalance_heads', 'qk_gram_heads'} <= set(run.m) or not len(run.iters):
         return math.nan
-    imb, gram = (run.m[k][:, layers_of(run, view)] for k in ('qk_imbalance_heads', 'qk_gram_heads'))
+    imb, gram = (run.m[k] for k in ('qk_imbalance_heads', 'qk_gram_heads'))
     with np.errstate(divide='ignore', invalid='ignore'):
         return nanmean(imb[0] * gram[0] / gram[-FINAL_LOGS:])
 
@@ -250,7 +222,7 @@ def change(key, how='difference'):
         if name.endswith('_loss'):
             a, b = (r.final_loss(name) for r in pair)
         else:
-            a, b = (r.final(name, layers_of(r, view)) for r in pair)
+            a, b = (r.final(name) for r in pair)
         if how == 'difference':
             return a - b
         if not (a > 0 and b > 0):
@@ -269,7 +241,7 @@ def contrast_rho(part):
             return math.nan
         half = x <= np.median(x) if part == 'early' else x >= np.median(x)
         rhos = []
-        for i in layers_of(run, view):
+        for i in range(run.n_layer):
             contrast = series(run, 'tok_pr_q', i) - series(run, 'tok_pr_k', i)
             rhos.append(stats.spearman(x[half], contrast[at][half]))
         return nanmean(rhos)
@@ -281,8 +253,7 @@ def token_link(run, view):
     at = checkpoints(run)
     if not len(at) or not {'tok_pr_qk_heads', 'entropy_heads'} <= set(run.m):
         return math.nan
-    layers = layers_of(run, view)
-    x, y = (run.m[k][at[-1], layers].ravel() for k in ('tok_pr_qk_heads', 'entropy_heads'))
+    x, y = (run.m[k][at[-1]].ravel() for k in ('tok_pr_qk_heads', 'entropy_heads'))
     return stats.spearman(x, y)
 
 
@@ -321,7 +292,7 @@ TIME = 'within a run over its records, per layer, mean over layers'
 CONTROLLED = 'controlled - baseline'
 SHARE = {'unit': 'trajectory', 'lenses': ALL4, 'window': 'post', 'ref': 0.5}
 ACROSS = {'lenses': HEADS, 'margin': 0.1, 'limits': CORRELATION}
-CONTROL = {'unit': 'pair', 'margin': 0.02, 'beside': ('d_qk_spec_norm',), 'tables': ('regime',)}
+CONTROL = {'unit': 'pair', 'margin': 0.02, 'beside': ('d_qk_spec_norm',), 'tables': ()}
 TOKEN = {'unit': 'model', 'margin': 0.1, 'limits': CORRELATION, 'tables': ()}
 CLAIMS = [
     Claim(key='a', text='(a) PR_Q grows and PR_K falls over training', fn=moves, **SHARE,
@@ -345,8 +316,9 @@ CLAIMS = [
           stat=f'Pearson partial correlation of PR_K with entropy given log ||W_QK^h||_2 {PAIRS}',
           fn=correlation('k', 'entropy', kind='partial'), **ACROSS),
     Claim(key='d', text='(d) shrinking the key spectrum sharpens attention',
-          stat=f'final attention entropy, {CONTROLLED}', fn=change('entropy'), sign=-1,
-          control='shrink', **CONTROL),
+          stat=f'final attention entropy, {CONTROLLED}, at the strongest shrink dose whose '
+               f"per-head PR_K change lies below {WELL_BELOW:.0%} of the baseline's",
+          fn=change('entropy'), sign=-1, control='shrink', **CONTROL),
     Claim(key='e', text='(e) freezing the key spectrum softens attention',
           stat=f'final attention entropy, {CONTROLLED}', fn=change('entropy'), control='freeze',
           **CONTROL),
@@ -387,33 +359,28 @@ def final_stats():
 
 def control_stats():
     """Final values of a seed pair, controlled - baseline."""
-    rows = (('entropy', 'final entropy', change('entropy'), ()),
-            ('pr_head', 'final per-head PR of the controlled projection',
-             change('pr_ctl_head'), ()),
+    rows = (('entropy', 'final entropy', change('entropy')),
+            ('pr_head', 'final per-head PR of the controlled projection', change('pr_ctl_head')),
             ('pr_head_rel', "the same relative to the baseline's",
-             change('pr_ctl_head', 'relative'), ()),
-            ('qk_spec_norm', 'final qk_spec_norm', change('qk_spec_norm'), ('map', 'regime')),
-            ('log_qk_spec_norm', 'final log qk_spec_norm', change('qk_spec_norm', 'log'), ()),
+             change('pr_ctl_head', 'relative')),
+            ('qk_spec_norm', 'final qk_spec_norm', change('qk_spec_norm')),
+            ('log_qk_spec_norm', 'final log qk_spec_norm', change('qk_spec_norm', 'log')),
             ('k_spec_norm', 'final k_spec_norm (top singular value of W_K^h)',
-             change('k_spec_norm'), ()),
-            ('q_spec_norm', 'final q_spec_norm', change('q_spec_norm'), ()),
-            ('val_loss', 'final val_loss', change('val_loss'), ('map', 'regime')))
+             change('k_spec_norm')),
+            ('q_spec_norm', 'final q_spec_norm', change('q_spec_norm')),
+            ('val_loss', 'final val_loss', change('val_loss')))
     return [Stat(key=f'd_{key}', stat=f'{stat}, {CONTROLLED}', fn=fn, unit='pair',
-                 tables=('control',) + more) for key, stat, fn, more in rows]
+                 tables=('control',)) for key, stat, fn in rows]
 
 
 STATS = [
     described('qk~entropy', 'Spearman of PR_QK with entropy', 'qk', 'entropy'),
-    described('k~entropy (r)', 'Pearson of PR_K with entropy', 'k', 'entropy', kind='pearson'),
-    described('qk~entropy|scale', 'Pearson partial of PR_QK with entropy given the log scale',
-              'qk', 'entropy', kind='partial'),
     described('scale~entropy', 'Pearson of log ||W_QK^h||_2 with entropy', 'scale', 'entropy',
               kind='pearson', tables=('map', 'regime')),
     described('k~entropy over time', 'Spearman of PR_K with entropy (two trends correlate, '
               'linked or not)', 'k', 'entropy', 'time'),
     described('dk~dentropy over time', 'Spearman of their changes between records', 'k',
               'entropy', 'time', changes=True),
-    described('k~qk over time', 'Spearman of PR_K with PR_QK', 'k', 'qk', 'time'),
     described('k~entropy|scale over time', 'Pearson partial of PR_K with entropy given the log '
               'scale', 'k', 'entropy', 'time', 'partial'),
     Stat(key='gap_share', stat="the share of (b)'s grid records with PR_Q - PR_K > 0 (of the "
@@ -422,8 +389,6 @@ STATS = [
     *final_stats(),
     Stat(key='entropy_end', stat='final attention entropy (nats)', fn=value('entropy'),
          tables=('regime', 'trend')),
-    Stat(key='imbalance_start', stat='qk_imbalance at the first record',
-         fn=value('qk_imbalance', 'first'), tables=('optimizer',)),
     Stat(key='imbalance_end', stat='final qk_imbalance', fn=value('qk_imbalance'),
          tables=('regime', 'optimizer', 'trend')),
     Stat(key='imbalance_conserved', stat='final qk_imbalance had D_h kept its initial norm',
@@ -590,7 +555,7 @@ def robustness_cells(study):
         if isinstance(s, Claim) and len(split) > 1:
             views += [(s.lenses[0], s.window, d, runs) for d, runs in split.items()]
         for lens, window, d, runs in views:
-            res = judge(s, runs, View(lens, window, 'all', study.from_iter))
+            res = judge(s, runs, View(lens, window, study.from_iter))
             cells.append({'key': s.key, 'lens': lens, 'window': window, 'decay': d, 'keep': '',
                           **res})
     for c in (c for c in CLAIMS if c.unit == 'pair'):
@@ -603,14 +568,6 @@ def robustness_cells(study):
     return cells
 
 
-def averaged(claim, runs, view):
-    """'hits/n, mirror m' of a trajectory claim over the seed-averaged layer trajectories: each
-    layer of each setting averaged over its seeds (the paper's unit)."""
-    settings = group(runs, lambda r: r.setting).values()
-    res = shares([claim.fn(seed_mean(rs), view) for rs in settings])
-    return f"{res['hits']}/{res['n']}, mirror {res['mirror']}/{res['n']}"
-
-
 def beside(claim, study, pool, cell):
     """Shown beside a claim's verdict: Claim.beside (a pair claim: the fro arm's); a trajectory
     claim's count over seed-averaged trajectories; (a)'s counts per reference and part."""
@@ -619,13 +576,12 @@ def beside(claim, study, pool, cell):
             return ''
         more = [f"{k} {shown(ALL[k], judge(ALL[k], cell['pairs']))}" for k in claim.beside]
         return '; '.join([f"keep=fro ({cell['arm']}): {shown(claim, cell)}"] + more)
-    out, view = [], View(claim.lenses[0], claim.window, 'all', study.from_iter)
-    if claim.unit == 'trajectory':
-        split = group(pool, decayed)
-        parts = [f"{'' if d else 'no '}decay on W_Q, W_K {averaged(claim, rs, view)}"
-                 for d, rs in split.items()] if len(split) > 1 else []
-        out.append(f'seed-averaged layers: {averaged(claim, pool, view)}'
-                   + (f" ({'; '.join(parts)})" if parts else ''))
+    out, view = [], View(claim.lenses[0], claim.window, study.from_iter)
+    if claim.unit == 'trajectory':   # the paper's unit: a setting's layer averaged over its seeds
+        settings = group(pool, lambda r: r.setting).values()
+        res = shares([claim.fn(seed_mean(rs), view) for rs in settings])
+        hits, mirror, n = res['hits'], res['mirror'], res['n']
+        out.append(f'seed-averaged layers: {hits}/{n}, mirror {mirror}/{n}')
     if cell.get('per_ref'):
         names = [name.split(' (')[0] for name in REFERENCES[claim.window]]
         counts = ', '.join(f'{name} {k}/{n}' for name, (k, n) in zip(names, cell['per_ref']))
@@ -633,7 +589,7 @@ def beside(claim, study, pool, cell):
         out.append(f'from each reference: {counts}; PR_Q rises in {rises}, PR_K falls in {falls}')
     for key, _, window in (entry.partition('@') for entry in claim.beside):
         s = ALL[key]
-        res = judge(s, pool, View(s.lenses[0], window or s.window, 'all', study.from_iter))
+        res = judge(s, pool, View(s.lenses[0], window or s.window, study.from_iter))
         where = f' ({WINDOWS[window]})' if window else ''
         out.append(f'{key}{where}: {shown(s, res)}')
     return '; '.join(out)
@@ -680,34 +636,22 @@ def claims_table(study, cells):
 
 # ------------------------------------------------------------------------------------- the regime
 def regime(study):
-    """Each statistic per point (uncontrolled setting) and layer position, trends; None below 2."""
+    """(a row per statistic and point (uncontrolled setting), all layers; their trends); none below
+    2 points."""
     points = group(uncontrolled(study.runs), lambda r: r.setting)
     if len(points) < 2:
-        return None
-    rows, units = [], {}
+        return [], []
+    shown_here = [s for s in CLAIMS + STATS
+                  if s.unit in ('trajectory', 'seed') and {'regime', 'optimizer'} & set(s.tables)]
+    rows, found = [], {}
     for setting, runs in points.items():
-        for s, key, units_ in regime_tasks(study, setting, runs):
-            for pos in POSITIONS:
-                res = judge(s, units_, View(s.lenses[0], s.window, pos, study.from_iter))
-                units[(setting, key, pos)] = res['values']
-                rows.append({'point': study.label[setting], 'statistic': key, 'position': pos,
-                             'seeds': len(runs), 'n': res['n'], 'est': res['est'],
-                             'lo': res['lo'], 'hi': res['hi'], 'value': shown(s, res),
-                             'verdict': res['verdict']})
-    rows = [r for r in rows if r['n'] or r['position'] == 'all']
-    return {'rows': rows, 'trends': trends(study, points, units, rows)}
-
-
-def regime_tasks(study, setting, runs):
-    """[(statistic, key, units)] of a point: its runs' statistics, then its arms' paired ones."""
-    tasks = [(s, s.key, runs) for s in CLAIMS + STATS
-             if s.unit in ('trajectory', 'seed') and {'regime', 'optimizer'} & set(s.tables)]
-    here = {arm: pairs for (point, arm), pairs in study.arms.items() if point == setting}
-    for arm, pairs in here.items():
-        paired = [s for s in CLAIMS + STATS if s.unit == 'pair' and 'regime' in s.tables
-                  and s.control in ('', dict(arm)['control'])]
-        tasks += [(s, f'{s.key} [{study.arm_name(arm)}]', pairs) for s in paired]
-    return tasks
+        for s in shown_here:
+            res = judge(s, runs, View(s.lenses[0], s.window, study.from_iter))
+            found[(setting, s.key)] = res
+            rows.append({'point': study.label[setting], 'statistic': s.key, 'seeds': len(runs),
+                         'n': res['n'], 'est': res['est'], 'lo': res['lo'], 'hi': res['hi'],
+                         'value': shown(s, res), 'verdict': res['verdict']})
+    return rows, trends(study, points, found)
 
 
 def axes(points):
@@ -723,35 +667,33 @@ def axes(points):
     return out
 
 
-def trends(study, points, units, rows):
-    """Per numeric axis, line of 2+ points equal in every other axis, statistic and position:
-    stats.trend over the units' values, its reading and the point verdicts."""
+def trends(study, points, found):
+    """Per numeric axis, each line of points equal in every other axis: its line_trends."""
     ax, cfg, out = axes(points), {s: runs[0].settings for s, runs in points.items()}, []
-    verdicts = {(r['point'], r['statistic'], r['position']): r['verdict'] for r in rows}
     for axis in (a for a in ax if all(type(c.get(a)) in folders.NUMBER for c in cfg.values())):
         others = lambda s: tuple((a, cfg[s].get(a)) for a in ax if a != axis)
         for fixed, line in group(points, others).items():
-            if len(line) < 2:
-                continue
-            line = sorted(line, key=lambda s: cfg[s][axis])
-            log2 = all(cfg[s][axis] > 0 for s in line)
-            x = {s: math.log2(cfg[s][axis]) if log2 else cfg[s][axis] for s in line}
-            for key, pos in dict.fromkeys((k, p) for (s, k, p) in units if s in line):
-                have = [s for s in line if units.get((s, key, pos))]
-                counts = [len(units[(s, key, pos)]) for s in have]
-                xs = np.repeat([x[s] for s in have], counts)
-                ys = sum((units[(s, key, pos)] for s in have), [])
-                fit = stats.trend(xs, ys, np.repeat(have, counts))
-                if fit['points'] < 2:
-                    continue
-                means = [np.mean(units[(s, key, pos)]) for s in have]
-                log = ALL.get(key.split(' [')[0], STATS[0]).log
-                out.append({'axis': axis, 'line': ', '.join(f'{a}={v}' for a, v in fixed) or
-                            'all points', 'members': ' | '.join(study.label[s] for s in have),
-                            'statistic': key, 'position': pos, **fit,
-                            'reading': reading(fit, np.exp(means) if log else means),
-                            'verdicts': ', '.join(verdicts[(study.label[s], key, pos)] or '-'
-                                                  for s in have)})
+            head = {'axis': axis, 'line': ', '.join(f'{a}={v}' for a, v in fixed) or 'all points'}
+            at = {s: cfg[s][axis] for s in sorted(line, key=lambda s: cfg[s][axis])}
+            out += line_trends(study, found, head, at)
+    return out
+
+
+def line_trends(study, found, head, at):
+    """Each statistic's stats.trend over a line's points (at: setting -> its value on the axis; x
+    is its log2 where every value is positive), the trend's reading and the point verdicts."""
+    log2, out = all(v > 0 for v in at.values()), []
+    for key in dict.fromkeys(k for _, k in found):
+        have = [s for s in at if found[(s, key)]['values']]
+        if len(have) < 2:
+            continue
+        units = [found[(s, key)]['values'] for s in have]
+        fit = stats.trend([math.log2(at[s]) if log2 else at[s] for s in have], units)
+        means = [np.mean(u) for u in units]
+        out.append({**head, 'members': ' | '.join(study.label[s] for s in have),
+                    'statistic': key, **fit,
+                    'reading': reading(fit, np.exp(means) if ALL[key].log else means),
+                    'verdicts': ', '.join(found[(s, key)]['verdict'] or '-' for s in have)})
     return out
 
 
@@ -773,26 +715,22 @@ def reading(fit, means):
 
 
 # ------------------------------------------------------------------------------- the other tables
-def control_tables(study):
-    """(control: every paired statistic per seed pair; control_dose: each over an arm's pairs)."""
-    per_pair, dose, paired = [], [], [s for s in STATS if 'control' in s.tables]
+def control_dose(study):
+    """Each paired statistic over an arm's seed pairs, with (d) or (e)'s verdict."""
+    dose, paired = [], [s for s in STATS if 'control' in s.tables]
     for (setting, arm), pairs in study.arms.items():
-        head = {'setting': study.label[setting], 'arm': study.arm_name(arm)}
         kind, target = dict(arm)['control'], dict(arm)['control_target']
         claim = next(c for c in CLAIMS if c.control == kind)
         res, eff = {s.key: judge(s, pairs) for s in paired}, judge(claim, pairs)
-        for c, b in pairs:
-            row = {**head, 'seed': c.seed, 'run': c.path, 'baseline': b.path}
-            per_pair.append({**row, **{s.key: s.fn((c, b), View()) for s in paired}})
         k = sum(v * claim.sign > 0 for v in eff['values'])
-        baseline = nanmean([b.final(f'pr_{target}_head') for _, b in pairs])
-        row = {**head, 'n': len(pairs), 'baseline PR/head': baseline}
+        row = {'setting': study.label[setting], 'arm': study.arm_name(arm), 'n': len(pairs),
+               'baseline PR/head': nanmean([b.final(f'pr_{target}_head') for _, b in pairs])}
         row.update({s.key[2:]: shown(s, res[s.key]) for s in paired})
         row.update({'well below': bool(res['d_pr_head_rel']['hi'] < WELL_BELOW),
                     'predicted sign': f"{k}/{eff['n']}",
                     'verdict': verdict_text(eff) if target == 'k' else 'mirror: no verdict'})
         dose.append(row)
-    return per_pair, dose
+    return dose
 
 
 def dose_fits(study):
@@ -924,17 +862,15 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
     folders.check_out(study.out)
     if not study.runs:
         raise Skip(f'no usable run folder under {", ".join(paths)} ({len(study.skipped)} skipped)')
-    per_pair, dose = control_tables(study)
-    reg, cells = regime(study) or {}, robustness_cells(study)
-    t = study.tables = dict(claims=claims_table(study, cells), cells=cells, regime=reg,
-                            control=per_pair, control_dose=dose, runs=runs_rows(study),
-                            control_dose_fit=dose_fits(study), settings=setting_rows(study),
-                            regime_rows=reg.get('rows', []), regime_trend=reg.get('trends', []),
-                            token_series=token_rows(study))
+    cells, (points, lines) = robustness_cells(study), regime(study)
+    t = study.tables = dict(claims=claims_table(study, cells), cells=cells, regime=points,
+                            regime_trend=lines, control_dose=control_dose(study),
+                            control_dose_fit=dose_fits(study), runs=runs_rows(study),
+                            settings=setting_rows(study), token_series=token_rows(study))
     figs = plots.draw(study, t, log) if figures else {'files': {}, 'notes': []}
     files = {**figs['files'], **report.map_tables(cells, ALL)}
-    for stem in sorted(set(t) - {'cells', 'regime'}):
-        files.update(folders.table(stem.replace('regime_rows', 'regime'), t[stem]))
+    for stem in sorted(set(t) - {'cells'}):
+        files.update(folders.table(stem, t[stem]))
     files['REPORT.md'] = report.write(study, t, CLAIMS, ALL, figs['notes'], files, REFERENCES)
     study.files = folders.write_files(study.out, files)
     return study

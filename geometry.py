@@ -1,7 +1,7 @@
 """
 The geometry of queries and keys: participation ratios, spectra, interaction (QK^T) spectra,
-token-level PR, attention entropy, the learned part of a weight and the partial correlation that holds
-the logit scale fixed. Pure functions, no I/O; the one place the math lives.
+token-level PR, attention entropy, the learned part of a weight and the partial correlation that
+holds the logit scale fixed. Pure functions, no I/O; the one place the math lives.
 
 Notation: W_Q, W_K are nn.Linear weights, shape (C, C) = (out, in). Head h owns rows
 h*d:(h+1)*d, d = C / n_head, giving W^h of shape (d, C).
@@ -12,7 +12,7 @@ h*d:(h+1)*d, d = C / n_head, giving W^h of shape (d, C).
     W_QK^h     = (W_Q^h)^T W_K^h                    (C, C), rank <= d: the bilinear form behind q.k
     PR_tok(X)  = PR(eigenvalues of cov(X))          cov of the centred rows of X (tokens, dims)
     tok_pr_qk  = PR(Q_h K_h^T / sqrt(d))            T x T logits before the mask
-    H_i        = -sum_{j<=i} a_ij log a_ij          nats, 0 log 0 = 0, rows i >= 1 (row 0 is left out)
+    H_i        = -sum_{j<=i} a_ij log a_ij          nats, 0 log 0 = 0, rows i >= 1 (not row 0)
     H_i norm   = H_i / log(i+1)                     1 = uniform over the allowed keys, 0 = one-hot
     erank(s)   = exp(-sum p log p), p = s / sum s   effective rank (Roy and Vetterli)
     srank(M)   = ||M||_F^2 / ||M||_2^2              stable rank
@@ -20,7 +20,7 @@ h*d:(h+1)*d, d = C / n_head, giving W^h of shape (d, C).
 The learned part of a weight is W - W(0), its change since initialisation (learned_geometry):
     pr_dq      = PR(W_Q - W_Q(0)), pr_dk the same for W_K   whole (C, C) matrix
     pr_dq_head = mean over heads h of PR(W_Q^h - W_Q^h(0))  per head: pr_dq_heads (pr_dk_* for W_K)
-    dq_rel     = ||W_Q - W_Q(0)||_F / ||W_Q(0)||_F          how far training moved it (dk_rel for W_K)
+    dq_rel     = ||W_Q - W_Q(0)||_F / ||W_Q(0)||_F          how far training moved W_Q (dk_rel: W_K)
 A random init has PR near C/2, so the PR of W itself can only fall early in training; the PR of the
 learned part shows which directions training opens, whatever the init.
 
@@ -29,31 +29,33 @@ The Q/K imbalance of head h (layer_geometry), the null model of the study:
     qk_imbalance = ||D_h||_F / qk_gram,  qk_gram = mean(||W_Q^h W_Q^h^T||_F, ||W_K^h W_K^h^T||_F)
     qk_drift   = ||D_h - D_h(0)||_F / qk_gram        (learned_geometry)
 The logits depend on W_Q^h, W_K^h only through M = W_QK^h, so with G = dL/dM the gradients are
-dL/dW_Q^h = W_K^h G^T and dL/dW_K^h = W_Q^h G. Under gradient flow d/dt (W_Q^h W_Q^h^T) = -(W_K^h G^T W_Q^h^T
-+ W_Q^h G W_K^h^T) = d/dt (W_K^h W_K^h^T): D_h is conserved, and qk_drift stays 0. The squared singular values
-of W_Q^h and W_K^h are the eigenvalues of the two Gram matrices, so the per-head Q and K spectra can differ only
-by D_h(0) and by the optimizer's departures from gradient flow: finite steps (O(lr^2) each), momentum, Adam's
+dL/dW_Q^h = W_K^h G^T and dL/dW_K^h = W_Q^h G. Under gradient flow
+    d/dt (W_Q^h W_Q^h^T) = -(W_K^h G^T W_Q^h^T + W_Q^h G W_K^h^T) = d/dt (W_K^h W_K^h^T):
+D_h is conserved, and qk_drift stays 0. The squared singular values of W_Q^h and W_K^h are the
+eigenvalues of the two Gram matrices, so the per-head Q and K spectra can differ only by D_h(0) and
+by the optimizer's departures from gradient flow: finite steps (O(lr^2) each), momentum, Adam's
 per-coordinate scaling; decoupled weight decay shrinks D_h. A tied init has D_h(0) = 0.
 q_spec_norm, k_spec_norm = ||W_Q^h||_2, ||W_K^h||_2 (mean over heads; *_heads per head).
 
-The logit scale is qk_spec_norm = ||W_QK^h||_2 (per head; layer_geometry). Entropy falls as the logits
-grow whatever the spectrum's shape (sigma-Reparam, Zhai et al. 2023), so every link between a PR and
-entropy is also measured with the logit scale held fixed (partial_correlation):
+The logit scale is qk_spec_norm = ||W_QK^h||_2 (per head; layer_geometry). Entropy falls as the
+logits grow whatever the spectrum's shape (sigma-Reparam, Zhai et al. 2023), so every link between a
+PR and entropy is also measured with the logit scale held fixed (partial_correlation):
     r(x, y | z) = corr(x - x_hat, y - y_hat)   x_hat, y_hat: least-squares fits of x, y on [1, z]
                 = (r_xy - r_xz r_yz) / sqrt((1 - r_xz^2)(1 - r_yz^2))   for a single z
-With ranks for x, y, z (for example entropy, PR_K_head, log qk_spec_norm over (layer, head) pairs) it
-is the partial Spearman correlation.
+With ranks for x, y, z (for example entropy, PR_K_head, log qk_spec_norm over (layer, head) pairs)
+it is the partial Spearman correlation.
 
 Conventions. Inputs are torch tensors (any device, any dtype) or numpy arrays. Everything is
-computed in float64 where the first input is (numpy: the CPU; MPS, which has neither float64 nor these
-linalg kernels: the CPU), so a metric logged during a GPU run and the same metric recomputed later from a
-saved float32 snapshot agree to float64 round-off. Scalars come back as Python floats, per-head lists as
-Python lists, batched results as float64 tensors. A training record uses record_tensors and host_values
-instead: the same math on trusted inputs, no checks, one copy to the host per record. An all-zero spectrum (a
-zero matrix, constant activations) has PR, effective rank and stable rank 0.0, never NaN; so has
-the learned part of an unchanged weight (W == W(0): PR 0.0, rel 0.0), and a zero W(0) has rel 0.0 (no
-scale to compare with). The one exception is a correlation with nothing to correlate (fewer than
-3 + k points for k controls, or a series constant once z is taken out): NaN, as a table should show
+computed in float64 where the first input is (numpy: the CPU; MPS, which has neither float64 nor
+these linalg kernels: the CPU), so a metric logged during a GPU run and the same metric recomputed
+later from a saved float32 snapshot agree to float64 round-off. Scalars come back as Python floats,
+per-head lists as Python lists, batched results as float64 tensors. A training record uses
+record_tensors and host_values instead: the same math on trusted inputs, no checks, one copy to the
+host per record. An all-zero spectrum (a zero matrix, constant activations) has PR, effective rank
+and stable rank 0.0, never NaN; so has the learned part of an unchanged weight (W == W(0): PR 0.0,
+rel 0.0), and a zero W(0) has rel 0.0 (no scale to compare with). The one exception is a correlation
+with nothing to correlate (fewer than 3 + k points for k controls, or a series constant once z is
+taken out): NaN, as a table should show
 "not measurable" there, not "no link". NaN or Inf in any input, or a shape that does not fit, is a
 ValueError that says what was expected.
 
@@ -66,8 +68,8 @@ import torch
 # layer's value and of its per-head list (*_heads: the row of its *_head mean where there is one).
 # A high that is a string is a size, C = n_embd, d = C / n_head, T = block_size (a row attends to at
 # most T keys), or another logged value of the same layer (head by head for a list), or 'drift'.
-# Exactly 0.0 is in every range: an all-zero spectrum has PR, effective rank and stable rank 0.0, and
-# so has the learned part of an unchanged weight.
+# Exactly 0.0 is in every range: an all-zero spectrum has PR, effective rank and stable rank 0.0,
+# and so has the learned part of an unchanged weight.
 BOUNDS = {
     **dict.fromkeys(('pr_q', 'pr_k', 'pr_dq', 'pr_dk', 'erank_q', 'erank_k', 'srank_q',
                      'srank_k', 'tok_pr_q', 'tok_pr_k', 'ctl_pr', 'ctl_target_pr'), (1, 'C')),
@@ -77,8 +79,8 @@ BOUNDS = {
                      'tok_pr_q_head', 'tok_pr_k_head', 'tok_pr_qk'), (1, 'd')),
     'entropy': (0, 'log T'), 'entropy_norm': (0, 1),
     'qk_spec_norm': (0, 'qk_fro_norm'),   # ||M||_2 <= ||M||_F
-    # ||A - B||_F <= ||A||_F + ||B||_F; D_h(0) adds its own, so the drift needs the record of step 0:
-    # 'drift' is 2 + 2 qk_gram(0) / qk_gram
+    # ||A - B||_F <= ||A||_F + ||B||_F; D_h(0) adds its own, so the drift needs the record of step
+    # 0: 'drift' is 2 + 2 qk_gram(0) / qk_gram
     'qk_imbalance': (0, 2), 'qk_drift': (0, 'drift'),
     **dict.fromkeys(('qk_fro_norm', 'q_spec_norm', 'k_spec_norm', 'qk_gram', 'dq_rel', 'dk_rel'),
                     (0, float('inf'))),
@@ -99,13 +101,16 @@ def _first(mask):
 
 
 def _home(x):
-    """Where x is computed on: its device, but the CPU for numpy and for MPS (no float64, no eigvalsh there)."""
-    return torch.device("cpu") if not isinstance(x, torch.Tensor) or x.device.type == "mps" else x.device
+    """Where x is computed on: its device, but the CPU for numpy and for MPS (no float64, no
+    eigvalsh there)."""
+    if not isinstance(x, torch.Tensor) or x.device.type == "mps":
+        return torch.device("cpu")
+    return x.device
 
 
 def _as_f64(x, name, ndim=None, min_ndim=0, shape_hint="", dtype=torch.float64, device=None):
-    """x as a float64 tensor on device (default _home(x); dtype=None: its own float precision, float32 at
-    least); ValueError on the wrong number of dims or on NaN/Inf."""
+    """x as a float64 tensor on device (default _home(x); dtype=None: its own float precision,
+    float32 at least); ValueError on the wrong number of dims or on NaN/Inf."""
     device = device or _home(x)
     if not isinstance(x, torch.Tensor):
         x = torch.from_numpy(np.array(x))  # a copy: from_numpy rejects negative strides
@@ -122,9 +127,9 @@ def _as_f64(x, name, ndim=None, min_ndim=0, shape_hint="", dtype=torch.float64, 
 
 
 def _as_probs(att, **shape):
-    """Attention probabilities stay in their float precision (float32 at least): rows of a softmax sum
-    to 1 to ~1e-7 in float32, and a float64 copy of a (B, n_head, T, T) tensor would cost more than
-    every other metric together. Only the per-row entropies are taken on in float64."""
+    """Attention probabilities stay in their float precision (float32 at least): rows of a softmax
+    sum to 1 to ~1e-7 in float32, and a float64 copy of a (B, n_head, T, T) tensor would cost more
+    than every other metric together. Only the per-row entropies are taken on in float64."""
     return _as_f64(att, "att", dtype=None, **shape)
 
 
@@ -134,7 +139,8 @@ def _nonneg(x, name):
     if bad.any():
         idx = _first(bad)
         raise ValueError(f"{name} must be nonnegative: got {x[idx].item():.6g} at index {idx}, "
-                         f"beyond round-off (1e-12 * max|{name}|); clamp low-precision round-off first")
+                         f"beyond round-off (1e-12 * max|{name}|); "
+                         "clamp low-precision round-off first")
     return x.clamp(min=0)
 
 
@@ -160,7 +166,8 @@ def _head_dim(C, n_head):
     if isinstance(n_head, bool) or int(n_head) != n_head or n_head < 1:
         raise ValueError(f"n_head must be a positive integer, got {n_head!r}")
     if C % int(n_head):
-        raise ValueError(f"C={C} is not divisible by n_head={n_head}: each head owns d = C / n_head rows")
+        raise ValueError(f"C={C} is not divisible by n_head={n_head}: "
+                         "each head owns d = C / n_head rows")
     return C // int(n_head)
 
 
@@ -203,14 +210,16 @@ def _srank(s):
 
 def _interaction_sv(Wq_h, Wk_h):
     # (W_Q^h)^T W_K^h = Q_q R_q R_k^T Q_k^T with Q_q, Q_k orthonormal (C, d): the same singular
-    # values as the d x d core R_q R_k^T, even for rank-deficient heads (Householder Q stays orthonormal).
+    # values as the d x d core R_q R_k^T, even for rank-deficient heads (Householder Q stays
+    # orthonormal).
     R_q = torch.linalg.qr(Wq_h.mT, mode="r").R
     R_k = torch.linalg.qr(Wk_h.mT, mode="r").R
     return torch.linalg.svdvals(R_q @ R_k.mT)
 
 
 def _imbalance(Wq_h, Wk_h):
-    """D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T (n_head, d, d) and the mean Frobenius norm of the two Grams."""
+    """D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T (n_head, d, d) and the mean Frobenius norm of the two
+    Grams."""
     Gq, Gk = Wq_h @ Wq_h.mT, Wk_h @ Wk_h.mT
     return Gq - Gk, (Gq.norm(dim=(-2, -1)) + Gk.norm(dim=(-2, -1))) / 2
 
@@ -224,8 +233,9 @@ def _check_probs(att):
     sums = att.sum(-1)
     if ((sums - 1).abs() > ROW_SUM_ATOL).any():
         idx = _first((sums - 1).abs() > ROW_SUM_ATOL)
-        raise ValueError(f"att row {idx} sums to {sums[idx].item():.6g}, not 1 (tolerance {ROW_SUM_ATOL}); "
-                         "pass softmax probabilities after the causal mask and before dropout")
+        raise ValueError(f"att row {idx} sums to {sums[idx].item():.6g}, not 1 "
+                         f"(tolerance {ROW_SUM_ATOL}); pass softmax probabilities after the causal "
+                         "mask and before dropout")
     above = torch.triu(att, diagonal=1).sum(-1)
     if (above > ROW_SUM_ATOL).any():
         idx = _first(above > ROW_SUM_ATOL)
@@ -236,7 +246,8 @@ def _check_probs(att):
 def _check_att(att):
     T = att.shape[-1]
     if att.shape[-2] != T:
-        raise ValueError(f"att must be square in its last two dims (..., T, T), got shape {tuple(att.shape)}")
+        raise ValueError("att must be square in its last two dims (..., T, T), "
+                         f"got shape {tuple(att.shape)}")
     if T < 2:
         raise ValueError(f"att needs T >= 2 (row 0 has a single key and is left out), "
                          f"got shape {tuple(att.shape)}")
@@ -283,8 +294,9 @@ def matrix_pr(M, checked=True):
     """PR(M) = (sum s^2)^2 / sum s^4 over the singular values s of M (..., m, n).
 
     No SVD: with G the smaller Gram matrix, sum s^2 = tr(G) and sum s^4 = ||G||_F^2.
-    2-D -> float, batched -> tensor. Scale-invariant. Zero matrix -> 0.0. checked=False: M is a trusted
-    float64 tensor (as_float64) and the result a tensor where M is, with no check and no copy to the host.
+    2-D -> float, batched -> tensor. Scale-invariant. Zero matrix -> 0.0. checked=False: M is a
+    trusted float64 tensor (as_float64) and the result a tensor where M is, with no check and no
+    copy to the host.
     """
     return _ret(_matrix_pr(_as_f64(M, "M", min_ndim=2))) if checked else _matrix_pr(M)
 
@@ -323,7 +335,8 @@ def activation_pr(X):
     """
     X = _as_f64(X, "X", min_ndim=2, shape_hint=" (..., tokens, dims)")
     if X.shape[-2] < 2:
-        raise ValueError(f"X needs at least 2 tokens (rows) for a covariance, got shape {tuple(X.shape)}")
+        raise ValueError("X needs at least 2 tokens (rows) for a covariance, "
+                         f"got shape {tuple(X.shape)}")
     return _ret(_activation_pr(X))
 
 
@@ -332,7 +345,8 @@ def attention_entropy(att, normalized=False):
     att (..., T, T); returns (..., T-1) for rows i = 1..T-1 (row 0 has one key and is left out).
 
     normalized=True divides by log(i+1): 1 = uniform over keys j <= i, 0 = one-hot.
-    ValueError unless rows are nonnegative, causal and sum to 1 within ROW_SUM_ATOL (1e-2, for bf16).
+    ValueError unless rows are nonnegative, causal and sum to 1 within ROW_SUM_ATOL (1e-2, for
+    bf16).
     """
     return _entropy(_as_probs(att, min_ndim=2, shape_hint=" (..., T, T)"), normalized)
 
@@ -362,14 +376,17 @@ def layer_geometry(W_Q, W_K, n_head):
 
     Returns floats (lists of length n_head for *_heads):
       pr_q, pr_k                    PR of the full C x C matrices
-      pr_q_head, pr_k_head          mean over heads of PR(W^h), W^h (d, C); per head: pr_q_heads, pr_k_heads
-      pr_qk                         mean over heads of PR of the singular values of W_QK^h; pr_qk_heads
+      pr_q_head, pr_k_head          mean over heads of PR(W^h), W^h (d, C); per head: pr_q_heads,
+                                    pr_k_heads
+      pr_qk                         mean over heads of PR of the singular values of W_QK^h;
+                                    pr_qk_heads
       qk_spec_norm, qk_fro_norm     mean over heads of ||W_QK^h||_2, ||W_QK^h||_F; *_heads per head
       erank_q, erank_k              effective rank of W_Q, W_K
       srank_q, srank_k              stable rank of W_Q, W_K
       erank_qk                      mean over heads of the effective rank of W_QK^h
       q_spec_norm, k_spec_norm      mean over heads of ||W_Q^h||_2, ||W_K^h||_2; *_heads per head
-      qk_imbalance, qk_gram         mean over heads of ||D_h||_F / qk_gram and of qk_gram; *_heads per head
+      qk_imbalance, qk_gram         mean over heads of ||D_h||_F / qk_gram and of qk_gram; *_heads
+                                    per head
     """
     return host_values([_layer(*_qk_heads(W_Q, W_K, n_head)[:2], n_head)])[0]
 
@@ -389,11 +406,14 @@ def _layer(W_Q, W_K, n_head):
         "pr_q": _matrix_pr(W_Q), "pr_k": _matrix_pr(W_K),
         "pr_q_head": hq.mean(), "pr_k_head": hk.mean(), "pr_q_heads": hq, "pr_k_heads": hk,
         "pr_qk": pr_qk.mean(), "pr_qk_heads": pr_qk,
-        "qk_spec_norm": spec.mean(), "qk_fro_norm": fro.mean(), "qk_spec_norm_heads": spec, "qk_fro_norm_heads": fro,
+        "qk_spec_norm": spec.mean(), "qk_fro_norm": fro.mean(),
+        "qk_spec_norm_heads": spec, "qk_fro_norm_heads": fro,
         "erank_q": _erank(sq), "erank_k": _erank(sk), "srank_q": _srank(sq), "srank_k": _srank(sk),
         "erank_qk": _erank(s_qk).mean(),
-        "q_spec_norm": sq_h.mean(), "k_spec_norm": sk_h.mean(), "q_spec_norm_heads": sq_h, "k_spec_norm_heads": sk_h,
-        "qk_imbalance": rel.mean(), "qk_imbalance_heads": rel, "qk_gram": gram.mean(), "qk_gram_heads": gram,
+        "q_spec_norm": sq_h.mean(), "k_spec_norm": sk_h.mean(),
+        "q_spec_norm_heads": sq_h, "k_spec_norm_heads": sk_h,
+        "qk_imbalance": rel.mean(), "qk_imbalance_heads": rel,
+        "qk_gram": gram.mean(), "qk_gram_heads": gram,
     }
 
 
@@ -406,7 +426,8 @@ def learned_geometry(W_Q, W_K, W_Q0, W_K0, n_head):
                                     per head: pr_dq_heads, pr_dk_heads
       dq_rel, dk_rel                ||W - W(0)||_F / ||W(0)||_F
       qk_drift                      mean over heads of ||D_h - D_h(0)||_F / qk_gram; qk_drift_heads
-    W == W(0) gives PR 0.0 and rel 0.0; a zero W(0) gives rel 0.0. The difference is taken in float64.
+    W == W(0) gives PR 0.0 and rel 0.0; a zero W(0) gives rel 0.0. The difference is taken in
+    float64.
     """
     W_Q, W_K, _, _ = _qk_heads(W_Q, W_K, n_head)
     W_Q0 = _as_f64(W_Q0, "W_Q0", ndim=2, shape_hint=" (C, C) = (out, in)", device=W_Q.device)
@@ -426,8 +447,8 @@ def _learned(W_Q, W_K, W_Q0, W_K0, n_head):
     for name, W, W0 in (("q", W_Q, W_Q0), ("k", W_K, W_K0)):
         dW = W - W0
         heads = _matrix_pr(dW.reshape(-1, d, W.shape[1]))
-        out |= {f"pr_d{name}": _matrix_pr(dW), f"pr_d{name}_head": heads.mean(), f"pr_d{name}_heads": heads,
-                f"d{name}_rel": _div(dW.norm(), W0.norm())}
+        out |= {f"pr_d{name}": _matrix_pr(dW), f"pr_d{name}_head": heads.mean(),
+                f"pr_d{name}_heads": heads, f"d{name}_rel": _div(dW.norm(), W0.norm())}
     return out
 
 
@@ -435,28 +456,32 @@ def partial_correlation(x, y, z=None):
     """Pearson correlation of x and y (n,) with z held fixed: of the residuals of least-squares fits
     of x and y on [1, z], z (n,) or (n, k) (k controls); z=None is the plain correlation.
 
-    Pass ranks for the partial Spearman correlation. A float in [-1, 1]; NaN when there is nothing to
-    correlate (n < 3 + k, or x or y constant once z is taken out).
+    Pass ranks for the partial Spearman correlation. A float in [-1, 1]; NaN when there is nothing
+    to correlate (n < 3 + k, or x or y constant once z is taken out).
     """
     x = _as_f64(x, "x", ndim=1, shape_hint=" (n,)")
     y = _as_f64(y, "y", ndim=1, shape_hint=" (n,)")
     n = x.shape[0]
-    z = torch.zeros(n, 0, dtype=torch.float64) if z is None else _as_f64(z, "z", min_ndim=1, device="cpu")
+    if z is None:
+        z = torch.zeros(n, 0, dtype=torch.float64)
+    else:
+        z = _as_f64(z, "z", min_ndim=1, device="cpu")
     z = z[:, None] if z.ndim == 1 else z
     if y.shape[0] != n or z.ndim != 2 or z.shape[0] != n:
-        raise ValueError(f"x (n,), y (n,) and z (n,) or (n, k) must share n, got shapes {tuple(x.shape)}, "
-                         f"{tuple(y.shape)} and {tuple(z.shape)}")
+        raise ValueError("x (n,), y (n,) and z (n,) or (n, k) must share n, "
+                         f"got shapes {tuple(x.shape)}, {tuple(y.shape)} and {tuple(z.shape)}")
     if n < 3 + z.shape[1]:
         return float("nan")
     A = torch.cat([torch.ones(n, 1, dtype=torch.float64), _unit_scale(z - z.mean(0), (0,))], 1)
     xy = _unit_scale(torch.stack([x, y], 1), (0,))
-    # residuals: project out the column space of A, from its SVD so that a constant or collinear control
-    # (a rank-deficient A) takes out only the directions it has
+    # residuals: project out the column space of A, from its SVD so that a constant or collinear
+    # control (a rank-deficient A) takes out only the directions it has
     U, S, _ = torch.linalg.svd(A, full_matrices=False)
     U = U[:, S > S[0] * n * torch.finfo(torch.float64).eps]
     res = xy - U @ (U.mT @ xy)
     norms = res.norm(dim=0)
-    # a residual at round-off of the data is a series that z explains fully: nothing left to correlate
+    # a residual at round-off of the data is a series that z explains fully: nothing left to
+    # correlate
     if (norms <= 1e-12 * xy.norm(dim=0).clamp(min=1e-300)).any():
         return float("nan")
     return (res[:, 0] @ res[:, 1] / (norms[0] * norms[1])).clamp(-1, 1).item()
@@ -466,11 +491,14 @@ def token_geometry(q, k, att, n_head):
     """Token-level geometry of one attention layer on a batch.
 
     q, k: (B, T, C) query and key vectors, all heads concatenated (head h = channels h*d:(h+1)*d);
-    att: (B, n_head, T, T) causal attention probabilities. Returns floats (lists over heads for *_heads):
+    att: (B, n_head, T, T) causal attention probabilities. Returns floats (lists over heads for
+    *_heads):
       tok_pr_q, tok_pr_k            activation_pr over all B*T tokens pooled, all C dims
-      tok_pr_q_head, tok_pr_k_head  mean over heads of activation_pr of the head's d dims; *_heads per head
-      tok_pr_qk                     PR of the singular values of Q_h K_h^T / sqrt(d) (T x T, before the
-                                    mask), mean over heads and sequences; tok_pr_qk_heads: mean over sequences
+      tok_pr_q_head, tok_pr_k_head  mean over heads of activation_pr of the head's d dims; *_heads
+                                    per head
+      tok_pr_qk                     PR of the singular values of Q_h K_h^T / sqrt(d) (T x T, before
+                                    the mask), mean over heads and sequences; tok_pr_qk_heads: mean
+                                    over sequences
       entropy, entropy_norm         mean_attention_entropy (plain, normalized); *_heads per head
     tok_pr_qk uses d x d Grams, Gq = Q_h^T Q_h, Gk = K_h^T K_h, P = Gq Gk: sum s^2 = tr(P),
     sum s^4 = tr(P P) (the 1/sqrt(d) cancels), so there is no T x T SVD.
@@ -485,10 +513,11 @@ def token_geometry(q, k, att, n_head):
     nh = C // d
     att = _as_probs(att, ndim=4, shape_hint=" (B, n_head, T, T)", device=q.device)
     if att.shape != (B, nh, T, T):
-        raise ValueError(f"att must have shape (B, n_head, T, T) = {(B, nh, T, T)} to match q, k of shape "
-                         f"{(B, T, C)} and n_head={nh}, got {tuple(att.shape)}")
+        raise ValueError(f"att must have shape (B, n_head, T, T) = {(B, nh, T, T)} to match q, k "
+                         f"of shape {(B, T, C)} and n_head={nh}, got {tuple(att.shape)}")
     if B * T < 2:
-        raise ValueError(f"q, k need at least 2 tokens for a covariance, got shape {tuple(q.shape)}")
+        raise ValueError("q, k need at least 2 tokens for a covariance, "
+                         f"got shape {tuple(q.shape)}")
     _check_att(att)
     return host_values([_token(q, k, att, n_head)])[0]
 
@@ -497,7 +526,8 @@ def _token(q, k, att, n_head):
     B, T, C = q.shape
     nh = n_head
     d = C // nh
-    Qh, Kh = q.view(B, T, nh, d).transpose(1, 2), k.view(B, T, nh, d).transpose(1, 2)  # (B, nh, T, d)
+    # (B, nh, T, d)
+    Qh, Kh = q.view(B, T, nh, d).transpose(1, 2), k.view(B, T, nh, d).transpose(1, 2)
     hq = _activation_pr(Qh.transpose(0, 1).reshape(nh, B * T, d))
     hk = _activation_pr(Kh.transpose(0, 1).reshape(nh, B * T, d))
     Qs, Ks = _unit_scale(Qh, (-2, -1)), _unit_scale(Kh, (-2, -1))
@@ -506,8 +536,10 @@ def _token(q, k, att, n_head):
     H = _entropies(att)   # (B, nh, T-1)
     Hn = H / _log_keys(H)
     return {
-        "tok_pr_q": _activation_pr(q.reshape(B * T, C)), "tok_pr_k": _activation_pr(k.reshape(B * T, C)),
-        "tok_pr_q_head": hq.mean(), "tok_pr_k_head": hk.mean(), "tok_pr_q_heads": hq, "tok_pr_k_heads": hk,
+        "tok_pr_q": _activation_pr(q.reshape(B * T, C)),
+        "tok_pr_k": _activation_pr(k.reshape(B * T, C)),
+        "tok_pr_q_head": hq.mean(), "tok_pr_k_head": hk.mean(),
+        "tok_pr_q_heads": hq, "tok_pr_k_heads": hk,
         "tok_pr_qk": pr_qk.mean(), "tok_pr_qk_heads": pr_qk.mean(0),
         "entropy": H.mean(), "entropy_norm": Hn.mean(), "entropy_heads": H.mean((0, 2)),
         "entropy_norm_heads": Hn.mean((0, 2)),
@@ -515,35 +547,43 @@ def _token(q, k, att, n_head):
 
 
 # ----------------------------------------------------------------------------------------------
-# the training path: the same math on trusted tensors, where the model is, with no host copy until the end
+# the training path: the same math on trusted tensors, where the model is, with no host copy until
+# the end
 
 def as_float64(x):
-    """A tensor as float64 where it is (MPS: on the CPU), without the checks of the functions above."""
+    """A tensor as float64 where it is (MPS: on the CPU), without the checks of the functions
+    above."""
     return x.detach().to(device=_home(x), dtype=torch.float64)
 
 
 def record_tensors(W_Q, W_K, W_Q0, W_K0, q, k, att, n_head):
-    """layer_geometry, learned_geometry and token_geometry of one layer, as 0-D and 1-D float64 tensors where the
-    inputs are: trusted (no checks, which would each read a value on the host); host_values copies them."""
+    """layer_geometry, learned_geometry and token_geometry of one layer, as 0-D and 1-D float64
+    tensors where the inputs are: trusted (no checks, which would each read a value on the host);
+    host_values copies them."""
     W_Q, W_K, W_Q0, W_K0, q, k = map(as_float64, (W_Q, W_K, W_Q0, W_K0, q, k))
     att = att.detach().to(device=q.device, dtype=torch.promote_types(att.dtype, torch.float32))
-    return {**_layer(W_Q, W_K, n_head), **_learned(W_Q, W_K, W_Q0, W_K0, n_head), **_token(q, k, att, n_head)}
+    return {**_layer(W_Q, W_K, n_head), **_learned(W_Q, W_K, W_Q0, W_K0, n_head),
+            **_token(q, k, att, n_head)}
 
 
 def record(qk, qk0, probe, loss, n_head):
-    """A training record: (loss, one dict per layer of layer_geometry, learned_geometry and token_geometry), from the
-    weights and W(0) (a (W_Q, W_K) pair per layer), the (q, k, att) of each layer on the evaluation batch and its loss;
-    computed where they are and copied to the host at once. The layers are None if any input is not finite."""
+    """A training record: (loss, one dict per layer of layer_geometry, learned_geometry and
+    token_geometry), from the weights and W(0) (a (W_Q, W_K) pair per layer), the (q, k, att) of
+    each layer on the evaluation batch and its loss; computed where they are and copied to the host
+    at once. The layers are None if any input is not finite."""
     inputs = [(*w, *w0, *acts) for w, w0, acts in zip(qk, qk0, probe)]
-    finite = torch.stack([loss.isfinite()] + [torch.isfinite(t).all() for layer in inputs for t in layer]).all()
+    checks = [torch.isfinite(t).all() for layer in inputs for t in layer]
+    finite = torch.stack([loss.isfinite()] + checks).all()
     # zeros in place of a record that is not finite keep the linear algebra from failing on it
-    layers = [record_tensors(*(torch.where(finite, t, 0.0) for t in layer), n_head) for layer in inputs]
+    layers = [record_tensors(*(torch.where(finite, t, 0.0) for t in layer), n_head)
+              for layer in inputs]
     head, *layers = host_values([{"loss": loss, "finite": finite}, *layers])
     return head["loss"], layers if head["finite"] else None
 
 
 def host_values(rows):
-    """Dicts of 0-D and 1-D tensors (on one device) -> the same dicts of floats and lists, in one copy to the host."""
+    """Dicts of 0-D and 1-D tensors (on one device) -> the same dicts of floats and lists, in one
+    copy to the host."""
     flat = [v.detach().reshape(-1) for row in rows for v in row.values()]
     values = torch.cat([v.to(_home(v)).double() for v in flat]).tolist() if flat else []
     out, i = [], 0

@@ -2,13 +2,9 @@
 The figures: FIGURES, a list of Figure(file stem, fn(study, tables), the REPORT.md section it is
 shown in, title); fn returns a Figure or a list of them, or raises folders.Skip with its reason.
 Settings come in the study's order (of their values), each in a colour of its own, named as plain
-text (a '$' in a value is not mathtext); legends sit outside the data. fig4 alone reads snapshots/.
+text (a '$' in a value is not mathtext); legends sit outside the data.
 """
-import glob
 import io
-import itertools
-import os
-import re
 import textwrap
 from collections import namedtuple
 
@@ -17,13 +13,12 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure as Canvas
 
-import geometry
 import stats
 from folders import Skip, families, group, stack
 
 matplotlib.rcParams['axes.formatter.useoffset'] = False
 Figure = namedtuple('Figure', 'stem fn section title')
-PR, NON_DIGITS = 'participation ratio', r'\D'
+PR = 'participation ratio'
 WRAP = 40           # characters a line of a title or a legend entry
 LONG_NAME = 90      # a setting name longer: drawn as S1, S2, ..., listed under the figure
 
@@ -183,45 +178,15 @@ def entropy_and_pr(study, tables):
     return fig
 
 
-def spectra(study, tables):
-    reps = []
-    for name, runs in settings_of(study).items():
-        paths = sorted(glob.glob(f'{runs[0].path}/snapshots/qk_*.npz'))
-        if len(paths) > 1:
-            reps.append((name, runs[0], [paths[0], paths[-1]]))
-    if not reps:
-        raise Skip('no run kept snapshots/ (save_snapshots=False, or compact logs only)')
-    reps = reps[:3]
-    fig, grid = panels(3 * len(reps), 13 / 3, 3.3, 3)
-    for row, (name, run, paths) in zip(grid.reshape(-1, 3), reps):
-        i = run.n_layer // 2
-        for path, colour in zip(paths, ('tab:blue', 'tab:red')):
-            with np.load(path) as z:
-                q, k = z['q'][i], z['k'][i]
-                s_qk = geometry.interaction_singular_values(q, k, int(z['n_head'])).mean(0)
-            it = int(re.sub(NON_DIGITS, '', os.path.basename(path)))
-            values = (geometry.singular_values(q), geometry.singular_values(k), s_qk)
-            for ax, s, what in zip(row, values, ('W_Q', 'W_K', 'W_QK (head mean)')):
-                ax.semilogy(np.arange(1, len(s) + 1), np.maximum(s.numpy(), 1e-12), color=colour,
-                            label=f'iteration {it}')
-                ax.set(xlabel='index', ylabel='singular value')
-                ax.set_title(plain(f'{what}, {name}, layer {i}'), fontsize=9)
-        row[2].legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.02, 1))
-    return fig
-
-
 def dose_response(ax, study, keys, colours_of, key):
-    """Each seed pair at the change in key it achieved; each arm's mean, t interval: (xs, ys)."""
-    xs, ys = [], []
+    """Each seed pair at the change in key it achieved; each arm's mean, t interval."""
     for colour, k in zip(colours_of, keys):
         x = [c.final(key) - b.final(key) for c, b in study.arms[k]]
         y = [c.final('entropy') - b.final('entropy') for c, b in study.arms[k]]
         ax.scatter(x, y, color=colour, s=16)
-        xs, ys = xs + x, ys + y
         (mean_x, *_), (mean_y, lo, hi, _) = stats.t_interval(x), stats.t_interval(y)
         ax.errorbar([mean_x], [mean_y], yerr=np.nan_to_num([[mean_y - lo], [hi - mean_y]]), fmt='D',
                     color=colour, mec='k', capsize=4)
-    return xs, ys
 
 
 def control(study, tables):
@@ -230,7 +195,6 @@ def control(study, tables):
     if not fams:
         raise Skip('no controlled runs paired with a baseline')
     fig, grid = panels(3 * len(fams), 5, 4.2, 3)
-    fits = {(r['setting'], r['arm']): r for r in tables['control_dose_fit']}
     for axes, ((setting, rest), keys) in zip(grid.reshape(-1, 3), fams):
         key = f"pr_{dict(rest)['control_target']}_head"
         doses = colormaps['Blues'](np.linspace(0.45, 0.95, len(keys)))   # darker: a stronger dose
@@ -242,84 +206,45 @@ def control(study, tables):
             text = plain(f'{label} ({len(runs)})', 30)
             for ax, metric in zip(axes, (key, 'entropy')):
                 ax.plot(*mean_line(runs, metric), color=colour, label=text)
-        xs, ys = dose_response(axes[2], study, keys, doses, key)
-        fit = fits.get((study.label[setting], study.arm_name(rest)))
-        if fit and np.isfinite(fit['slope']):   # least squares passes through the points' mean
-            x0 = np.array([min(xs), max(xs)])
-            y0 = np.nanmean(ys) + fit['slope'] * (x0 - np.nanmean(xs))
-            axes[2].plot(x0, y0, 'k:', label='least sq.')
+        dose_response(axes[2], study, keys, doses, key)
         axes[2].axhline(0, color='k', lw=0.8)
         axes[2].set(xlabel=f'change in {key}', ylabel='change in final entropy (nats)',
                     title='controlled - baseline per seed pair;\narm mean, t interval')
         iteration_axis(axes[0], f'{key} (layer mean)', names[setting])
         iteration_axis(axes[1], 'attention entropy (nats, layer mean)')
-        handles = axes[0].get_legend_handles_labels()
-        extra = axes[2].get_legend_handles_labels()
-        axes[2].legend(handles[0] + extra[0], handles[1] + extra[1], fontsize=7, loc='upper left',
+        axes[2].legend(*axes[0].get_legend_handles_labels(), fontsize=7, loc='upper left',
                        bbox_to_anchor=(1.02, 1))
     return fig
 
 
 def trended(stat):
     """Whether REPORT.md and fig9 show a statistic's trends: claims and those tagged 'trend'."""
-    return hasattr(stat, 'sign') or 'trend' in getattr(stat, 'tables', ())
-
-
-def dodge(xs, j, n, log, span):
-    """xs shifted a little for the j-th of n lines: lines through equal values stay visible."""
-    step = j - (n - 1) / 2
-    return xs * 2 ** (0.08 * step) if log else xs + 0.025 * span * step
-
-
-def regime_panel(ax, lines, rows, at, axis, name):
-    """One statistic along one axis: each line of points (each point alone) with its intervals."""
-    ticks = sorted({c[axis] for c in at.values() if axis in c})
-    log = all(v > 0 for v in ticks)
-    span = (ticks[-1] - ticks[0]) or 1
-    marks = itertools.cycle(zip('os^Dv', ('-', '--', ':', '-.')))
-    for j, ((members, label), colour, (mark, style)) in enumerate(
-            zip(lines, colours(len(lines)), marks)):
-        est, lo, hi = (np.array([rows[p, name][k] for p in members]) for k in ('est', 'lo', 'hi'))
-        xs = dodge(np.array([at[p][axis] for p in members], float), j, len(lines), log, span)
-        ax.errorbar(xs, est, yerr=np.nan_to_num([est - lo, hi - est]), ms=4, marker=mark, capsize=2,
-                    ls=style, color=colour, label=label)
-    if log:
-        ax.set_xscale('log', base=2)
-    ax.set_xticks(ticks, [f'{v:g}' for v in ticks], minor=False)
-    ax.minorticks_off()
-    ax.legend(fontsize=6, loc='upper left', bbox_to_anchor=(1.02, 1))
+    return hasattr(stat, 'sign') or 'trend' in stat.tables
 
 
 def regime_points(study, tables):
-    """Each statistic with trends per point along each axis: a line per line of points, or alone."""
-    shown = {k for k, s in study.stats.items() if trended(s) and s.unit != 'pair'}
-    trends = [r for r in tables['regime_trend']
-              if r['position'] == 'all' and r['statistic'] in shown]
-    names = list(dict.fromkeys(r['statistic'] for r in trends))
-    axes = list(dict.fromkeys(r['axis'] for r in trends))
-    if not names:
-        raise Skip('no numeric setting with two points on a line')
-    names_of = setting_names(study)[0]
-    order = {study.label[s]: i for i, s in enumerate(names_of)}
-    shown_as = {study.label[s]: name for s, name in names_of.items()}
-    at = {study.label[r.setting]: r.settings for r in study.runs}
-    rows = {(r['point'], r['statistic']): r
-            for r in tables['regime_rows'] if r['position'] == 'all'}
-    figs = []
-    for chunk in (names[i:i + 4] for i in range(0, len(names), 4)):
-        fig, grid = panels(len(chunk) * len(axes), 5.2, 3.2, len(axes))
-        for ax, (name, axis) in zip(grid, itertools.product(chunk, axes)):
-            mine = [r for r in trends if (r['statistic'], r['axis']) == (name, axis)]
-            lines = [(r['members'].split(' | '), plain(r['line'], 30)) for r in mine]
-            on = ' | '.join(r['members'] for r in trends if r['statistic'] == name).split(' | ')
-            for p in sorted(at, key=order.get):
-                if (p, name) in rows and p not in on and f'{axis}=' in p:
-                    lines.append(([p], shown_as[p]))
-            lines.sort(key=lambda line: order[line[0][0]])
-            regime_panel(ax, lines, rows, at, axis, name)
-            s = study.stats[name]
+    """Each trended statistic at every regime point, in the study's order."""
+    keys = [k for k, s in study.stats.items() if trended(s)]
+    rows = group([r for r in tables['regime'] if r['statistic'] in keys and r['n']],
+                 lambda r: r['statistic'])
+    if not rows:
+        raise Skip('the regime compares two or more uncontrolled settings')
+    names = {study.label[s]: name for s, name in setting_names(study)[0].items()}
+    figs, keys = [], list(rows)
+    for chunk in (keys[i:i + 4] for i in range(0, len(keys), 4)):
+        points = max(len(rows[key]) for key in chunk)
+        fig, axes = panels(len(chunk), 6, 1.2 + 0.3 * points, 2)
+        for ax, key in zip(axes, chunk):
+            est, lo, hi = (np.array([r[k] for r in rows[key]]) for k in ('est', 'lo', 'hi'))
+            y = np.arange(len(est))
+            ax.errorbar(est, y, xerr=np.nan_to_num([est - lo, hi - est]), fmt='o', capsize=3)
+            ax.set_yticks(y, [names[r['point']] for r in rows[key]], fontsize=7)
+            ax.invert_yaxis()   # the first point on top
+            s = study.stats[key]
+            if hasattr(s, 'sign'):
+                ax.axvline(s.ref, color='k', lw=0.8)
             share = ': share of trajectories' if s.unit == 'trajectory' else ''
-            ax.set(xlabel=axis, ylabel=name + share)
+            ax.set_xlabel(key + share)
             ax.set_title(textwrap.fill(getattr(s, 'text', '') or s.stat, 48), fontsize=9)
         figs.append(fig)
     return figs
@@ -356,13 +281,10 @@ FIGURES = [
     Figure('fig3_entropy_and_pr', entropy_and_pr, 'Descriptive statistics',
            'Attention entropy over training; PR_K and PR_QK against entropy; entropy against the '
            'logit scale, coloured by PR_K'),
-    Figure('fig4_spectra', spectra, 'Trajectories',
-           'Singular values of W_Q, W_K and W_QK at the first and last snapshot'),
     Figure('fig5_control', control, 'Control experiment',
            'The controlled PR and the entropy over training per arm family; the dose response'),
     Figure('fig9_regime', regime_points, 'Regime',
-           'Each statistic per regime point (all layers): estimate and 95% interval (lines a '
-           'little apart where points share a value)'),
+           'Each statistic per regime point (all layers): estimate and 95% interval'),
     Figure('fig10_imbalance', imbalance, 'Queries, keys and the optimizer',
            'The Q/K imbalance and its drift from the init over training (equal where D_h starts at '
            '0); the per-head PR gap against the imbalance'),

@@ -30,9 +30,9 @@ SECTIONS = {   # title: (what it says, why it can be empty); its tables follow, 
         'Final values, controlled - baseline (the none run of its other settings, seed).',
         'no controlled run has a control=none run with the same other settings and seed'),
     'Regime': (
-        'Each statistic per point (uncontrolled setting), all layers (regime.md: per position); '
-        'trends along a setting, the rest fixed: slope per doubling (per unit if a value is 0), '
-        "lack of fit (p < 0.05: not a line), Spearman's rho. Nothing is extrapolated.",
+        'Each statistic per point (uncontrolled setting), all layers; trends along a setting, the '
+        'rest fixed: slope per doubling (per unit if a value is 0), lack of fit (p < 0.05: not a '
+        "line), Spearman's rho. Nothing is extrapolated.",
         'the regime compares two or more uncontrolled settings'),
     'Queries, keys and the optimizer': (
         'D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is conserved under gradient flow (geometry.py); '
@@ -164,8 +164,7 @@ def write(study, tables, claims, registry, figure_notes, files, refs):
               folders.markdown(rows, list(rows[0]) if rows else ['claim']), '### Rules', '']
     in_table = {r['key'] for r in tables['claims']}
     lines += [f'- {rule(c, refs)}.' for c in claims if c.key in in_table]
-    lines += ['- (d) is judged at the strongest shrink dose whose per-head PR_K change lies below '
-              "-20% of the baseline's.", '']
+    lines += ['']
     lines += sections(study, tables, registry, files, figure_notes)
     lines += ['## Settings', '', 'Seeds of one setting share every config.json key but '
               f'{", ".join(folders.BOOKKEEPING)} (and the control keys their control kind '
@@ -228,9 +227,8 @@ def control_lines(tables):
 
 
 def by_point(tables, keep=None):
-    """The regime rows of all layers: a row per statistic (those in keep), a column per point."""
-    rows = [r for r in tables['regime_rows']
-            if r['position'] == 'all' and (keep is None or r['statistic'] in keep)]
+    """The regime rows: a row per statistic (those in keep), a column per point."""
+    rows = [r for r in tables['regime'] if keep is None or r['statistic'] in keep]
     points = list(dict.fromkeys(r['point'] for r in rows))
     measured = {r['statistic'] for r in rows if r['n']}
     pivot = {}
@@ -243,21 +241,15 @@ def by_point(tables, keep=None):
     return folders.markdown(order, ['statistic'] + points)
 
 
-def interval(row, key='slope', low='lo', high='hi'):
-    """'+0.1 [-0.2, +0.4]' of a trend row's estimate and its interval."""
-    return f'{signed(row[key])} [{signed(row[low])}, {signed(row[high])}]'
-
-
 def regime_lines(tables, registry):
     if not tables['regime']:
         return []
     trends = []
-    for r in tables['regime_trend']:
-        if r['position'] == 'all' and plots.trended(registry.get(r['statistic'].split(' [')[0])):
-            row = {k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading')}
-            row.update(verdicts=r['verdicts'], slope=interval(r),
-                       Spearman=interval(r, 'rho', 'rho_lo', 'rho_hi'))
-            trends.append(row)
+    for r in (r for r in tables['regime_trend'] if plots.trended(registry[r['statistic']])):
+        row = {k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading', 'verdicts')}
+        row['slope'] = f"{signed(r['slope'])} [{signed(r['lo'])}, {signed(r['hi'])}]"
+        row['Spearman'] = f"{signed(r['rho'])} [{signed(r['rho_lo'])}, {signed(r['rho_hi'])}]"
+        trends.append(row)
     table = folders.markdown(trends) if trends else 'No numeric setting with two points on a line.'
     return [by_point(tables), '### Trends', '', table]
 

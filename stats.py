@@ -29,7 +29,7 @@ import numpy as np
 
 LEVEL = 0.95
 ALPHA = 0.05
-Z = 1.959963984540054      # the 0.975 quantile of the standard normal (Wilson at LEVEL)
+Z = 1.959963984540054      # the 0.975 quantile of the standard normal (trend's rho)
 FLOOR_SHARE = 0.8          # share: seeds spread at least as binomial sampling at this share
 
 
@@ -60,16 +60,19 @@ def betainc(a, b, x):
     return front * (f - 1)
 
 
+def t_sf(t, df):
+    """P(T > t) for Student's t with df degrees of freedom: I_{df/(df+t^2)}(df/2, 1/2) / 2."""
+    tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))
+    return tail if t > 0 else 1 - tail
+
+
 @functools.lru_cache(maxsize=None)
 def t_quantile(p, df):
-    """The p-quantile (p > 0.5) of t: bisection of P(T > t) = I_{df/(df+t^2)}(df/2, 1/2) / 2."""
-    if df == math.inf:
-        return Z if p == 0.975 else t_quantile(p, 1e9)
+    """The p-quantile (p > 0.5) of Student's t: bisection of t_sf."""
     lo, hi = 0.0, 1e4
     for _ in range(100):
         mid = (lo + hi) / 2
-        below = 1 - 0.5 * betainc(df / 2, 0.5, df / (df + mid * mid)) < p
-        lo, hi = (mid, hi) if below else (lo, mid)
+        lo, hi = (mid, hi) if 1 - t_sf(mid, df) < p else (lo, mid)
     return (lo + hi) / 2
 
 
@@ -86,14 +89,6 @@ def nanmean(a, axis=None):
     with np.errstate(invalid='ignore', divide='ignore'):
         m = np.where(np.isfinite(a), a, 0).sum(axis) / n
     return float(m) if np.ndim(m) == 0 else np.where(n > 0, m, np.nan)
-
-
-def t_sf(t, df):
-    """P(T > t) for Student's t with df degrees of freedom (df = inf: the standard normal)."""
-    if df == math.inf:
-        return 0.5 * math.erfc(t / math.sqrt(2))
-    tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))
-    return tail if t > 0 else 1 - tail
 
 
 def t_interval(values):
@@ -209,12 +204,13 @@ def spearman(x, y):
     return float(spearman_rows(x[ok], y[ok])) if ok.sum() >= 3 else math.nan
 
 
-def trend(x, y, point):
-    """The line and monotone statistic of y on x over units grouped by point (the module's rule)."""
-    x, y, point = np.asarray(x, dtype=float), np.asarray(y, dtype=float), np.asarray(point)
-    ok = np.isfinite(x) & np.isfinite(y)
-    x, y, point = x[ok], y[ok], point[ok]
-    P, N = len(np.unique(point)), len(y)
+def trend(xs, units):
+    """The line and monotone statistic over the points of a line (the module's rule): units[i],
+    the values at xs[i]; NaN where a part needs more points or units."""
+    counts = [len(u) for u in units]
+    x = np.repeat(np.asarray(xs, dtype=float), counts)
+    y = np.concatenate([np.asarray(u, dtype=float) for u in units])
+    P, N = len(units), len(y)
     out = dict.fromkeys(('slope', 'lo', 'hi', 'lof_p', 'rho', 'rho_lo', 'rho_hi'), math.nan)
     out.update(n=N, points=P)
     if P < 2 or np.ptp(x) == 0:
@@ -226,7 +222,7 @@ def trend(x, y, point):
     if N > 2:
         half = t_quantile(0.5 + LEVEL / 2, N - 2) * math.sqrt((resid @ resid) / (N - 2) / (xc @ xc))
         out.update(lo=slope - half, hi=slope + half)
-    pure = sum(float(((y[point == p] - y[point == p].mean()) ** 2).sum()) for p in np.unique(point))
+    pure = sum(float(((u - u.mean()) ** 2).sum()) for u in np.split(y, np.cumsum(counts)[:-1]))
     lof = float(resid @ resid) - pure
     if P > 2 and N > P and pure > 0:
         out['lof_p'] = f_sf((lof / (P - 2)) / (pure / (N - P)), P - 2, N - P)
@@ -235,8 +231,7 @@ def trend(x, y, point):
     rho = spearman(x, y)
     half = Z * math.sqrt(1.06 / (N - 3)) if N > 3 else math.nan
     z = math.atanh(min(max(rho, -1 + 1e-12), 1 - 1e-12))
-    lo, hi = (math.tanh(z + h) for h in (-half, half))
-    out.update(rho=rho, rho_lo=lo, rho_hi=hi)
+    out.update(rho=rho, rho_lo=math.tanh(z - half), rho_hi=math.tanh(z + half))
     return out
 
 

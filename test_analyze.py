@@ -110,9 +110,9 @@ def test_a_bfloat16_seed_is_a_setting_of_its_own_and_the_report_names_dtype(tmp_
     write_run(str(tmp_path / 'runs'), 'run_s4', seed=4, dtype='bfloat16')
     s = run([tmp_path / 'runs'], tmp_path / 'out')
     assert sorted(s.label.values()) == ['base', 'dtype=bfloat16']
-    rows = [r for r in s.tables['regime_rows'] if r['statistic'] == 'b' and r['position'] == 'all']
+    rows = [r for r in s.tables['regime'] if r['statistic'] == 'b']
     assert sorted((r['point'], r['seeds']) for r in rows) == [('base', 3), ('dtype=bfloat16', 1)]
-    assert {r['point'] for r in s.tables['regime_rows']} == {'base', 'dtype=bfloat16'}
+    assert {r['point'] for r in s.tables['regime']} == {'base', 'dtype=bfloat16'}
     report = (tmp_path / 'out' / 'REPORT.md').read_text()
     assert 'in 2 settings that differ in dtype' in report
     assert claim(s, 'c')['n'] == 4 and 'in 2 settings' in claim(s, 'c')['scope']

@@ -44,3 +44,4 @@ def test_each_printed_rule_puts_holds_on_the_side_where_its_claim_holds():
         sides = [side for side, sign in (('above', 1), ('below', -1)) if analyze.judge(
             claim, [claim.ref + sign * x for x in (0.5, 0.55, 0.45)])['verdict'] == 'holds']
         assert sides and f'holds if it lies {sides[0]} {claim.ref:g}' in report.rule(claim, analyze.REFERENCES)
+    assert f"below {analyze.WELL_BELOW:.0%} of the baseline's" in report.rule(analyze.ALL['d'], analyze.REFERENCES)

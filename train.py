@@ -31,6 +31,7 @@ import control as spectrum_control  # "control" is also a config key
 import geometry
 import prepare
 import runfolder
+from folders import model_ckpt_iters   # the analysis reads the same schedule
 
 # -----------------------------------------------------------------------------
 # config: module globals, overridden by config files and then --key=value
@@ -266,14 +267,6 @@ def get_lr(it, cfg):
         return cfg['min_lr']
     ratio = (it - cfg['warmup_iters']) / (decay_iters - cfg['warmup_iters'])  # > 0 here
     return cfg['min_lr'] + 0.5 * (1 + math.cos(math.pi * ratio)) * (cfg['lr'] - cfg['min_lr'])
-
-
-def model_ckpt_iters(cfg):
-    """0, then model_ckpts - 1 iterations log-spaced from max_iters down to the end of warm-up."""
-    n, m = cfg['model_ckpts'], cfg['max_iters']
-    if n < 2 or m < 1:
-        return {0} if n else set()
-    return {0} | set(np.geomspace(m, min(max(1, cfg['warmup_iters']), m), n - 1).round().astype(int).tolist())
 
 
 def loss_iters(cfg):
