@@ -22,15 +22,11 @@ def make_text(n_chars, seed=0):
 
 
 @pytest.fixture(autouse=True, scope='session')
-def private_cache(tmp_path_factory):
-    """Every data cache the tests build, in subprocesses too, goes to a temporary folder, not ~/.cache/qkgeom."""
+def test_process(tmp_path_factory):
+    """Every data cache the tests build, in subprocesses too, in a temporary folder, not ~/.cache/qkgeom; torch
+    on one CPU thread (on the tests' small tensors a second thread mostly waits: on two busy cores the Q/K
+    trainings of test_geometry.py take 30 times longer with two)."""
     os.environ['QKGEOM_CACHE'] = str(tmp_path_factory.mktemp('cache'))
-
-
-@pytest.fixture(autouse=True, scope='session')
-def one_thread():
-    """torch on one CPU thread in the test process: on the tests' small tensors a second thread mostly waits
-    (on two busy cores the Q/K trainings of test_geometry.py take 30 times longer with two)."""
     import torch
     torch.set_num_threads(1)
 

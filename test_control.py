@@ -31,8 +31,7 @@ def reachable_pr(s):
 def ctl_cfg(**overrides):
     cfg = dict(control='shrink', control_target='k', control_scope='head', control_layers='', shrink_to=0.5,
                shrink_iters=10, control_interval=1, control_keep='fro', n_head=4)
-    cfg.update(overrides)
-    return cfg
+    return {**cfg, **overrides}
 
 
 def make_qk(n_layer=3, C=32, seed=0, dtype=torch.float32):
@@ -40,10 +39,6 @@ def make_qk(n_layer=3, C=32, seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     return [(torch.nn.Linear(C, C, bias=False).to(dtype).weight, torch.nn.Linear(C, C, bias=False).to(dtype).weight)
             for _ in range(n_layer)]
-
-
-def snapshot(qk):
-    return [(wq.detach().clone(), wk.detach().clone()) for wq, wk in qk]
 
 
 def pr(s):
@@ -180,20 +175,15 @@ def test_apply_spec_keeps_each_blocks_top_singular_value_and_only_the_scale_diff
 
 # ----------------------------------------------------------------------------- the schedules
 
-def test_shrink_schedule_falls_linearly_then_stays():
+def test_shrink_falls_linearly_then_stays_freeze_is_constant_and_none_has_no_target():
     cfg = ctl_cfg(shrink_to=0.25, shrink_iters=100)
     assert control.target_pr(8.0, cfg, 0) == 8.0
-    assert control.target_pr(8.0, cfg, 50) == pytest.approx(5.0)
-    assert control.target_pr(8.0, cfg, 100) == pytest.approx(2.0)
-    assert control.target_pr(8.0, cfg, 10_000) == pytest.approx(2.0)
+    for step, want in ((50, 5.0), (100, 2.0), (10_000, 2.0)):
+        assert control.target_pr(8.0, cfg, step) == pytest.approx(want)
     assert control.target_pr([[8.0, 4.0]], cfg, 100)[0] == pytest.approx([2.0, 1.0])
     assert torch.allclose(control.target_pr(torch.tensor([8.0, 4.0]), cfg, 100), torch.tensor([2.0, 1.0]))
     assert control.target_pr(8.0, ctl_cfg(shrink_to=0.25, shrink_iters=0), 0) == pytest.approx(2.0)
-
-
-def test_freeze_schedule_is_constant_and_none_has_no_target():
-    for step in (0, 1, 10 ** 6):
-        assert control.target_pr(8.0, ctl_cfg(control='freeze'), step) == 8.0
+    assert [control.target_pr(8.0, ctl_cfg(control='freeze'), step) for step in (0, 1, 10 ** 6)] == [8.0] * 3
     with pytest.raises(ValueError, match='no target'):
         control.target_pr(8.0, ctl_cfg(control='none'), 1)
 
@@ -274,7 +264,7 @@ def test_apply_keeps_singular_vectors_and_norm_float64():
     (dict(control_layers='1'), [(False, False), (False, True), (False, False)])])
 def test_control_moves_only_its_target_in_its_layers_and_reports_those(overrides, moved):
     qk = make_qk()
-    before = snapshot(qk)
+    before = [(wq.detach().clone(), wk.detach().clone()) for wq, wk in qk]
     cfg = ctl_cfg(shrink_iters=1, **overrides)
     state = control.record(cfg, qk)
     for step in range(1, 4):
