@@ -145,12 +145,10 @@ def read_records(path, last, notes):
         if type(it) is int and after < it <= last:
             found.append(rec)
             continue
+        cut = i == lines[-1][0]
+        why = 'is cut short (a kill while it was written?)' if cut else 'is not a record'
         if type(it) is int:   # train.py trims its log to the checkpoint it resumes from
             why = f'has iteration {it}, not after {after} and up to done.json\'s {last}'
-        else:
-            why = 'is not a record'
-            if i == lines[-1][0]:
-                why = 'is cut short (a kill while it was written?)'
         notes.append(f'metrics line {i} {why}: left out')
     return found
 
