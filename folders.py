@@ -403,14 +403,11 @@ def labels(dicts, keys, reference=None):
 
 
 # ---- tables and the output folder
-def cell(v):
-    return '' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v).replace('|', '\\|')
-
-
 def markdown(rows, columns=None, missing=None):
     """A markdown table of rows (dicts); a cell a row lacks shows missing."""
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
-    line = lambda values: '| ' + ' | '.join(map(cell, values)) + ' |'
+    cell = lambda v: '' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v)
+    line = lambda values: '| ' + ' | '.join(cell(v).replace('|', '\\|') for v in values) + ' |'
     lines = [line(columns), '|' + ' --- |' * len(columns)]
     for r in rows:
         lines.append(line(r.get(c, missing) for c in columns))
