@@ -178,8 +178,7 @@ def correlation(x, y, scope='heads', kind='spearman', changes=False):
             return math.nan
         keep = run.iters >= start(run, view, list(range(run.n_layer)))
         if scope == 'time':
-            kept = [v[keep] for v in vals]
-            kept = [np.diff(v, axis=0) if changes else v for v in kept]
+            kept = [np.diff(v[keep], axis=0) if changes else v[keep] for v in vals]
             return nanmean(corr(*(v.T for v in kept)))
         key = (x, y, kind, changes, view.lens)
         if key not in run.memo:   # every window of the run reads the same per-record correlations
@@ -255,7 +254,6 @@ def token_link(run, view):
 
 
 # ---------------------------------------------------------------------------------- the registries
-UNBOUNDED = (-math.inf, math.inf)
 CORRELATION = (-1.0, 1.0)
 
 
@@ -270,7 +268,7 @@ class Stat:
     tables: tuple = ()          # map, regime, trend (REPORT.md, fig9), optimizer, control
     control: str = ''           # a pair's control kind ('': any)
     log: bool = False           # fn gives logs; intervals, ref and margin are shown as their exp
-    limits: tuple = UNBOUNDED   # an interval is clipped to these (a correlation: CORRELATION)
+    limits: tuple = (-math.inf, math.inf)   # intervals are clipped to these (CORRELATION)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -752,9 +750,8 @@ def runs_rows(study):
              'train_loss': r.final_loss('train_loss'), 'val_loss': r.final_loss('val_loss'),
              'wall_time': r.done.get('wall_time'), 'notes': len(r.notes), 'path': r.path}
             for r in study.runs]
-    skipped = [{'run': os.path.basename(p), 'path': p, 'notes': f'skipped: {why}'}
-               for p, why in study.skipped]
-    return rows + skipped
+    return rows + [{'run': os.path.basename(p), 'path': p, 'notes': f'skipped: {why}'}
+                   for p, why in study.skipped]
 
 
 def setting_rows(study):
