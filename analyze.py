@@ -178,8 +178,7 @@ def correlation(x, y, scope='heads', kind='spearman', changes=False):
             return math.nan
         keep = run.iters >= start(run, view, list(range(run.n_layer)))
         if scope == 'time':
-            kept = [v[keep] for v in vals]
-            kept = [np.diff(v, axis=0) if changes else v for v in kept]
+            kept = [np.diff(v[keep], axis=0) if changes else v[keep] for v in vals]
             return nanmean(corr(*(v.T for v in kept)))
         key = (x, y, kind, changes, view.lens)
         if key not in run.memo:   # every window of the run reads the same per-record correlations
@@ -219,10 +218,7 @@ def change(key, how='difference'):
     per-head PR), controlled against baseline: difference, relative change or log ratio."""
     def fn(pair, view):
         name = f'pr_{pair[0].cfg["control_target"]}_head' if key == 'pr_ctl_head' else key
-        if name.endswith('_loss'):
-            a, b = (r.final_loss(name) for r in pair)
-        else:
-            a, b = (r.final(name) for r in pair)
+        a, b = (r.final_loss(name) if name.endswith('_loss') else r.final(name) for r in pair)
         if how == 'difference':
             return a - b
         if not (a > 0 and b > 0):
@@ -258,7 +254,6 @@ def token_link(run, view):
 
 
 # ---------------------------------------------------------------------------------- the registries
-UNBOUNDED = (-math.inf, math.inf)
 CORRELATION = (-1.0, 1.0)
 
 
@@ -273,7 +268,7 @@ class Stat:
     tables: tuple = ()          # map, regime, trend (REPORT.md, fig9), optimizer, control
     control: str = ''           # a pair's control kind ('': any)
     log: bool = False           # fn gives logs; intervals, ref and margin are shown as their exp
-    limits: tuple = UNBOUNDED   # an interval is clipped to these (a correlation: CORRELATION)
+    limits: tuple = (-math.inf, math.inf)   # intervals are clipped to these (CORRELATION)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -468,8 +463,14 @@ def shares(signs):
 
 def decide(claim, res):
     """The verdict, why it could not decide, and the two-sided p of the interval's test."""
-    if claim.unit == 'trajectory':
-        return decide_share(claim, res)
+    if claim.unit == 'trajectory':   # holds, reversed (the mirror holds), fails (neither can)
+        word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, 0,
+                                  f"{res['seeds']} seeds", (res['mirror_lo'], res['mirror_hi']))
+        p = lambda x, side: stats.p_value(res[f'{x}est'], claim.ref, res[f'{x}se_{side}'],
+                                          res['df'])
+        found = {'holds': p('', 'lo'), 'reversed': p('mirror_', 'lo'),
+                 'fails': max(p('', 'hi'), p('mirror_', 'hi'))}
+        return {'verdict': word, 'why': why, 'p': found.get(word, 1.0)}
     to_value = np.exp if claim.log else float
     word, why = stats.verdict(to_value(res['lo']), to_value(res['hi']), claim.sign, claim.ref,
                               claim.margin, res['n'])
@@ -487,24 +488,9 @@ def decide(claim, res):
     return {'verdict': word, 'why': why, 'p': min(p, 1.0)}
 
 
-def decide_share(claim, res):
-    """A share claim: holds, reversed (the mirror holds), fails (neither can), else undecided."""
-    word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, 0,
-                              f"{res['seeds']} seeds", (res['mirror_lo'], res['mirror_hi']))
-    p = lambda x, side: stats.p_value(res[f'{x}est'], claim.ref, res[f'{x}se_{side}'], res['df'])
-    found = {'holds': p('', 'lo'), 'reversed': p('mirror_', 'lo'),
-             'fails': max(p('', 'hi'), p('mirror_', 'hi'))}
-    return {'verdict': word, 'why': why, 'p': found.get(word, 1.0)}
-
-
 # -------------------------------------------------------------------------------------- groupings
 def uncontrolled(runs):
     return [r for r in runs if r.control == 'none' and not r.pretrained]
-
-
-def decayed(run):
-    """Whether weight decay reaches W_Q and W_K."""
-    return bool(run.cfg['decay_qk'] and run.cfg['weight_decay'] > 0)
 
 
 def arms(runs, rank):
@@ -549,7 +535,7 @@ def robustness_cells(study):
     """The map: each map statistic in every lens x window over the uncontrolled runs; claims in
     their own view per weight decay on W_Q, W_K; (d), (e) per deciding arm and keep."""
     pool, cells = uncontrolled(study.runs), []
-    split = group(pool, decayed)
+    split = group(pool, lambda r: bool(r.cfg['decay_qk'] and r.cfg['weight_decay'] > 0))
     for s in (s for s in CLAIMS + STATS if s.unit in ('trajectory', 'seed') and 'map' in s.tables):
         views = [(lens, window, 'pooled', pool) for lens, window in product(s.lenses, WINDOWS)]
         if isinstance(s, Claim) and len(split) > 1:
@@ -764,9 +750,8 @@ def runs_rows(study):
              'train_loss': r.final_loss('train_loss'), 'val_loss': r.final_loss('val_loss'),
              'wall_time': r.done.get('wall_time'), 'notes': len(r.notes), 'path': r.path}
             for r in study.runs]
-    skipped = [{'run': os.path.basename(p), 'path': p, 'notes': f'skipped: {why}'}
-               for p, why in study.skipped]
-    return rows + skipped
+    return rows + [{'run': os.path.basename(p), 'path': p, 'notes': f'skipped: {why}'}
+                   for p, why in study.skipped]
 
 
 def setting_rows(study):

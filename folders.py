@@ -145,51 +145,37 @@ def read_records(path, last, notes):
         if type(it) is int and after < it <= last:
             found.append(rec)
             continue
+        cut = i == lines[-1][0]
+        why = 'is cut short (a kill while it was written?)' if cut else 'is not a record'
         if type(it) is int:   # train.py trims its log to the checkpoint it resumes from
             why = f'has iteration {it}, not after {after} and up to done.json\'s {last}'
-        else:
-            why = 'is not a record'
-            if i == lines[-1][0]:
-                why = 'is cut short (a kill while it was written?)'
         notes.append(f'metrics line {i} {why}: left out')
     return found
 
 
-def config_fault(cfg):
-    """Why a config.json cannot be read as a run (or a pretrained series), or ''."""
+def check_config(cfg):
+    """Skip naming why a config.json cannot be read as a run (or a pretrained series)."""
     if not isinstance(cfg, dict):
-        return 'config.json is not a JSON object'
+        raise Skip('config.json is not a JSON object')
     series = cfg.get('pretrained') is True
     for kind, keys in (SERIES_REQUIRED if series else REQUIRED).items():
         for key in keys:
             if key not in cfg:
-                return f'config.json lacks {key}'
+                raise Skip(f'config.json lacks {key}')
             if type(cfg[key]) not in kind:
                 what = 'number' if kind == NUMBER else kind[0].__name__
-                return f'config.json has {key}={cfg[key]!r}, not a {what}'
+                raise Skip(f'config.json has {key}={cfg[key]!r}, not a {what}')
     wrong = [(k, 'not a finite number') for k, v in cfg.items()
              if type(v) is float and not math.isfinite(v)]
     wrong += [(k, 'not a count of at least 1') for k in SIZES if cfg[k] < 1]
     wrong += [(k, 'negative') for k in ('max_iters', 'warmup_iters') if cfg.get(k, 0) < 0]
     if not series and cfg['control'] not in KINDS:
         wrong.append(('control', f"not one of {', '.join(KINDS)}"))
+    if not wrong and cfg['n_embd'] % cfg['n_head']:   # n_head is at least 1 here
+        wrong.append(('n_embd', f"not a multiple of n_head={cfg['n_head']}"))
     if wrong:
         key, why = wrong[0]
-        return f'config.json has {key}={cfg[key]!r}, {why}'
-    if cfg['n_embd'] % cfg['n_head']:
-        return f"config.json has n_embd={cfg['n_embd']}, not a multiple of n_head={cfg['n_head']}"
-    return ''
-
-
-def read_done(path, cfg):
-    """done.json, whose iteration is the last a finished run logged, or Skip."""
-    done = read_json(f'{path}/done.json')
-    it = done.get('iter') if isinstance(done, dict) else None
-    if type(it) is not int or it < 0:
-        raise Skip(f'done.json has iter={it!r}, not an iteration')
-    if it != cfg.get('max_iters', it):
-        raise Skip(f"done.json is at iteration {it}, config.json has max_iters={cfg['max_iters']}")
-    return done
+        raise Skip(f'config.json has {key}={cfg[key]!r}, {why}')
 
 
 def record_fault(rec, n_layer, n_head):
@@ -230,51 +216,43 @@ def layer_arrays(geo, n_layer):
     return out
 
 
-def high(name, key, m, iters, cfg):
-    """(bound, the logged key it comes from or '') of a BOUNDS high for key's values."""
-    heads, C = key.endswith('_heads'), cfg['n_embd']
+def bounds(key, m, iters, cfg):
+    """(low, high, the logged key high comes from or '') of key's values by geometry.BOUNDS; a key
+    not there may be any finite number."""
+    base, heads, C = key.removesuffix('_heads'), key.endswith('_heads'), cfg['n_embd']
+    row = geometry.BOUNDS.get(base + '_head' if heads else key) or geometry.BOUNDS.get(base)
+    low, name = row or (-math.inf, math.inf)
     sizes = {'C': C, 'd': C / cfg['n_head'], 'log T': math.log(cfg['block_size'])}
     if not isinstance(name, str) or name in sizes:
-        return sizes.get(name, name), ''
+        return low, sizes.get(name, name), ''
     if name == 'drift':   # 2 + 2 qk_gram(0) / qk_gram, head by head, from a first record at step 0
         if 'qk_gram_heads' not in m or iters[0] != 0:
-            return math.inf, ''
+            return low, math.inf, ''
         with np.errstate(divide='ignore', invalid='ignore'):
             ratio = m['qk_gram_heads'][:1] / m['qk_gram_heads']
-        return 2 + 2 * (ratio if heads else ratio.mean(-1)), 'qk_gram_heads'
+        return low, 2 + 2 * (ratio if heads else ratio.mean(-1)), 'qk_gram_heads'
     by = name + '_heads' if heads else name
-    return (m[by], by) if by in m else (math.inf, '')
-
-
-def bounds(key, m, iters, cfg):
-    """(low, high, relative tolerance, where high comes from) of key's values by geometry.BOUNDS;
-    a key not there may be any finite number."""
-    base = key.removesuffix('_heads')
-    row = geometry.BOUNDS.get(base + '_head' if key != base else key) or geometry.BOUNDS.get(base)
-    if row is None:
-        return -math.inf, math.inf, 0, ''
-    # softmax rows in bf16 sum to 1 within ~4e-3: an entropy can pass its bound by about that much
-    tolerance = 1e-2 if base.startswith('entropy') else 1e-6
-    hi, by = high(row[1], key, m, iters, cfg)
-    return row[0], hi, tolerance, by
+    return (low, m[by], by) if by in m else (low, math.inf, '')
 
 
 def bad_records(m, iters, cfg, notes):
     """The records to leave out, each noted with its key and value."""
     bad = np.zeros(len(iters), bool)
     for key, a in m.items():
-        lo, hi, tol, by = bounds(key, m, iters, cfg)
+        lo, hi, by = bounds(key, m, iters, cfg)
+        # softmax rows in bf16 sum to 1 within ~4e-3: an entropy may pass its bound by that much
+        tol = 1e-2 if key.startswith('entropy') else 1e-6
         with np.errstate(invalid='ignore'):   # NaN (not logged) is in range: it bounds nothing
             wrong = np.isinf(a) | (a != 0) & ((a < lo * (1 - tol)) | (a > hi * (1 + tol)))
         flat, wrong = a.reshape(len(a), -1), wrong.reshape(len(a), -1)
+        high = np.broadcast_to(hi, a.shape).reshape(len(a), -1)
         for r in np.flatnonzero(wrong.any(1) & ~bad):
             j = wrong[r].argmax()
-            high = np.broadcast_to(hi, a.shape).reshape(len(a), -1)[r, j]
-            why = f'outside [{lo:.4g}, {high:.4g}]' + (f' (from {by})' if by else '')
+            why = f'outside [{lo:.4g}, {high[r, j]:.4g}]' + (f' (from {by})' if by else '')
             if np.isinf(flat[r, j]):
                 why = 'is not a finite number'
-            value = f'{key} = {flat[r, j]:.4g}'
-            notes.append(f'the record of iteration {iters[r]} is left out: {value} {why}')
+            notes.append(f'the record of iteration {iters[r]} is left out: {key} = '
+                         f'{flat[r, j]:.4g} {why}')
         bad |= wrong.any(1)
     return bad
 
@@ -282,16 +260,20 @@ def bad_records(m, iters, cfg, notes):
 def load_run(path):
     """A finished run folder (or pretrained series) as a Run, or Skip naming why."""
     cfg = read_json(f'{path}/config.json')
-    why = config_fault(cfg)
-    if why:
-        raise Skip(why)
+    check_config(cfg)
     log = [p for p in (f'{path}/metrics.jsonl', f'{path}/metrics.jsonl.gz') if os.path.isfile(p)]
     if not os.path.exists(f'{path}/done.json'):
         raise Skip('unfinished (no done.json)')
     if not log:
         raise Skip('no metrics.jsonl')
-    notes, done = [], read_done(path, cfg)
-    recs = read_records(log[0], done['iter'], notes)
+    done = read_json(f'{path}/done.json')   # its iteration is the last a finished run logged
+    it = done.get('iter') if isinstance(done, dict) else None
+    if type(it) is not int or it < 0:
+        raise Skip(f'done.json has iter={it!r}, not an iteration')
+    if it != cfg.get('max_iters', it):
+        raise Skip(f"done.json is at iteration {it}, config.json has max_iters={cfg['max_iters']}")
+    notes = []
+    recs = read_records(log[0], it, notes)
     if recs and recs[-1]['iter'] < done['iter']:   # its final values would be read at the cut
         raise Skip(f"{os.path.basename(log[0])} ends at iteration {recs[-1]['iter']}, done.json at "
                    f"{done['iter']}: cut short")
@@ -421,14 +403,11 @@ def labels(dicts, keys, reference=None):
 
 
 # ---- tables and the output folder
-def cell(v):
-    return '' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v).replace('|', '\\|')
-
-
 def markdown(rows, columns=None, missing=None):
     """A markdown table of rows (dicts); a cell a row lacks shows missing."""
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
-    line = lambda values: '| ' + ' | '.join(map(cell, values)) + ' |'
+    cell = lambda v: '' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v)
+    line = lambda values: '| ' + ' | '.join(cell(v).replace('|', '\\|') for v in values) + ' |'
     lines = [line(columns), '|' + ' --- |' * len(columns)]
     for r in rows:
         lines.append(line(r.get(c, missing) for c in columns))
@@ -459,28 +438,19 @@ def check_out(out):
         p = os.path.dirname(p)
 
 
-def read_manifest(out):
-    """The plain names MANIFEST lists (the files the analysis wrote into out); or OutError."""
-    path = os.path.join(out, MANIFEST)
-    if not os.path.exists(path):
-        return []
-    try:
-        names = json.load(open(path))
-    except (OSError, ValueError):
-        names = None
-    plain = lambda n: isinstance(n, str) and n not in ('', '.', '..') and os.path.basename(n) == n
-    if not isinstance(names, (list, dict)) or not all(map(plain, names)):   # an object: its keys
-        raise OutError(f'{path} is not a list of file names in {out}: remove it, or pass another '
-                       '--out')
-    return list(names)
-
-
 def write_files(out, files):
     """Write {name: text or bytes} into out and remove the files MANIFEST lists but files does not;
     OutError first if a name is there but not in MANIFEST."""
     check_out(out)
     at = lambda n: os.path.join(out, n)
-    ours = read_manifest(out)
+    try:   # the plain names the analysis wrote into out
+        ours = json.load(open(at(MANIFEST))) if os.path.exists(at(MANIFEST)) else []
+    except (OSError, ValueError):
+        ours = None
+    plain = lambda n: isinstance(n, str) and n not in ('', '.', '..') and os.path.basename(n) == n
+    if not isinstance(ours, (list, dict)) or not all(map(plain, ours)):   # an object: its keys
+        raise OutError(f'{at(MANIFEST)} is not a list of file names in {out}: remove it, or pass '
+                       'another --out')
     foreign = sorted(n for n in files if os.path.lexists(at(n)) and n not in ours)
     if foreign:
         raise OutError(f'{out} holds {", ".join(foreign)}, not written by analyze.py: move them or '
