@@ -29,7 +29,7 @@ import numpy as np
 
 LEVEL = 0.95
 ALPHA = 0.05
-Z = 1.959963984540054      # the 0.975 quantile of the standard normal (trend's rho)
+NORMAL_975 = 1.959963984540054  # the 0.975 quantile of the standard normal (trend's rho)
 FLOOR_SHARE = 0.8          # share: seeds spread at least as binomial sampling at this share
 
 
@@ -229,7 +229,7 @@ def trend(xs, units):
     elif P > 2 and N > P and lof > 1e-12 * float(y @ y):   # no spread within points, off the line
         out['lof_p'] = 0.0
     rho = spearman(x, y)
-    half = Z * math.sqrt(1.06 / (N - 3)) if N > 3 else math.nan
+    half = NORMAL_975 * math.sqrt(1.06 / (N - 3)) if N > 3 else math.nan
     z = math.atanh(min(max(rho, -1 + 1e-12), 1 - 1e-12))
     out.update(rho=rho, rho_lo=math.tanh(z - half), rho_hi=math.tanh(z + half))
     return out
