@@ -34,6 +34,7 @@ from itertools import product
 import numpy as np
 
 import folders
+import geometry
 import plots
 import report
 import stats
@@ -113,7 +114,7 @@ def checkpoints(run):
     """The indices of the records measured on a model checkpoint (all of a pretrained series')."""
     if run.pretrained:
         return np.arange(len(run.iters))
-    return np.flatnonzero(np.isin(run.iters, sorted(folders.model_ckpt_iters(run.cfg))))
+    return np.flatnonzero(np.isin(run.iters, sorted(geometry.model_ckpt_iters(run.cfg))))
 
 
 # ------------------------------------------------------------------------ statistics of one unit

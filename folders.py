@@ -87,16 +87,6 @@ class Run:
         return next((float(v) for v in found if v < math.inf), math.nan)
 
 
-def model_ckpt_iters(cfg):
-    """The iterations train.py saves the model at: 0, then model_ckpts - 1 iterations log-spaced
-    from max_iters down to the end of warm-up (train.py imports it: one schedule for both sides)."""
-    n, m = cfg['model_ckpts'], cfg['max_iters']
-    if n < 2 or m < 1:
-        return {0} if n else set()
-    lo = min(max(1, cfg['warmup_iters']), m)
-    return {0} | set(np.geomspace(m, lo, n - 1).round().astype(int).tolist())
-
-
 def config_settings(cfgs):
     """Each config's keys but BOOKKEEPING; a key its control kind ignores as most of its kind."""
     out = [{k: v for k, v in c.items() if k not in BOOKKEEPING} for c in cfgs]

@@ -487,6 +487,17 @@ def partial_correlation(x, y, z=None):
     return (res[:, 0] @ res[:, 1] / (norms[0] * norms[1])).clamp(-1, 1).item()
 
 
+def model_ckpt_iters(cfg):
+    """The iterations of the model checkpoints, whose records carry the token-level values: 0, then
+    model_ckpts - 1 iterations log-spaced from max_iters down to the end of warm-up. train.py saves
+    there and the analysis reads there, both from this one schedule."""
+    n, m = cfg['model_ckpts'], cfg['max_iters']
+    if n < 2 or m < 1:
+        return {0} if n else set()
+    lo = min(max(1, cfg['warmup_iters']), m)
+    return {0} | set(np.geomspace(m, lo, n - 1).round().astype(int).tolist())
+
+
 def token_geometry(q, k, att, n_head):
     """Token-level geometry of one attention layer on a batch.
 

@@ -11,6 +11,7 @@ import pytest
 
 import analyze
 import folders
+import geometry
 import report
 import stats
 import train
@@ -225,7 +226,7 @@ def test_the_regime_keeps_a_six_head_point_off_the_four_head_width_line_and_refu
 
 def token_run(cfg, iters, seed=1):
     """tok_pr_q - tok_pr_k rises then falls at the model checkpoints (the reverse elsewhere); tok_pr_qk ~ entropy."""
-    at = iters == iters if cfg.get('pretrained') else np.isin(iters, sorted(folders.model_ckpt_iters(cfg)))
+    at = iters == iters if cfg.get('pretrained') else np.isin(iters, sorted(geometry.model_ckpt_iters(cfg)))
     x = np.log1p(iters)
     v = -np.abs(x - np.median(x[at])) * np.where(at, 1, -1)
     heads = np.arange(4.0).reshape(1, 2, 2) + x[:, None, None]

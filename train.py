@@ -31,7 +31,6 @@ import control as spectrum_control  # "control" is also a config key
 import geometry
 import prepare
 import runfolder
-from folders import model_ckpt_iters   # the analysis reads the same schedule
 
 # -----------------------------------------------------------------------------
 # config: module globals, overridden by config files and then --key=value
@@ -273,13 +272,13 @@ def loss_iters(cfg):
     """Iterations whose record has train_loss and val_loss (with geometry off, also the model checkpoints')."""
     m = cfg['max_iters']
     its = {0, m} | set(range(0, m + 1, cfg['eval_interval']))
-    return its if cfg['geom_interval'] else its | model_ckpt_iters(cfg)
+    return its if cfg['geom_interval'] else its | geometry.model_ckpt_iters(cfg)
 
 
 def log_iters(cfg):
     """The loss iterations; with geometry on, 1, 2, 4, ... (the fast early change), each geom_interval, model_ckpts."""
     m, g = cfg['max_iters'], cfg['geom_interval']
-    its = loss_iters(cfg) | model_ckpt_iters(cfg)
+    its = loss_iters(cfg) | geometry.model_ckpt_iters(cfg)
     if g:
         its |= set(range(0, m + 1, g)) | {2 ** i for i in range(int(math.log2(g)) + 1) if 2 ** i <= m}
     return its
@@ -522,7 +521,7 @@ def record(run, it):
     """Measure (RESEARCH above), then write: the snapshot and model checkpoint of the iteration, if any, the record."""
     ms = 1000 * (time.time() - run.mark[0]) / (it - run.mark[1]) if it > run.mark[1] else None
     row = measure(run, it)
-    runfolder.save_weights(run, it, it in model_ckpt_iters(run.cfg))  # geometry's time, as measuring them is
+    runfolder.save_weights(run, it, it in geometry.model_ckpt_iters(run.cfg))  # geometry's time
     row['time'] = run.elapsed + time.time() - run.t_start
     print(json.dumps(row), file=run.metrics, flush=True)
     run.last = row
