@@ -291,5 +291,5 @@ if __name__ == '__main__':
     try:
         main(sys.argv[1:])
     except Stop as e:
-        print(f'bench.py: {e.msg}', file=sys.stderr)
+        print(f'bench.py: {e.code}', file=sys.stderr)
         sys.exit(2)

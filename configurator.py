@@ -1,7 +1,6 @@
 """
-train.py's settings: its config block, then config files, then --key=value (always last), each checked against
-train.py's SETTINGS table before anything is touched. A .json config file is a JSON object; any other is Python,
-executed as nanoGPT's configurator does (run only files you trust), its top-level names the settings.
+train.py's settings: its config block, then config files, then --key=value, checked against SETTINGS before anything is
+touched. A .json config file is a JSON object; any other is Python, run as nanoGPT's (only files you trust).
 """
 import ast
 import contextlib
@@ -13,10 +12,7 @@ import os
 
 
 class Stop(SystemExit):
-    """A clean stop with one line for the user: train.py prints 'error: msg' and exits with status 2."""
-    def __init__(self, msg):
-        super().__init__(f'error: {msg}')
-        self.msg = msg
+    """A clean stop with one line for the user: train.py prints 'error: ' and it, and exits with status 2."""
 
 
 # where things are and how fast, not what is computed: left out of the run name's hash, and free to change when a
@@ -83,14 +79,13 @@ def check(cfg, table, names):
 
 
 def get_config(argv, defaults, table, names):
-    """defaults <- config files (in order) <- --key=value (in order, always last); checked against the table; the
-    text of data_file identified by its content; the run name resolved. names: what the table's rows may read."""
+    """defaults <- config files <- --key=value, checked against table (its rows may read names); the run named."""
     files = [a for a in argv if not a.startswith('--')]
     pairs = [a[2:].partition('=') for a in argv if a.startswith('--')]
     cfg = dict(defaults)
     for key, eq, _ in pairs:
         if not eq:
-            raise Stop(f'--{key} needs a value: --{key}=VALUE')
+            raise Stop(f'--{key} needs a value: --{key}=VALUE (every setting: the config block of train.py)')
     updates = [(k, v, None) for path in files for k, v in file_settings(path).items()]
     for key, value, text in updates + [(key, None, text) for key, _, text in pairs]:
         if key not in defaults:
@@ -106,8 +101,7 @@ def get_config(argv, defaults, table, names):
 
 
 def run_name(cfg, defaults):
-    """L4_normal_s1, L4_normal_shrink0.2-k_s1, L4_normal_freeze-k-spec_s3, then '-' and a short hash of every
-    other setting that differs from its default, so that runs differing in any key never share a folder."""
+    """L4_normal_s1, L4_normal_freeze-k-spec_s3, ..., then a hash of the other settings that are not defaults."""
     control = ''
     if cfg['control'] != 'none':
         dose = f"{cfg['shrink_to']:g}" if cfg['control'] == 'shrink' else ''

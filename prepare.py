@@ -1,9 +1,6 @@
-"""
-The training text, read and encoded once (nanoGPT's prepare.py): a character vocabulary from the training
-part, uint16 train.bin and val.bin, and meta.json, in a cache folder whose name holds the text's SHA-256,
-min_char_count and ENCODER_VERSION. WikiText-103 is downloaded into data_dir when it is not there.
-"""
-import fcntl
+"""The training text, read and encoded once (nanoGPT's prepare.py): a character vocabulary from the training part,
+uint16 train.bin and val.bin, and meta.json, in a cache folder whose name holds the text's SHA-256, min_char_count
+and ENCODER_VERSION. WikiText-103 is downloaded into data_dir when it is not there."""
 import hashlib
 import json
 import os
@@ -17,20 +14,16 @@ from configurator import Stop
 # part of every cache's key: bump it with any change to how the text is read or encoded
 ENCODER_VERSION = 1
 WIKITEXT = ('wiki.train.raw', 'wiki.valid.raw', 'wiki.test.raw')
-HASHES = {}  # the files' (path, size, time) -> their SHA-256
 
 
 def sha256_of(paths):
-    """Of the files' bytes, remembered while they keep their size and time (get_config and prepare_data both ask)."""
-    stamps = tuple((os.path.realpath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
-    if stamps not in HASHES:
-        h = hashlib.sha256()
-        for path, _, _ in stamps:
-            with open(path, 'rb') as f:
-                for block in iter(lambda: f.read(1 << 24), b''):
-                    h.update(block)
-        HASHES[stamps] = h.hexdigest()
-    return HASHES[stamps]
+    """Of the files' bytes, in order."""
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, 'rb') as f:
+            for block in iter(lambda: f.read(1 << 24), b''):
+                h.update(block)
+    return h.hexdigest()
 
 
 def pieces(path, start=0, stop=None):
@@ -40,9 +33,8 @@ def pieces(path, start=0, stop=None):
     with open(path, encoding='utf-8', newline='') as f:
         try:
             for text in iter(lambda: f.read(1 << 22), ''):
-                piece, pos = text[max(start - pos, 0):None if stop is None else max(stop - pos, 0)], pos + len(text)
-                if piece:
-                    yield piece
+                yield text[max(start - pos, 0):None if stop is None else max(stop - pos, 0)]
+                pos += len(text)
         except UnicodeDecodeError as e:  # e.object: the bytes being decoded, which end where the file is read to
             raise Stop(f'{path} is not UTF-8: byte {f.buffer.tell() - len(e.object) + e.start} ({e.reason}); '
                        f'convert it to UTF-8 (for example with iconv)') from None
@@ -112,21 +104,18 @@ def sources(cfg):
 
 
 def build(folder, name, encode_into):
-    """The cache folder, encoded aside and renamed into place: complete or absent. One process encodes a text (a DDP
-    rank, a sweep's job); the others wait for it, then find it built."""
+    """The cache folder, encoded aside and renamed into place: complete or absent. Processes that start on one text
+    together (DDP ranks) each encode it; the first rename wins and the others find it built."""
     root = os.path.dirname(folder)
     try:
         os.makedirs(root, exist_ok=True)
-        lock = open(os.path.join(root, '.lock'), 'a')
+        with tempfile.TemporaryDirectory(prefix='.building-', dir=root, ignore_cleanup_errors=True) as tmp:
+            encode_into(tmp)
+            os.rename(tmp, folder)
+        print(f'encoded {name} into {folder}', flush=True)
     except OSError as e:
-        raise Stop(f'cannot write the data cache {root} (cache_dir): {e.strerror}') from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.isfile(os.path.join(folder, 'meta.json')):
-            with tempfile.TemporaryDirectory(prefix='.building-', dir=root, ignore_cleanup_errors=True) as tmp:
-                encode_into(tmp)
-                os.rename(tmp, folder)
-            print(f'encoded {name} into {folder}', flush=True)
+            raise Stop(f'cannot write the data cache {root} (cache_dir): {e.strerror}') from None
 
 
 def prepare_data(cfg):

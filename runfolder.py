@@ -1,14 +1,11 @@
-"""
-The run folder out_dir/run_name/ (the README lists its files), its lock, the checkpoint, the random streams,
-devices and DDP. Files are written to a temporary name and renamed: a kill never leaves half of one.
-"""
+"""The run folder out_dir/run_name/ (README lists its files), its lock, the checkpoint, the random streams, devices
+and DDP. Files are written to a temporary name and renamed: a kill never leaves half of one."""
 import contextlib
 import errno
 import fcntl
 import glob
 import json
 import os
-import random
 import re
 import subprocess
 import time
@@ -31,20 +28,8 @@ def atomic_save(obj, path, save=torch.save):
     os.replace(path + '.tmp', path)
 
 
-def read_metrics(path):
-    """The records of a metrics.jsonl, each ending in a newline: a last line a kill cut short is left out."""
-    rows = []
-    for i, line in enumerate(open(path, 'rb').read().split(b'\n')[:-1] if os.path.exists(path) else []):
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            raise Stop(f'{path} line {i + 1} is not JSON; --overwrite=True starts the run over') from None
-    return rows
-
-
 def claim(cfg, master):
-    """(out_dir/run_name, its .lock held by rank 0), unless it is not one folder of out_dir, holds a finished
-    run (without overwrite), or another train.py holds its .lock (released however that process ended)."""
+    """(out_dir/run_name, its .lock held by rank 0), unless it leaves out_dir, is finished or another train.py's."""
     run_dir = os.path.join(cfg['out_dir'], cfg['run_name'])
     real = os.path.realpath(run_dir)
     if os.path.dirname(real) != os.path.realpath(cfg['out_dir']):
@@ -57,21 +42,17 @@ def claim(cfg, master):
         os.makedirs(run_dir, exist_ok=True)
     except OSError as e:  # a file, a dangling link or a link loop on the way, a name too long
         raise Stop(f'cannot make the run folder {run_dir} (out_dir, run_name): {e.strerror}') from None
-    lock = open(os.path.join(run_dir, '.lock'), 'a+')
+    lock = open(os.path.join(run_dir, '.lock'), 'a')
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        lock.seek(0)
-        raise Stop(f'another train.py (PID {lock.read().strip()}) is training in {run_dir}') from None
-    lock.truncate(0)
-    print(os.getpid(), file=lock, flush=True)
+        raise Stop(f'another train.py is training in {run_dir}') from None
     return run_dir, lock
 
 
 @contextlib.contextmanager
 def held(run):
-    """Around a run: its .lock removed at the end while still held, so that a finished or stopped run leaves none;
-    a full disk is one line saying where the same command resumes, an allocation that fails one line naming sizes."""
+    """Around a run: its .lock removed while still held; a full disk or an allocation that fails is one line."""
     try:
         yield
     except OSError as e:
@@ -98,7 +79,8 @@ def begin(run, resuming):
     found = [n for n in glob.glob('**', root_dir=run.dir, recursive=True) if OWN.fullmatch(n)]
     path = os.path.join(run.dir, 'metrics.jsonl')
     if resuming:  # the records and files of iterations from ckpt.pt's on, which the resumed run writes again
-        rows = [r for r in read_metrics(path) if r['iter'] < run.start]
+        lines = open(path, 'rb').read().split(b'\n')[:-1]  # a last line that a kill cut short is left out
+        rows = [r for r in map(json.loads, lines) if r['iter'] < run.start]
         atomic_save(''.join(json.dumps(r) + '\n' for r in rows).encode(), path)
         found = [n for n in found if any(int(it) >= run.start for it in re.findall(r'\d{7}', n))]
         print(f'resuming {run.dir} from iteration {run.start}', flush=True)
@@ -124,11 +106,8 @@ def begin(run, resuming):
 
 
 def seed_all(seed, rank, it, data_gen=None):
-    """Every random stream of iteration it from (seed, rank, it) alone, so a resume draws what the
-    uninterrupted run drew: python, numpy, torch (dropout) per DDP rank; data_gen (windows) alike on all."""
+    """Every random stream of step it from (seed, rank, it) alone: torch's (dropout) per DDP rank, data_gen alike."""
     mix = lambda *key: int(np.random.SeedSequence((seed, it, *key)).generate_state(1)[0])
-    random.seed(mix(rank + 1))
-    np.random.seed(mix(rank + 1))
     torch.manual_seed(mix(rank + 1))
     if data_gen is not None:
         data_gen.manual_seed(mix(0))
@@ -171,8 +150,7 @@ def save_weights(run, it, model_too):
 def print_record(row, ms, run):
     """A record on one line: losses, speed, the training time left (evaluations aside), the mean geometry."""
     losses = f"train {row['train_loss']:.4f}, val {row['val_loss']:.4f}, " if 'val_loss' in row else ''
-    left = ms and f", ETA {fmt_time(ms * (run.cfg['max_iters'] - row['iter']) / 1000)}"
-    speed = f", {ms:.1f} ms/iter, {1000 * row['tokens'] / row['iter'] / ms:.0f} tok/s{left}" if ms else ''
+    speed = f", {ms:.1f} ms/iter, ETA {fmt_time(ms * (run.cfg['max_iters'] - row['iter']) / 1000)}" if ms else ''
     geometry = ''
     if row.get('layers'):
         mean = lambda key: np.mean([layer[key] for layer in row['layers']])
@@ -185,8 +163,7 @@ def fmt_time(s):
 
 
 def start(name):
-    """(ddp, rank, world size, device): the device asked for, checked, or (empty) cuda, then mps, then cpu; under
-    torchrun, a process group, with one GPU per process."""
+    """(ddp, rank, world size, device): --device checked, or cuda, mps, cpu; under torchrun one GPU a process."""
     cuda = [f'cuda:{i}' for i in range(torch.cuda.device_count())]
     here = ['cpu'] + ['cuda'] * bool(cuda) + cuda + ['mps'] * torch.backends.mps.is_available()
     if name and name not in here:

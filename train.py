@@ -5,12 +5,9 @@ Train a small character-level GPT on WikiText-103 and log the geometry of its qu
     python train.py --data_file=my_text.txt --n_embd=128 --n_head=4     # any UTF-8 text instead
     python train.py my_config.py --seed=2                               # a config file, then overrides
     torchrun --nproc_per_node=4 train.py --n_layer=8 --grad_accum=4     # several GPUs (DDP)
-    python train.py --help                                              # every setting
-    python train.py --print_run_names < runs.txt                        # the run name of each line of settings
 
 Each run writes out_dir/run_name/; the same command again resumes it (Ctrl-C checkpoints first), --overwrite=True
-starts it over. Reading order: config, batches, model, optimizer and schedules, RESEARCH (what each record
-measures, the key-spectrum control), the run; configurator.py, prepare.py and runfolder.py hold the plumbing.
+starts it over. configurator.py, prepare.py and runfolder.py hold the plumbing, which a research change never needs.
 """
 import contextlib
 import json
@@ -33,7 +30,7 @@ import prepare
 import runfolder
 
 # -----------------------------------------------------------------------------
-# config: module globals, overridden by config files and then --key=value
+# config: module globals, overridden by config files and then --key=value; every setting, its default and meaning
 # I/O
 out_dir = 'out'            # runs go to out_dir/run_name/
 run_name = ''              # '' = from the settings: L4_normal_s1, L4_normal_shrink0.2-k_s1, plus a hash of the rest
@@ -57,7 +54,6 @@ n_layer = 4                # transformer blocks
 n_head = 6                 # attention heads per block (n_embd must divide by it)
 n_embd = 384               # width C: W_Q and W_K are (C, C)
 block_size = 256           # context length in characters
-bias = False               # biases in the linear layers and LayerNorms
 dropout = 0.0              # dropout probability in training
 qk_init = 'normal'         # normal | orthogonal | tied (see QK_INITS)
 # optimizer
@@ -68,7 +64,6 @@ max_iters = 5000           # optimizer steps
 lr = 1e-3                  # peak learning rate, after a linear warm-up
 min_lr = 1e-4              # learning rate at the end of the cosine decay
 warmup_iters = 100         # linear warm-up iterations
-lr_decay_iters = 0         # cosine decay ends here; 0 = max_iters
 weight_decay = 0.1         # decoupled weight decay on matrices
 decay_qk = True            # apply weight decay to W_Q and W_K too (it shrinks both spectra: a confound)
 beta1 = 0.9                # AdamW beta1
@@ -85,7 +80,7 @@ shrink_to = 0.5            # shrink: final target PR as a fraction of the step-0
 shrink_iters = 2000        # shrink: iterations over which the target falls linearly
 control_interval = 1       # apply control every this many optimizer steps
 # system
-seed = 1                   # seeds python, numpy, torch and the data order
+seed = 1                   # seeds the init, dropout and the data order
 device = ''                # '' = cuda, then mps, then cpu
 dtype = 'auto'             # auto (bfloat16 on CUDA where supported, else float32) | float32 | bfloat16
 compile = False            # torch.compile the training forward (where available)
@@ -97,8 +92,7 @@ config_keys = [k for k, v in list(globals().items())
 SETTINGS = {
     **{k: f'1 <= {k} <= 1e9' for k in ('n_layer', 'n_head', 'block_size', 'batch_size', 'grad_accum', 'eval_iters',
                                        'eval_windows', 'eval_interval', 'ckpt_interval', 'control_interval')},
-    **{k: f'0 <= {k} <= 1e9' for k in ('max_iters', 'geom_interval', 'model_ckpts', 'warmup_iters', 'lr_decay_iters',
-                                       'shrink_iters')},
+    **{k: f'0 <= {k} <= 1e9' for k in ('max_iters', 'geom_interval', 'model_ckpts', 'warmup_iters', 'shrink_iters')},
     **{k: f'0 <= {k} < 1' for k in ('dropout', 'beta1', 'beta2', 'momentum')}, 'min_char_count': '1 <= min_char_count',
     'n_embd': '1 <= n_embd <= 1e9 and n_embd % n_head == 0', 'lr': '0 <= lr', 'min_lr': '0 <= min_lr <= lr',
     'weight_decay': '0 <= weight_decay and lr * weight_decay < 1',  # < 1: the share of a weight decayed per step
@@ -109,11 +103,11 @@ SETTINGS = {
     'control_layers': 'len(spectrum_control.parse_layers(control_layers, n_layer)) >= 1',  # '' is every layer
     'data_file': "data_file == '' or os.path.isfile(data_file)", 'dtype': ('auto', 'float32', 'bfloat16'),
 }
-# -----------------------------------------------------------------------------
+
+# ----------------------------------------------------------------------------- batches
 
 EVAL_SEED = 1234  # the evaluation windows are the same for every run, whatever its seed
 
-# ----------------------------------------------------------------------------- batches
 
 def get_batch(data, idx, block_size, pin=False):
     """Inputs and next-character targets of the windows at idx; pinned for a non_blocking copy to a GPU."""
@@ -142,7 +136,6 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 6
     n_embd: int = 384
-    bias: bool = False
     dropout: float = 0.0
 
 
@@ -150,10 +143,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, c):
         super().__init__()
         # separate q and k (not one fused c_attn) so W_Q and W_K are plain (C, C) weights to measure
-        self.q = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
-        self.k = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
-        self.v = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
-        self.proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
+        self.q = nn.Linear(c.n_embd, c.n_embd, bias=False)
+        self.k = nn.Linear(c.n_embd, c.n_embd, bias=False)
+        self.v = nn.Linear(c.n_embd, c.n_embd, bias=False)
+        self.proj = nn.Linear(c.n_embd, c.n_embd, bias=False)
         self.n_head, self.dropout = c.n_head, c.dropout
         self.resid_drop = nn.Dropout(c.dropout)
 
@@ -176,8 +169,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.fc = nn.Linear(c.n_embd, 4 * c.n_embd, bias=c.bias)
-        self.proj = nn.Linear(4 * c.n_embd, c.n_embd, bias=c.bias)
+        self.fc = nn.Linear(c.n_embd, 4 * c.n_embd, bias=False)
+        self.proj = nn.Linear(4 * c.n_embd, c.n_embd, bias=False)
         self.drop = nn.Dropout(c.dropout)
 
     def forward(self, x):
@@ -187,9 +180,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.ln1 = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.ln1 = nn.LayerNorm(c.n_embd, bias=False)
         self.attn = CausalSelfAttention(c)
-        self.ln2 = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.ln2 = nn.LayerNorm(c.n_embd, bias=False)
         self.mlp = MLP(c)
 
     def forward(self, x, probe=None):
@@ -213,15 +206,12 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(c.block_size, c.n_embd)
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList([Block(c) for _ in range(c.n_layer)])
-        self.ln_f = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.ln_f = nn.LayerNorm(c.n_embd, bias=False)
         self.head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied embeddings
-        for name, p in self.named_parameters():
-            if name.endswith('bias') or name.startswith('ln') or '.ln' in name:
-                continue
-            # residual projections scaled down with depth, as in GPT-2
-            std = 0.02 / math.sqrt(2 * c.n_layer) if name.endswith('proj.weight') else 0.02
-            nn.init.normal_(p, std=std)
+        for name, p in self.named_parameters():  # matrices (not LayerNorm gains); residual projections scaled
+            if p.dim() == 2:                        # down with depth, as in GPT-2
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * c.n_layer) if name.endswith('proj.weight') else 0.02)
         with torch.no_grad():
             for block in self.blocks:
                 QK_INITS[qk_init](block.attn.q.weight, block.attn.k.weight)
@@ -259,12 +249,12 @@ def make_optimizer(model, cfg, dev_type):
 
 
 def get_lr(it, cfg):
-    decay_iters = cfg['lr_decay_iters'] or cfg['max_iters']
+    """Linear warm-up, then cosine decay to min_lr at max_iters."""
     if it < cfg['warmup_iters']:
         return cfg['lr'] * (it + 1) / (cfg['warmup_iters'] + 1)
-    if it >= decay_iters:
+    if it >= cfg['max_iters']:
         return cfg['min_lr']
-    ratio = (it - cfg['warmup_iters']) / (decay_iters - cfg['warmup_iters'])  # > 0 here
+    ratio = (it - cfg['warmup_iters']) / (cfg['max_iters'] - cfg['warmup_iters'])  # > 0 here
     return cfg['min_lr'] + 0.5 * (1 + math.cos(math.pi * ratio)) * (cfg['lr'] - cfg['min_lr'])
 
 
@@ -421,7 +411,7 @@ def build_model(run, dev_type, resuming):
     back, so that memory the run cannot have fails before the run folder is touched."""
     cfg = run.cfg
     run.model = GPT(GPTConfig(run.meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'], cfg['n_embd'],
-                              cfg['bias'], cfg['dropout']), cfg['qk_init']).to(run.dev)
+                              cfg['dropout']), cfg['qk_init']).to(run.dev)
     run.optimizer = make_optimizer(run.model, cfg, dev_type)
     run.ctl = spectrum_control.record(cfg, run.model.qk_weights())
     run.w0 = torch.stack([torch.stack(pair) for pair in run.model.qk_weights()]).detach()
@@ -429,9 +419,8 @@ def build_model(run, dev_type, resuming):
         ckpt = runfolder.load_checkpoint(run.ckpt_path, cfg, run.meta, run.model, run.optimizer)
         run.start = run.saved_at = ckpt['iter']
         run.elapsed, run.ctl, run.w0 = ckpt['elapsed'], ckpt['control'], ckpt['w0'].to(run.dev)
-        if ckpt['numerics'] != {'dtype': run.dtype, 'threads': run.threads}:
-            print(f"resuming in {ckpt['numerics']['dtype']} on {ckpt['numerics']['threads']} threads as ckpt.pt was "
-                  f"trained (either changes the numbers), not {run.dtype} on {run.threads}", flush=True)
+        if ckpt['numerics'] != {'dtype': run.dtype, 'threads': run.threads}:  # either changes the numbers
+            print('resuming in {dtype} on {threads} threads as ckpt.pt was trained'.format(**ckpt['numerics']))
             runfolder.set_numerics(run, **ckpt['numerics'])
     with run.ctx:
         x, y = get_batch(run.data['train'], torch.zeros(cfg['batch_size'], dtype=int), cfg['block_size'])
@@ -542,8 +531,7 @@ def checkpoint(run, it):
 
 
 def finish(run):
-    """The final checkpoint, then done.json (a sweep's sign of a complete run): the final losses and mean
-    geometry, the wall time, and the shares of this process's time spent on geometry and on the control."""
+    """The final checkpoint, then done.json, a sweep's sign of a complete run."""
     checkpoint(run, run.cfg['max_iters'])
     run.elapsed += time.time() - run.t_start
     if run.master:
@@ -568,21 +556,12 @@ def get_config(argv):
 
 
 def main(argv):
-    """train.py [CONFIG_FILE ...] [--key=value ...], or --print_run_names (one argument list per stdin line)."""
+    """train.py [CONFIG_FILE ...] [--key=value ...]"""
     try:
-        if '--help' in argv or '-h' in argv:  # the config block above: every key with its default and comment
-            text = open(__file__, encoding='utf-8').read()
-            print('usage: python train.py [CONFIG_FILE ...] [--key=value ...] | --print_run_names < LINES_OF_SETTINGS\n'
-                  + text[text.index('# config'):text.index('config_keys')])
-        elif argv == ['--print_run_names']:  # how sweep.sh names its grid, every line checked before any run
-            print('\n'.join([get_config(line.split())['run_name'] for line in sys.stdin]))
-        else:
-            train(get_config(argv))
+        train(get_config(argv))
     except configurator.Stop as e:
-        print(e.code, file=sys.stderr, flush=True)
+        print(f'error: {e.code}', file=sys.stderr, flush=True)
         sys.exit(2)
-    except KeyboardInterrupt:  # before training began
-        sys.exit('stopped: the same command resumes from the last ckpt.pt, if there is one')
 
 
 if __name__ == '__main__':
