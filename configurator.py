@@ -94,10 +94,19 @@ def get_config(argv, defaults, table, names):
         cfg[key] = typed(key, value, defaults[key], text)
     check(cfg, table, names)
     if cfg['data_file']:  # a link or another spelling of the same path is the same text
-        import prepare  # prepare.py imports this module
-        cfg['data_sha256'] = prepare.sha256_of([cfg['data_file']])
+        cfg['data_sha256'] = sha256_of([cfg['data_file']])
     cfg['run_name'] = cfg['run_name'] or run_name(cfg, defaults)
     return cfg
+
+
+def sha256_of(paths):
+    """Of the files' bytes, in order."""
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, 'rb') as f:
+            for block in iter(lambda: f.read(1 << 24), b''):
+                h.update(block)
+    return h.hexdigest()
 
 
 def run_name(cfg, defaults):

@@ -1,7 +1,6 @@
 """The training text, read and encoded once (nanoGPT's prepare.py): a character vocabulary from the training part,
 uint16 train.bin and val.bin, and meta.json, in a cache folder whose name holds the text's SHA-256, min_char_count
 and ENCODER_VERSION. WikiText-103 is downloaded into data_dir when it is not there."""
-import hashlib
 import json
 import os
 import shutil
@@ -9,21 +8,11 @@ import tempfile
 
 import numpy as np
 
-from configurator import Stop
+from configurator import Stop, sha256_of
 
 # part of every cache's key: bump it with any change to how the text is read or encoded
 ENCODER_VERSION = 1
 WIKITEXT = ('wiki.train.raw', 'wiki.valid.raw', 'wiki.test.raw')
-
-
-def sha256_of(paths):
-    """Of the files' bytes, in order."""
-    h = hashlib.sha256()
-    for path in paths:
-        with open(path, 'rb') as f:
-            for block in iter(lambda: f.read(1 << 24), b''):
-                h.update(block)
-    return h.hexdigest()
 
 
 def pieces(path, start=0, stop=None):
