@@ -21,6 +21,7 @@ NOT_IN_NAME = ('out_dir', 'run_name', 'overwrite', 'device', 'threads', 'compile
                'data_url', 'ckpt_interval', 'data_file')
 # in the readable part of the run name
 NAMED = ('n_layer', 'qk_init', 'control', 'control_target', 'control_keep', 'shrink_to', 'seed')
+HASHES = {}  # the files' (path, size, time) -> their SHA-256
 
 
 def typed(key, value, default, text=None):
@@ -100,13 +101,16 @@ def get_config(argv, defaults, table, names):
 
 
 def sha256_of(paths):
-    """Of the files' bytes, in order."""
-    h = hashlib.sha256()
-    for path in paths:
-        with open(path, 'rb') as f:
-            for block in iter(lambda: f.read(1 << 24), b''):
-                h.update(block)
-    return h.hexdigest()
+    """Of the files' bytes, remembered while they keep their size and time (get_config and prepare_data both ask)."""
+    stamps = tuple((os.path.realpath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
+    if stamps not in HASHES:
+        h = hashlib.sha256()
+        for path, _, _ in stamps:
+            with open(path, 'rb') as f:
+                for block in iter(lambda: f.read(1 << 24), b''):
+                    h.update(block)
+        HASHES[stamps] = h.hexdigest()
+    return HASHES[stamps]
 
 
 def run_name(cfg, defaults):
