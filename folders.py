@@ -190,6 +190,10 @@ def record_fault(rec, n_layer, n_head):
 
 
 def number(v):
+    """A logged value as floats (a list, or a list of lists for a spectrum per head), +inf where
+    it is not a finite number."""
+    if isinstance(v, list):
+        return [number(x) for x in v]
     return float(v) if type(v) in NUMBER and math.isfinite(v) else math.inf
 
 
@@ -199,7 +203,7 @@ def layer_arrays(geo, n_layer):
     for r, rec in enumerate(geo):
         for i, layer in enumerate(rec['layers']):
             for k, v in layer.items():
-                v = [number(x) for x in v] if isinstance(v, list) else number(v)
+                v = number(v)
                 if k not in out:
                     out[k] = np.full((len(geo), n_layer) + np.shape(v), np.nan)
                 out[k][r, i] = v

@@ -14,6 +14,10 @@ h*d:(h+1)*d, d = C / n_head, giving W^h of shape (d, C).
     tok_pr_qk  = PR(Q_h K_h^T / sqrt(d))            T x T logits before the mask
     H_i        = -sum_{j<=i} a_ij log a_ij          nats, 0 log 0 = 0, rows i >= 1 (not row 0)
     H_i norm   = H_i / log(i+1)                     1 = uniform over the allowed keys, 0 = one-hot
+    l_ij       = q_i.k_j / sqrt(d)                  the scaled logits of head h, keys j <= i
+    sigma_i    = sqrt(mean_j (l_ij - mean_j l_ij)^2)  logit spread of row i >= 1 over its i+1 keys
+    logit_std  = mean of sigma_i over rows i >= 1 and windows (population std: a row of two keys
+                 with logits a, b has sigma = |a - b| / 2)
     erank(s)   = exp(-sum p log p), p = s / sum s   effective rank (Roy and Vetterli)
     srank(M)   = ||M||_F^2 / ||M||_2^2              stable rank
 
@@ -36,9 +40,14 @@ eigenvalues of the two Gram matrices, so the per-head Q and K spectra can differ
 by the optimizer's departures from gradient flow: finite steps (O(lr^2) each), momentum, Adam's
 per-coordinate scaling; decoupled weight decay shrinks D_h. A tied init has D_h(0) = 0.
 q_spec_norm, k_spec_norm = ||W_Q^h||_2, ||W_K^h||_2 (mean over heads; *_heads per head).
+Each record also keeps the spectra whole, so any other spectral statistic can be computed from a
+log: sv_q_heads, sv_k_heads, sv_qk_heads = the d singular values of W_Q^h, W_K^h, W_QK^h per head,
+descending (lists of n_head lists of d).
 
 The logit scale is qk_spec_norm = ||W_QK^h||_2 (per head; layer_geometry). Entropy falls as the
-logits grow whatever the spectrum's shape (sigma-Reparam, Zhai et al. 2023), so every link between a
+logits grow whatever the spectrum's shape (sigma-Reparam, Zhai et al. 2023); what a row's entropy
+depends on directly is how far its logits spread over its keys, logit_std (token_geometry), which
+the weights' spectrum sets only together with the activations it meets. So every link between a
 PR and entropy is also measured with the logit scale held fixed (partial_correlation):
     r(x, y | z) = corr(x - x_hat, y - y_hat)   x_hat, y_hat: least-squares fits of x, y on [1, z]
                 = (r_xy - r_xz r_yz) / sqrt((1 - r_xz^2)(1 - r_yz^2))   for a single z
@@ -78,6 +87,7 @@ BOUNDS = {
     **dict.fromkeys(('pr_q_head', 'pr_k_head', 'pr_dq_head', 'pr_dk_head', 'pr_qk', 'erank_qk',
                      'tok_pr_q_head', 'tok_pr_k_head', 'tok_pr_qk'), (1, 'd')),
     'entropy': (0, 'log T'), 'entropy_norm': (0, 1),
+    **dict.fromkeys(('sv_q', 'sv_k', 'sv_qk', 'logit_std'), (0, float('inf'))),
     'qk_spec_norm': (0, 'qk_fro_norm'),   # ||M||_2 <= ||M||_F
     # ||A - B||_F <= ||A||_F + ||B||_F; D_h(0) adds its own, so the drift needs the record of step
     # 0: 'drift' is 2 + 2 qk_gram(0) / qk_gram
@@ -264,6 +274,18 @@ def _entropies(att):
     return -torch.special.xlogy(att, att).sum(-1)[..., 1:].double()
 
 
+def _logit_spread(Qh, Kh):
+    """sigma_i of every row i >= 1 (..., T-1) from per-head queries and keys (..., T, d): the
+    population std of the scaled logits over the keys j <= i."""
+    T, d = Qh.shape[-2:]
+    allowed = torch.ones(T, T, dtype=torch.bool, device=Qh.device).tril()
+    n_keys = torch.arange(1, T + 1, dtype=Qh.dtype, device=Qh.device)
+    logits = (Qh @ Kh.mT / d ** 0.5).masked_fill_(~allowed, 0.0)
+    mean = logits.sum(-1) / n_keys
+    spread = logits.sub_(mean[..., None]).masked_fill_(~allowed, 0.0).square_().sum(-1) / n_keys
+    return spread[..., 1:].sqrt()
+
+
 def _log_keys(H):
     """log(i + 1) for rows i = 1..T-1: the entropy of a uniform row, where H is."""
     return torch.log(torch.arange(2, H.shape[-1] + 2, dtype=torch.float64, device=H.device))
@@ -356,6 +378,21 @@ def mean_attention_entropy(att, normalized=False):
     return attention_entropy(att, normalized).mean().item()
 
 
+def logit_spread(q, k, n_head):
+    """Per-row logit spreads sigma_i of causal attention from q, k (B, T, C), all heads
+    concatenated: for each head and row i = 1..T-1, the population std of q_i.k_j / sqrt(d) over
+    the keys j <= i. Returns (B, n_head, T-1), float64. Needs T >= 2.
+    """
+    q = _as_f64(q, "q", ndim=3, shape_hint=" (B, T, C)")
+    k = _as_f64(k, "k", ndim=3, shape_hint=" (B, T, C)", device=q.device)
+    if q.shape != k.shape or q.shape[1] < 2:
+        raise ValueError("q and k must share one shape (B, T, C) with T >= 2, "
+                         f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, C = q.shape
+    d = _head_dim(C, n_head)
+    return _logit_spread(q.view(B, T, -1, d).transpose(1, 2), k.view(B, T, -1, d).transpose(1, 2))
+
+
 def effective_rank(s):
     """Roy and Vetterli effective rank exp(-sum p log p), p = s / sum s, over the last dim.
 
@@ -387,6 +424,8 @@ def layer_geometry(W_Q, W_K, n_head):
       q_spec_norm, k_spec_norm      mean over heads of ||W_Q^h||_2, ||W_K^h||_2; *_heads per head
       qk_imbalance, qk_gram         mean over heads of ||D_h||_F / qk_gram and of qk_gram; *_heads
                                     per head
+      sv_q_heads, sv_k_heads,       per head, the d singular values of W_Q^h, W_K^h and W_QK^h,
+      sv_qk_heads                   descending (n_head lists of d)
     """
     return host_values([_layer(*_qk_heads(W_Q, W_K, n_head)[:2], n_head)])[0]
 
@@ -394,7 +433,8 @@ def layer_geometry(W_Q, W_K, n_head):
 def _layer(W_Q, W_K, n_head):
     d = W_Q.shape[0] // n_head
     Wq_h, Wk_h = W_Q.reshape(-1, d, W_Q.shape[1]), W_K.reshape(-1, d, W_K.shape[1])
-    sq_h, sk_h = _singular_values(Wq_h)[:, 0], _singular_values(Wk_h)[:, 0]
+    sv_q, sv_k = _singular_values(Wq_h), _singular_values(Wk_h)   # (n_head, d)
+    sq_h, sk_h = sv_q[:, 0], sv_k[:, 0]
     D, gram = _imbalance(Wq_h, Wk_h)
     rel = _div(D.norm(dim=(-2, -1)), gram)
     hq, hk = _matrix_pr(Wq_h), _matrix_pr(Wk_h)
@@ -414,6 +454,7 @@ def _layer(W_Q, W_K, n_head):
         "q_spec_norm_heads": sq_h, "k_spec_norm_heads": sk_h,
         "qk_imbalance": rel.mean(), "qk_imbalance_heads": rel,
         "qk_gram": gram.mean(), "qk_gram_heads": gram,
+        "sv_q_heads": sv_q, "sv_k_heads": sv_k, "sv_qk_heads": s_qk,
     }
 
 
@@ -511,6 +552,8 @@ def token_geometry(q, k, att, n_head):
                                     the mask), mean over heads and sequences; tok_pr_qk_heads: mean
                                     over sequences
       entropy, entropy_norm         mean_attention_entropy (plain, normalized); *_heads per head
+      logit_std                     mean of logit_spread over heads, rows and sequences;
+                                    logit_std_heads per head
     tok_pr_qk uses d x d Grams, Gq = Q_h^T Q_h, Gk = K_h^T K_h, P = Gq Gk: sum s^2 = tr(P),
     sum s^4 = tr(P P) (the 1/sqrt(d) cancels), so there is no T x T SVD.
     """
@@ -546,6 +589,7 @@ def _token(q, k, att, n_head):
     pr_qk = _div(P.diagonal(dim1=-2, dim2=-1).sum(-1) ** 2, (P * P.mT).sum((-2, -1)))   # (B, nh)
     H = _entropies(att)   # (B, nh, T-1)
     Hn = H / _log_keys(H)
+    spread = _logit_spread(Qh, Kh)
     return {
         "tok_pr_q": _activation_pr(q.reshape(B * T, C)),
         "tok_pr_k": _activation_pr(k.reshape(B * T, C)),
@@ -554,6 +598,7 @@ def _token(q, k, att, n_head):
         "tok_pr_qk": pr_qk.mean(), "tok_pr_qk_heads": pr_qk.mean(0),
         "entropy": H.mean(), "entropy_norm": Hn.mean(), "entropy_heads": H.mean((0, 2)),
         "entropy_norm_heads": Hn.mean((0, 2)),
+        "logit_std": spread.mean(), "logit_std_heads": spread.mean((0, 2)),
     }
 
 
@@ -593,14 +638,19 @@ def record(qk, qk0, probe, loss, n_head):
 
 
 def host_values(rows):
-    """Dicts of 0-D and 1-D tensors (on one device) -> the same dicts of floats and lists, in one
-    copy to the host."""
+    """Dicts of 0-D, 1-D and 2-D tensors (on one device) -> the same dicts of floats, lists and
+    lists of lists, in one copy to the host."""
     flat = [v.detach().reshape(-1) for row in rows for v in row.values()]
     values = torch.cat([v.to(_home(v)).double() for v in flat]).tolist() if flat else []
     out, i = [], 0
     for row in rows:
         out.append({})
         for key, v in row.items():
-            out[-1][key] = values[i] if v.ndim == 0 else values[i:i + v.numel()]
+            part = values[i:i + v.numel()]
+            if v.ndim == 0:
+                part = part[0]
+            elif v.ndim == 2:   # a spectrum per head: a list of lists
+                part = [part[j:j + v.shape[1]] for j in range(0, len(part), v.shape[1])]
+            out[-1][key] = part
             i += v.numel()
     return out

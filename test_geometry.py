@@ -175,10 +175,11 @@ def test_entropy_matches_python_loop():
 LAYER_KEYS = {"pr_q", "pr_k", "pr_q_head", "pr_k_head", "pr_q_heads", "pr_k_heads", "pr_qk", "pr_qk_heads",
               "qk_spec_norm", "qk_fro_norm", "qk_spec_norm_heads", "qk_fro_norm_heads",
               "erank_q", "erank_k", "srank_q", "srank_k", "erank_qk", "q_spec_norm", "k_spec_norm",
-              "q_spec_norm_heads", "k_spec_norm_heads", "qk_imbalance", "qk_imbalance_heads", "qk_gram", "qk_gram_heads"}
+              "q_spec_norm_heads", "k_spec_norm_heads", "qk_imbalance", "qk_imbalance_heads", "qk_gram", "qk_gram_heads",
+              "sv_q_heads", "sv_k_heads", "sv_qk_heads"}
 TOKEN_KEYS = {"tok_pr_q", "tok_pr_k", "tok_pr_q_head", "tok_pr_k_head", "tok_pr_q_heads", "tok_pr_k_heads",
               "tok_pr_qk", "tok_pr_qk_heads",
-              "entropy", "entropy_norm", "entropy_heads", "entropy_norm_heads"}
+              "entropy", "entropy_norm", "entropy_heads", "entropy_norm_heads", "logit_std", "logit_std_heads"}
 
 
 def np_layer_geometry(W_Q, W_K, n_head):
@@ -188,12 +189,14 @@ def np_layer_geometry(W_Q, W_K, n_head):
         heads = [np_pr(np_svals(w) ** 2) for w in np.split(W, n_head)]
         ref |= {f"pr_{name}": np_pr(s ** 2), f"pr_{name}_heads": heads, f"pr_{name}_head": np.mean(heads),
                 f"erank_{name}": np_erank(s), f"srank_{name}": (W ** 2).sum() / s[0] ** 2,
-                f"{name}_spec_norm_heads": [np.linalg.norm(w, 2) for w in np.split(W, n_head)]}
+                f"{name}_spec_norm_heads": [np.linalg.norm(w, 2) for w in np.split(W, n_head)],
+                f"sv_{name}_heads": [np.linalg.svd(w, compute_uv=False) for w in np.split(W, n_head)]}
     grams = list(zip(np_grams(W_Q, n_head), np_grams(W_K, n_head)))
     ref["qk_gram_heads"] = [(np.linalg.norm(Gq) + np.linalg.norm(Gk)) / 2 for Gq, Gk in grams]
     ref["qk_imbalance_heads"] = [np.linalg.norm(Gq - Gk) / n for (Gq, Gk), n in zip(grams, ref["qk_gram_heads"])]
     inter = [wq.T @ wk for wq, wk in zip(np.split(W_Q, n_head), np.split(W_K, n_head))]
     s_qk = [np_svals(A)[:W_Q.shape[0] // n_head] for A in inter]
+    ref["sv_qk_heads"] = s_qk
     ref["pr_qk_heads"] = [np_pr(s ** 2) for s in s_qk]
     ref["qk_spec_norm_heads"] = [np.linalg.norm(A, 2) for A in inter]
     ref["qk_fro_norm_heads"] = [np.linalg.norm(A, "fro") for A in inter]
@@ -211,12 +214,14 @@ def np_token_geometry(q, k, att, n_head):
         heads = [np_cov_pr(X[:, h * d:(h + 1) * d]) for h in range(n_head)]
         ref |= {f"tok_pr_{name}": np_cov_pr(X), f"tok_pr_{name}_heads": heads,
                 f"tok_pr_{name}_head": np.mean(heads)}
-    pr_qk = np.zeros((B, n_head))
+    pr_qk, spread = np.zeros((B, n_head)), np.zeros((B, n_head, T - 1))
     for b in range(B):
         for h in range(n_head):
             logits = q[b, :, h * d:(h + 1) * d] @ k[b, :, h * d:(h + 1) * d].T / math.sqrt(d)  # T x T
             pr_qk[b, h] = np_pr(np_svals(logits) ** 2)
-    ref |= {"tok_pr_qk": pr_qk.mean(), "tok_pr_qk_heads": list(pr_qk.mean(0))}
+            spread[b, h] = [np.std(logits[i, :i + 1]) for i in range(1, T)]
+    ref |= {"tok_pr_qk": pr_qk.mean(), "tok_pr_qk_heads": list(pr_qk.mean(0)),
+            "logit_std": spread.mean(), "logit_std_heads": list(spread.mean((0, 2)))}
     H = np_entropies(att)
     Hn = H / np.log(np.arange(2, T + 1))
     ref |= {"entropy": H.mean(), "entropy_norm": Hn.mean(),
@@ -233,6 +238,37 @@ def assert_matches(out, ref, keys, n_head):
         else:
             assert isinstance(out[key], float), key
             assert out[key] == pytest.approx(ref[key], rel=RTOL), key
+
+
+def test_logit_spread_closed_form():
+    # head 0: keys k_j = j and queries sqrt(d) * c, so row i's logits are c * (0, 1, ..., i), whose
+    # population std is c * sqrt(((i + 1)^2 - 1) / 12); head 1: every logit equal, spread 0
+    B, T, d, c = 1, 9, 4, 0.5
+    q, k = np.zeros((B, T, 2 * d)), np.zeros((B, T, 2 * d))
+    q[0, :, 0], k[0, :, 0] = c * math.sqrt(d), np.arange(T)
+    q[0, :, d:], k[0, :, d:] = 1.0, 2.0
+    i = np.arange(1, T)
+    want = c * np.sqrt(((i + 1) ** 2 - 1) / 12)
+    got = g.logit_spread(q, k, 2)
+    assert got.shape == (B, 2, T - 1)
+    assert np.allclose(got[0, 0].numpy(), want, rtol=1e-12) and np.allclose(got[0, 1].numpy(), 0)
+    out = g.token_geometry(q, k, causal_softmax(B, 2, T), 2)
+    assert out["logit_std_heads"] == pytest.approx([want.mean(), 0.0], abs=1e-12)
+    assert out["logit_std"] == pytest.approx(want.mean() / 2, rel=1e-12)
+
+
+def test_spectra_in_a_record_are_numpys_singular_values():
+    C, n_head = 12, 3
+    W_Q, W_K = np.random.randn(C, C), np.random.randn(C, C)
+    W_K[:4] = 0.0   # a zero head: its spectrum is all zeros
+    out = g.layer_geometry(W_Q, W_K, n_head)
+    for name, W in (("q", W_Q), ("k", W_K)):
+        want = [np.linalg.svd(w, compute_uv=False) for w in np.split(W, n_head)]
+        assert np.allclose(out[f"sv_{name}_heads"], want, atol=1e-10)
+    pairs = zip(np.split(W_Q, n_head), np.split(W_K, n_head))
+    want = [np.linalg.svd(wq.T @ wk, compute_uv=False)[:C // n_head] for wq, wk in pairs]
+    assert np.allclose(out["sv_qk_heads"], want, atol=1e-10)
+    assert out["sv_k_heads"][0] == [0.0] * (C // n_head)
 
 
 def test_layer_geometry_matches_numpy():

@@ -512,7 +512,7 @@ def record(run, it):
     row = measure(run, it)
     runfolder.save_weights(run, it, it in geometry.model_ckpt_iters(run.cfg))  # geometry's time
     row['time'] = run.elapsed + time.time() - run.t_start
-    print(json.dumps(row), file=run.metrics, flush=True)
+    print(runfolder.log_line(row), file=run.metrics, flush=True)
     run.last = row
     runfolder.print_record(row, ms, run)
     run.mark = (time.time(), it)  # time spent measuring is not training time
