@@ -33,14 +33,14 @@ from itertools import product
 
 import numpy as np
 
-import folders
+from plumbing import folders
 import geometry
 import plots
 import report
-import stats
-from folders import FINAL_LOGS, OutError, Skip, group
+from plumbing import stats
+from plumbing.folders import FINAL_LOGS, OutError, Skip, group
 from report import shown, verdict_text
-from stats import nanmean
+from plumbing.stats import nanmean
 
 WELL_BELOW = -0.20
 

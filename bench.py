@@ -26,9 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import control
 import geometry
-import prepare
+from plumbing import prepare
 import train
-from configurator import Stop
+from plumbing.configurator import Stop
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 WHOLE_SIZE = ['--n_layer=4', '--n_embd=128', '--n_head=4', '--block_size=128', '--batch_size=32']
@@ -215,7 +215,7 @@ def gpu_check(a, args):
     sizes = preset_args('smoke' if small else 'paper')
     run = [py, 'train.py', *sizes, *args, f'--out_dir={runs}', '--overwrite=True']
     tiny = ['--preset=smoke', '--iters=4', '--repeats=1'] if small else []   # for --overhead, --syncs and --jobs
-    tests = ['test_geometry.py', '-k', 'test_pr_'] if small else []
+    tests = [os.path.join('tests', 'test_geometry.py'), '-k', 'test_pr_'] if small else []
     sweep = {'PRESET': 'smoke', 'OUT': os.path.join(a.log, 'sweep'), 'JOBS': max(2, 2 * ngpu), 'DEPTHS': 4, 'SEEDS': 1,
              'INITS': 'normal tied', 'CONTROL_SEEDS': '' if small else 1, 'SHRINK_TOS': 0.2, 'CONTROL_KEEPS': 'fro',
              'PYTHON': py, 'DATA_FILE': a.data_file or None}   # None: sweep.sh's default

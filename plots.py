@@ -13,8 +13,8 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure as Canvas
 
-import stats
-from folders import Skip, families, group, stack
+from plumbing import stats
+from plumbing.folders import Skip, families, group, stack
 
 matplotlib.rcParams['axes.formatter.useoffset'] = False
 Figure = namedtuple('Figure', 'stem fn section title')

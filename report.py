@@ -8,9 +8,9 @@ from collections import Counter
 
 import numpy as np
 
-import folders
+from plumbing import folders
 import plots
-import stats
+from plumbing import stats
 
 UNITS = {'seed': 'seeds (runs)', 'pair': 'seed pairs (controlled - baseline)', 'model': 'models'}
 NEAR_UNIFORM = 0.98     # a layer-mean entropy_norm this high or more: near-uniform attention

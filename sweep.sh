@@ -123,7 +123,8 @@ names=$(for line in "${GRID[@]}"; do printf '%q ' "${ARGS[@]}" $line ${EXTRA[@]+
         "$PYTHON" -c 'import json, os, shlex, sys
 sys.path.insert(0, sys.argv[1])
 try:
-    import configurator, train
+    import train
+    from plumbing import configurator
 except ModuleNotFoundError as e:
     sys.exit(f"sweep.sh: {sys.executable} has no {e.name}: activate its venv or set PYTHON=/path/to/venv/bin/python")
 keys = lambda args: {a[2:].partition("=")[0] for a in args if a.startswith("--")}
@@ -174,7 +175,7 @@ if [ "${DRY_RUN-0}" = 1 ]; then  # what would run, and nothing written
     for i in ${TODO[@]+"${TODO[@]}"}; do shown "$i"; done; exit 0
 fi
 mkdir -p "$OUT/logs" && rm -f "$OUT"/logs/*.failed
-"$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); import train, prepare
+"$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); import train; from plumbing import prepare
 prepare.prepare_data(train.get_config(sys.argv[2:]))' "$REPO" "${ARGS[@]}" ${EXTRA[@]+"${EXTRA[@]}"} ||
     die "cannot prepare the data (nothing ran)"
 if [ "$BACKEND" = slurm ]; then  # the analysis after all of the array's tasks

@@ -23,11 +23,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import configurator
+from plumbing import configurator
 import control as spectrum_control  # "control" is also a config key
 import geometry
-import prepare
-import runfolder
+from plumbing import prepare
+from plumbing import runfolder
 
 # -----------------------------------------------------------------------------
 # config: module globals, overridden by config files and then --key=value; every setting, its default and meaning

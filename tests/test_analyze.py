@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import analyze
-import folders
+from plumbing import folders
 import geometry
-import stats
+from plumbing import stats
 
 ITERS = (0, 1, 2, 4, 8, 16, 32, 50, 64, 100, 150, 200)
 

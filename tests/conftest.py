@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 WORDS = 'the of and to in a is was for on as with by he it at from his an were are which this'.split()
 
 
@@ -46,7 +46,7 @@ def tiny_args(tmp_path, text_file, *extra):
             '--model_ckpts=4', '--warmup_iters=2', '--min_char_count=1', '--threads=1', *extra]
 
 
-def run_train(args, cwd=HERE, script=os.path.join(HERE, 'train.py'), env=None):
+def run_train(args, cwd=REPO, script=os.path.join(REPO, 'train.py'), env=None):
     return subprocess.run([sys.executable, script, *map(str, args)], cwd=cwd, capture_output=True, text=True,
                           env=env, timeout=300)
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import bench as bench_py
-from conftest import HERE
+from conftest import REPO
 
 
 def bench(*args):
-    return subprocess.run([sys.executable, os.path.join(HERE, 'bench.py'), *map(str, args)], capture_output=True,
-                          text=True, cwd=HERE, timeout=600)
+    return subprocess.run([sys.executable, os.path.join(REPO, 'bench.py'), *map(str, args)], capture_output=True,
+                          text=True, cwd=REPO, timeout=600)
 
 
 def test_micro_benchmarks_print_a_row_per_width(capsys):

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from configurator import NOT_IN_NAME, Stop
+from plumbing.configurator import NOT_IN_NAME, Stop
 
 # what train.py writes in a run folder (its .lock aside): starting over deletes these and nothing else
 OWN = re.compile(r'(done\.json|ckpt\.pt|metrics\.jsonl|config\.json)(\.tmp)?'

@@ -8,7 +8,7 @@ import tempfile
 
 import numpy as np
 
-from configurator import Stop, sha256_of
+from plumbing.configurator import Stop, sha256_of
 
 # part of every cache's key: bump it with any change to how the text is read or encoded
 ENCODER_VERSION = 1

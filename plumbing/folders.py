@@ -18,7 +18,7 @@ from functools import reduce
 import numpy as np
 
 import geometry
-import stats
+from plumbing import stats
 
 BOOKKEEPING = ('out_dir', 'run_name', 'overwrite', 'seed', 'device', 'threads', 'compile',
                'ckpt_interval', 'model_ckpts', 'save_snapshots', 'data_file', 'data_dir',

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import analyze
-import folders
+from plumbing import folders
 import geometry
 import report
-import stats
+from plumbing import stats
 import train
 import test_analyze as synth
 from analyze import ALL, Claim, View, judge

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import analyze
-import folders
+from plumbing import folders
 import geometry
 import pretrained
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from conftest import REPO
 WORDS = 'the of and to in a is was for on as with by he it at from his an were are which this'.split()
 TOKEN_KEYS = ('tok_pr_q', 'tok_pr_k', 'tok_pr_qk', 'tok_pr_qk_heads', 'entropy', 'entropy_heads',
               'entropy_norm', 'entropy_norm_heads')
@@ -40,7 +40,7 @@ def trained(tmp_path_factory):
             '--eval_interval=8', '--geom_interval=8', '--eval_iters=2', '--eval_windows=4',
             '--model_ckpts=0', '--warmup_iters=2', '--min_char_count=1', '--threads=1']
     for seed in (1, 2):
-        done = subprocess.run([sys.executable, 'train.py', *args, f'--seed={seed}'], cwd=HERE, capture_output=True,
+        done = subprocess.run([sys.executable, 'train.py', *args, f'--seed={seed}'], cwd=REPO, capture_output=True,
                               text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
     return root

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-import configurator
+from plumbing import configurator
 import geometry
-import prepare
-import runfolder
+from plumbing import prepare
+from plumbing import runfolder
 import train
-from conftest import HERE, make_text, records, run_train, tiny_args
+from conftest import REPO, make_text, records, run_train, tiny_args
 
 
 def cfg_of(tmp_path, text_file, *extra):
@@ -93,10 +93,10 @@ def test_a_text_by_another_path_or_a_link_is_the_same_run(tmp_path, text_file, m
 
 def test_a_forker_s_new_config_key_trains_under_its_own_name(tmp_path, text_file):
     fork = tmp_path / 'fork'
-    fork.mkdir()
-    for f in os.listdir(HERE):
+    shutil.copytree(os.path.join(REPO, 'plumbing'), fork / 'plumbing')
+    for f in os.listdir(REPO):
         if f.endswith('.py'):
-            shutil.copy(os.path.join(HERE, f), fork)
+            shutil.copy(os.path.join(REPO, f), fork)
     src = (fork / 'train.py').read_text()
     (fork / 'train.py').write_text(src.replace("dropout = 0.0 ", "rope = False               # a forker's key\n"
                                                "dropout = 0.0 ", 1))
@@ -343,7 +343,8 @@ def test_a_step_s_random_streams_follow_seed_rank_and_iteration_alone(monkeypatc
 KILLER = r'''
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
-import runfolder, train
+import train
+from plumbing import runfolder
 point, at = sys.argv[2], int(sys.argv[3])
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
 record, save, get_lr = train.record, runfolder.atomic_save, train.get_lr
@@ -375,7 +376,7 @@ train.main(sys.argv[4:])
 def run_killed(tmp_path, args, point, at):
     script = tmp_path / 'killer.py'
     script.write_text(KILLER)
-    return subprocess.run([sys.executable, str(script), HERE, point, str(at), *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, str(script), REPO, point, str(at), *args], capture_output=True, text=True)
 
 
 @pytest.mark.parametrize('point, at, control, again', [
@@ -434,7 +435,7 @@ def test_two_ddp_processes_match_one_process(tmp_path, text_file):
     args = tiny_args(tmp_path, text_file, '--grad_accum=2', '--model_ckpts=0', '--save_snapshots=False')
     train.train(train.get_config(args + ['--run_name=one']))
     ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', '--master_port=29533',
-                          'train.py', *args, '--run_name=two'], cwd=HERE, capture_output=True, text=True,
+                          'train.py', *args, '--run_name=two'], cwd=REPO, capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS='1'), timeout=300)
     assert ddp.returncode == 0, ddp.stderr
     a, b = records(tmp_path / 'out' / 'one'), records(tmp_path / 'out' / 'two')

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from conftest import HERE
+from conftest import REPO
 
 
-SWEEP = os.path.join(HERE, 'sweep.sh')
+SWEEP = os.path.join(REPO, 'sweep.sh')
 # bad values of the variables sweep.sh reads (the test finds them in it); any other, a grid's numbers, gets x, 4,6, -1
 BAD = {'PRESET': ['', 'Paper'], 'OUT': [''], 'BACKEND': ['', 'slrum'], 'DRY_RUN': ['', 'true'], 'ANALYZE': ['yes'],
        'PRINT_ARGS': ['2'], 'JOBS': ['', '0', 'a'], 'ARRAY_JOBS': ['-1'], 'DATA_FILE': ['', 'none.txt'],
@@ -151,7 +151,7 @@ def test_a_second_slurm_submission_leaves_the_pending_first_array_s_files_alone(
     assert open(tasks).read() == before and len(before.splitlines()) == 2
     assert '#SBATCH --array=0-0%4' in open(calls[2][-1]).read()
     wrap = [a for a in calls[1] if a.startswith('--wrap=')][0][len('--wrap='):]
-    assert shlex.split(wrap) == [sys.executable, os.path.join(HERE, 'analyze.py'), str(out_dir)]
+    assert shlex.split(wrap) == [sys.executable, os.path.join(REPO, 'analyze.py'), str(out_dir)]
     name = re.search(r'--run_name=(\S+)', before.splitlines()[1])[1]
     task = dict(os.environ, SLURM_ARRAY_TASK_ID='1', QKGEOM_CACHE=str(tmp_path / 'cache'))
     for _ in range(2):  # the second time its run is done, and the task does nothing
@@ -162,11 +162,11 @@ def test_a_second_slurm_submission_leaves_the_pending_first_array_s_files_alone(
 
 
 def test_ci_runs_the_readme_s_test_lines_and_no_user_file_names_a_path_outside_the_repository():
-    readme = open(os.path.join(HERE, 'README.md')).read()
+    readme = open(os.path.join(REPO, 'README.md')).read()
     lines = [line.strip() for line in readme.splitlines() if line.startswith('    python -m p')]
     tests = lines[lines.index('python -m pip install -r requirements-dev.txt'):][:2]
-    ci = [line for line in open(os.path.join(HERE, '.ci', 'run')).read().splitlines() if line and line[0] != '#']
+    ci = [line for line in open(os.path.join(REPO, '.ci', 'run')).read().splitlines() if line and line[0] != '#']
     assert tests == ['python -m pip install -r requirements-dev.txt', 'python -m pytest -q'] == ci[-2:]
-    users = [f for f in os.listdir(HERE) if f.endswith('.py') and not f.startswith(('test_', 'conftest'))]
+    users = [f for f in os.listdir(REPO) if f.endswith('.py') and not f.startswith(('test_', 'conftest'))]
     for name in ['README.md', 'sweep.sh', *users]:
-        assert not [p for p in ('../shared', '/work/', 'DESIGN.md') if p in open(os.path.join(HERE, name)).read()], name
+        assert not [p for p in ('../shared', '/work/', 'DESIGN.md') if p in open(os.path.join(REPO, name)).read()], name
