@@ -6,7 +6,7 @@ Run folders in, the study's evidence out: REPORT.md, tables, figures.
 A new logged metric (say `qk_cos` per layer) with a claim and a figure:
     1. a statistic:  def final_cos(run, view): return run.final('qk_cos')
     2. a row:        Claim(key='g', text='(g) queries and keys align', stat='final qk_cos',
-                     fn=final_cos, margin=0.05) in CLAIMS (the paper's claims), or
+                     fn=final_cos, margin=0.05) in CLAIMS (outside Holm unless in FAMILY), or
                      Stat(...) in STATS (descriptive)
     3. a figure:     Figure('fig11_cos', fn(study, tables), 'Regime', 'its title') in plots.FIGURES
 
@@ -33,14 +33,14 @@ from itertools import product
 
 import numpy as np
 
-from plumbing import folders
+import control
 import geometry
 import plots
 import report
-from plumbing import stats
+from plumbing import folders, stats
 from plumbing.folders import FINAL_LOGS, OutError, Skip, group
-from report import shown, verdict_text
 from plumbing.stats import nanmean
+from report import shown, verdict_text
 
 WELL_BELOW = -0.20
 
@@ -329,6 +329,9 @@ CLAIMS = [
           stat="Spearman of tok_pr_qk with entropy across the (layer, head) pairs of a model's "
                'last checkpoint', fn=token_link, **TOKEN),
 ]
+# The pre-registered family: Holm adjusts over these claims' rows only. A claim a fork adds to
+# CLAIMS is judged and reported beside them, outside Holm, unless its key is added here.
+FAMILY = ('a', 'b', 'c', 'c-qk', 'c-d', 'c-dqk', 'c2', 'd', 'e', 'f1-early', 'f1-late', 'f2')
 
 
 def described(key, stat, x, y, scope='heads', kind='spearman', changes=False, tables=('map',)):
@@ -505,8 +508,9 @@ def arms(runs, rank):
 
     def order(key):
         setting, arm = key
-        rest = [sort_key(v) for n, v in arm if n != 'shrink_to']
-        return (rank[setting], *rest, -dict(arm).get('shrink_to', 0))
+        rest = [sort_key(v) for n, v in arm if n not in control.DOSES]
+        doses = [-dict(arm).get(key, 0) for key in control.DOSES]   # the weakest dose first
+        return (rank[setting], *rest, *doses)
     return {key: found[key] for key in sorted(found, key=order)}
 
 
@@ -615,7 +619,7 @@ def claims_table(study, cells):
                          'est': x.get('est'), 'lo': x.get('lo'), 'hi': x.get('hi'),
                          'p': x.get('p', math.nan), 'value': shown(c, x) if x['n'] else x['why'],
                          'beside': also, 'verdict': verdict_text(x) if x['n'] else x['verdict']})
-    judged = [r for r in rows if np.isfinite(r['p'])]
+    judged = [r for r in rows if np.isfinite(r['p']) and r['key'] in FAMILY]
     for r, p in zip(judged, stats.holm([r['p'] for r in judged])):
         r.update(p_holm=p, holm=r['verdict'].split(' (')[0] if p < stats.ALPHA else 'undecided')
     return rows
@@ -646,7 +650,7 @@ def axes(points):
     cfgs = [runs[0].settings for runs in points.values()]
     numeric = lambda k: all(type(c.get(k)) in folders.NUMBER and c.get(k) for c in cfgs)
     out = []
-    for k in (k for k in folders.varying(cfgs) if k not in folders.CONTROL_KEYS):
+    for k in (k for k in folders.varying(cfgs) if k not in control.KEYS):
         ratio = lambda a: {round(c[k] / c[a], 12) for c in cfgs}
         multiple = any(numeric(a) and numeric(k) and len(ratio(a)) == 1 for a in out)
         if not multiple:
@@ -707,17 +711,26 @@ def control_dose(study):
     dose, paired = [], [s for s in STATS if 'control' in s.tables]
     for (setting, arm), pairs in study.arms.items():
         kind, target = dict(arm)['control'], dict(arm)['control_target']
-        claim = next(c for c in CLAIMS if c.control == kind)
-        res, eff = {s.key: judge(s, pairs) for s in paired}, judge(claim, pairs)
-        k = sum(v * claim.sign > 0 for v in eff['values'])
+        claim = next((c for c in CLAIMS if c.control == kind), None)
+        res = {s.key: judge(s, pairs) for s in paired}
         row = {'setting': study.label[setting], 'arm': study.arm_name(arm), 'n': len(pairs),
                'baseline PR/head': nanmean([b.final(f'pr_{target}_head') for _, b in pairs])}
         row.update({s.key[2:]: shown(s, res[s.key]) for s in paired})
-        row.update({'well below': bool(res['d_pr_head_rel']['hi'] < WELL_BELOW),
-                    'predicted sign': f"{k}/{eff['n']}",
-                    'verdict': verdict_text(eff) if target == 'k' else 'mirror: no verdict'})
+        row['well below'] = bool(res['d_pr_head_rel']['hi'] < WELL_BELOW)
+        row.update(predicted(claim, pairs, target))
         dose.append(row)
     return dose
+
+
+def predicted(claim, pairs, target):
+    """The predicted sign's count and the verdict of a kind's claim on an arm's pairs; a kind with
+    no claim (a fork's new one) and the mirror get no verdict."""
+    if claim is None:
+        return {'predicted sign': '-', 'verdict': 'no claim on this kind: no verdict'}
+    eff = judge(claim, pairs)
+    k = sum(v * claim.sign > 0 for v in eff['values'])
+    return {'predicted sign': f"{k}/{eff['n']}",
+            'verdict': verdict_text(eff) if target == 'k' else 'mirror: no verdict'}
 
 
 def dose_fits(study):
@@ -798,7 +811,7 @@ class Study:
     stats: dict = None          # the registries: key -> Stat or Claim
 
     def arm_name(self, arm):
-        return folders.arm_label(dict(arm), self.arm_keys)
+        return control.label(dict(arm), self.arm_keys)
 
 
 def sort_key(value):
@@ -833,7 +846,7 @@ def load(paths, out=None, from_iter=None, log=print):
     names = folders.labels(cfgs, folders.varying(cfgs), [r.settings for r in uncontrolled(runs)])
     study.label, study.arms = dict(zip(groups, names)), arms(runs, rank)
     controlled = [dict(r.arm) for r in runs if r.control != 'none']
-    named = ('control', 'control_target', 'control_keep', 'shrink_to')
+    named = ('control', 'control_target', 'control_keep', *control.DOSES)   # in the label
     study.arm_keys = [k for k in folders.varying(controlled) if k not in named]
     paired = {c for pairs in study.arms.values() for c, _ in pairs}
     for r in (r for r in runs if r.control != 'none' and r not in paired):
@@ -857,7 +870,8 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
     files = {**figs['files'], **report.map_tables(cells, ALL)}
     for stem in sorted(set(t) - {'cells'}):
         files.update(folders.table(stem, t[stem]))
-    files['REPORT.md'] = report.write(study, t, CLAIMS, ALL, figs['notes'], files, REFERENCES)
+    files['REPORT.md'] = report.write(study, t, CLAIMS, ALL, figs['notes'], files, REFERENCES,
+                                      FAMILY)
     study.files = folders.write_files(study.out, files)
     return study
 

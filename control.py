@@ -49,6 +49,7 @@ operations (kernels on a GPU) against a training step's.
 """
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -116,22 +117,76 @@ def _control(s, target, rtol, control_keep='fro'):
 
 # ----------------------------------------------------------------------------- the schedules
 
+def shrink_fraction(cfg, step):
+    """shrink: falls linearly to shrink_to over shrink_iters steps, then stays there."""
+    done = min(step / cfg['shrink_iters'], 1.0) if cfg['shrink_iters'] > 0 else 1.0
+    return 1.0 - (1.0 - cfg['shrink_to']) * done
+
+
+def freeze_fraction(cfg, step):
+    """freeze: the step-0 PR at every step."""
+    return 1.0
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A control kind: the settings it reads (beyond `control`), the one of them that is its dose
+    (in its label and run name: shrink0.1), its target as a fraction of the step-0 PR after a
+    step, and whether that target is an upper bound (a PR already below it is left alone) or is
+    enforced both ways."""
+    reads: tuple = ()
+    dose: str = ''
+    fraction: object = None
+    upper_bound: bool = False
+
+
+# Every control kind, in one place: train.py checks `control` against it, the run name and the
+# analysis' arm label come from label(), the analysis pairs runs by KEYS and ignores what a kind
+# does not read. A new kind is an entry here (and its settings in train.py's config block).
+EVERY_KIND_READS = ('control_target', 'control_scope', 'control_keep', 'control_layers',
+                    'control_interval')
+KINDS = {
+    'none': Kind(),   # the baseline: the same calls, the weights untouched
+    'shrink': Kind(EVERY_KIND_READS + ('shrink_to', 'shrink_iters'), 'shrink_to', shrink_fraction,
+                   upper_bound=True),
+    'freeze': Kind(EVERY_KIND_READS, '', freeze_fraction),
+}
+KEEPS = ('fro', 'spec')   # control_keep: what the reshaping holds fixed (the module docstring says why)
+# the control's settings: `control`, then every key a kind reads, in a fixed order
+KEYS = ('control',) + tuple(dict.fromkeys(key for kind in KINDS.values() for key in kind.reads))
+DOSES = tuple(kind.dose for kind in KINDS.values() if kind.dose)
+
+
+def ignored(kind):
+    """The control settings a kind does not read (every one for an unknown kind)."""
+    reads = KINDS[kind].reads if kind in KINDS else ()
+    return tuple(key for key in KEYS[1:] if key not in reads)
+
+
+def label(cfg, extra=()):
+    """'shrink0.1-k-spec', 'freeze-k' (a dose not in cfg: 'shrink-k'), then ' key=value' for each
+    key of extra in cfg; '' for none. The run name's control part and the analysis' arm label."""
+    kind = cfg.get('control', 'none')
+    if kind == 'none':
+        return ''
+    dose_key = KINDS[kind].dose if kind in KINDS else ''
+    dose = f"{cfg[dose_key]:g}" if dose_key and dose_key in cfg else ''
+    keep = '' if cfg.get('control_keep') == 'fro' else f"-{cfg.get('control_keep')}"
+    named = ''.join(f' {key}={cfg[key]}' for key in extra if key in cfg)
+    return f"{kind}{dose}-{cfg.get('control_target')}{keep}{named}"
+
+
 def target_pr(initial, cfg, step):
-    """The target PR after `step` optimizer steps, from the step-0 PR.
+    """The target PR after `step` optimizer steps, from the step-0 PR: its kind's fraction of it.
 
     initial: a state from record (-> a list per controlled layer of lists per head), or a float, a
-    list or a tensor of step-0 PRs (-> the same structure). freeze: the step-0 PR; shrink: falls linearly
-    to shrink_to x the step-0 PR over shrink_iters steps, then stays there.
+    list or a tensor of step-0 PRs (-> the same structure).
     """
-    if cfg['control'] == 'freeze':
-        frac = 1.0
-    elif cfg['control'] == 'shrink':
-        done = min(step / cfg['shrink_iters'], 1.0) if cfg['shrink_iters'] > 0 else 1.0
-        frac = 1.0 - (1.0 - cfg['shrink_to']) * done
-    else:
-        raise ValueError(f"control={cfg['control']!r} has no target PR (only shrink and freeze do)")
+    kind = KINDS.get(cfg['control'])
+    if kind is None or kind.fraction is None:
+        raise ValueError(f"control={cfg['control']!r} has no target PR")
     pr0 = initial['pr0'] if isinstance(initial, dict) else initial
-    return _scaled(pr0, frac)
+    return _scaled(pr0, kind.fraction(cfg, step))
 
 
 def _scaled(x, frac):
@@ -156,8 +211,6 @@ def parse_layers(text, n_layer):
     return layers
 
 
-KINDS = ('none', 'shrink', 'freeze')   # control: the baseline and the two schedules
-KEEPS = ('fro', 'spec')   # control_keep: what the reshaping holds fixed (the module docstring says why)
 
 
 def check_settings(cfg, n_layer):
@@ -238,8 +291,10 @@ def apply(state, cfg, qk_weights, step):
     new, pr_min, pr_max = _reshaped(flat, target, keep)
     new = new.to(params[0].dtype).to(torch.float64)   # as it will be stored: the PR logged is that weight's
     pr, new_pr = geometry.matrix_pr(torch.cat([flat, new]), checked=False).chunk(2)
-    # which blocks to change: shrink only lowers a PR, freeze moves it either way; a zero block has no spectrum
-    act = (pr > 0) & ((pr > target) if state['control'] == 'shrink' else (pr != target))
+    # which blocks to change: an upper bound (shrink) only lowers a PR, freeze moves it either way;
+    # a zero block has no spectrum
+    upper = KINDS[state['control']].upper_bound
+    act = (pr > 0) & ((pr > target) if upper else (pr != target))
     out = act & ((target > pr_max * (1 + REACH_RTOL)) | (target < pr_min * (1 - REACH_RTOL)))
     state['out_of_reach'] |= out.view(L, B)
     flat = torch.where(act[:, None, None], new, flat)

@@ -8,9 +8,8 @@ from collections import Counter
 
 import numpy as np
 
-from plumbing import folders
 import plots
-from plumbing import stats
+from plumbing import folders, stats
 
 UNITS = {'seed': 'seeds (runs)', 'pair': 'seed pairs (controlled - baseline)', 'model': 'models'}
 NEAR_UNIFORM = 0.98     # a layer-mean entropy_norm this high or more: near-uniform attention
@@ -141,7 +140,16 @@ def caveat(study):
     return [f"**These verdicts rest on {' and '.join(why)}: they mean little.**", ''] if why else []
 
 
-def write(study, tables, claims, registry, figure_notes, files, refs):
+def outside_family(rows, family):
+    """The line naming the claims judged outside the pre-registered family, if any."""
+    keys = list(dict.fromkeys(r['key'] for r in rows if r['key'] not in family))
+    if not keys:
+        return []
+    return ['', f"Outside the pre-registered family, so not in Holm (Holm reads '-'): "
+                f"{', '.join(keys)}. They are reported as judged alone."]
+
+
+def write(study, tables, claims, registry, figure_notes, files, refs, family):
     """REPORT.md: the claims with their rules, then SECTIONS, settings, confounds and warnings."""
     files = {n: files[n] for n in sorted(files)}
     rows = [{'claim': r['claim'], 'in': r['scope'], 'value': r['value'], 'verdict': r['verdict'],
@@ -160,7 +168,7 @@ def write(study, tables, claims, registry, figure_notes, files, refs):
               "The paper's claims, fixed before the runs, each a test at 95%. Holm: the verdict "
               f"after Holm's step-down adjustment over the {judged} rows judged (family-wise 5%; a "
               'verdict it does not keep reads undecided). Every other table here is exploratory.',
-              '',
+              *outside_family(tables['claims'], family), '',
               folders.markdown(rows, list(rows[0]) if rows else ['claim']), '### Rules', '']
     in_table = {r['key'] for r in tables['claims']}
     lines += [f'- {rule(c, refs)}.' for c in claims if c.key in in_table]

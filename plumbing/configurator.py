@@ -10,6 +10,8 @@ import json
 import math
 import os
 
+import control as spectrum_control   # "control" is also a config key
+
 
 class Stop(SystemExit):
     """A clean stop with one line for the user: train.py prints 'error: ' and it, and exits with status 2."""
@@ -115,11 +117,7 @@ def sha256_of(paths):
 
 def run_name(cfg, defaults):
     """L4_normal_s1, L4_normal_freeze-k-spec_s3, ..., then a hash of the other settings that are not defaults."""
-    control = ''
-    if cfg['control'] != 'none':
-        dose = f"{cfg['shrink_to']:g}" if cfg['control'] == 'shrink' else ''
-        keep = '-spec' if cfg['control_keep'] == 'spec' else ''
-        control = f"_{cfg['control']}{dose}-{cfg['control_target']}{keep}"
+    control = f"_{spectrum_control.label(cfg)}" if cfg['control'] != 'none' else ''
     name = f"L{cfg['n_layer']}_{cfg['qk_init']}{control}_s{cfg['seed']}"
     other = {k: v for k, v in cfg.items() if k not in NOT_IN_NAME + NAMED and v != defaults.get(k)}
     if other:

@@ -17,6 +17,7 @@ from functools import reduce
 
 import numpy as np
 
+import control
 import geometry
 from plumbing import stats
 
@@ -24,17 +25,12 @@ BOOKKEEPING = ('out_dir', 'run_name', 'overwrite', 'seed', 'device', 'threads', 
                'ckpt_interval', 'model_ckpts', 'save_snapshots', 'data_file', 'data_dir',
                'data_url', 'dataset', 'cache_dir', 'torch', 'git_commit', 'world_size', 'n_params',
                'vocab_size', 'n_chars', 'data_cache', 'transformers')
-CONTROL_KEYS = ('control', 'control_target', 'control_scope', 'control_keep', 'control_layers',
-                'control_interval', 'shrink_to', 'shrink_iters')
-# the keys control.py does not read for a control kind
-IGNORED = {'none': CONTROL_KEYS[1:], 'freeze': ('shrink_to', 'shrink_iters')}
 NUMBER = (int, float)
 SIZES = ('n_layer', 'n_head', 'n_embd', 'block_size')   # at least 1
 REQUIRED = {(int,): SIZES + ('seed', 'max_iters', 'warmup_iters'),
             (str,): ('qk_init', 'control', 'control_target', 'control_keep', 'data_sha256'),
             NUMBER: ('shrink_to', 'weight_decay'), (bool,): ('decay_qk',)}
 SERIES_REQUIRED = {(int,): SIZES, (str,): ('model', 'family', 'rope')}   # of a pretrained series
-KINDS = ('none', 'shrink', 'freeze')
 FINAL_LOGS = 3
 LOSSES = ('train_loss', 'val_loss')
 MANIFEST = '.analyze.json'
@@ -71,9 +67,9 @@ class Run:
     def use(self, settings):
         """settings, and from them setting, base (no control keys), arm."""
         self.settings, self.setting = settings, json.dumps(settings, sort_keys=True)
-        base = {k: v for k, v in settings.items() if k not in CONTROL_KEYS}
+        base = {k: v for k, v in settings.items() if k not in control.KEYS}
         self.base = json.dumps(base, sort_keys=True)
-        self.arm = tuple((k, settings.get(k)) for k in CONTROL_KEYS)
+        self.arm = tuple((k, settings.get(k)) for k in control.KEYS)
 
     def final(self, key, layers=None):
         """Mean of the last FINAL_LOGS records over layers (all, or these), or NaN."""
@@ -91,21 +87,11 @@ def config_settings(cfgs):
     """Each config's keys but BOOKKEEPING; a key its control kind ignores as most of its kind."""
     out = [{k: v for k, v in c.items() if k not in BOOKKEEPING} for c in cfgs]
     for kind, ss in group(out, lambda s: s.get('control')).items():
-        for k in IGNORED.get(kind, ()):
+        for k in control.ignored(kind) if kind in control.KINDS else ():
             for v, _ in Counter(json.dumps(s[k]) for s in ss if k in s).most_common(1):
                 for s in ss:
                     s[k] = json.loads(v)
     return out
-
-
-def arm_label(cfg, extra=()):
-    """'shrink0.1-k-spec', 'freeze-k' (no dose: 'shrink-k'), then the keys of extra; '' for none."""
-    if cfg.get('control', 'none') == 'none':
-        return ''
-    dose = f"{cfg['shrink_to']:g}" if cfg['control'] == 'shrink' and 'shrink_to' in cfg else ''
-    keep = '' if cfg.get('control_keep') == 'fro' else f"-{cfg.get('control_keep')}"
-    return f"{cfg['control']}{dose}-{cfg.get('control_target')}{keep}" + ''.join(
-        f' {k}={cfg[k]}' for k in extra if k in cfg)
 
 
 # ---- reading
@@ -159,8 +145,8 @@ def check_config(cfg):
              if type(v) is float and not math.isfinite(v)]
     wrong += [(k, 'not a count of at least 1') for k in SIZES if cfg[k] < 1]
     wrong += [(k, 'negative') for k in ('max_iters', 'warmup_iters') if cfg.get(k, 0) < 0]
-    if not series and cfg['control'] not in KINDS:
-        wrong.append(('control', f"not one of {', '.join(KINDS)}"))
+    if not series and cfg['control'] not in control.KINDS:
+        wrong.append(('control', f"not one of {', '.join(control.KINDS)}"))
     if not wrong and cfg['n_embd'] % cfg['n_head']:   # n_head is at least 1 here
         wrong.append(('n_embd', f"not a multiple of n_head={cfg['n_head']}"))
     if wrong:
@@ -376,7 +362,7 @@ def stack(runs, key, its=None):
 def families(arms, kind=None):
     """{(setting, arm without its dose): [arm keys]} of arms, of one control kind or all."""
     return group([k for k in arms if kind in (None, dict(k[1])['control'])],
-                 lambda k: (k[0], tuple(x for x in k[1] if x[0] != 'shrink_to')))
+                 lambda k: (k[0], tuple(x for x in k[1] if x[0] not in control.DOSES)))
 
 
 def varying(dicts):
