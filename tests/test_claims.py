@@ -251,3 +251,23 @@ def test_a_ratio_claim_is_judged_and_its_rule_printed_in_the_units_of_its_value(
     assert res['verdict'] == 'holds' and 1.05 < res['lo'] < 1.19 and res['hi'] > 1.33
     assert judge(claim, [1.01, 0.99, 1.0])['verdict'] == 'no effect'
     assert '[0.95, 1.05], holds if it lies above 1,' in report.rule(claim, analyze.REFERENCES)
+
+
+def test_a_claim_a_fork_adds_is_judged_outside_holm_unless_it_joins_the_family(tmp_path, monkeypatch):
+    synth.study(tmp_path / 'runs', seeds=4)
+    paper = synth.run([tmp_path / 'runs'], tmp_path / 'paper').tables['claims']
+    fork_claim = Claim(key='g', text='(g) a fork claim', stat='Spearman of PR_Q with entropy',
+                       fn=analyze.correlation('q', 'entropy'), **analyze.ACROSS)
+    monkeypatch.setattr(analyze, 'CLAIMS', analyze.CLAIMS + [fork_claim])
+    monkeypatch.setitem(analyze.ALL, 'g', fork_claim)
+    s = synth.run([tmp_path / 'runs'], tmp_path / 'fork')
+    rows = {r['key']: r for r in s.tables['claims']}
+    assert math.isfinite(rows['g']['p']) and 'holm' not in rows['g']
+    assert [r.get('p_holm') for r in s.tables['claims'] if r['key'] != 'g'] == [
+        r.get('p_holm') for r in paper]   # the paper's adjusted p-values do not move
+    text = (tmp_path / 'fork' / 'REPORT.md').read_text()
+    assert "Outside the pre-registered family, so not in Holm (Holm reads '-'): g." in text
+    assert 'Outside the pre-registered family' not in (tmp_path / 'paper' / 'REPORT.md').read_text()
+    monkeypatch.setattr(analyze, 'FAMILY', analyze.FAMILY + ('g',))
+    joined = synth.run([tmp_path / 'runs'], tmp_path / 'joined').tables['claims']
+    assert 'holm' in next(r for r in joined if r['key'] == 'g')

@@ -1,7 +1,11 @@
 """control.py: the spectrum transform, the shrink and freeze schedules, apply on small weights, and the
 control inside a tiny training run."""
+import csv
 import os
 import re
+import shutil
+import subprocess
+import sys
 import types
 import warnings
 
@@ -11,6 +15,7 @@ import torch
 
 import control
 import geometry
+from conftest import REPO, run_train, tiny_args
 
 
 def control_spectrum(s, target_pr, keep='fro'):
@@ -405,3 +410,43 @@ def test_control_keep_reaches_train_py(tmp_path, train_run):
     assert all(s['qk_spec_norm'] < f['qk_spec_norm'] for f, s in zip(last['fro'], last['spec']))
     assert torch.load(tmp_path / 'out' / 'spec' / 'ckpt.pt', weights_only=True)['control']['keep'] == 'spec'
 
+
+
+# ----------------------------------------------------------------------------- a fork's new kind
+
+CLIP = """    'clip': Kind(EVERY_KIND_READS + ('clip_to',), 'clip_to', clip_fraction, upper_bound=True),
+}"""
+
+
+def test_a_new_control_kind_is_control_py_and_train_py_and_the_analysis_pairs_it(tmp_path, text_file):
+    """A fork's `clip` kind (the key PR held below clip_to x its step-0 value from the first step):
+    one entry in control.py's KINDS and its setting in train.py. Its runs, at a dose that is not the
+    default, get their seed's baseline and a control_dose row with no verdict."""
+    fork = tmp_path / 'fork'
+    shutil.copytree(os.path.join(REPO, 'plumbing'), fork / 'plumbing')
+    for f in os.listdir(REPO):
+        if f.endswith('.py'):
+            shutil.copy(os.path.join(REPO, f), fork)
+    src = (fork / 'control.py').read_text()
+    src = src.replace("    'freeze': Kind(EVERY_KIND_READS, '', freeze_fraction),\n}",
+                      "    'freeze': Kind(EVERY_KIND_READS, '', freeze_fraction),\n" + CLIP, 1)
+    src = src.replace('\n@dataclass(frozen=True)\nclass Kind:',
+                      "\ndef clip_fraction(cfg, step):\n    return cfg['clip_to']\n\n"
+                      "\n@dataclass(frozen=True)\nclass Kind:", 1)
+    (fork / 'control.py').write_text(src)
+    src = (fork / 'train.py').read_text()
+    (fork / 'train.py').write_text(src.replace('shrink_to = ', 'clip_to = 0.5\nshrink_to = ', 1))
+    args = tiny_args(tmp_path, text_file, '--max_iters=8', '--model_ckpts=0')
+    for extra in (['--seed=1'], ['--seed=2'], ['--control=clip', '--clip_to=0.7', '--seed=1'],
+                  ['--control=clip', '--clip_to=0.7', '--seed=2']):
+        out = run_train(args + extra, cwd=fork, script=fork / 'train.py')
+        assert out.returncode == 0, out.stderr
+    assert sorted(n.split('-')[0] for n in os.listdir(tmp_path / 'out'))[:2] == [
+        'L2_normal_clip0.7', 'L2_normal_clip0.7']
+    out = subprocess.run([sys.executable, 'analyze.py', str(tmp_path / 'out'), '--no_figures',
+                          f'--out={tmp_path / "analysis"}'], cwd=fork, capture_output=True, text=True)
+    assert out.returncode == 0 and 'Traceback' not in out.stderr, out.stderr
+    assert 'no control=none run' not in out.stdout + out.stderr
+    rows = list(csv.DictReader(open(tmp_path / 'analysis' / 'control_dose.csv')))
+    assert [(r['arm'], r['n'], r['verdict']) for r in rows] == [
+        ('clip0.7-k', '2', 'no claim on this kind: no verdict')]
