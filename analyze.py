@@ -705,6 +705,174 @@ def reading(fit, means):
     return f'{line}; {mono}' if np.isfinite(fit['rho_lo']) else line
 
 
+# -------------------------------------------------------------- what sets entropy (exploratory)
+# Outside the claims and Holm: each run at its final record, per (layer, head), and the control by
+# seed pair, in the statistics results/cpu-wide-spread/README.md fixed before its runs. Only runs
+# that log logit_std take part; without them these tables are empty and REPORT.md has no section.
+MEDIATORS = {'log logit_std': 'logit_std', 'log ||W_QK||_F': 'qk_fro_norm',
+             'log ||W_QK||_2': 'qk_spec_norm'}
+PREDICTORS = {**MEDIATORS, 'log PR_K': 'pr_k', 'log PR_QK': 'pr_qk'}
+ONLY_SPREAD_R2 = 0.8   # model 1's uncentred R^2 that "only through the spread" asks for
+
+
+def final_heads(run, key):
+    """key's per-head values at the run's final record, over (layer, head); None if not logged."""
+    values = run.m.get(f'{key}_heads')
+    return None if values is None else values[-1].reshape(-1)
+
+
+def spread_runs(study):
+    return [r for r in study.runs if final_heads(r, 'logit_std') is not None]
+
+
+def across_heads(runs):
+    """Per run over its heads: Spearman of entropy with log logit_std, and the partial Spearman of
+    PR_K and of PR_QK with entropy given log logit_std; each a mean over runs, t interval."""
+    entropy = np.array([stats.ranks(final_heads(r, 'entropy')) for r in runs])
+    spread = np.array([stats.ranks(final_heads(r, 'logit_std')) for r in runs])
+    found = {'Spearman of entropy with log logit_std': stats.pearson_rows(entropy, spread)}
+    for name, key in (('PR_K', 'pr_k'), ('PR_QK', 'pr_qk')):
+        shape = np.array([stats.ranks(final_heads(r, key)) for r in runs])
+        found[f'partial Spearman of {name} with entropy | log logit_std'] = stats.partial_rows(
+            shape, entropy, spread)
+    rows = []
+    for statistic, values in found.items():
+        mean, lo, hi, n = stats.t_interval(values)
+        rows.append({'statistic': statistic, 'mean': mean, 'lo': lo, 'hi': hi, 'runs': n,
+                     'reading': beyond_spread(lo, hi) if 'partial' in statistic else ''})
+    return rows
+
+
+def beyond_spread(lo, hi):
+    """A partial link given log logit_std, by the band fixed before the runs (ACROSS's margin)."""
+    band = ACROSS['margin']
+    if -band <= lo and hi <= band:
+        return 'no further than the spread'
+    if (lo > 0 or hi < 0) and (lo > band or hi < -band):
+        return 'beyond the spread (a correlation)'
+    return 'undecided'
+
+
+def head_change(controlled, baseline, key, log=True):
+    """The change in the mean over heads of key (of its log), controlled - baseline."""
+    def mean(run):
+        values = final_heads(run, key)
+        return float(np.mean(np.log(values) if log else values))
+    return mean(controlled) - mean(baseline)
+
+
+def spread_pairs(study):
+    """The seed pairs of the key control whose runs log logit_std, as arrays: dH, d log PR_K, the
+    change of each mediator, their seeds and arm names."""
+    found = []
+    for (setting, arm), pairs in study.arms.items():
+        if dict(arm)['control_target'] != 'k':
+            continue
+        for controlled, baseline in pairs:
+            if any(final_heads(run, 'logit_std') is None for run in (controlled, baseline)):
+                continue
+            found.append({'arm': study.arm_name(arm), 'seed': controlled.seed,
+                          'dH': head_change(controlled, baseline, 'entropy', log=False),
+                          'dK': head_change(controlled, baseline, 'pr_k'),
+                          **{name: head_change(controlled, baseline, key)
+                             for name, key in MEDIATORS.items()}})
+    return {key: np.array([p[key] for p in found]) for key in found[0]} if found else {}
+
+
+def uncentred_r2(y, X):
+    """1 - sum e^2 / sum y^2 of the least-squares fit of y on the columns of X, no intercept."""
+    residual = y - X @ stats.solve(X, y)
+    return 1 - float(residual @ residual) / float(y @ y)
+
+
+def mediation_rows(pairs):
+    """Per mediator m: dH = b dm (model 1) and dH = b dm + c dK (model 2), no intercept (a pair of
+    equal runs changes nothing), jackknife-t over seeds; then, per arm, the share of its mean dH
+    that goes through m, b mean(dm) / mean(dH) with b of model 1."""
+    fits, shares = [], []
+    dH, dK, seeds = pairs['dH'], pairs['dK'], pairs['seed']
+    for name in MEDIATORS:
+        one, two = pairs[name][:, None], np.column_stack([pairs[name], dK])
+        b1 = stats.jackknife(lambda keep: stats.solve(one[keep], dH[keep]), seeds)
+        b2 = stats.jackknife(lambda keep: stats.solve(two[keep], dH[keep]), seeds)
+        fits.append({'mediator': name, 'pairs': len(dH), 'b1': b1[0][0], 'b1_lo': b1[1][0],
+                     'b1_hi': b1[2][0], 'R2_1': uncentred_r2(dH, one), 'b2': b2[0][0],
+                     'b2_lo': b2[1][0], 'b2_hi': b2[2][0], 'c_dlogPR_K': b2[0][1],
+                     'c_lo': b2[1][1], 'c_hi': b2[2][1], 'R2_2': uncentred_r2(dH, two)})
+        for arm in dict.fromkeys(pairs['arm']):
+            shares.append({'mediator': name, 'arm': arm,
+                           **arm_share(dH, pairs[name], seeds, pairs['arm'] == arm)})
+    return fits, shares
+
+
+def arm_share(dH, dm, seeds, in_arm):
+    """An arm's mean dH (t interval over its pairs), mean dm, and its share through the mediator."""
+    def share(keep):
+        b = stats.solve(dm[keep, None], dH[keep])[0]
+        return b * dm[keep & in_arm].mean() / dH[keep & in_arm].mean()
+    mean, lo, hi, n = stats.t_interval(dH[in_arm])
+    through, through_lo, through_hi = stats.jackknife(share, seeds)
+    return {'pairs': n, 'dH': mean, 'dH_lo': lo, 'dH_hi': hi,
+            'effect': bool(lo > CONTROL['margin'] or hi < -CONTROL['margin']),
+            'd_mediator': float(dm[in_arm].mean()), 'share': float(through),
+            'share_lo': float(through_lo), 'share_hi': float(through_hi)}
+
+
+def only_through_spread(fits, shares):
+    """The reading fixed before the runs, of model 2's c, the arms' shares and model 1's R^2 with
+    m = log logit_std: 'yes', 'refuted' (and why) or 'undecided'."""
+    fit = next(f for f in fits if f['mediator'] == 'log logit_std')
+    arms = [r for r in shares if r['mediator'] == 'log logit_std' and r['effect']]
+    refuted = []
+    if fit['c_lo'] > 0 or fit['c_hi'] < 0:
+        refuted.append("PR_K's change acts beyond the spread (c's interval excludes 0)")
+    refuted += [f"the share of {r['arm']} lies below 1" for r in arms if r['share_hi'] < 1]
+    if refuted:
+        return 'refuted: ' + '; '.join(refuted)
+    holds = (fit['c_lo'] <= 0 <= fit['c_hi'] and fit['R2_1'] >= ONLY_SPREAD_R2
+             and all(r['share_lo'] <= 1 <= r['share_hi'] for r in arms))
+    return 'yes' if holds else 'undecided'
+
+
+def predictor_rows(runs):
+    """Per candidate: R^2 of entropy on it (a line) across heads, fitted on all seeds but one and
+    read on the held-out seed's heads; mean, lowest and highest over the held-out seeds."""
+    seeds, rows = np.array([r.seed for r in runs]), []
+    entropy = [final_heads(r, 'entropy') for r in runs]
+    for name, key in PREDICTORS.items():
+        x = [np.log(final_heads(r, key)) for r in runs]
+        scores = []
+        for held in np.unique(seeds):
+            fit = np.polyfit(np.concatenate([v for v, s in zip(x, seeds) if s != held]),
+                             np.concatenate([h for h, s in zip(entropy, seeds) if s != held]), 1)
+            x_out = np.concatenate([v for v, s in zip(x, seeds) if s == held])
+            h_out = np.concatenate([h for h, s in zip(entropy, seeds) if s == held])
+            error = h_out - np.polyval(fit, x_out)
+            scores.append(1 - (error @ error) / ((h_out - h_out.mean()) @ (h_out - h_out.mean())))
+        rows.append({'predictor': name, 'R2_held_out': float(np.mean(scores)),
+                     'lowest': float(np.min(scores)), 'highest': float(np.max(scores)),
+                     'held_out_seeds': len(scores)})
+    return rows
+
+
+def what_sets_entropy(study):
+    """The section's tables: across heads, the mediation fits, the arms' shares, the predictors."""
+    runs = spread_runs(study)
+    if not runs:
+        return {}
+    tables = {'entropy_heads': across_heads(runs)}
+    if len({r.seed for r in runs}) >= 2:
+        tables['entropy_predictors'] = predictor_rows(runs)
+    pairs = spread_pairs(study)
+    if pairs:
+        fits, shares = mediation_rows(pairs)
+        for fit in fits:
+            fit['only through the spread'] = (only_through_spread(fits, shares)
+                                              if fit['mediator'] == 'log logit_std' else '')
+        tables.update(entropy_mediation=fits, entropy_share=shares)
+    return tables
+
+
 # ------------------------------------------------------------------------------- the other tables
 def control_dose(study):
     """Each paired statistic over an arm's seed pairs, with (d) or (e)'s verdict."""
@@ -865,7 +1033,8 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
     t = study.tables = dict(claims=claims_table(study, cells), cells=cells, regime=points,
                             regime_trend=lines, control_dose=control_dose(study),
                             control_dose_fit=dose_fits(study), runs=runs_rows(study),
-                            settings=setting_rows(study), token_series=token_rows(study))
+                            settings=setting_rows(study), token_series=token_rows(study),
+                            **what_sets_entropy(study))
     figs = plots.draw(study, t, log) if figures else {'files': {}, 'notes': []}
     files = {**figs['files'], **report.map_tables(cells, ALL)}
     for stem in sorted(set(t) - {'cells'}):

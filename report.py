@@ -184,6 +184,37 @@ def write(study, tables, claims, registry, figure_notes, files, refs, family):
     return '\n'.join(lines + [f'- figure skipped: {n}' for n in figure_notes]) + '\n'
 
 
+SPREAD_TEXT = (
+    'Outside the claims and Holm, over every run that logs logit_std (the std of a query\'s scaled '
+    'logits over its keys): at the final record across (layer, head) pairs; in the control per seed '
+    'pair (controlled - the none run of its seed), dH = b dm (model 1) and dH = b dm + c d log PR_K '
+    '(model 2) with no intercept, jackknife-t over seeds, uncentred R^2, and the share of an arm\'s '
+    'mean dH through the mediator m, b mean(dm) / mean(dH); "effect": the arm\'s dH interval outside '
+    '+/-0.02 nats. Only through the spread: c\'s interval holds 0, every arm with an effect has a '
+    'share interval holding 1, and model 1 has R^2 >= 0.8; refuted where c\'s interval excludes 0 '
+    'or an arm\'s share lies below 1.')
+
+
+def spread_lines(tables, files):
+    """The section 'What sets entropy', or nothing where no run logs logit_std."""
+    if 'entropy_heads.md' not in files:
+        return []
+    lines = ['## What sets entropy (exploratory, outside Holm)', '', SPREAD_TEXT, '']
+    fit = next((f for f in tables.get('entropy_mediation', ()) if f['only through the spread']), None)
+    if fit:
+        lines += [f"The key spectrum acts only through the logits' spread: "
+                  f"{fit['only through the spread']}.", '']
+    best = max(tables.get('entropy_predictors', ()), key=lambda r: r['R2_held_out'], default=None)
+    if best:
+        lines += [f"Best predictor of entropy across heads (held-out seeds): {best['predictor']}, "
+                  f"R^2 {best['R2_held_out']:.3g} ({best['lowest']:.3g} to {best['highest']:.3g}).",
+                  '']
+    for stem in ('entropy_heads', 'entropy_predictors', 'entropy_mediation', 'entropy_share'):
+        if f'{stem}.md' in files:
+            lines += [files[f'{stem}.md'], '']
+    return lines + figures('What sets entropy', files)
+
+
 def sections(study, tables, registry, files, figure_notes):
     """SECTIONS in order: each one's text, tables and figures, or why it has none."""
     optimizer = [s.key for s in registry.values() if 'optimizer' in s.tables]
@@ -202,6 +233,7 @@ def sections(study, tables, registry, files, figure_notes):
         elif text:
             body = [text, ''] + body
         lines += [f'## {title} (exploratory)', ''] + body + ['']
+    lines += spread_lines(tables, files)
     return lines
 
 

@@ -255,3 +255,18 @@ def fit_groups(y, X, groups):
     se = np.sqrt((len(names) - 1) / len(names) * ((jack - jack.mean(0)) ** 2).sum(0))
     t = t_quantile(0.5 + LEVEL / 2, len(names) - 1)
     return {'coef': coef, 'lo': coef - t * se, 'hi': coef + t * se}
+
+
+def jackknife(estimate, groups):
+    """(estimate over all units, lo, hi) of estimate(keep), keep a boolean mask of units: jackknife-t
+    over the groups (leave one group out, t with groups - 1 df); no interval below 3 groups.
+    estimate may return an array (each entry its own interval)."""
+    groups = np.asarray(groups)
+    names = np.unique(groups)
+    full = np.asarray(estimate(np.ones(len(groups), bool)), dtype=float)
+    if len(names) < 3:
+        return full, full * np.nan, full * np.nan
+    jack = np.array([estimate(groups != g) for g in names], dtype=float)
+    se = np.sqrt((len(names) - 1) / len(names) * ((jack - jack.mean(0)) ** 2).sum(0))
+    t = t_quantile(0.5 + LEVEL / 2, len(names) - 1)
+    return full, full - t * se, full + t * se

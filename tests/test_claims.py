@@ -271,3 +271,38 @@ def test_a_claim_a_fork_adds_is_judged_outside_holm_unless_it_joins_the_family(t
     monkeypatch.setattr(analyze, 'FAMILY', analyze.FAMILY + ('g',))
     joined = synth.run([tmp_path / 'runs'], tmp_path / 'joined').tables['claims']
     assert 'holm' in next(r for r in joined if r['key'] == 'g')
+
+
+@pytest.mark.parametrize('direct, reading', [(0.0, 'yes'), (0.5, 'refuted')])
+def test_the_spread_mediation_reads_a_planted_path_through_the_spread_and_one_beside_it(direct, reading):
+    rng = np.random.default_rng(0)
+    seeds = np.repeat(np.arange(1, 6), 2)
+    arm = np.tile(['shrink0.1-k-spec', 'freeze-k-spec'], 5)
+    d_spread = np.where(arm == 'freeze-k-spec', -0.2, 0.1) + rng.normal(0, 0.01, 10)
+    dK = np.where(arm == 'freeze-k-spec', 1.5, -0.7) + rng.normal(0, 0.05, 10)
+    pairs = {'dH': -0.8 * d_spread + direct * dK, 'dK': dK, 'seed': seeds, 'arm': arm,
+             **{name: d_spread + rng.normal(0, 0.05, 10) for name in analyze.MEDIATORS}}
+    pairs['log logit_std'] = d_spread
+    fits, shares = analyze.mediation_rows(pairs)
+    fit = next(f for f in fits if f['mediator'] == 'log logit_std')
+    assert analyze.only_through_spread(fits, shares).split(':')[0] == reading
+    if direct == 0:
+        assert fit['b1'] == pytest.approx(-0.8) and fit['R2_1'] == pytest.approx(1)
+        assert all(r['share'] == pytest.approx(1) for r in shares if r['mediator'] == 'log logit_std')
+    else:
+        assert fit['c_lo'] > 0 and fit['c_dlogPR_K'] == pytest.approx(0.5)
+
+
+def test_entropy_is_best_predicted_by_the_quantity_it_was_planted_on():
+    rng, runs = np.random.default_rng(1), []
+    for seed in range(1, 5):
+        spread = rng.uniform(0.5, 3, (1, 4, 4))
+        m = {'logit_std_heads': spread, 'entropy_heads': 3 - np.log(spread),
+             **{f'{k}_heads': rng.uniform(1, 9, (1, 4, 4)) for k in ('qk_fro_norm', 'qk_spec_norm',
+                                                                       'pr_k', 'pr_qk')}}
+        runs.append(types.SimpleNamespace(m=m, seed=seed))
+    rows = analyze.predictor_rows(runs)
+    assert max(rows, key=lambda r: r['R2_held_out'])['predictor'] == 'log logit_std'
+    assert rows[0]['R2_held_out'] == pytest.approx(1) and rows[1]['R2_held_out'] < 0.5
+    heads = analyze.across_heads(runs)
+    assert heads[0]['mean'] == pytest.approx(-1)
