@@ -869,8 +869,19 @@ def what_sets_entropy(study):
         for fit in fits:
             fit['only through the spread'] = (only_through_spread(fits, shares)
                                               if fit['mediator'] == 'log logit_std' else '')
-        tables.update(entropy_mediation=fits, entropy_share=shares)
+        tables.update(entropy_mediation=fits, entropy_share=shares,
+                      entropy_pairs=pair_rows(pairs))
     return tables
+
+
+def pair_rows(pairs):
+    """The seed pairs the mediation reads, a row each."""
+    names = {'dH': 'dH', 'dK': 'd log PR_K', **{name: f'd {name}' for name in MEDIATORS}}
+    rows = []
+    for i in range(len(pairs['dH'])):
+        row = {'arm': str(pairs['arm'][i]), 'seed': int(pairs['seed'][i])}
+        rows.append(row | {label: float(pairs[key][i]) for key, label in names.items()})
+    return rows
 
 
 # ------------------------------------------------------------------------------- the other tables
