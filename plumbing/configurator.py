@@ -1,6 +1,7 @@
 """
-train.py's settings: its config block, then config files, then --key=value, checked against SETTINGS before anything is
-touched. A .json config file is a JSON object; any other is Python, run as nanoGPT's (only files you trust).
+train.py's settings: its config block, then config files, then --key=value, checked against
+SETTINGS before anything is touched. A .json config file is a JSON object; any other is Python,
+run as nanoGPT's (only files you trust).
 """
 import ast
 import contextlib
@@ -14,13 +15,13 @@ import control as spectrum_control   # "control" is also a config key
 
 
 class Stop(SystemExit):
-    """A clean stop with one line for the user: train.py prints 'error: ' and it, and exits with status 2."""
+    """A clean stop with one line for the user: train.py prints 'error: ' and it, and exits 2."""
 
 
-# where things are and how fast, not what is computed: left out of the run name's hash, and free to change when a
-# run resumes (the text of data_file is in both by its content, as data_sha256)
-NOT_IN_NAME = ('out_dir', 'run_name', 'overwrite', 'device', 'threads', 'compile', 'cache_dir', 'data_dir',
-               'data_url', 'ckpt_interval', 'data_file')
+# where things are and how fast, not what is computed: left out of the run name's hash, and free
+# to change when a run resumes (the text of data_file is in both by its content, as data_sha256)
+NOT_IN_NAME = ('out_dir', 'run_name', 'overwrite', 'device', 'threads', 'compile', 'cache_dir',
+               'data_dir', 'data_url', 'ckpt_interval', 'data_file')
 # in the readable part of the run name
 NAMED = ('n_layer', 'qk_init', 'control', 'control_target', 'control_keep', 'shrink_to', 'seed')
 HASHES = {}  # the files' (path, size, time) -> their SHA-256
@@ -56,44 +57,50 @@ def file_settings(path):
                 raise ValueError('expected a JSON object, {"key": value, ...}')
             return settings
         exec(compile(text, path, 'exec'), namespace)
-    except (ValueError, SyntaxError) as e:  # a JSONDecodeError and a UnicodeDecodeError are ValueErrors
+    except (ValueError, SyntaxError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
         where = f" line {e.lineno}" if getattr(e, 'lineno', None) else ''
         raise Stop(f"config file {path}{where}: {getattr(e, 'msg', e)}") from None
-    return {k: v for k, v in namespace.items() if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
+    return {k: v for k, v in namespace.items()
+            if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 
 
 def check(cfg, table, names):
-    """Each setting against its row of the table: a tuple of choices, or a Python condition on the settings (and
-    names); any other float must be finite. A Stop names the first setting that fails, and what its row reads."""
+    """Each setting against its row of the table: its choices (a tuple or a dict), or a Python
+    condition on the settings (and names); any other float must be finite. A Stop names the first
+    setting that fails, and the values its row reads."""
     for key, value in cfg.items():
         row = table.get(key)
         if isinstance(value, float) and not math.isfinite(value):
             raise Stop(f'{key}={value}: expected a finite number')
-        if isinstance(row, tuple) and value not in row:
+        if isinstance(row, (tuple, dict)) and value not in row:
             raise Stop(f"{key}={value!r}: expected one of {', '.join(row)}")
         try:
             if not isinstance(row, str) or eval(row, names, dict(cfg)):
                 continue
         except ValueError as e:  # a check that names the setting itself
             raise Stop(str(e)) from None
-        read = [f'{n}={cfg[n]}' if n in cfg else f"{n}: {', '.join(names[n])}"
-                for n in compile(row, '', 'eval').co_names if n != key and (n in cfg or isinstance(names.get(n), dict))]
+        others = [n for n in compile(row, '', 'eval').co_names
+                  if n != key and (n in cfg or isinstance(names.get(n), dict))]
+        read = [f'{n}={cfg[n]}' if n in cfg else f"{n}: {', '.join(names[n])}" for n in others]
         raise Stop(f'{key}={value!r}: expected {row}' + (f" ({'; '.join(read)})" if read else ''))
 
 
 def get_config(argv, defaults, table, names):
-    """defaults <- config files <- --key=value, checked against table (its rows may read names); the run named."""
+    """defaults <- config files <- --key=value, checked against table (its rows may read names);
+    the run named."""
     files = [a for a in argv if not a.startswith('--')]
     pairs = [a[2:].partition('=') for a in argv if a.startswith('--')]
     cfg = dict(defaults)
     for key, eq, _ in pairs:
         if not eq:
-            raise Stop(f'--{key} needs a value: --{key}=VALUE (every setting: the config block of train.py)')
+            raise Stop(f'--{key} needs a value: --{key}=VALUE (every setting: the config block of '
+                       'train.py)')
     updates = [(k, v, None) for path in files for k, v in file_settings(path).items()]
     for key, value, text in updates + [(key, None, text) for key, _, text in pairs]:
         if key not in defaults:
             close = difflib.get_close_matches(key, defaults, n=1)
-            raise Stop(f"unknown config key {key!r}" + (f"; did you mean {close[0]}?" if close else ''))
+            hint = f'; did you mean {close[0]}?' if close else ''
+            raise Stop(f'unknown config key {key!r}{hint}')
         cfg[key] = typed(key, value, defaults[key], text)
     check(cfg, table, names)
     if cfg['data_file']:  # a link or another spelling of the same path is the same text
@@ -103,13 +110,14 @@ def get_config(argv, defaults, table, names):
 
 
 def sha256_of(paths):
-    """Of the files' bytes, remembered while they keep their size and time (get_config and prepare_data both ask)."""
+    """Of the files' bytes, remembered while they keep their size and time (get_config and
+    prepare_data both ask)."""
     stamps = tuple((os.path.realpath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
     if stamps not in HASHES:
         h = hashlib.sha256()
         for path, _, _ in stamps:
             with open(path, 'rb') as f:
-                for block in iter(lambda: f.read(1 << 24), b''):
+                while block := f.read(1 << 24):
                     h.update(block)
         HASHES[stamps] = h.hexdigest()
     return HASHES[stamps]
