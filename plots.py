@@ -7,6 +7,7 @@ text (a '$' in a value is not mathtext); legends sit outside the data.
 import io
 import textwrap
 from collections import namedtuple
+from dataclasses import dataclass
 
 import matplotlib
 import numpy as np
@@ -21,6 +22,28 @@ Figure = namedtuple('Figure', 'stem fn section title')
 PR = 'participation ratio'
 WRAP = 40           # characters a line of a title or a legend entry
 LONG_NAME = 90      # a setting name longer: drawn as S1, S2, ..., listed under the figure
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A transformed axis: fn (a numpy function) of shift + the quantity, and its label, made from
+    fn's own name: the label cannot say log10 while the axis draws np.log."""
+    fn: object          # np.log10, np.log, ...: its __name__ starts the label
+    what: str           # the quantity, as the label names it
+    shift: int = 0      # added before fn: log10(1 + iteration)
+
+    @property
+    def label(self):
+        name = self.fn.__name__
+        return f'{name}({self.shift:g} + {self.what})' if self.shift else f'{name} {self.what}'
+
+    def __call__(self, x):
+        return self.fn(self.shift + x) if self.shift else self.fn(x)
+
+
+# every transformed axis of the figures, its label and its function in one place
+TRANSFORMS = {'iteration': Transform(np.log10, 'iteration', shift=1),
+              'logit scale': Transform(np.log10, '||W_QK^h||_2 (logit scale)')}
 
 
 def draw(study, tables, log=print):
@@ -158,21 +181,23 @@ def entropy_and_pr(study, tables):
         ax_h.plot(*mean_line(runs, 'entropy'), color=colour, label=name)
     iteration_axis(ax_h, 'attention entropy (nats)', 'seed and layer mean')
     runs = [r for g in groups.values() for r in g if 'entropy' in r.m]
-    when = np.log10(1 + np.concatenate([np.repeat(r.iters, r.n_layer) for r in runs]))
+    when = TRANSFORMS['iteration'](np.concatenate([np.repeat(r.iters, r.n_layer) for r in runs]))
     axes_x = (('pr_k', 'PR_K (whole matrix)'), ('pr_qk', 'PR_QK (mean over heads)'))
     for ax, (key, what) in zip(scatter, axes_x):
         x = np.concatenate([r.m.get(key, r.m['entropy'] * np.nan).ravel() for r in runs])
         dots = ax.scatter(x, flat(runs, 'entropy'), c=when, s=4, alpha=0.6, lw=0)
         ax.set(xlabel=what, ylabel='attention entropy (nats)', title='each run, layer and record')
-    fig.colorbar(dots, ax=scatter, label='log10(1 + iteration)')
+    fig.colorbar(dots, ax=scatter, label=TRANSFORMS['iteration'].label)
     # shape beyond scale, from warm-up on (before it, the weights are still their random draw)
     keys = ('qk_spec_norm_heads', 'entropy_heads', 'pr_k_heads')
     logged = [r for r in runs if set(keys) <= set(r.m)]
     scale, entropy, pr_k = (flat(logged, key, True) for key in keys)
     order = np.argsort(pr_k)[::-1]
-    dots = ax_s.scatter(np.log10(scale[order]), entropy[order], c=pr_k[order], s=5, alpha=0.7, lw=0)
+    log_scale = TRANSFORMS['logit scale']
+    dots = ax_s.scatter(log_scale(scale[order]), entropy[order], c=pr_k[order], s=5, alpha=0.7,
+                        lw=0)
     fig.colorbar(dots, ax=ax_s, label='PR_K of the head')
-    ax_s.set(xlabel='log10 ||W_QK^h||_2 (logit scale)', ylabel='entropy of the head (nats)',
+    ax_s.set(xlabel=log_scale.label, ylabel='entropy of the head (nats)',
              title='per head and record from the end of warm-up on')
     legend_outside(fig, ax_h)
     return fig

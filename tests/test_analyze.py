@@ -1,6 +1,7 @@
-"""Tests of the analysis on synthetic run folders (write_run plants the study's effects; test_claims.py uses it too):
-settings read from config.json, bad records, a missing metric, a broken config, a cut or compressed log, the output
-folder's safety, and the row correlations against geometry's one definition."""
+"""Tests of the analysis on synthetic run folders (write_run plants the study's effects;
+test_claims.py uses it too): settings read from config.json, bad records, a missing metric, a broken
+config, a cut or compressed log, the output folder's safety, and the row correlations against
+geometry's one definition."""
 import gzip
 import json
 import math
@@ -20,24 +21,26 @@ ITERS = (0, 1, 2, 4, 8, 16, 32, 50, 64, 100, 150, 200)
 
 def config(**over):
     """A config.json as train.py writes it (every key resolved, provenance included)."""
-    cfg = dict(out_dir='out', run_name='run', overwrite=False, eval_interval=50, eval_iters=2, geom_interval=50,
-               eval_windows=4, ckpt_interval=100, model_ckpts=0, save_snapshots=False, dataset='wikitext103',
-               data_dir='data', data_file='corpus.txt', data_url='', cache_dir='', min_char_count=1, n_layer=2,
-               n_head=2, n_embd=16, block_size=32, bias=False, dropout=0.0, qk_init='normal', batch_size=8,
-               grad_accum=1, max_iters=ITERS[-1], lr=1e-3, min_lr=1e-4, warmup_iters=10, lr_decay_iters=0,
-               weight_decay=0.1, decay_qk=True, beta1=0.9, beta2=0.99, grad_clip=1.0, control='none',
-               control_target='k', control_scope='head', control_keep='fro', control_layers='', shrink_to=0.5,
-               shrink_iters=100, control_interval=1, seed=1, device='cpu', dtype='float32', compile=False, threads=1,
-               torch='2.13', world_size=1, git_commit=None, vocab_size=30, data_sha256='ab' * 32, n_chars=1000,
+    cfg = dict(out_dir='out', run_name='run', overwrite=False, eval_interval=50, eval_iters=2,
+               geom_interval=50, eval_windows=4, ckpt_interval=100, model_ckpts=0,
+               save_snapshots=False, dataset='wikitext103', data_dir='data', data_file='corpus.txt',
+               data_url='', cache_dir='', min_char_count=1, n_layer=2, n_head=2, n_embd=16,
+               block_size=32, bias=False, dropout=0.0, qk_init='normal', batch_size=8, grad_accum=1,
+               max_iters=ITERS[-1], lr=1e-3, min_lr=1e-4, warmup_iters=10, lr_decay_iters=0,
+               weight_decay=0.1, decay_qk=True, beta1=0.9, beta2=0.99, grad_clip=1.0,
+               control='none', control_target='k', control_scope='head', control_keep='fro',
+               control_layers='', shrink_to=0.5, shrink_iters=100, control_interval=1, seed=1,
+               device='cpu', dtype='float32', compile=False, threads=1, torch='2.13', world_size=1,
+               git_commit=None, vocab_size=30, data_sha256='ab' * 32, n_chars=1000,
                data_cache='corpus-x', n_params=1000)
     cfg.update(over)
     return cfg
 
 
 def layer(rng, f, effect, n_head, i, cfg, noise=1.0, shift=0.0, link=0.2):
-    """One layer of one record with every key geometry logs; planted with sign effect: PR_Q up, PR_K down, PR_QK and
-    entropy following PR_K (entropy by link across heads, the rest as a shared trend); shrink lowering PR_K, freeze
-    holding it; entropy + shift f."""
+    """One layer of one record with every key geometry logs; planted with sign effect: PR_Q up, PR_K
+    down, PR_QK and entropy following PR_K (entropy by link across heads, the rest as a shared
+    trend); shrink lowering PR_K, freeze holding it; entropy + shift f."""
     k_heads = 4 - effect * 1.5 * f + noise * rng.normal(0, 0.3, n_head)
     if cfg['control'] == 'shrink':
         k_heads = 1.5 + (k_heads - 1.5) * (1 - (1 - cfg['shrink_to']) * f)
@@ -45,11 +48,13 @@ def layer(rng, f, effect, n_head, i, cfg, noise=1.0, shift=0.0, link=0.2):
         k_heads = 4 + noise * rng.normal(0, 0.3, n_head)
     q_heads = 3 + effect * 1.5 * f + noise * rng.normal(0, 0.05, n_head) + 0.1 * i
     qk = np.clip(3 + 0.8 * (k_heads - 4) + noise * rng.normal(0, 0.05, n_head), 1, 8)
-    ent = 1.5 + link * (k_heads - 4) - (0.2 - link) * effect * 1.5 * f + noise * rng.normal(0, 0.01, n_head) + shift * f
+    ent = (1.5 + link * (k_heads - 4) - (0.2 - link) * effect * 1.5 * f
+           + noise * rng.normal(0, 0.01, n_head) + shift * f)
     scale = 0.03 + 0.01 * f + noise * rng.normal(0, 0.001, n_head)
     lists = {'pr_q_heads': q_heads, 'pr_k_heads': k_heads, 'pr_qk_heads': qk, 'entropy_heads': ent,
-             'entropy_norm_heads': ent / 3, 'qk_spec_norm_heads': scale, 'qk_fro_norm_heads': scale * 1.5,
-             'tok_pr_q_heads': q_heads - 0.5, 'tok_pr_k_heads': k_heads - 0.5, 'tok_pr_qk_heads': qk / 2 + 0.5,
+             'entropy_norm_heads': ent / 3, 'qk_spec_norm_heads': scale,
+             'qk_fro_norm_heads': scale * 1.5, 'tok_pr_q_heads': q_heads - 0.5,
+             'tok_pr_k_heads': k_heads - 0.5, 'tok_pr_qk_heads': qk / 2 + 0.5,
              'pr_dq_heads': q_heads, 'pr_dk_heads': k_heads}
     rec = {k: [float(x) for x in v] for k, v in lists.items()}
     for key in ('pr_q', 'pr_k', 'tok_pr_q', 'tok_pr_k', 'pr_dq', 'pr_dk'):
@@ -61,8 +66,8 @@ def layer(rng, f, effect, n_head, i, cfg, noise=1.0, shift=0.0, link=0.2):
     return rec
 
 
-def write_run(root, name, seed=1, effect=1, noise=1.0, shift=0.0, link=0.2, iters=ITERS, lost=(), more=None,
-              done=True, log='metrics.jsonl', **cfg):
+def write_run(root, name, seed=1, effect=1, noise=1.0, shift=0.0, link=0.2, iters=ITERS, lost=(),
+              more=None, done=True, log='metrics.jsonl', **cfg):
     """A finished run folder; lost: metric keys it does not log; more: {key: value} it logs too."""
     path = os.path.join(root, name)
     os.makedirs(path)
@@ -72,12 +77,14 @@ def write_run(root, name, seed=1, effect=1, noise=1.0, shift=0.0, link=0.2, iter
     lines = []
     for it in iters:
         f = math.log1p(it) / math.log1p(iters[-1])
-        layers = [layer(rng, f, effect, cfg['n_head'], i, cfg, noise, shift, link) for i in range(cfg['n_layer'])]
+        layers = [layer(rng, f, effect, cfg['n_head'], i, cfg, noise, shift, link)
+                  for i in range(cfg['n_layer'])]
         for lay in layers:
             lay.update({k: v for k, v in (more or {}).items() if k not in lay})
             for key in lost:
                 lay.pop(key, None)
-        lines.append(json.dumps({'iter': it, 'lr': 1e-3, 'train_loss': 3 - f, 'val_loss': 3.1 - f, 'layers': layers}))
+        lines.append(json.dumps({'iter': it, 'lr': 1e-3, 'train_loss': 3 - f, 'val_loss': 3.1 - f,
+                                 'layers': layers}))
     with (gzip.open if log.endswith('.gz') else open)(os.path.join(path, log), 'wb') as fh:
         fh.write(('\n'.join(lines) + '\n').encode())
     if done:
@@ -103,7 +110,7 @@ def claim(study, key):
     return next(r for r in study.tables['claims'] if r['key'] == key)
 
 
-# ----------------------------------------------------------------------------- settings come from config.json
+# ------------------------------------------------------------------- settings come from config.json
 
 def test_a_bfloat16_seed_is_a_setting_of_its_own_and_the_report_names_dtype(tmp_path):
     study(tmp_path / 'runs')
@@ -121,10 +128,12 @@ def test_a_bfloat16_seed_is_a_setting_of_its_own_and_the_report_names_dtype(tmp_
 def test_a_key_a_forker_adds_is_a_setting_and_only_a_true_copy_is_a_duplicate(tmp_path):
     write_run(str(tmp_path), 'plain', seed=1)
     write_run(str(tmp_path), 'rotary', seed=1, rotary=True)
-    write_run(str(tmp_path), 'again', seed=1)        # the same settings and seed as plain: a duplicate
+    # the same settings and seed as plain: a duplicate
+    write_run(str(tmp_path), 'again', seed=1)
     s = run([tmp_path], tmp_path / 'out')
     assert sorted(r.name for r in s.runs) == ['again', 'rotary']
-    assert s.skipped == [(str(tmp_path / 'plain'), f'duplicate of {tmp_path / "again"} (the same settings and seed)')]
+    assert s.skipped == [(str(tmp_path / 'plain'),
+                          f'duplicate of {tmp_path / "again"} (the same settings and seed)')]
     assert sorted(s.label.values()) == ['rotary=None', 'rotary=True']
 
 
@@ -259,10 +268,13 @@ def test_a_metric_one_seed_did_not_log_leaves_the_other_seeds_in_place(tmp_path)
     study(tmp_path / 'runs', seeds=2)
     write_run(str(tmp_path / 'runs'), 'run_s3', seed=3, lost=('pr_k_heads', 'pr_k_head'))
     s = run([tmp_path / 'runs'], tmp_path / 'out')
-    assert any('pr_k_head, pr_k_heads not logged, unlike other seeds of its setting' in w for w in s.warnings)
-    assert claim(s, 'c')['n'] == 2 and claim(s, 'b')['n'] == 6       # (c) per head: 2 seeds; (b): 3 seeds x 2 layers
+    assert any('pr_k_head, pr_k_heads not logged, unlike other seeds of its setting' in w
+               for w in s.warnings)
+    # (c) per head: 2 seeds; (b): 3 seeds x 2 layers
+    assert claim(s, 'c')['n'] == 2 and claim(s, 'b')['n'] == 6
     head = analyze.judge(analyze.ALL['b'], s.runs, analyze.View('head', 'post'))
-    assert head['n'] == 4 and head['seeds'] == 2                     # per head, the 2 seeds that logged PR_K
+    # per head, the 2 seeds that logged PR_K
+    assert head['n'] == 4 and head['seeds'] == 2
     whole = analyze.judge(analyze.ALL['gap_end'], s.runs)
     assert whole['n'] == 3
 
@@ -286,11 +298,12 @@ def test_the_output_folder_is_never_a_run_folder_or_root_and_foreign_files_stay(
     os.remove(out / 'REPORT.md')
     for _ in range(2):   # its own files it replaces; the user's stays
         assert analyze.main([str(tmp_path / 'runs'), f'--out={out}', '--no_figures']) == 0
-    assert (out / 'mine.txt').read_text() == 'keep' and 'claims.md' in json.load(open(out / folders.MANIFEST))
+    assert ((out / 'mine.txt').read_text() == 'keep'
+            and 'claims.md' in json.load(open(out / folders.MANIFEST)))
     assert analyze.main([str(tmp_path / 'nothing'), '--no_figures']) == 2
 
 
-# ----------------------------------------------------------------------------- statistics shared by every table
+# ----------------------------------------------------------------- statistics shared by every table
 
 def test_the_row_correlations_match_the_one_definition():
     rng = np.random.default_rng(0)
@@ -298,33 +311,38 @@ def test_the_row_correlations_match_the_one_definition():
     y += x + z
     expected = [geometry.partial_correlation(a, b, c) for a, b, c in zip(x, y, z)]
     assert np.allclose(stats.partial_rows(x, y, z), expected)
-    assert np.allclose(stats.pearson_rows(x, y), [geometry.partial_correlation(a, b) for a, b in zip(x, y)])
-    assert stats.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(0.9486832980505138)   # ties: average ranks
+    assert np.allclose(stats.pearson_rows(x, y),
+                       [geometry.partial_correlation(a, b) for a, b in zip(x, y)])
+    # ties: average ranks
+    assert stats.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(0.9486832980505138)
     assert math.isnan(stats.spearman([1, 1, 1, 1], [1, 2, 3, 4]))
 
 
 def test_c_does_not_hold_when_pr_k_and_entropy_only_trend_together(tmp_path):
-    study(tmp_path, link=0.0)    # both fall over training; across heads, entropy does not follow PR_K
+    # both fall over training; across heads, entropy does not follow PR_K
+    study(tmp_path, link=0.0)
     s = run([tmp_path], tmp_path / 'out')
     assert claim(s, 'c')['verdict'].split(' (')[0] in ('no effect', 'undecided')
     over_time = analyze.judge(analyze.ALL['k~entropy over time'], s.runs)
-    assert over_time['est'] > 0.9   # within runs over time the trends correlate anyway: descriptive only
+    # within runs over time the trends correlate anyway: descriptive only
+    assert over_time['est'] > 0.9
 
 
-# ----------------------------------------------------------------------------- settings and faults of the run folders
+# ----------------------------------------------------------- settings and faults of the run folders
 
 def test_control_keys_a_run_ignores_split_no_setting_and_a_lacking_key_is_named(tmp_path):
     study(tmp_path, seeds=2, rope=False)
-    write_run(str(tmp_path), 'run_s3', seed=3, rope=False, control_keep='spec', control_scope='layer', shrink_iters=7)
-    write_run(str(tmp_path), 'old_s4', seed=4)                           # trained before rope was a key
+    write_run(str(tmp_path), 'run_s3', seed=3, rope=False, control_keep='spec',
+              control_scope='layer', shrink_iters=7)
+    write_run(str(tmp_path), 'old_s4', seed=4)   # trained before rope was a key
     for s, over in ((1, {'shrink_to': 0.1}), (2, {'shrink_iters': 5})):
         write_run(str(tmp_path), f'fr_s{s}', seed=s, rope=False, control='freeze', **over)
     warnings = []
     runs, _ = folders.load_runs([str(tmp_path)], warnings.append)
     assert sorted(len(rs) for rs in folders.group(runs, lambda r: r.setting).values()) == [1, 2, 3]
     assert len({r.arm for r in runs if r.control == 'freeze'}) == 1
-    assert warnings == [f'{tmp_path / "old_s4"}: config.json lacks rope, which 3 run(s) of otherwise the same '
-                        'settings have: kept as a setting of its own']
+    assert warnings == [f'{tmp_path / "old_s4"}: config.json lacks rope, which 3 run(s) of '
+                        'otherwise the same settings have: kept as a setting of its own']
 
 
 def test_a_run_without_usable_records_or_whose_log_was_cut_is_skipped_with_one_line(tmp_path):
@@ -373,14 +391,16 @@ def test_impossible_logit_scales_and_a_done_loss_not_logged_are_named(tmp_path):
     lines = open(os.path.join(path, 'metrics.jsonl')).read().splitlines()
     rec = json.loads(lines[5])
     rec['layers'][0]['qk_spec_norm_heads'][1] = 1e30
-    open(os.path.join(path, 'metrics.jsonl'), 'w').write('\n'.join(lines[:5] + [json.dumps(rec)] + lines[6:]))
-    json.dump({'iter': ITERS[-1], 'train_loss': 2.0, 'val_loss': 1e30}, open(os.path.join(path, 'done.json'), 'w'))
+    open(os.path.join(path, 'metrics.jsonl'), 'w').write(
+        '\n'.join(lines[:5] + [json.dumps(rec)] + lines[6:]))
+    json.dump({'iter': ITERS[-1], 'train_loss': 2.0, 'val_loss': 1e30},
+              open(os.path.join(path, 'done.json'), 'w'))
     (r,), _ = folders.load_runs([str(tmp_path)], quiet)
     hi = rec['layers'][0]['qk_fro_norm_heads'][1]
-    assert r.notes == [f'the record of iteration {ITERS[5]} is left out: qk_spec_norm_heads = 1e+30 outside '
-                       f'[0, {hi:.4g}] (from qk_fro_norm_heads)',
-                       f'done.json has val_loss = 1e+30, not 2.1 as logged at its iteration {ITERS[-1]}: the logged '
-                       'one is used'] and r.final_loss('val_loss') == 2.1
+    assert r.notes == [f'the record of iteration {ITERS[5]} is left out: qk_spec_norm_heads = '
+                       f'1e+30 outside [0, {hi:.4g}] (from qk_fro_norm_heads)',
+                       'done.json has val_loss = 1e+30, not 2.1 as logged at its iteration '
+                       f'{ITERS[-1]}: the logged one is used'] and r.final_loss('val_loss') == 2.1
 
 
 def test_an_out_drops_the_files_it_wrote_before_and_no_other_and_a_bad_manifest_is_one_line(

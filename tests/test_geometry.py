@@ -1,4 +1,5 @@
-"""Tests of geometry.py against closed forms and independent numpy computations (python -m pytest -q)."""
+"""Tests of geometry.py against closed forms and independent numpy computations
+(python -m pytest -q)."""
 import math
 
 import numpy as np
@@ -73,10 +74,12 @@ def np_grams(W, n_head):
 RANK_ONE = np.outer(np.random.RandomState(3).randn(40), np.random.RandomState(4).randn(30))
 
 
-# identity: PR = d; rank one: 1; diag(1, 2, 3) has s = 1, 2, 3, so PR = (1 + 4 + 9)^2 / (1 + 16 + 81)
-# = 196 / 98, and eigenvalues 1, 2, 3 give (1 + 2 + 3)^2 / (1 + 4 + 9) = 36 / 14
-@pytest.mark.parametrize("M,lam,pr_M,pr_lam", [(np.eye(d), np.ones(d), d, d) for d in (1, 5, 64)] + [
-    (RANK_ONE, [3.0, 0.0, 0.0], 1.0, 1.0), (np.diag([1.0, 2.0, 3.0]), [1.0, 2.0, 3.0], 196 / 98, 36 / 14)])
+# identity: PR = d; rank one: 1; diag(1, 2, 3) has s = 1, 2, 3, so PR = (1 + 4 + 9)^2
+# / (1 + 16 + 81) = 196 / 98, and eigenvalues 1, 2, 3 give (1 + 2 + 3)^2 / (1 + 4 + 9) = 36 / 14
+@pytest.mark.parametrize("M,lam,pr_M,pr_lam", [(np.eye(d), np.ones(d), d, d)
+                                              for d in (1, 5, 64)] + [
+    (RANK_ONE, [3.0, 0.0, 0.0], 1.0, 1.0),
+    (np.diag([1.0, 2.0, 3.0]), [1.0, 2.0, 3.0], 196 / 98, 36 / 14)])
 def test_pr_closed_forms(M, lam, pr_M, pr_lam):
     assert g.matrix_pr(M) == pytest.approx(pr_M, rel=1e-12)
     assert g.participation_ratio(lam) == pytest.approx(pr_lam, rel=1e-12)
@@ -122,12 +125,13 @@ def test_matrix_pr_and_singular_values_match_numpy_svd(shape):
     assert np.allclose(pr if M.ndim == 2 else pr.numpy(), pr_ref, rtol=RTOL)
 
 
-@pytest.mark.parametrize("C,n_head,rank", [(32, 1, None), (64, 4, None), (96, 3, None), (128, 8, None),
-                                           (64, 4, 3), (96, 2, 10)])
+@pytest.mark.parametrize("C,n_head,rank", [(32, 1, None), (64, 4, None), (96, 3, None),
+                                           (128, 8, None), (64, 4, 3), (96, 2, 10)])
 def test_interaction_singular_values_match_explicit_svd(C, n_head, rank):
     d = C // n_head
     W_Q, W_K = np.random.randn(C, C), np.random.randn(C, C)
-    if rank is not None:  # rank-deficient: every head has rank <= rank < d, and one head is all zero
+    # rank-deficient: every head has rank <= rank < d, and one head is all zero
+    if rank is not None:
         W_Q = np.random.randn(C, rank) @ np.random.randn(rank, C)
         W_K[:d] = 0.0
     s = g.interaction_singular_values(W_Q, W_K, n_head)
@@ -151,7 +155,8 @@ def test_activation_pr_matches_numpy_cov():
 
 # ---- attention entropy ------------------------------------------------------------------------
 
-# uniform over the allowed keys: H_i = log(i + 1); one-hot (on the diagonal, or every row on key 0): 0
+# uniform over the allowed keys: H_i = log(i + 1); one-hot (on the diagonal, or every row on key
+# 0): 0
 @pytest.mark.parametrize("att,plain,norm", [
     (np.broadcast_to(uniform_causal(16), (2, 3, 16, 16)), np.log(np.arange(2, 17)).mean(), 1.0),
     (np.eye(10), 0.0, 0.0), (np.tile(np.eye(10)[0], (10, 1)), 0.0, 0.0)])
@@ -166,20 +171,25 @@ def test_entropy_matches_python_loop():
     H = np_entropies(att)
     np.testing.assert_allclose(g.attention_entropy(att).numpy(), H, rtol=1e-12)
     H_norm = H / np.log(np.arange(2, 10))   # rows i = 1..8: log(i + 1)
-    np.testing.assert_allclose(g.attention_entropy(att, normalized=True).numpy(), H_norm, rtol=1e-12)
+    np.testing.assert_allclose(g.attention_entropy(att, normalized=True).numpy(), H_norm,
+                               rtol=1e-12)
     assert g.mean_attention_entropy(att) == pytest.approx(H.mean(), rel=1e-12)
 
 
 # ---- layer and token geometry against numpy ---------------------------------------------------
 
-LAYER_KEYS = {"pr_q", "pr_k", "pr_q_head", "pr_k_head", "pr_q_heads", "pr_k_heads", "pr_qk", "pr_qk_heads",
+LAYER_KEYS = {"pr_q", "pr_k", "pr_q_head", "pr_k_head", "pr_q_heads", "pr_k_heads", "pr_qk",
+              "pr_qk_heads",
               "qk_spec_norm", "qk_fro_norm", "qk_spec_norm_heads", "qk_fro_norm_heads",
               "erank_q", "erank_k", "srank_q", "srank_k", "erank_qk", "q_spec_norm", "k_spec_norm",
-              "q_spec_norm_heads", "k_spec_norm_heads", "qk_imbalance", "qk_imbalance_heads", "qk_gram", "qk_gram_heads",
+              "q_spec_norm_heads", "k_spec_norm_heads", "qk_imbalance", "qk_imbalance_heads",
+              "qk_gram", "qk_gram_heads",
               "sv_q_heads", "sv_k_heads", "sv_qk_heads"}
-TOKEN_KEYS = {"tok_pr_q", "tok_pr_k", "tok_pr_q_head", "tok_pr_k_head", "tok_pr_q_heads", "tok_pr_k_heads",
+TOKEN_KEYS = {"tok_pr_q", "tok_pr_k", "tok_pr_q_head", "tok_pr_k_head", "tok_pr_q_heads",
+              "tok_pr_k_heads",
               "tok_pr_qk", "tok_pr_qk_heads",
-              "entropy", "entropy_norm", "entropy_heads", "entropy_norm_heads", "logit_std", "logit_std_heads"}
+              "entropy", "entropy_norm", "entropy_heads", "entropy_norm_heads", "logit_std",
+              "logit_std_heads"}
 
 
 def np_layer_geometry(W_Q, W_K, n_head):
@@ -187,20 +197,24 @@ def np_layer_geometry(W_Q, W_K, n_head):
     for name, W in (("q", W_Q), ("k", W_K)):
         s = np_svals(W)
         heads = [np_pr(np_svals(w) ** 2) for w in np.split(W, n_head)]
-        ref |= {f"pr_{name}": np_pr(s ** 2), f"pr_{name}_heads": heads, f"pr_{name}_head": np.mean(heads),
+        ref |= {f"pr_{name}": np_pr(s ** 2), f"pr_{name}_heads": heads,
+                f"pr_{name}_head": np.mean(heads),
                 f"erank_{name}": np_erank(s), f"srank_{name}": (W ** 2).sum() / s[0] ** 2,
                 f"{name}_spec_norm_heads": [np.linalg.norm(w, 2) for w in np.split(W, n_head)],
-                f"sv_{name}_heads": [np.linalg.svd(w, compute_uv=False) for w in np.split(W, n_head)]}
+                f"sv_{name}_heads": [np.linalg.svd(w, compute_uv=False)
+                                     for w in np.split(W, n_head)]}
     grams = list(zip(np_grams(W_Q, n_head), np_grams(W_K, n_head)))
     ref["qk_gram_heads"] = [(np.linalg.norm(Gq) + np.linalg.norm(Gk)) / 2 for Gq, Gk in grams]
-    ref["qk_imbalance_heads"] = [np.linalg.norm(Gq - Gk) / n for (Gq, Gk), n in zip(grams, ref["qk_gram_heads"])]
+    ref["qk_imbalance_heads"] = [np.linalg.norm(Gq - Gk) / n
+                                 for (Gq, Gk), n in zip(grams, ref["qk_gram_heads"])]
     inter = [wq.T @ wk for wq, wk in zip(np.split(W_Q, n_head), np.split(W_K, n_head))]
     s_qk = [np_svals(A)[:W_Q.shape[0] // n_head] for A in inter]
     ref["sv_qk_heads"] = s_qk
     ref["pr_qk_heads"] = [np_pr(s ** 2) for s in s_qk]
     ref["qk_spec_norm_heads"] = [np.linalg.norm(A, 2) for A in inter]
     ref["qk_fro_norm_heads"] = [np.linalg.norm(A, "fro") for A in inter]
-    for key in ("pr_qk", "qk_spec_norm", "qk_fro_norm", "q_spec_norm", "k_spec_norm", "qk_imbalance", "qk_gram"):
+    for key in ("pr_qk", "qk_spec_norm", "qk_fro_norm", "q_spec_norm", "k_spec_norm",
+                "qk_imbalance", "qk_gram"):
         ref[key] = np.mean(ref[f"{key}_heads"])
     ref["erank_qk"] = np.mean([np_erank(s) for s in s_qk])
     return ref
@@ -217,7 +231,8 @@ def np_token_geometry(q, k, att, n_head):
     pr_qk, spread = np.zeros((B, n_head)), np.zeros((B, n_head, T - 1))
     for b in range(B):
         for h in range(n_head):
-            logits = q[b, :, h * d:(h + 1) * d] @ k[b, :, h * d:(h + 1) * d].T / math.sqrt(d)  # T x T
+            # T x T
+            logits = q[b, :, h * d:(h + 1) * d] @ k[b, :, h * d:(h + 1) * d].T / math.sqrt(d)
             pr_qk[b, h] = np_pr(np_svals(logits) ** 2)
             spread[b, h] = [np.std(logits[i, :i + 1]) for i in range(1, T)]
     ref |= {"tok_pr_qk": pr_qk.mean(), "tok_pr_qk_heads": list(pr_qk.mean(0)),
@@ -306,7 +321,8 @@ def test_effective_and_stable_rank():
 
 # ---- the learned part W - W(0) ----------------------------------------------------------------
 
-LEARNED_KEYS = {"pr_dq", "pr_dk", "pr_dq_head", "pr_dk_head", "pr_dq_heads", "pr_dk_heads", "dq_rel", "dk_rel",
+LEARNED_KEYS = {"pr_dq", "pr_dk", "pr_dq_head", "pr_dk_head", "pr_dq_heads", "pr_dk_heads",
+                "dq_rel", "dk_rel",
                 "qk_drift", "qk_drift_heads"}
 
 
@@ -320,7 +336,8 @@ def test_learned_part_of_rank_r_with_equal_singular_values_has_pr_r(r):
     assert set(out) == LEARNED_KEYS
     assert out["pr_dq"] == pytest.approx(r, rel=1e-9)
     assert out["dq_rel"] == pytest.approx(0.5 * math.sqrt(r) / np.linalg.norm(W0), rel=1e-9)
-    assert out["pr_dk"] == out["pr_dk_head"] == out["dk_rel"] == 0.0 and out["pr_dk_heads"] == [0.0] * n_head
+    assert (out["pr_dk"] == out["pr_dk_head"] == out["dk_rel"] == 0.0
+            and out["pr_dk_heads"] == [0.0] * n_head)
 
 
 def test_learned_part_per_head_by_hand():
@@ -334,8 +351,10 @@ def test_learned_part_per_head_by_hand():
         assert np.allclose(out[f"pr_d{name}_heads"], heads, rtol=RTOL)
         assert out[f"pr_d{name}_head"] == pytest.approx(np.mean(heads), rel=RTOL)
         assert out[f"pr_d{name}"] == pytest.approx(np_pr(np_svals(dW) ** 2), rel=RTOL)
-        assert out[f"d{name}_rel"] == pytest.approx(np.linalg.norm(dW) / np.linalg.norm(W0), rel=RTOL)
-    D, D0 = (np.subtract(np_grams(A, n_head), np_grams(B, n_head)) for A, B in ((W_Q, W_K), (W_Q0, W_K0)))
+        assert out[f"d{name}_rel"] == pytest.approx(np.linalg.norm(dW) / np.linalg.norm(W0),
+                                                    rel=RTOL)
+    D, D0 = (np.subtract(np_grams(A, n_head), np_grams(B, n_head))
+             for A, B in ((W_Q, W_K), (W_Q0, W_K0)))
     gram = g.layer_geometry(W_Q, W_K, n_head)["qk_gram_heads"]
     assert np.allclose(out["qk_drift_heads"], np.linalg.norm(D - D0, axis=(1, 2)) / gram, rtol=RTOL)
 
@@ -370,21 +389,27 @@ def test_partial_correlation_closed_forms():
     Z = np.column_stack([z, np.random.randn(n)])
     assert g.partial_correlation(x, y, Z) == pytest.approx(np_partial(x, y, Z), rel=1e-10)
     # affine maps of x, y, z change nothing but the sign
-    assert g.partial_correlation(3 * x + 1, -2 * y, 1e6 * z - 5) == pytest.approx(-first_order, rel=1e-9)
+    assert g.partial_correlation(3 * x + 1, -2 * y, 1e6 * z - 5) == pytest.approx(-first_order,
+                                                                                  rel=1e-9)
     # a constant control or a repeated one is the same as none or one
-    assert g.partial_correlation(x, y, np.full(n, 2.0)) == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-10)
-    assert g.partial_correlation(x, y, np.column_stack([z, 2 * z])) == pytest.approx(first_order, rel=1e-9)
+    assert g.partial_correlation(x, y, np.full(n, 2.0)) == pytest.approx(np.corrcoef(x, y)[0, 1],
+                                                                         rel=1e-10)
+    assert g.partial_correlation(x, y, np.column_stack([z, 2 * z])) == pytest.approx(first_order,
+                                                                                     rel=1e-9)
 
 
 @pytest.mark.parametrize("effect", ["scale", "shape", "both"])
 def test_partial_correlation_separates_planted_scale_from_shape(effect):
-    """Entropy driven by the logit scale alone, by the spectrum's shape alone, or by both: the partial
-    correlation given the scale is near 0 only in the first case."""
+    """Entropy driven by the logit scale alone, by the spectrum's shape alone, or by both: the
+    partial correlation given the scale is near 0 only in the first case."""
     n = 2000
     log_scale, shape = np.random.randn(n), np.random.randn(n)
-    pr_k = shape + (0.8 * log_scale if effect != "shape" else 0.0)   # PR_K drifts with the scale, or not
-    entropy = {"scale": -log_scale, "shape": shape, "both": shape - log_scale}[effect] + 0.3 * np.random.randn(n)
-    raw, partial = g.partial_correlation(entropy, pr_k), g.partial_correlation(entropy, pr_k, log_scale)
+    # PR_K drifts with the scale, or not
+    pr_k = shape + (0.8 * log_scale if effect != "shape" else 0.0)
+    entropy = ({"scale": -log_scale, "shape": shape, "both": shape - log_scale}[effect]
+               + 0.3 * np.random.randn(n))
+    raw, partial = (g.partial_correlation(entropy, pr_k),
+                    g.partial_correlation(entropy, pr_k, log_scale))
     if effect == "scale":
         assert raw < -0.3 and abs(partial) < 0.1
     else:
@@ -414,11 +439,13 @@ def with_value(x, index, value):
 
 @pytest.mark.parametrize("call,match", [
     (lambda: g.layer_geometry(W8, W8, 3), "not divisible by n_head"),
-    (lambda: g.layer_geometry(with_value(W8, (2, 3), np.nan), W8, 2), "NaN or Inf.*index \\(2, 3\\)"),
+    (lambda: g.layer_geometry(with_value(W8, (2, 3), np.nan), W8, 2),
+     "NaN or Inf.*index \\(2, 3\\)"),
     (lambda: g.attention_entropy(with_value(ATT, (0, 1, 2, 0), 0.9)), "sums to .* not 1"),
     (lambda: g.attention_entropy(np.full((4, 4), 0.25)), "causal"),
     (lambda: g.token_geometry(QK, QK, ATT[:, :1], 2), "att must have shape"),
-    (lambda: g.learned_geometry(W8, W8, W8[:4], W8, 2), "W_Q0 and W_K0 must have the shape of W_Q and W_K"),
+    (lambda: g.learned_geometry(W8, W8, W8[:4], W8, 2),
+     "W_Q0 and W_K0 must have the shape of W_Q and W_K"),
     (lambda: g.partial_correlation(W8[0], W8[1, :7], W8[2]), "must share n"),
     (lambda: g.partial_correlation(W8[0], with_value(W8[1], 2, np.nan)), "y has 1 NaN"),
 ])
@@ -429,15 +456,18 @@ def test_errors(call, match):
 
 # ---- the conservation law of D_h: gradient flow keeps it, finite steps and Adam do not ---------
 
-STD = 0.3   # the Q/K init: large enough that their gradients, each proportional to the other, are not tiny
+# the Q/K init: large enough that their gradients, each proportional to the other, are not tiny
+STD = 0.3
 
 
 def train_qk(optimizer, lr, steps, qk_init="normal", seed=0):
-    """A one-layer model in float64 on a copy task (attention must learn it), trained with the project's
-    optimizer with W_Q and W_K the only weights that learn. Returns W_Q, W_K before and after (numpy)."""
+    """A one-layer model in float64 on a copy task (attention must learn it), trained with the
+    project's optimizer with W_Q and W_K the only weights that learn. Returns W_Q, W_K before and
+    after (numpy)."""
     import train
     torch.manual_seed(seed)
-    model = train.GPT(train.GPTConfig(vocab_size=12, block_size=16, n_layer=1, n_head=2, n_embd=16), qk_init).double()
+    model = train.GPT(train.GPTConfig(vocab_size=12, block_size=16, n_layer=1, n_head=2, n_embd=16),
+                      qk_init).double()
     wq, wk = model.qk_weights()[0]
     with torch.no_grad():
         wq.normal_(0, STD)
@@ -445,7 +475,8 @@ def train_qk(optimizer, lr, steps, qk_init="normal", seed=0):
     for p in model.parameters():
         p.requires_grad_(any(p is w for w in (wq, wk)))
     before = [w.detach().numpy().copy() for w in (wq, wk)]
-    cfg = train.get_config([f"--optimizer={optimizer}", f"--lr={lr}", "--momentum=0", "--weight_decay=0"])
+    cfg = train.get_config([f"--optimizer={optimizer}", f"--lr={lr}", "--momentum=0",
+                            "--weight_decay=0"])
     opt = train.make_optimizer(model, cfg, "cpu")
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -458,29 +489,33 @@ def train_qk(optimizer, lr, steps, qk_init="normal", seed=0):
 
 
 def drift(before, after, n_head=2):
-    """||D_h(t) - D_h(0)||_F summed over heads, with D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T, and how far the Gram
-    matrix W_Q^h W_Q^h^T itself moved."""
+    """||D_h(t) - D_h(0)||_F summed over heads, with D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T, and how
+    far the Gram matrix W_Q^h W_Q^h^T itself moved."""
     D, D0 = (np.subtract(np_grams(wq, n_head), np_grams(wk, n_head)) for wq, wk in (after, before))
     moved = np.subtract(np_grams(after[0], n_head), np_grams(before[0], n_head))
     return np.linalg.norm(D - D0, axis=(1, 2)).sum(), np.linalg.norm(moved, axis=(1, 2)).sum()
 
 
 def test_plain_sgd_drifts_d_h_in_proportion_to_lr_and_adamw_does_not():
-    """Over a fixed training time (steps x lr) the Gram matrices move at first order, while each plain SGD step
-    adds only O(lr^2) to D_h: halving lr halves its drift. AdamW's per-coordinate scaling breaks the law at
-    first order: its drift is of the order of the Grams' move and does not halve with lr."""
+    """Over a fixed training time (steps x lr) the Gram matrices move at first order, while each
+    plain SGD step adds only O(lr^2) to D_h: halving lr halves its drift. AdamW's per-coordinate
+    scaling breaks the law at first order: its drift is of the order of the Grams' move and does not
+    halve with lr."""
     (sgd1, move1), (sgd2, move2) = (drift(*train_qk("sgd", lr, int(2000 / lr))) for lr in (16, 8))
     assert 1.85 < sgd1 / sgd2 < 2.15 and sgd2 < 0.1 * move2
-    (adam1, _), (adam2, adam_move) = (drift(*train_qk("adamw", lr, int(0.4 / lr))) for lr in (4e-3, 2e-3))
+    (adam1, _), (adam2, adam_move) = (drift(*train_qk("adamw", lr, int(0.4 / lr)))
+                                      for lr in (4e-3, 2e-3))
     assert adam1 / adam2 < 1.75 and adam2 > 0.3 * adam_move
 
 
 def test_a_tied_init_under_plain_sgd_keeps_equal_query_and_key_spectra():
-    """D_h(0) = 0 and plain SGD adds only O(lr^2) per step: the per-head singular values of W_Q^h and W_K^h,
-    the square roots of the two Grams' eigenvalues, stay equal to 1e-3 of the largest while W_Q moves by more
-    than 8%; the same run from a normal init keeps them apart by more than 3%."""
+    """D_h(0) = 0 and plain SGD adds only O(lr^2) per step: the per-head singular values of W_Q^h
+    and W_K^h, the square roots of the two Grams' eigenvalues, stay equal to 1e-3 of the largest
+    while W_Q moves by more than 8%; the same run from a normal init keeps them apart by more than
+    3%."""
     for init, close in (("tied", True), ("normal", False)):
         before, (wq, wk) = train_qk("sgd", 8, 500, qk_init=init)
         assert np.linalg.norm(wq - before[0]) / np.linalg.norm(before[0]) > 0.08
         sq, sk = (g.singular_values(g.split_heads(w, 2)).numpy() for w in (wq, wk))
-        assert np.abs(sq - sk).max() / sq.max() < 1e-3 if close else np.abs(sq - sk).max() / sq.max() > 0.03
+        assert (np.abs(sq - sk).max() / sq.max() < 1e-3 if close
+                else np.abs(sq - sk).max() / sq.max() > 0.03)
