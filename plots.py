@@ -299,6 +299,32 @@ def imbalance(study, tables):
     return fig
 
 
+def entropy_spread(study, tables):
+    """Across heads, each run's final entropy against its logit spread, coloured by PR_K; the key
+    control's seed pairs, dH against d log logit_std, by arm. Nothing where no run logs logit_std."""
+    runs = [r for r in study.runs if 'logit_std_heads' in r.m and len(r.iters)]
+    if not runs:
+        return []
+    fig, (ax_h, ax_p) = panels(2, 5, 4.3)
+    spread, entropy, pr_k = (np.concatenate([r.m[f'{k}_heads'][-1].ravel() for r in runs])
+                             for k in ('logit_std', 'entropy', 'pr_k'))
+    dots = ax_h.scatter(spread, entropy, c=pr_k, s=8, alpha=0.7, lw=0)
+    fig.colorbar(dots, ax=ax_h, label='PR_K of the head')
+    ax_h.set_xscale('log')
+    ax_h.set(xlabel='logit_std of the head (log scale)', ylabel='entropy of the head (nats)',
+             title=plain(f'final record, run x layer x head ({len(runs)} runs)', 48))
+    arms = group(tables.get('entropy_pairs', []), lambda row: row['arm'])
+    for colour, (arm, rows) in zip(colours(len(arms)), arms.items()):
+        ax_p.scatter([r['d log logit_std'] for r in rows], [r['dH'] for r in rows], s=16,
+                     color=colour, label=plain(f'{arm} ({len(rows)})', 30))
+    ax_p.axhline(0, color='k', lw=0.8)
+    ax_p.axvline(0, color='k', lw=0.8)
+    ax_p.set(xlabel='change in log logit_std (head mean)', ylabel='change in entropy (head mean)',
+             title='key control, a dot per seed pair')
+    legend_outside(fig, ax_p)
+    return fig
+
+
 FIGURES = [
     Figure('fig1_pr_over_training', pr_over_training, 'Trajectories',
            'PR_Q and PR_K over training per setting (seed mean, min-max band)'),
@@ -313,4 +339,7 @@ FIGURES = [
     Figure('fig10_imbalance', imbalance, 'Queries, keys and the optimizer',
            'The Q/K imbalance and its drift from the init over training (equal where D_h starts at '
            '0); the per-head PR gap against the imbalance'),
+    Figure('fig11_entropy_spread', entropy_spread, 'What sets entropy',
+           'Entropy against the logit spread across heads, coloured by PR_K; the key control\'s '
+           'entropy change against its logit_std change per seed pair'),
 ]

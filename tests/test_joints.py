@@ -258,3 +258,35 @@ def test_fig3_draws_the_planted_values_under_the_transforms_its_labels_name(tmp_
     assert ax_h.get_xscale() == 'symlog'   # a scale, not a transform of the data
     assert np.allclose(line.get_xdata(), named(ax_h.get_xlabel())(synth.ITERS))
     assert np.allclose(line.get_ydata(), named(ax_h.get_ylabel())(means), rtol=1e-9, atol=0)
+
+
+def test_fig11_draws_each_head_s_final_spread_and_entropy_and_each_seed_pair(tmp_path):
+    """fig11's left panel is every head's final (logit_std, entropy, PR_K), its x axis on a log
+    scale; its right panel is entropy_pairs' (d log logit_std, dH), an arm a colour; without
+    logit_std in the logs there is no figure and no note."""
+    paths = synth.study(tmp_path / 'runs', seeds=2)
+    s = analyze.load([str(tmp_path / 'runs')], log=synth.quiet)
+    fig11 = next(f for f in plots.FIGURES if f.stem == 'fig11_entropy_spread')
+    assert fig11.fn(s, {}) == []
+    rng = np.random.default_rng(5)
+
+    def plant(it, i, lay):
+        n = len(lay['pr_k_heads'])
+        set_heads(lay, 'logit_std', 10 ** rng.uniform(-1, 1, n))
+        set_heads(lay, 'entropy', rng.uniform(0.5, 3.0, n))
+        set_heads(lay, 'pr_k', rng.uniform(1.5, 7.5, n))
+    recs = [replant(path, plant) for path in paths]
+    s = analyze.load([str(tmp_path / 'runs')], log=synth.quiet)
+    final = [lay for run in recs for lay in run[-1]['layers']]
+    want = np.array([point for lay in final for point in
+                     zip(*(lay[f'{k}_heads'] for k in ('logit_std', 'entropy', 'pr_k')))])
+    pairs = [{'arm': 'a', 'dH': 0.1, 'd log logit_std': -0.2},
+             {'arm': 'b', 'dH': -0.3, 'd log logit_std': 0.05},
+             {'arm': 'a', 'dH': 0.2, 'd log logit_std': -0.4}]
+    heads, seeds = fig11.fn(s, {'entropy_pairs': pairs}).axes[:2]
+    (dots,) = heads.collections
+    drawn = np.column_stack([dots.get_offsets(), dots.get_array()])
+    assert heads.get_xscale() == 'log' and 'logit_std' in heads.get_xlabel()
+    assert np.allclose(rows_sorted(drawn), rows_sorted(want), rtol=1e-9, atol=0)
+    by_arm = {c.get_label(): c.get_offsets().tolist() for c in seeds.collections}
+    assert by_arm == {'a (2)': [[-0.2, 0.1], [-0.4, 0.2]], 'b (1)': [[0.05, -0.3]]}
