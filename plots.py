@@ -301,7 +301,8 @@ def imbalance(study, tables):
 
 def entropy_spread(study, tables):
     """Across heads, each run's final entropy against its logit spread, coloured by PR_K; the key
-    control's seed pairs, dH against d log logit_std, by arm. Nothing where no run logs logit_std."""
+    control's seed pairs, dH against d log logit_std, by arm. Nothing where no run logs
+    logit_std."""
     runs = [r for r in study.runs if 'logit_std_heads' in r.m and len(r.iters)]
     if not runs:
         return []
