@@ -1,24 +1,25 @@
 """
 Key-spectrum control: after each optimizer step, reshape the singular-value spectrum of W_K (or W_Q,
-the mirror experiment) towards a target participation ratio, keeping its singular vectors and, at that
-step, one measure of its scale (control_keep).
+the mirror experiment) towards a target participation ratio, keeping its singular vectors and, at
+that step, one measure of its scale (control_keep).
 
     W = U diag(s) V^T   ->   W' = U diag(s') V^T,   s' = c * s^alpha
     alpha  by a search on log alpha, so that PR(s') = (sum s'^2)^2 / sum s'^4 hits the target
     c      what the reshaping holds fixed (control_keep):
-           fro  (default) sum s'^2 = sum s^2: the Frobenius norm is kept, only the dispersion changes,
-                so a narrower spectrum has a larger top singular value (larger logits)
-           spec max(s') = max(s): the top singular value that the optimizer step just set is kept, so
-                the reshaping changes only the shape of the spectrum. It does not hold the logit scale
-                over training: later steps move max(s) as training would, and W_Q keeps learning, so
-                ||W_QK^h||_2 still drifts (analyze.py reports how far, against the baseline)
+           fro  (default) sum s'^2 = sum s^2: the Frobenius norm is kept, only the dispersion
+                changes, so a narrower spectrum has a larger top singular value (larger logits)
+           spec max(s') = max(s): the top singular value that the optimizer step just set is
+                kept, so the reshaping changes only the shape of the spectrum. It does not hold
+                the logit scale over training: later steps move max(s) as training would, and
+                W_Q keeps learning, so ||W_QK^h||_2 still drifts (analyze.py reports how far,
+                against the baseline)
            Comparing the two separates shape from scale at each control step; over training, the
            analysis accounts for the scale change that remains. PR is scale-free, so both reach the
            same PR with the same alpha; spec costs no more than fro (c = max(s)).
 
 PR(s^alpha) falls as alpha grows: alpha = 0 makes every nonzero value equal (PR = rank, the most
-reachable), alpha = 1 is the spectrum as it is, alpha -> inf keeps only the top value (PR -> how many
-values tie for the top, usually 1). U and V are untouched, and so is the optimizer state.
+reachable), alpha = 1 is the spectrum as it is, alpha -> inf keeps only the top value (PR -> how
+many values tie for the top, usually 1). U and V are untouched, and so is the optimizer state.
 
 Schedules (pr0 = the step-0 PR of each controlled head, or layer with control_scope=layer):
     shrink  target = pr0 * (1 - (1 - shrink_to) * min(step / shrink_iters, 1)), then constant;
@@ -26,26 +27,27 @@ Schedules (pr0 = the step-0 PR of each controlled head, or layer with control_sc
     freeze  target = pr0 at every step, enforced both ways
     none    the baseline: the same calls, the weights untouched
 
-Where: on the weights' device (MPS, which has no float64: on the CPU), in float64 whatever the weights' dtype,
-in a fixed number of batched tensor operations with no data-dependent branch: U and s from one eigh of every
-block's Gram matrix W W^T (no SVD), so W' = U diag(s'/s) U^T W. Nothing is read on the
-host during training: the state holds tensors, and report() reads them once per record. On CUDA the eigh
-still waits once for the device (cuSOLVER's convergence check, which every torch eigensolver and SVD makes).
+Where: on the weights' device (MPS, which has no float64: on the CPU), in float64 whatever the
+weights' dtype, in a fixed number of batched tensor operations with no data-dependent branch: U and
+s from one eigh of every block's Gram matrix W W^T (no SVD), so W' = U diag(s'/s) U^T W. Nothing is
+read on the host during training: the state holds tensors, and report() reads them once per record.
+On CUDA the eigh still waits once for the device (cuSOLVER's convergence check, which every torch
+eigensolver and SVD makes).
 
-Edge cases: singular values below sqrt(max(m, n) * eps(float64)) * s_max (3e-7 s_max at 64 x 384: the
-round-off of a zero eigenvalue of the float64 Gram matrix) count as zero and stay as they are, so the most
-reachable PR is the rank; a target outside the reachable range is clamped to it, with
-one warning per run (at the next record); a flat spectrum (every nonzero value equal) is left as it is, since no alpha
-changes its PR; an all-zero block is left as it is.
+Edge cases: singular values below sqrt(max(m, n) * eps(float64)) * s_max (3e-7 s_max at 64 x 384:
+the round-off of a zero eigenvalue of the float64 Gram matrix) count as zero and stay as they are,
+so the most reachable PR is the rank; a target outside the reachable range is clamped to it, with
+one warning per run (at the next record); a flat spectrum (every nonzero value equal) is left as it
+is, since no alpha changes its PR; an all-zero block is left as it is.
 
-train.py checks the settings with control.check_settings(cfg, n_layer) before training, then calls it in
-two places (the state is a plain dict, saved in checkpoints):
+train.py checks the settings with control.check_settings(cfg, n_layer) before training, then calls
+it in two places (the state is a plain dict, saved in checkpoints):
     state = control.record(cfg, model.qk_weights())        # at step 0
-    control.apply(state, cfg, model.qk_weights(), step)    # after each optimizer step (step = 1, 2, ...)
+    control.apply(state, cfg, model.qk_weights(), step)    # after each optimizer step, step >= 1
 and merges control.report(state)[layer] into each layer's record in metrics.jsonl.
 
-A library with no command line; `python bench.py --control` measures its speed, and `--overhead` counts its
-operations (kernels on a GPU) against a training step's.
+A library with no command line; `python bench.py --control` measures its speed, and `--overhead`
+counts its operations (kernels on a GPU) against a training step's.
 """
 import math
 import warnings
@@ -56,22 +58,26 @@ import torch
 import geometry
 
 # alpha in [e^-30, e^30] ~ [1e-13, 1e13]: at the ends PR(s^alpha) equals its limits (rank; the top
-# value's multiplicity) to float64 precision. The search for alpha runs on every spectrum at once, with a
-# fixed amount of work: each round evaluates the PR at GRID - 1 points across the bracket and keeps the
-# cell where it crosses the target, so ROUNDS rounds narrow log(alpha) to 60 / GRID^ROUNDS ~ 3e-12, as
+# value's multiplicity) to float64 precision. The search for alpha runs on every spectrum at once,
+# with a
+# fixed amount of work: each round evaluates the PR at GRID - 1 points across the bracket and keeps
+# the
+# cell where it crosses the target, so ROUNDS rounds narrow log(alpha) to 60 / GRID^ROUNDS ~ 3e-12,
+# as
 # far as 44 halvings would (162^6 > 2^44) and far inside the 1e-6 the PR must reach, in 60 tensor
 # operations where a bisection takes 44 x 17
 LOG_ALPHA_MIN, LOG_ALPHA_MAX = -30.0, 30.0
 GRID, ROUNDS = 162, 6
-# a target outside the reachable range by more than this (relative) is worth a warning, round-off is not
+# a target outside the reachable range by more than this (relative) is worth a warning, round-off is
+# not
 REACH_RTOL = 1e-9
 
 
 # ----------------------------------------------------------------------------- the transform
 
 def _reach(s, rtol):
-    """What the search needs of spectra s (..., n): the kept (nonzero) values, x^2 = (s / s_max)^2 on them
-    (0 on the others), and the reachable PR range (PR at the largest alpha, rank)."""
+    """What the search needs of spectra s (..., n): the kept (nonzero) values, x^2 = (s / s_max)^2
+    on them (0 on the others), and the reachable PR range (PR at the largest alpha, rank)."""
     s_max = s.amax(-1, keepdim=True)
     keep = s > rtol * s_max   # smaller values are round-off of zero ones: they stay as they are
     # x = s / s_max is in (0, 1], so x^alpha neither overflows nor loses the top value
@@ -83,34 +89,42 @@ def _reach(s, rtol):
 
 def _log_alpha(x2, goal):
     """log alpha with PR(x^alpha) = goal (...), PR written out as in geometry.participation_ratio on
-    lam = x^(2 alpha): it is above the goal where sum lam > sqrt(goal) * |lam|, and falls as alpha grows."""
+    lam = x^(2 alpha): it is above the goal where sum lam > sqrt(goal) * |lam|, and falls as alpha
+    grows."""
     lo = torch.full_like(goal, LOG_ALPHA_MIN)
     cell = LOG_ALPHA_MAX - LOG_ALPHA_MIN
     points = torch.arange(1, GRID, dtype=x2.dtype, device=x2.device)
-    root_goal, log_x2 = goal.sqrt()[..., None], x2.log()[..., None, :]   # log 0 = -inf: lam = 0 there
+    # log 0 = -inf: lam = 0 there
+    root_goal, log_x2 = goal.sqrt()[..., None], x2.log()[..., None, :]
     for _ in range(ROUNDS):
         cell /= GRID
         alpha = torch.add(lo[..., None], points, alpha=cell).exp()      # (..., GRID - 1)
         lam = torch.exp(alpha[..., None] * log_x2)                      # (..., GRID - 1, n)
-        above = lam.sum(-1) > root_goal * torch.linalg.vector_norm(lam, dim=-1)   # a prefix of the points
-        # the cell after the last point above; a goal out of reach is above all or none of them, so the
+        # a prefix of the points
+        above = lam.sum(-1) > root_goal * torch.linalg.vector_norm(lam, dim=-1)
+        # the cell after the last point above; a goal out of reach is above all or none of them, so
+        # the
         # search ends at that end of the range, at the nearest reachable PR
         lo = torch.add(lo, above.sum(-1), alpha=cell)
     return lo + cell / 2
 
 
 def _control(s, target, rtol, control_keep='fro'):
-    """The transform of the module docstring on float64 spectra s (..., n) >= 0, batched: s' = c * s^alpha with
-    PR(s') = target (...), clamped to the reachable range; values <= rtol * max(s) count as zero and stay as
-    they are; a flat spectrum comes back unchanged with alpha = 1. Returns (s', alpha, pr_min, pr_max)."""
+    """The transform of the module docstring on float64 spectra s (..., n) >= 0, batched: s' = c *
+    s^alpha with PR(s') = target (...), clamped to the reachable range; values <= rtol * max(s)
+    count as zero and stay as they are; a flat spectrum comes back unchanged with alpha = 1. Returns
+    (s', alpha, pr_min, pr_max)."""
     keep, x2, pr_min, pr_max = _reach(s, rtol)
-    # flat (every kept value is the top one) or all zero: every alpha gives the same PR, nothing to do
+    # flat (every kept value is the top one) or all zero: every alpha gives the same PR, nothing to
+    # do
     leave = pr_min == pr_max
     alpha = torch.where(leave, 1.0, _log_alpha(x2, target).exp())
     xa = x2 ** (alpha[..., None] / 2)
-    c = s.amax(-1, keepdim=True)   # spec: x = s / s_max has its top value at exactly 1, and so has x^alpha
+    # spec: x = s / s_max has its top value at exactly 1, and so has x^alpha
+    c = s.amax(-1, keepdim=True)
     if control_keep == 'fro':   # sum s'^2 = sum s^2 over the kept values
-        c = c * (x2.sum(-1, keepdim=True).sqrt() / torch.linalg.vector_norm(xa, dim=-1, keepdim=True))
+        reshaped_norm = torch.linalg.vector_norm(xa, dim=-1, keepdim=True)
+        c = c * (x2.sum(-1, keepdim=True).sqrt() / reshaped_norm)
     s_new = torch.where(keep & ~leave[..., None], c * xa, s)
     return s_new, alpha, pr_min, pr_max
 
@@ -151,7 +165,8 @@ KINDS = {
                    upper_bound=True),
     'freeze': Kind(EVERY_KIND_READS, '', freeze_fraction),
 }
-KEEPS = ('fro', 'spec')   # control_keep: what the reshaping holds fixed (the module docstring says why)
+# control_keep: what the reshaping holds fixed (the module docstring says why)
+KEEPS = ('fro', 'spec')
 # the control's settings: `control`, then every key a kind reads, in a fixed order
 KEYS = ('control',) + tuple(dict.fromkeys(key for kind in KINDS.values() for key in kind.reads))
 DOSES = tuple(kind.dose for kind in KINDS.values() if kind.dose)
@@ -193,20 +208,23 @@ def _scaled(x, frac):
     return [_scaled(v, frac) for v in x] if isinstance(x, (list, tuple)) else x * frac
 
 
-# ----------------------------------------------------------------------------- the hooks train.py calls
+# ------------------------------------------------------------------------- the hooks train.py calls
 
 def parse_layers(text, n_layer):
-    """control_layers ('' = all, else comma-separated indices such as '0,2') -> sorted list of layers."""
+    """control_layers ('' = all, else comma-separated indices such as '0,2') -> sorted list of
+    layers."""
     if not str(text).strip():
         return list(range(n_layer))
     try:
         layers = sorted({int(t) for t in str(text).split(',') if t.strip()})
     except ValueError:
-        raise ValueError(f"control_layers={text!r}: expected comma-separated layer indices such as '0,2', "
+        raise ValueError(f"control_layers={text!r}: expected comma-separated layer indices such as "
+                         f"'0,2', "
                          f"or '' for all layers") from None
     bad = [i for i in layers if not 0 <= i < n_layer]
     if bad:
-        raise ValueError(f'control_layers={text!r}: layer {bad[0]} does not exist (n_layer={n_layer}: '
+        raise ValueError(f'control_layers={text!r}: layer {bad[0]} does not exist '
+                         f'(n_layer={n_layer}: '
                          f'indices 0..{n_layer - 1})')
     return layers
 
@@ -214,34 +232,37 @@ def parse_layers(text, n_layer):
 
 
 def check_settings(cfg, n_layer):
-    """The controlled layers of an n_layer model, or a ValueError naming the control setting that cannot
-    work (train.py checks with this before training and shows it as a config error)."""
+    """The controlled layers of an n_layer model, or a ValueError naming the control setting that
+    cannot work (train.py checks with this before training and shows it as a config error)."""
     for key, valid in (('control', KINDS), ('control_keep', KEEPS)):
         if cfg[key] not in valid:
             raise ValueError(f"{key}={cfg[key]!r} is not one of {', '.join(valid)}")
     if cfg['control_target'] not in ('k', 'q') or cfg['control_scope'] not in ('head', 'layer'):
         raise ValueError('control_target must be k or q, and control_scope head or layer')
     if cfg['control'] == 'shrink' and (cfg['shrink_to'] <= 0 or cfg['shrink_iters'] < 0):
-        raise ValueError(f"control=shrink needs shrink_to > 0 and shrink_iters >= 0 (got shrink_to={cfg['shrink_to']}, "
+        raise ValueError(f"control=shrink needs shrink_to > 0 and shrink_iters >= 0 (got "
+                         f"shrink_to={cfg['shrink_to']}, "
                          f"shrink_iters={cfg['shrink_iters']})")
     return parse_layers(cfg['control_layers'], n_layer)
 
 
 def _blocks(W, scope, n_head):
-    """The controlled blocks of weights W (..., C, C), float64 where they are: (..., n_head, d, C) heads or
-    (..., 1, C, C)."""
+    """The controlled blocks of weights W (..., C, C), float64 where they are: (..., n_head, d, C)
+    heads or (..., 1, C, C)."""
     W = geometry.as_float64(W)
     return W.unflatten(-2, (n_head, -1)) if scope == 'head' else W.unsqueeze(-3)
 
 
 def _reshaped(W, target, control_keep):
-    """Blocks W (N, m, n), m <= n, float64, with their spectra moved to target PRs (N,). W = U diag(s) V^T and
-    G = W W^T = U diag(s^2) U^T, so W' = U diag(s' / s) U^T W: one batched eigh of the Gram matrices, no SVD.
-    Returns (W', pr_min, pr_max)."""
-    # a block that is not finite would make eigh fail: it goes through as zeros (apply does not write it)
+    """Blocks W (N, m, n), m <= n, float64, with their spectra moved to target PRs (N,). W = U
+    diag(s) V^T and G = W W^T = U diag(s^2) U^T, so W' = U diag(s' / s) U^T W: one batched eigh of
+    the Gram matrices, no SVD. Returns (W', pr_min, pr_max)."""
+    # a block that is not finite would make eigh fail: it goes through as zeros (apply does not
+    # write it)
     lam, U = torch.linalg.eigh((W @ W.mT).nan_to_num(0.0, 0.0, 0.0))
     s = lam.clamp(min=0).sqrt()
-    # zero up to the round-off of float64 eigenvalues of G (~eps * s_max^2), whatever the weight's dtype
+    # zero up to the round-off of float64 eigenvalues of G (~eps * s_max^2), whatever the weight's
+    # dtype
     rtol = math.sqrt(max(W.shape[-2:]) * torch.finfo(torch.float64).eps)
     s_new, _, pr_min, pr_max = _control(s, target, rtol, control_keep)
     scale = (s_new / s).nan_to_num(1.0)   # 0 / 0 where s = 0: those directions stay as they are
@@ -251,26 +272,32 @@ def _reshaped(W, target, control_keep):
 def record(cfg, qk_weights):
     """The control state at step 0: which layers, and the step-0 PR per controlled head (or layer).
 
-    qk_weights: a list per layer of (W_Q, W_K) pairs. The state is a dict of Python values and float64 tensors
-    (L, B) over the controlled layers and their blocks, so it goes into a checkpoint and comes back with
-    torch.load(weights_only=True); apply moves its tensors to the weights' device.
+    qk_weights: a list per layer of (W_Q, W_K) pairs. The state is a dict of Python values and
+    float64 tensors (L, B) over the controlled layers and their blocks, so it goes into a checkpoint
+    and comes back with torch.load(weights_only=True); apply moves its tensors to the weights'
+    device.
     """
     layers = check_settings(cfg, len(qk_weights))
     if cfg['control'] == 'none':
         layers = []   # the baseline controls nothing and reports nothing
     side = 1 if cfg['control_target'] == 'k' else 0
-    pr0 = torch.stack([geometry.matrix_pr(_blocks(qk_weights[i][side], cfg['control_scope'], cfg['n_head']),
-                                          checked=False) for i in layers]) if layers else torch.zeros(0, 0)
-    return {'control': cfg['control'], 'target': cfg['control_target'], 'scope': cfg['control_scope'],
-            'keep': cfg['control_keep'], 'n_head': cfg['n_head'], 'n_layer': len(qk_weights), 'layers': layers,
+    pr0 = torch.stack([geometry.matrix_pr(_blocks(qk_weights[i][side], cfg['control_scope'],
+                                                  cfg['n_head']),
+                                          checked=False)
+                       for i in layers]) if layers else torch.zeros(0, 0)
+    return {'control': cfg['control'], 'target': cfg['control_target'],
+            'scope': cfg['control_scope'],
+            'keep': cfg['control_keep'], 'n_head': cfg['n_head'], 'n_layer': len(qk_weights),
+            'layers': layers,
             'pr0': pr0, 'target_pr': target_pr(pr0, cfg, 0) if layers else pr0, 'pr': pr0.clone(),
-            'out_of_reach': torch.zeros(pr0.shape, dtype=torch.bool, device=pr0.device), 'step': 0, 'warned': False}
+            'out_of_reach': torch.zeros(pr0.shape, dtype=torch.bool, device=pr0.device), 'step': 0,
+            'warned': False}
 
 
 def apply(state, cfg, qk_weights, step):
-    """After optimizer step number `step` (1, 2, ...): move each controlled spectrum to its target PR,
-    in place under no_grad, when control is not none and step % control_interval == 0. Records the
-    target and the reached PR (of the weight as written, in its own dtype) in the state."""
+    """After optimizer step number `step` (1, 2, ...): move each controlled spectrum to its target
+    PR, in place under no_grad, when control is not none and step % control_interval == 0. Records
+    the target and the reached PR (of the weight as written, in its own dtype) in the state."""
     if not state['layers'] or step % cfg['control_interval']:
         return
     keep = state['keep']
@@ -282,14 +309,16 @@ def apply(state, cfg, qk_weights, step):
             raise ValueError(f"the control state was recorded with {name}={was!r}, not {now!r}")
     side = 1 if state['target'] == 'k' else 0
     params = [qk_weights[i][side] for i in state['layers']]
-    blocks = _blocks(torch.stack([p.detach() for p in params]), state['scope'], state['n_head'])  # (L, B, m, n)
+    # (L, B, m, n)
+    blocks = _blocks(torch.stack([p.detach() for p in params]), state['scope'], state['n_head'])
     L, B, m, n = blocks.shape
     flat = blocks.reshape(L * B, m, n)
     for key in ('pr0', 'out_of_reach'):   # a state from a checkpoint is loaded on the CPU
         state[key] = state[key].to(flat.device)
     target = target_pr(state, cfg, step).view(L * B)
     new, pr_min, pr_max = _reshaped(flat, target, keep)
-    new = new.to(params[0].dtype).to(torch.float64)   # as it will be stored: the PR logged is that weight's
+    # as it will be stored: the PR logged is that weight's
+    new = new.to(params[0].dtype).to(torch.float64)
     pr, new_pr = geometry.matrix_pr(torch.cat([flat, new]), checked=False).chunk(2)
     # which blocks to change: an upper bound (shrink) only lowers a PR, freeze moves it either way;
     # a zero block has no spectrum
@@ -306,17 +335,20 @@ def apply(state, cfg, qk_weights, step):
 
 
 def report(state):
-    """One dict per layer for metrics.jsonl: ctl_target_pr, ctl_pr (mean over heads in head scope) and,
-    in head scope, ctl_target_pr_heads, ctl_pr_heads; {} for a layer that is not controlled."""
+    """One dict per layer for metrics.jsonl: ctl_target_pr, ctl_pr (mean over heads in head scope)
+    and, in head scope, ctl_target_pr_heads, ctl_pr_heads; {} for a layer that is not controlled."""
     rows = [{} for _ in range(state['n_layer'])]
     if not state['layers']:
         return rows
-    targets, prs, out = (state[key].tolist() for key in ('target_pr', 'pr', 'out_of_reach'))   # once per record
+    # once per record
+    targets, prs, out = (state[key].tolist() for key in ('target_pr', 'pr', 'out_of_reach'))
     if any(map(any, out)) and not state['warned']:
         i, j = next((i, j) for i, row in enumerate(out) for j, o in enumerate(row) if o)
         where = f"layer {state['layers'][i]}" + (f' head {j}' if state['scope'] == 'head' else '')
-        warnings.warn(f"control: the target PR of {where} was out of reach by step {state['step']} (now "
-                      f"{targets[i][j]:.6g}, reached {prs[i][j]:.6g}); clamped to the nearest reachable PR. "
+        warnings.warn(f"control: the target PR of {where} was out of reach by step {state['step']} "
+                      f"(now "
+                      f"{targets[i][j]:.6g}, reached {prs[i][j]:.6g}); clamped to the nearest "
+                      f"reachable PR. "
                       f"This warning is given once per run.", RuntimeWarning, stacklevel=2)
         state['warned'] = True
     for layer, target, pr in zip(state['layers'], targets, prs):

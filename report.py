@@ -186,10 +186,14 @@ def write(study, tables, claims, registry, figure_notes, files, refs, family):
 
 SPREAD_TEXT = (
     'Outside the claims and Holm, over every run that logs logit_std (the std of a query\'s scaled '
-    'logits over its keys): at the final record across (layer, head) pairs; in the control per seed '
-    'pair (controlled - the none run of its seed), dH = b dm (model 1) and dH = b dm + c d log PR_K '
-    '(model 2) with no intercept, jackknife-t over seeds, uncentred R^2, and the share of an arm\'s '
-    'mean dH through the mediator m, b mean(dm) / mean(dH); "effect": the arm\'s dH interval outside '
+    'logits over its keys): at the final record across (layer, head) pairs; in the control per '
+    'seed '
+    'pair (controlled - the none run of its seed), dH = b dm (model 1) and dH = b dm + c d log '
+    'PR_K '
+    '(model 2) with no intercept, jackknife-t over seeds, uncentred R^2, and the share of an '
+    'arm\'s '
+    'mean dH through the mediator m, b mean(dm) / mean(dH); "effect": the arm\'s dH interval '
+    'outside '
     '+/-0.02 nats. Only through the spread: c\'s interval holds 0, every arm with an effect has a '
     'share interval holding 1, and model 1 has R^2 >= 0.8; refuted where c\'s interval excludes 0 '
     'or an arm\'s share lies below 1.')
@@ -200,7 +204,8 @@ def spread_lines(tables, files):
     if 'entropy_heads.md' not in files:
         return []
     lines = ['## What sets entropy (exploratory, outside Holm)', '', SPREAD_TEXT, '']
-    fit = next((f for f in tables.get('entropy_mediation', ()) if f['only through the spread']), None)
+    fit = next((f for f in tables.get('entropy_mediation', ()) if f['only through the spread']),
+               None)
     if fit:
         lines += [f"The key spectrum acts only through the logits' spread: "
                   f"{fit['only through the spread']}.", '']

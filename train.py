@@ -101,9 +101,11 @@ SETTINGS = {
     'weight_decay': '0 <= weight_decay and lr * weight_decay < 1',  # < 1: the share decayed a step
     'shrink_to': '0 < shrink_to', 'threads': '0 <= threads <= 1024',
     'qk_init': 'qk_init in QK_INITS', 'optimizer': 'optimizer in OPTIMIZERS',
-    'control': spectrum_control.KINDS, 'control_keep': spectrum_control.KEEPS, 'control_target': ('k', 'q'),
+    'control': spectrum_control.KINDS, 'control_keep': spectrum_control.KEEPS,
+    'control_target': ('k', 'q'),
     'control_scope': ('head', 'layer'), 'dataset': ('wikitext103', 'wikitext103-test'),
-    'control_layers': 'len(spectrum_control.parse_layers(control_layers, n_layer)) >= 1',  # '' is every layer
+    # '' is every layer
+    'control_layers': 'len(spectrum_control.parse_layers(control_layers, n_layer)) >= 1',
     'data_file': "data_file == '' or os.path.isfile(data_file)",
     'dtype': ('auto', 'float32', 'bfloat16'),
 }
@@ -346,7 +348,8 @@ def control_step(run, step):
     """The causal experiment: reshape the controlled spectra after optimizer step number `step`."""
     if run.cfg['control'] == 'none':
         return
-    sync = getattr(torch, run.dev.split(':')[0]).synchronize   # the queued backward and step are not control time
+    # the queued backward and step are not control time
+    sync = getattr(torch, run.dev.split(':')[0]).synchronize
     t0 = sync() or time.time()
     spectrum_control.apply(run.ctl, run.cfg, run.model.qk_weights(), step)
     run.t_ctl += (sync() or time.time()) - t0

@@ -124,7 +124,8 @@ def sha256_of(paths):
 
 
 def run_name(cfg, defaults):
-    """L4_normal_s1, L4_normal_freeze-k-spec_s3, ..., then a hash of the other settings that are not defaults."""
+    """L4_normal_s1, L4_normal_freeze-k-spec_s3, ..., then a hash of the other settings that are not
+    defaults."""
     control = f"_{spectrum_control.label(cfg)}" if cfg['control'] != 'none' else ''
     name = f"L{cfg['n_layer']}_{cfg['qk_init']}{control}_s{cfg['seed']}"
     other = {k: v for k, v in cfg.items() if k not in NOT_IN_NAME + NAMED and v != defaults.get(k)}

@@ -258,9 +258,9 @@ def fit_groups(y, X, groups):
 
 
 def jackknife(estimate, groups):
-    """(estimate over all units, lo, hi) of estimate(keep), keep a boolean mask of units: jackknife-t
-    over the groups (leave one group out, t with groups - 1 df); no interval below 3 groups.
-    estimate may return an array (each entry its own interval)."""
+    """(estimate over all units, lo, hi) of estimate(keep), keep a boolean mask of units:
+    jackknife-t over the groups (leave one group out, t with groups - 1 df); no interval below 3
+    groups. estimate may return an array (each entry its own interval)."""
     groups = np.asarray(groups)
     names = np.unique(groups)
     full = np.asarray(estimate(np.ones(len(groups), bool)), dtype=float)

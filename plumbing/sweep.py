@@ -1,5 +1,5 @@
-"""sweep.sh's Python: it checks and names every run of a sweep before anything runs, prepares the data
-once, and trains the runs on this machine. sweep.sh runs it as a script, one step a call:
+"""sweep.sh's Python: it checks and names every run of a sweep before anything runs, prepares the
+data once, and trains the runs on this machine. sweep.sh runs it as a script, one step a call:
 
     python plumbing/sweep.py run-list RUN_LIST N_EXTRA
     python plumbing/sweep.py names OUT N_PRESET N_EXTRA RUN_LIST < runs
@@ -7,10 +7,10 @@ once, and trains the runs on this machine. sweep.sh runs it as a script, one ste
     python plumbing/sweep.py run OUT JOBS THREADS ANALYZE PYTHON [GPU ...] < commands
 
 names reads one run a line, its train.py arguments shell-quoted: the preset's N_PRESET, the grid
-line's, then sweep.sh's N_EXTRA extra arguments (with a RUN_LIST, its path, the grid line is a line of
-that file; '' for none). It prints 'INDEX NAME' for the first line of each run. run reads NUL-ended
-fields: each run's name, the length of its command, its command. A stop is one line on stderr,
-sweep.sh's (or train.py's about a setting), and exit status 1 (sweep.sh exits 2).
+line's, then sweep.sh's N_EXTRA extra arguments (with a RUN_LIST, its path, the grid line is a line
+of that file; '' for none). It prints 'INDEX NAME' for the first line of each run. run reads
+NUL-ended fields: each run's name, the length of its command, its command. A stop is one line on
+stderr, sweep.sh's (or train.py's about a setting), and exit status 1 (sweep.sh exits 2).
 """
 import contextlib
 import glob
@@ -27,8 +27,9 @@ PLUMBING = os.path.dirname(os.path.realpath(__file__))
 REPO = os.path.dirname(PLUMBING)  # the repository root
 
 if __name__ == '__main__':
-    # as a script, Python puts plumbing/ first on sys.path; the root goes there instead, so that this
-    # imports as train.py does, from any working directory (and no plumbing module as a top-level one)
+    # as a script, Python puts plumbing/ first on sys.path; the root goes there instead, so that
+    # this imports as train.py does, from any working directory (and no plumbing module as a
+    # top-level one)
     if sys.path and os.path.realpath(sys.path[0]) == PLUMBING:
         sys.path[0] = REPO
     else:
@@ -38,7 +39,8 @@ train = configurator = None  # imported by load(): only names and prepare need t
 
 
 def load():
-    """Import train.py and the configurator (and torch), or stop naming the module this Python lacks."""
+    """Import train.py and the configurator (and torch), or stop naming the module this Python
+    lacks."""
     global train, configurator
     try:
         import train
@@ -53,8 +55,8 @@ def load():
 
 def run_list(path, n_extra):
     """The grid lines of a RUN_LIST file, '--key=value ... --run_name=NAME' for each line
-    'NAME --key=value ...' (blank lines and # comments aside, Windows line ends too), as bytes; stop at
-    extra arguments, a name that is none (a path, or an option) or a name listed twice."""
+    'NAME --key=value ...' (blank lines and # comments aside, Windows line ends too), as bytes;
+    stop at extra arguments, a name that is none (a path, or an option) or a name listed twice."""
     if n_extra:
         sys.exit('sweep.sh: extra arguments with RUN_LIST: put them into its lines')
     if not os.path.isfile(path):
@@ -70,7 +72,8 @@ def run_list(path, n_extra):
         if not name or name.startswith(b'#'):
             continue
         if name.startswith(b'--') or b'/' in name or b'..' in name or name == b'.':
-            sys.exit(f"sweep.sh: RUN_LIST line {n}: '{shown}' is not a run name (NAME --key=value ...)")
+            sys.exit(f"sweep.sh: RUN_LIST line {n}: '{shown}' is not a run name "
+                     f'(NAME --key=value ...)')
         if name in seen:
             sys.exit(f'sweep.sh: RUN_LIST line {n}: {shown} is listed twice')
         seen.add(name)
@@ -102,14 +105,15 @@ def check_config_files(args, start, cfg):
 
 
 def check_finished(cfg, out):
-    """Stop if the run is finished under out with other settings than cfg's: the sweep would skip it,
-    and keep a run that is not the one asked for."""
+    """Stop if the run is finished under out with other settings than cfg's: the sweep would skip
+    it, and keep a run that is not the one asked for."""
     run = os.path.join(out, cfg['run_name'])
     if not os.path.exists(os.path.join(run, 'done.json')):
         return
     with open(os.path.join(run, 'config.json')) as f:
         old = json.load(f)
-    # every setting but where and how fast (NOT_IN_NAME); config.json holds the dtype that auto chose
+    # every setting but where and how fast (NOT_IN_NAME); config.json holds the dtype that
+    # auto chose
     diff = '; '.join(f'{k} {old.get(k)} there, {v} here' for k, v in cfg.items()
                      if old.get(k) != v and k not in configurator.NOT_IN_NAME
                      and (k, v) != ('dtype', 'auto'))
@@ -119,8 +123,8 @@ def check_finished(cfg, out):
 
 
 def names(lines, out, n_preset, n_extra, listed):
-    """{run name: the index of its first line} of the runs of lines, each checked by train.py; a later
-    line with a name listed before is the same run, trained once."""
+    """{run name: the index of its first line} of the runs of lines, each checked by train.py; a
+    later line with a name listed before is the same run, trained once."""
     load()
     first = {}
     for i, line in enumerate(lines):
@@ -128,7 +132,8 @@ def names(lines, out, n_preset, n_extra, listed):
         cfg = train.get_config(args)
         check_config_files(args, user_start(args, n_preset, n_extra, listed), cfg)
         if cfg['overwrite']:  # a sweep skips finished runs and resumes stopped ones
-            sys.exit('sweep.sh: overwrite=True: move a finished run away to train it again (nothing ran)')
+            sys.exit('sweep.sh: overwrite=True: move a finished run away to train it again '
+                     '(nothing ran)')
         check_finished(cfg, out)
         first.setdefault(cfg['run_name'], i)
     return first
@@ -155,7 +160,8 @@ def on_stop(signum, frame):
 
 
 def read_commands(stream):
-    """[(run name, its command)] from NUL-ended fields: a run's name, its command's length, its words."""
+    """[(run name, its command)] from NUL-ended fields: a run's name, its command's length, its
+    words."""
     fields = [os.fsdecode(f) for f in stream.read().split(b'\0')[:-1]]
     commands = []
     while fields:
@@ -202,8 +208,8 @@ class Runner:
         return os.path.join(self.out, 'logs', name + '.log')
 
     def start(self, slot, name, command):
-        """Start a run on GPU slot mod the number of GPUs when there are any; its log gets the command
-        and then all that it prints."""
+        """Start a run on GPU slot mod the number of GPUs when there are any; its log gets the
+        command and then all that it prints."""
         env = None
         if self.gpus:
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=self.gpus[slot % len(self.gpus)])
@@ -228,8 +234,8 @@ class Runner:
             time.sleep(0.1)
 
     def wait(self):
-        """Wait until a run ends and say how: its seconds, the time left, a failed run's last log line
-        (and a NAME.failed file next to its log)."""
+        """Wait until a run ends and say how: its seconds, the time left, a failed run's last log
+        line (and a NAME.failed file next to its log)."""
         child = self.next_ended()
         name, t0 = self.running.pop(child)
         took = int(time.monotonic() - t0)
@@ -249,14 +255,16 @@ class Runner:
                 os.killpg(child.pid, signal.SIGTERM)
         while any(alive(child) for child in self.running):
             time.sleep(1)
-        print(f'sweep.sh: stopped; the same command resumes the runs in {self.out}', file=sys.stderr)
+        print(f'sweep.sh: stopped; the same command resumes the runs in {self.out}',
+              file=sys.stderr)
         sys.exit(130)
 
 
 def run(commands, out, jobs, threads, gpus):
     """Train the runs of commands (read_commands) and say how each ended; the number that failed."""
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(s) != signal.SIG_IGN:  # as for bash's trap: ignored from the start stays so
+        # as for bash's trap: ignored from the start stays so
+        if signal.getsignal(s) != signal.SIG_IGN:
             signal.signal(s, on_stop)
     runner = Runner(out, jobs, threads, gpus, len(commands))
     for slot, (name, command) in enumerate(commands):
@@ -284,8 +292,8 @@ def main(argv):
         out, jobs, threads, analyze, python, *gpus = args
         failed = run(read_commands(sys.stdin.buffer), out, int(jobs), threads, gpus)
         if failed:
-            print(f'{failed} runs failed (logs in {out}/logs/); fix the cause and run the same command '
-                  f'again')
+            print(f'{failed} runs failed (logs in {out}/logs/); fix the cause and run the same '
+                  f'command again')
             sys.exit(1)
         if analyze == '1':
             sys.stdout.flush()

@@ -1,7 +1,8 @@
-"""Planted tests of the one standard of evidence: the intervals cover at their level (a share too, with the layers of
-a seed correlated), every verdict is reachable at the study's n, equivalence comes first, (a) and (b) are judged after
-the init is forgotten, trends read a curved rise as monotone, Holm adjusts the claims table, and the control claims
-are decided on the spec arm per setting at the dose that moves PR_K."""
+"""Planted tests of the one standard of evidence: the intervals cover at their level (a share too,
+with the layers of a seed correlated), every verdict is reachable at the study's n, equivalence
+comes first, (a) and (b) are judged after the init is forgotten, trends read a curved rise as
+monotone, Holm adjusts the claims table, and the control claims are decided on the spec arm per
+setting at the dose that moves PR_K."""
 import itertools
 import math
 import types
@@ -22,14 +23,16 @@ from analyze import ALL, Claim, View, judge
 @pytest.mark.parametrize('n', [3, 4, 5])
 def test_the_interval_covers_a_planted_mean_at_its_level(n):
     rng = np.random.default_rng(n)
-    hits = sum(lo <= 0.3 <= hi for lo, hi in (stats.t_interval(rng.normal(0.3, 1.0, n))[1:3] for _ in range(2000)))
+    hits = sum(lo <= 0.3 <= hi for lo,
+               hi in (stats.t_interval(rng.normal(0.3, 1.0, n))[1:3] for _ in range(2000)))
     assert hits / 2000 >= 0.93
 
 
 @pytest.mark.parametrize('seeds, sd', [(3, 2.0), (5, 1.0), (12, 1.0)])
 def test_a_share_covers_at_its_level_when_the_layers_of_a_seed_are_correlated(seeds, sd):
     rng = np.random.default_rng(seeds)
-    logit = lambda p: math.log(p / (1 - p))   # a seed effect of sd on the logit scale; at sd 2 a share of 0.70
+    # a seed effect of sd on the logit scale; at sd 2 a share of 0.70
+    logit = lambda p: math.log(p / (1 - p))
     share = np.mean(1 / (1 + np.exp(-(logit(0.8) + sd * rng.normal(size=200_000)))))
     hits = 0
     for _ in range(2000):
@@ -47,56 +50,73 @@ def test_one_more_hit_in_any_seed_never_lowers_a_share_s_bounds(seeds, each):
     for h in splits:
         for up in (h[:j] + (h[j] + 1,) + h[j + 1:] for j in range(seeds) if h[j] < each):
             assert bounds[up][0] >= bounds[h][0] and bounds[up][1] >= bounds[h][1], (h, up)
-    assert bounds[(each,) * seeds][0] > 0.5   # all hits hold at every shape here, 12/12 at 3 x 4 too
+    # all hits hold at every shape here, 12/12 at 3 x 4 too
+    assert bounds[(each,) * seeds][0] > 0.5
 
 
 def test_the_quantiles_match_the_tables():
     assert stats.t_quantile(0.975, 2) == pytest.approx(4.302653, abs=1e-5)
     assert stats.t_quantile(0.975, 30) == pytest.approx(2.042272, abs=1e-5)
-    assert stats.f_sf(3.708265, 2, 10) == pytest.approx(0.0625, abs=1e-4)   # F(2, 10): 0.0625 above 3.708
+    # F(2, 10): 0.0625 above 3.708
+    assert stats.f_sf(3.708265, 2, 10) == pytest.approx(0.0625, abs=1e-4)
     assert stats.t_sf(4.302653, 2) == pytest.approx(0.025, abs=1e-6)
     assert stats.holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
 
 
-@pytest.mark.parametrize('values, verdict', [([0.50, 0.55, 0.45], 'holds'), ([-0.50, -0.55, -0.45], 'reversed'),
-                                             ([0.004, -0.003, 0.001], 'no effect'), ([0.3, -0.2, 0.1], 'undecided'),
-                                             ([1.0e-7, 1.1e-7, 1.2e-7], 'no effect'), ([0.01] * 3, 'no effect')])
+@pytest.mark.parametrize('values, verdict',
+                         [([0.50, 0.55, 0.45], 'holds'), ([-0.50, -0.55, -0.45], 'reversed'),
+                                             ([0.004, -0.003, 0.001], 'no effect'),
+                          ([0.3, -0.2, 0.1], 'undecided'),
+                                             ([1.0e-7, 1.1e-7, 1.2e-7], 'no effect'),
+                          ([0.01] * 3, 'no effect')])
 def test_each_verdict_is_reachable_with_three_seeds_and_equivalence_comes_first(values, verdict):
     claim = Claim(key='x', text='x', stat='the value', fn=lambda v, view: v, margin=0.1)
     res = judge(claim, values)
     assert (res['verdict'], res['n']) == (verdict, 3)
-    assert res['why'] == ('n = 3: the interval spans 0 and is wider than +/-0.1' if verdict == 'undecided' else '')
+    assert res['why'] == ('n = 3: the interval spans 0 and is wider than +/-0.1'
+                          if verdict == 'undecided' else '')
     assert (res['p'] < 0.05) == (verdict != 'undecided')
 
 
 def signs(per_seed, layers=4, parts=1):
-    """Units of a trajectory claim: each seed's trajectories hold (+1), are the mirror (-1) or neither (0)."""
-    return [np.array([[[x] * parts]] * layers, dtype=float).reshape(layers, 1, parts) if np.isscalar(x) else
+    """Units of a trajectory claim: each seed's trajectories hold (+1), are the mirror (-1) or
+    neither (0)."""
+    return [np.array([[[x] * parts]] * layers, dtype=float).reshape(layers, 1, parts)
+            if np.isscalar(x) else
             np.array(x, dtype=float)[:, None, None] for x in per_seed]
 
 
 @pytest.mark.parametrize('seeds, layers, verdict', [([1] * 3, 4, 'holds'), ([1] * 8, 4, 'holds'),
-                                                    ([-1] * 3, 4, 'reversed'), ([0] * 3, 4, 'fails'),
-                                                    ([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]], 4, 'undecided')])
-def test_each_verdict_of_a_share_claim_is_reachable_at_12_and_32_trajectories(seeds, layers, verdict):
+                                                    ([-1] * 3, 4, 'reversed'),
+                                                    ([0] * 3, 4, 'fails'),
+                                                    ([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]], 4,
+                                                     'undecided')])
+def test_each_verdict_of_a_share_claim_is_reachable_at_12_and_32_trajectories(
+        seeds, layers, verdict):
     claim = Claim(key='x', text='x', stat='signs', fn=lambda u, view: u, unit='trajectory', ref=0.5)
     res = judge(claim, signs(seeds, layers))
-    assert res['verdict'] == verdict and res['n'] == len(seeds) * layers and res['seeds'] == len(seeds)
-    assert res['hits'] == sum(np.sum(np.array(s) == 1) * (layers if np.isscalar(s) else 1) for s in seeds)
+    assert (res['verdict'] == verdict and res['n'] == len(seeds) * layers
+            and res['seeds'] == len(seeds))
+    assert res['hits'] == sum(np.sum(np.array(s) == 1) * (layers if np.isscalar(s) else 1)
+                              for s in seeds)
 
 
 def memory_run(q, k, seed, iters, moved=None):
-    """A run of 2 layers with the given whole-matrix PR_Q, PR_K (records x layers) and dq_rel = dk_rel = moved."""
-    cfg = synth.config(seed=seed, max_iters=int(iters[-1]), warmup_iters=int(iters[1]), n_embd=64, n_head=4)
+    """A run of 2 layers with the given whole-matrix PR_Q, PR_K (records x layers) and dq_rel =
+    dk_rel = moved."""
+    cfg = synth.config(seed=seed, max_iters=int(iters[-1]), warmup_iters=int(iters[1]), n_embd=64,
+                       n_head=4)
     moved = np.linspace(0, 3, len(iters)) if moved is None else moved
     m = {'pr_q': q, 'pr_k': k, 'dq_rel': np.c_[moved, moved], 'dk_rel': np.c_[moved, moved]}
     return folders.Run(f'run{seed}', cfg, {}, np.asarray(iters), m, {}, [])
 
 
 def collapse_then(q_end, k_end, seed, rng, apart=1.0):
-    """Both PRs collapse from 32 towards 8 -/+ apart over the first third of training, then move to q_end, k_end."""
+    """Both PRs collapse from 32 towards 8 -/+ apart over the first third of training, then move to
+    q_end, k_end."""
     x = np.linspace(0, 1, 30)
-    q, k = (np.where(x < 1 / 3, floor + (32 - floor) * np.exp(-12 * x), floor + (end - floor) * (x - 1 / 3) * 1.5)
+    q, k = (np.where(x < 1 / 3, floor + (32 - floor) * np.exp(-12 * x),
+                     floor + (end - floor) * (x - 1 / 3) * 1.5)
             for floor, end in ((8 + apart, q_end), (8 - apart, k_end)))
     noise = lambda: rng.normal(0, 0.05, (30, 2))
     return memory_run(q[:, None] + noise(), k[:, None] + noise(), seed, np.arange(0, 3000, 100))
@@ -107,25 +127,31 @@ def test_an_asymmetry_that_begins_after_the_collapse_holds_and_one_that_never_be
     apart = [collapse_then(11, 5, s, rng) for s in (1, 2, 3, 4)]
     together = [collapse_then(6, 6, s, rng, apart=0) for s in (1, 2, 3, 4)]
     post, early = View('whole', 'post'), View('whole', 'warmup')
-    assert judge(ALL['a'], apart, post)['verdict'] == 'holds' and judge(ALL['b'], apart, post)['verdict'] == 'holds'
-    assert judge(ALL['a'], apart, early)['verdict'] == 'fails'   # from inside the collapse PR_Q only falls
+    assert judge(ALL['a'], apart, post)['verdict'] == 'holds'
+    assert judge(ALL['b'], apart, post)['verdict'] == 'holds'
+    # from inside the collapse PR_Q only falls
+    assert judge(ALL['a'], apart, early)['verdict'] == 'fails'
     for key in 'ab':
         assert judge(ALL[key], together, post)['verdict'] == 'fails'
     res = judge(ALL['a'], together, post)
-    assert res['per_part'] == [0, 8] and [n for _, n in res['per_ref']] == [8, 8, 8]   # PR_K falls, PR_Q too
+    # PR_K falls, PR_Q too
+    assert res['per_part'] == [0, 8] and [n for _, n in res['per_ref']] == [8, 8, 8]
 
 
 def planted(run, it):
     """The run with a record at iteration it (interpolated) where PR_Q < PR_K in every layer."""
     its = np.union1d(run.iters, [it])
-    m = {key: np.stack([np.interp(its, run.iters, v[:, i]) for i in range(2)], 1) for key, v in run.m.items()}
+    m = {key: np.stack([np.interp(its, run.iters, v[:, i]) for i in range(2)], 1) for key,
+         v in run.m.items()}
     m['pr_q'][its == it] = m['pr_k'][its == it] - 1
     return memory_run(m['pr_q'], m['pr_k'], run.seed, its, m['dq_rel'][:, 0])
 
 
 def test_a_negative_gap_off_the_grid_changes_no_verdict_and_one_on_it_does():
-    runs, post = [collapse_then(11, 5, s, np.random.default_rng(s)) for s in (1, 2, 3, 4)], View('whole', 'post')
-    assert 1425 not in analyze.on_grid(planted(runs[0], 1425)).iters   # the grid: every 50 iterations
+    runs, post = [collapse_then(11, 5, s, np.random.default_rng(s))
+                  for s in (1, 2, 3, 4)], View('whole', 'post')
+    # the grid: every 50 iterations
+    assert 1425 not in analyze.on_grid(planted(runs[0], 1425)).iters
     for it, verdict, all_above in ((1425, 'holds', True), (1400, 'undecided', False)):
         found = [planted(runs[0], it)] + runs[1:]
         assert judge(ALL['b'], found, post)['verdict'] == verdict
@@ -141,22 +167,28 @@ def test_the_final_values_are_the_mean_of_the_last_three_records_on_the_grid():
     assert analyze.moves(run, View('whole', 'post'))[..., 0].tolist() == [[1, 1, 1]] * 2
 
 
-def test_a_counts_a_trajectory_only_if_it_holds_from_every_reference_and_its_mirror_from_every_one():
-    its = np.array([0, 100, 200, 400, 800, 1000, 1200, 1400, 1600, 1800, 2000])   # references: 400, 800, 1000
-    moved = np.array([0, 0.3, 0.6, 1.2, 2, 2, 2, 2, 2, 2, 2])                       # the init forgotten at 400
+def test_a_counts_a_trajectory_if_it_and_its_mirror_hold_from_every_reference():
+    # references: 400, 800, 1000
+    its = np.array([0, 100, 200, 400, 800, 1000, 1200, 1400, 1600, 1800, 2000])
+    # the init forgotten at 400
+    moved = np.array([0, 0.3, 0.6, 1.2, 2, 2, 2, 2, 2, 2, 2])
     q = np.c_[[30, 20, 10, 6, 9, 5, 8, 7, 7, 7, 7], [30, 20, 10, 6, 5, 4, 4, 3, 3, 3, 3]]
     k = np.c_[[30, 20, 10, 6, 5, 4, 4, 3, 3, 3, 3], [30, 20, 10, 2, 2, 2, 3, 4, 4, 4, 4]]
     a = analyze.moves(memory_run(q, k, 1, its, moved), View('whole', 'post'))
-    assert a.tolist() == [[[1, 1], [-1, 1], [1, 1]], [[-1, -1]] * 3]   # PR_Q above its value at 800 in layer 0
-    assert analyze.outcomes(a).tolist() == [0, -1]                    # neither; the mirror from every reference
+    # PR_Q above its value at 800 in layer 0
+    assert a.tolist() == [[[1, 1], [-1, 1], [1, 1]], [[-1, -1]] * 3]
+    # neither; the mirror from every reference
+    assert analyze.outcomes(a).tolist() == [0, -1]
 
 
 def test_a_zigzag_is_not_a_line_a_line_is_recovered_and_a_curved_rise_reads_monotone():
-    x, at, rng = np.arange(5.0), np.arange(5.0)[:, None], np.random.default_rng(1)   # at: 3 units a point
+    # at: 3 units a point
+    x, at, rng = np.arange(5.0), np.arange(5.0)[:, None], np.random.default_rng(1)
     zigzag = stats.trend(x, np.where(at % 2, 1.0, -1.0) + rng.normal(0, 0.1, (5, 3)))
     assert zigzag['lof_p'] < 0.05 and analyze.reading(zigzag, [0] * 5).startswith('not a line')
     assert analyze.reading(zigzag, [0] * 5).endswith('no monotone trend')
-    curve = stats.trend(x, 1 - np.exp(-2 * at) + rng.normal(0, 0.02, (5, 3)))   # rises, then saturates
+    # rises, then saturates
+    curve = stats.trend(x, 1 - np.exp(-2 * at) + rng.normal(0, 0.02, (5, 3)))
     assert curve['lof_p'] < 0.05 and analyze.reading(curve, [0] * 5).endswith('rises monotonically')
     hits = 0
     for _ in range(1000):
@@ -166,37 +198,44 @@ def test_a_zigzag_is_not_a_line_a_line_is_recovered_and_a_curved_rise_reads_mono
 
 
 def test_planted_control_effects_reach_each_verdict_per_setting_on_the_spec_arm(tmp_path):
-    shifts = {'holds': [0.30, 0.32, 0.28], 'reversed': [-0.30, -0.32, -0.28], 'no effect': [0.004, -0.003, 0.002],
+    shifts = {'holds': [0.30, 0.32, 0.28], 'reversed': [-0.30, -0.32, -0.28],
+              'no effect': [0.004, -0.003, 0.002],
               'undecided': [0.20, -0.15, 0.05]}
     for init, shift in shifts.items():
         for s, d in enumerate(shift, 1):
             kw = dict(seed=s, effect=0, noise=0, qk_init=init.replace(' ', '_'))
             synth.write_run(str(tmp_path), f'{init}_s{s}'.replace(' ', '_'), **kw)
-            for keep, sign in (('spec', 1), ('fro', -1)):   # the fro arm, beside, planted the other way
-                synth.write_run(str(tmp_path), f'{init}_{keep}_s{s}'.replace(' ', '_'), control='freeze',
+            # the fro arm, beside, planted the other way
+            for keep, sign in (('spec', 1), ('fro', -1)):
+                synth.write_run(str(tmp_path), f'{init}_{keep}_s{s}'.replace(' ', '_'),
+                                control='freeze',
                                 control_keep=keep, shift=d * sign, **kw)
     s = synth.run([tmp_path], tmp_path / 'out')
     rows = [r for r in s.tables['claims'] if r['key'] == 'e']
     assert sorted((r['scope'], r['verdict'].split(' (')[0]) for r in rows) == sorted(
         (f"qk_init={k.replace(' ', '_')}, freeze-k-spec", k) for k in shifts)
     assert all(r['beside'].startswith('keep=fro (freeze-k): ') for r in rows)
-    assert {r['holm'] for r in s.tables['claims'] if 'holm' in r} <= {'holds', 'reversed', 'no effect', 'fails',
-                                                                     'undecided'}
+    verdicts = {'holds', 'reversed', 'no effect', 'fails', 'undecided'}
+    assert {r['holm'] for r in s.tables['claims'] if 'holm' in r} <= verdicts
 
 
 def test_d_and_e_are_judged_per_depth_at_the_dose_that_moves_pr_k(tmp_path):
     for depth in (2, 3):
         synth.study(tmp_path, name=f'L{depth}', n_layer=depth)
-        synth.study(tmp_path, name=f'L{depth}_freeze', n_layer=depth, control='freeze', control_keep='spec')
-        for dose in (0.9, 0.3, 0.15):   # 0.9 leaves PR_K near the baseline's; 0.3 and 0.15 move it well below
-            synth.study(tmp_path, name=f'L{depth}_shrink{dose}', n_layer=depth, control='shrink', shrink_to=dose,
+        synth.study(tmp_path, name=f'L{depth}_freeze', n_layer=depth, control='freeze',
+                    control_keep='spec')
+        # 0.9 leaves PR_K near the baseline's; 0.3 and 0.15 move it well below
+        for dose in (0.9, 0.3, 0.15):
+            synth.study(tmp_path, name=f'L{depth}_shrink{dose}', n_layer=depth, control='shrink',
+                        shrink_to=dose,
                         control_keep='spec')
     s = synth.run([tmp_path], tmp_path / 'out')
     rows = {(r['key'], r['scope']): r for r in s.tables['claims'] if r['key'] in 'de'}
-    assert sorted(rows) == [(k, f'n_layer={n}, {arm}') for k, arm in (('d', 'shrink0.15-k-spec'),
-                                                                      ('e', 'freeze-k-spec')) for n in (2, 3)]
+    arms = (('d', 'shrink0.15-k-spec'), ('e', 'freeze-k-spec'))
+    assert sorted(rows) == [(k, f'n_layer={n}, {arm}') for k, arm in arms for n in (2, 3)]
     assert all(r['verdict'] == 'holds' and r['n'] == 3 for r in rows.values())
-    weak = judge(ALL['d_pr_head_rel'], [p for k, p in s.arms.items() if dict(k[1])['shrink_to'] == 0.9
+    weak = judge(ALL['d_pr_head_rel'],
+                 [p for k, p in s.arms.items() if dict(k[1])['shrink_to'] == 0.9
                                         and dict(k[1])['control'] == 'shrink'][0])
     assert weak['hi'] > analyze.WELL_BELOW
 
@@ -206,11 +245,13 @@ def test_d_is_not_measured_when_no_dose_moves_pr_k_well_below_or_there_is_no_spe
     synth.study(tmp_path, name='weak', control='shrink', shrink_to=0.95, control_keep='spec')
     synth.study(tmp_path, name='fro', control='freeze')
     rows = {r['key']: r for r in synth.run([tmp_path], tmp_path / 'out').tables['claims']}
-    assert rows['d']['verdict'] == 'not measured' and rows['d']['value'].startswith('no dose moves per-head PR_K')
-    assert (rows['e']['verdict'], rows['e']['value']) == ('not measured', 'no control_keep=spec arm')
+    assert rows['d']['verdict'] == 'not measured'
+    assert rows['d']['value'].startswith('no dose moves per-head PR_K')
+    assert rows['e']['verdict'] == 'not measured'
+    assert rows['e']['value'] == 'no control_keep=spec arm'
 
 
-def test_the_regime_keeps_a_six_head_point_off_the_four_head_width_line_and_refuses_a_zigzag(tmp_path):
+def test_the_regime_keeps_a_six_head_point_off_the_width_line_and_refuses_a_zigzag(tmp_path):
     for emb, heads, effect in ((16, 2, 1), (32, 2, -1), (64, 2, 1), (128, 2, -1), (96, 3, 1)):
         synth.study(tmp_path, name=f'e{emb}', n_embd=emb, n_head=heads, effect=effect)
     for lr, min_lr in ((3e-4, 3e-5), (3e-3, 3e-4)):   # min_lr = lr / 10 moves with lr
@@ -218,24 +259,32 @@ def test_the_regime_keeps_a_six_head_point_off_the_four_head_width_line_and_refu
     s = synth.run([tmp_path], tmp_path / 'out')
     trends = {(t['axis'], t['statistic']): t for t in s.tables['regime_trend']}
     width = trends[('n_embd', 'gap_end')]
-    assert width['members'] == 'base | n_embd=32 | n_embd=64 | n_embd=128' and width['line'] == 'n_head=2, lr=0.001'
+    assert (width['members'] == 'base | n_embd=32 | n_embd=64 | n_embd=128'
+            and width['line'] == 'n_head=2, lr=0.001')
     assert width['reading'].startswith('not a line') and width['n'] == 12
-    assert trends[('lr', 'gap_end')]['members'] == 'lr=0.0003, min_lr=3e-05 | base | lr=0.003, min_lr=0.0003'
+    learning_rate = trends[('lr', 'gap_end')]
+    assert learning_rate['members'] == 'lr=0.0003, min_lr=3e-05 | base | lr=0.003, min_lr=0.0003'
     assert 'min_lr' not in {t['axis'] for t in s.tables['regime_trend']}
 
 
 def token_run(cfg, iters, seed=1):
-    """tok_pr_q - tok_pr_k rises then falls at the model checkpoints (the reverse elsewhere); tok_pr_qk ~ entropy."""
-    at = iters == iters if cfg.get('pretrained') else np.isin(iters, sorted(geometry.model_ckpt_iters(cfg)))
+    """tok_pr_q - tok_pr_k rises then falls at the model checkpoints (the reverse elsewhere);
+    tok_pr_qk ~ entropy."""
+    if cfg.get('pretrained'):
+        at = np.ones(len(iters), bool)
+    else:
+        at = np.isin(iters, sorted(geometry.model_ckpt_iters(cfg)))
     x = np.log1p(iters)
     v = -np.abs(x - np.median(x[at])) * np.where(at, 1, -1)
     heads = np.arange(4.0).reshape(1, 2, 2) + x[:, None, None]
-    m = {'tok_pr_q': np.c_[v, v] + 10, 'tok_pr_k': np.c_[v, v] * 0, 'tok_pr_qk_heads': heads, 'entropy_heads': heads}
+    m = {'tok_pr_q': np.c_[v, v] + 10, 'tok_pr_k': np.c_[v, v] * 0, 'tok_pr_qk_heads': heads,
+         'entropy_heads': heads}
     return folders.Run(f'run{seed}', {**cfg, 'seed': seed}, {}, iters, m, {}, [])
 
 
 def test_token_claims_read_our_runs_at_their_model_checkpoints_and_a_series_at_every_record():
-    cfg = synth.config(model_ckpts=8, max_iters=2000, warmup_iters=100, geom_interval=200, eval_interval=200)
+    cfg = synth.config(model_ckpts=8, max_iters=2000, warmup_iters=100, geom_interval=200,
+                       eval_interval=200)
     ours = [token_run(cfg, np.array(sorted(train.log_iters(cfg))), s) for s in (1, 2, 3)]
     series = token_run({**cfg, 'pretrained': True}, np.array([0, 8, 64, 512, 4096]))
     study = types.SimpleNamespace(runs=ours, series=[series])
@@ -245,7 +294,8 @@ def test_token_claims_read_our_runs_at_their_model_checkpoints_and_a_series_at_e
 
 
 def test_a_ratio_claim_is_judged_and_its_rule_printed_in_the_units_of_its_value():
-    claim = Claim(key='r', text='r', stat='PR_Q / PR_K', fn=lambda v, view: math.log(v), log=True, ref=1.0,
+    claim = Claim(key='r', text='r', stat='PR_Q / PR_K', fn=lambda v, view: math.log(v), log=True,
+                  ref=1.0,
                   margin=0.05)
     res = judge(claim, [1.19, 1.26, 1.33])   # no default bound clips it to [lo, 1]
     assert res['verdict'] == 'holds' and 1.05 < res['lo'] < 1.19 and res['hi'] > 1.33
@@ -253,7 +303,8 @@ def test_a_ratio_claim_is_judged_and_its_rule_printed_in_the_units_of_its_value(
     assert '[0.95, 1.05], holds if it lies above 1,' in report.rule(claim, analyze.REFERENCES)
 
 
-def test_a_claim_a_fork_adds_is_judged_outside_holm_unless_it_joins_the_family(tmp_path, monkeypatch):
+def test_a_claim_a_fork_adds_is_judged_outside_holm_unless_it_joins_the_family(
+        tmp_path, monkeypatch):
     synth.study(tmp_path / 'runs', seeds=4)
     paper = synth.run([tmp_path / 'runs'], tmp_path / 'paper').tables['claims']
     fork_claim = Claim(key='g', text='(g) a fork claim', stat='Spearman of PR_Q with entropy',
@@ -274,7 +325,8 @@ def test_a_claim_a_fork_adds_is_judged_outside_holm_unless_it_joins_the_family(t
 
 
 @pytest.mark.parametrize('direct, reading', [(0.0, 'yes'), (0.5, 'refuted')])
-def test_the_spread_mediation_reads_a_planted_path_through_the_spread_and_one_beside_it(direct, reading):
+def test_the_spread_mediation_reads_a_planted_path_through_the_spread_and_one_beside_it(
+        direct, reading):
     rng = np.random.default_rng(0)
     seeds = np.repeat(np.arange(1, 6), 2)
     arm = np.tile(['shrink0.1-k-spec', 'freeze-k-spec'], 5)
@@ -288,7 +340,8 @@ def test_the_spread_mediation_reads_a_planted_path_through_the_spread_and_one_be
     assert analyze.only_through_spread(fits, shares).split(':')[0] == reading
     if direct == 0:
         assert fit['b1'] == pytest.approx(-0.8) and fit['R2_1'] == pytest.approx(1)
-        assert all(r['share'] == pytest.approx(1) for r in shares if r['mediator'] == 'log logit_std')
+        assert all(r['share'] == pytest.approx(1) for r in shares
+                   if r['mediator'] == 'log logit_std')
     else:
         assert fit['c_lo'] > 0 and fit['c_dlogPR_K'] == pytest.approx(0.5)
 
@@ -297,9 +350,9 @@ def test_entropy_is_best_predicted_by_the_quantity_it_was_planted_on():
     rng, runs = np.random.default_rng(1), []
     for seed in range(1, 5):
         spread = rng.uniform(0.5, 3, (1, 4, 4))
-        m = {'logit_std_heads': spread, 'entropy_heads': 3 - np.log(spread),
-             **{f'{k}_heads': rng.uniform(1, 9, (1, 4, 4)) for k in ('qk_fro_norm', 'qk_spec_norm',
-                                                                       'pr_k', 'pr_qk')}}
+        m = {'logit_std_heads': spread, 'entropy_heads': 3 - np.log(spread)}
+        for k in ('qk_fro_norm', 'qk_spec_norm', 'pr_k', 'pr_qk'):
+            m[f'{k}_heads'] = rng.uniform(1, 9, (1, 4, 4))
         runs.append(types.SimpleNamespace(m=m, seed=seed))
     rows = analyze.predictor_rows(runs)
     assert max(rows, key=lambda r: r['R2_held_out'])['predictor'] == 'log logit_std'

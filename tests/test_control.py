@@ -1,5 +1,5 @@
-"""control.py: the spectrum transform, the shrink and freeze schedules, apply on small weights, and the
-control inside a tiny training run."""
+"""control.py: the spectrum transform, the shrink and freeze schedules, apply on small weights, and
+the control inside a tiny training run."""
 import csv
 import os
 import re
@@ -19,8 +19,8 @@ from conftest import REPO, run_train, tiny_args
 
 
 def control_spectrum(s, target_pr, keep='fro'):
-    """control._control on one spectrum s (n,), values below n * eps(float64) * max(s) counting as zero:
-    returns (s' float64, alpha float)."""
+    """control._control on one spectrum s (n,), values below n * eps(float64) * max(s) counting as
+    zero: returns (s' float64, alpha float)."""
     s = torch.as_tensor(s, dtype=torch.float64)
     target = torch.tensor(target_pr, dtype=torch.float64)
     s_new, alpha = control._control(s, target, len(s) * torch.finfo(torch.float64).eps, keep)[:2]
@@ -34,7 +34,8 @@ def reachable_pr(s):
 
 
 def ctl_cfg(**overrides):
-    cfg = dict(control='shrink', control_target='k', control_scope='head', control_layers='', shrink_to=0.5,
+    cfg = dict(control='shrink', control_target='k', control_scope='head', control_layers='',
+               shrink_to=0.5,
                shrink_iters=10, control_interval=1, control_keep='fro', n_head=4)
     return {**cfg, **overrides}
 
@@ -42,7 +43,8 @@ def ctl_cfg(**overrides):
 def make_qk(n_layer=3, C=32, seed=0, dtype=torch.float32):
     """W_Q, W_K pairs of nn.Linear weights, as model.qk_weights() returns them."""
     torch.manual_seed(seed)
-    return [(torch.nn.Linear(C, C, bias=False).to(dtype).weight, torch.nn.Linear(C, C, bias=False).to(dtype).weight)
+    return [(torch.nn.Linear(C, C, bias=False).to(dtype).weight,
+             torch.nn.Linear(C, C, bias=False).to(dtype).weight)
             for _ in range(n_layer)]
 
 
@@ -51,32 +53,35 @@ def pr(s):
 
 
 def random_spectrum(seed):
-    """A descending spectrum of one of several shapes: spread, power law, near-flat, with exact ties,
-    or rank-deficient (exact zeros)."""
+    """A descending spectrum of one of several shapes: spread, power law, near-flat, with exact
+    ties, or rank-deficient (exact zeros)."""
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(2, 48, (1,), generator=g))
     kind = seed % 5
     if kind == 0:
         s = torch.rand(n, generator=g, dtype=torch.float64)
     elif kind == 1:
-        s = torch.arange(1, n + 1, dtype=torch.float64) ** -(3 * torch.rand(1, generator=g, dtype=torch.float64))
+        power = 3 * torch.rand(1, generator=g, dtype=torch.float64)
+        s = torch.arange(1, n + 1, dtype=torch.float64) ** -power
     elif kind == 2:
         s = 1 + 1e-3 * torch.rand(n, generator=g, dtype=torch.float64)
     elif kind == 3:
         s = torch.rand(n, generator=g, dtype=torch.float64)
-        s[: 1 + n // 4] = s.max()   # the top value repeated: the lowest reachable PR is its multiplicity
+        # the top value repeated: the lowest reachable PR is its multiplicity
+        s[: 1 + n // 4] = s.max()
     else:
         s = torch.exp(3 * torch.randn(n, generator=g, dtype=torch.float64))
         s[torch.randperm(n, generator=g)[: n // 2]] = 0.0
-    scale = 10 ** (8 * torch.rand(1, generator=g, dtype=torch.float64) - 4)   # 1e-4 .. 1e4: scale-free
+    # 1e-4 .. 1e4: scale-free
+    scale = 10 ** (8 * torch.rand(1, generator=g, dtype=torch.float64) - 4)
     return (scale * s).sort(descending=True).values
 
 
 # ----------------------------------------------------------------------------- the transform
 
 def np_control(s, target, keep):
-    """An independent numpy reference of the transform: bisection on alpha itself (geometric midpoints),
-    the PR from its definition, then c from the kept quantity."""
+    """An independent numpy reference of the transform: bisection on alpha itself (geometric
+    midpoints), the PR from its definition, then c from the kept quantity."""
     s = np.asarray(s, dtype=np.float64)
     nz = s > len(s) * np.finfo(np.float64).eps * s.max()
     x = s[nz] / s[nz].max()
@@ -101,7 +106,8 @@ def test_transform_hits_target_keeps_its_quantity_is_a_power_and_matches_numpy(s
     s = random_spectrum(seed)
     pr_min, pr_max = reachable_pr(s)
     # shrinking and growing targets, inside the reachable range (the ends are tested on their own)
-    frac = 0.02 + 0.96 * torch.rand(1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).item()
+    frac = 0.02 + 0.96 * torch.rand(1, generator=torch.Generator().manual_seed(seed),
+                                    dtype=torch.float64).item()
     target = pr_min + (pr_max - pr_min) * frac
     s_new, alpha = control_spectrum(s, target, keep=keep)
     assert abs(pr(s_new) - target) <= 1e-10 * target
@@ -112,7 +118,8 @@ def test_transform_hits_target_keeps_its_quantity_is_a_power_and_matches_numpy(s
     assert torch.equal(s_new[s == 0], s[s == 0])   # zeros stay zero
     nz = s > 0
     assert alpha > 0 and torch.all(s_new[nz] > 0)
-    # s' = c s^alpha, checked as ratios to the top value (s^alpha alone can overflow: alpha reaches 1e3 here)
+    # s' = c s^alpha, checked as ratios to the top value (s^alpha alone can overflow: alpha reaches
+    # 1e3 here)
     assert torch.allclose(s_new[nz] / s_new[0], (s[nz] / s[0]) ** alpha, rtol=1e-9, atol=1e-300)
     ref = torch.from_numpy(np_control(s.numpy(), target, keep))
     assert torch.allclose(s_new, ref, rtol=1e-8, atol=1e-12 * s.max().item())
@@ -122,7 +129,8 @@ def test_out_of_reach_targets_clamp_to_rank_and_top_multiplicity():
     s = torch.tensor([3.0, 2.0, 1.0, 0.0, 0.0], dtype=torch.float64)
     assert reachable_pr(s)[1] == 3.0   # rank-deficient: the reachable maximum is the rank
     high, _ = control_spectrum(s, 10.0)
-    assert abs(pr(high) - 3.0) < 1e-9 and torch.allclose(high[:3], high[0].expand(3)) and torch.all(high[3:] == 0)
+    assert abs(pr(high) - 3.0) < 1e-9
+    assert torch.allclose(high[:3], high[0].expand(3)) and torch.all(high[3:] == 0)
     low, _ = control_spectrum(s, 0.5)     # below 1: no spectrum has it
     assert abs(pr(low) - 1.0) < 1e-9 and abs((low ** 2).sum() - 14.0) < 1e-9
     tied = torch.tensor([2.0, 2.0, 1.0, 0.5], dtype=torch.float64)
@@ -137,10 +145,11 @@ def test_flat_spectrum_is_left_as_it_is(s, target):
     assert torch.equal(s_new, s.double()) and alpha == 1.0
 
 
-# ----------------------------------------------------------------------------- control_keep: fro or spec
+# ------------------------------------------------------------------------ control_keep: fro or spec
 
 def _planted(C=24, seed=0):
-    """U, s, V of a float64 (C, C) weight U diag(s) V^T: random orthogonal U, V, a descending spectrum s."""
+    """U, s, V of a float64 (C, C) weight U diag(s) V^T: random orthogonal U, V, a descending
+    spectrum s."""
     g = torch.Generator().manual_seed(seed)
     U = torch.linalg.qr(torch.randn(C, C, generator=g, dtype=torch.float64)).Q
     V = torch.linalg.qr(torch.randn(C, C, generator=g, dtype=torch.float64)).Q
@@ -149,15 +158,17 @@ def _planted(C=24, seed=0):
 
 @pytest.mark.parametrize('scope', ['head', 'layer'])
 @pytest.mark.parametrize('control_name', ['shrink', 'freeze'])
-def test_apply_spec_keeps_each_blocks_top_singular_value_and_only_the_scale_differs_from_fro(scope, control_name):
-    """spec and fro use the same alpha (PR is scale-free), so their results differ by one factor per block:
-    the top singular value (spec) against the Frobenius norm (fro)."""
+def test_apply_spec_keeps_each_blocks_top_singular_value_and_only_its_scale_differs(
+        scope, control_name):
+    """spec and fro use the same alpha (PR is scale-free), so their results differ by one factor per
+    block: the top singular value (spec) against the Frobenius norm (fro)."""
     results = {}
     for keep in ('fro', 'spec'):
         U, s, V = _planted(seed=5)
         W = U @ torch.diag(s) @ V.T
         qk = [(torch.nn.Parameter(W.clone()), torch.nn.Parameter(W.clone()))]
-        cfg = ctl_cfg(control=control_name, control_scope=scope, control_keep=keep, shrink_to=0.4, shrink_iters=0)
+        cfg = ctl_cfg(control=control_name, control_scope=scope, control_keep=keep, shrink_to=0.4,
+                      shrink_iters=0)
         state = control.record(cfg, qk)
         if control_name == 'freeze':   # a rank-1 push, so that freeze has a PR to restore
             with torch.no_grad():
@@ -174,7 +185,8 @@ def test_apply_spec_keeps_each_blocks_top_singular_value_and_only_the_scale_diff
     ratio = results['spec'] / results['fro']   # one factor per block
     factor = ratio.flatten(1)[:, :1, None]
     assert torch.allclose(ratio, factor.expand_as(ratio), rtol=1e-9)
-    if control_name == 'shrink':   # a narrower spectrum at the same Frobenius norm has a larger top value
+    # a narrower spectrum at the same Frobenius norm has a larger top value
+    if control_name == 'shrink':
         assert torch.all(factor < 1)
 
 
@@ -186,9 +198,11 @@ def test_shrink_falls_linearly_then_stays_freeze_is_constant_and_none_has_no_tar
     for step, want in ((50, 5.0), (100, 2.0), (10_000, 2.0)):
         assert control.target_pr(8.0, cfg, step) == pytest.approx(want)
     assert control.target_pr([[8.0, 4.0]], cfg, 100)[0] == pytest.approx([2.0, 1.0])
-    assert torch.allclose(control.target_pr(torch.tensor([8.0, 4.0]), cfg, 100), torch.tensor([2.0, 1.0]))
+    assert torch.allclose(control.target_pr(torch.tensor([8.0, 4.0]), cfg, 100),
+                          torch.tensor([2.0, 1.0]))
     assert control.target_pr(8.0, ctl_cfg(shrink_to=0.25, shrink_iters=0), 0) == pytest.approx(2.0)
-    assert [control.target_pr(8.0, ctl_cfg(control='freeze'), step) for step in (0, 1, 10 ** 6)] == [8.0] * 3
+    assert [control.target_pr(8.0, ctl_cfg(control='freeze'), step)
+            for step in (0, 1, 10 ** 6)] == [8.0] * 3
     with pytest.raises(ValueError, match='no target'):
         control.target_pr(8.0, ctl_cfg(control='none'), 1)
 
@@ -197,7 +211,8 @@ def test_shrink_never_raises_a_pr_already_below_its_target():
     qk = make_qk(n_layer=1, C=32, seed=1)
     cfg = ctl_cfg(shrink_iters=1000)
     state = control.record(cfg, qk)
-    with torch.no_grad():   # heads 0 and 1 sharpened far below the target, heads 2 and 3 as they were
+    # heads 0 and 1 sharpened far below the target, heads 2 and 3 as they were
+    with torch.no_grad():
         wk = qk[0][1]
         wk[:16] = wk[:16] + 2 * wk[:1].abs().max() * torch.randn(16, 1) @ torch.randn(1, 32)
     before = qk[0][1].detach().clone()
@@ -229,17 +244,20 @@ def test_freeze_restores_the_step0_pr_both_ways(direction):
                     wk.add_(0.5 * torch.randn(32, 32, generator=g))
         moved = [geometry.matrix_pr(control._blocks(wk, scope, 4)) for _, wk in qk]
         pr0 = state['pr0']
-        assert all(((m < p) if direction == 'sharpen' else (m > p)).all() for m, p in zip(moved, pr0))
+        assert all(((m < p) if direction == 'sharpen' else (m > p)).all() for m,
+                   p in zip(moved, pr0))
         control.apply(state, cfg, qk, 1)
         for (_, wk), p in zip(qk, pr0):
-            assert torch.allclose(geometry.matrix_pr(control._blocks(wk, scope, 4)), p, rtol=1e-5, atol=0)
+            assert torch.allclose(geometry.matrix_pr(control._blocks(wk, scope, 4)), p, rtol=1e-5,
+                                  atol=0)
         assert torch.allclose(state['pr'], pr0, rtol=1e-5, atol=0)
 
 
 # ----------------------------------------------------------------------------- apply on weights
 
 def test_apply_keeps_singular_vectors_and_norm_float64():
-    """W' = U diag(s') V^T with the original U and V, reaching the target, for random and rank-deficient W."""
+    """W' = U diag(s') V^T with the original U and V, reaching the target, for random and
+    rank-deficient W."""
     for seed in range(10):
         U, s, V = _planted(seed=seed)
         if seed % 2:
@@ -247,9 +265,11 @@ def test_apply_keeps_singular_vectors_and_norm_float64():
         W = U @ torch.diag(s) @ V.T
         qk = [(torch.nn.Parameter(W.clone()), torch.nn.Parameter(W.clone()))]
         for factor, control_name in ((0.4, 'shrink'), (1.0, 'freeze')):
-            cfg = ctl_cfg(control=control_name, control_scope='layer', shrink_to=factor, shrink_iters=0)
+            cfg = ctl_cfg(control=control_name, control_scope='layer', shrink_to=factor,
+                          shrink_iters=0)
             state = control.record(cfg, qk)
-            if control_name == 'freeze':   # spread the spectrum (same U, V) so that freeze must lower it back
+            # spread the spectrum (same U, V) so that freeze must lower it back
+            if control_name == 'freeze':
                 with torch.no_grad():
                     qk[0][1].copy_(U @ torch.diag(s.sqrt() * s[0].sqrt()) @ V.T)
             norm = qk[0][1].detach().norm()
@@ -260,11 +280,13 @@ def test_apply_keeps_singular_vectors_and_norm_float64():
             assert off.abs().max() <= 1e-12 * core.abs().max()
             assert torch.all(core.diagonal()[s == 0].abs() <= 1e-12 * core.abs().max())
             assert abs(W_new.norm() - norm) <= 1e-9 * norm
-            assert abs(geometry.matrix_pr(W_new) - factor * state['pr0'][0][0]) <= 1e-6 * state['pr0'][0][0]
+            target = factor * state['pr0'][0][0]
+            assert abs(geometry.matrix_pr(W_new) - target) <= 1e-6 * state['pr0'][0][0]
 
 
 @pytest.mark.parametrize('overrides, moved', [   # moved: per layer, whether (W_Q, W_K) changed
-    (dict(control_target='k'), [(False, True)] * 3), (dict(control_target='q'), [(True, False)] * 3),
+    (dict(control_target='k'), [(False, True)] * 3),
+    (dict(control_target='q'), [(True, False)] * 3),
     (dict(control='none'), [(False, False)] * 3),
     (dict(control_layers='1'), [(False, False), (False, True), (False, False)])])
 def test_control_moves_only_its_target_in_its_layers_and_reports_those(overrides, moved):
@@ -274,7 +296,8 @@ def test_control_moves_only_its_target_in_its_layers_and_reports_those(overrides
     state = control.record(cfg, qk)
     for step in range(1, 4):
         control.apply(state, cfg, qk, step)
-    assert [tuple(not torch.equal(w, b) for w, b in zip(*pairs)) for pairs in zip(qk, before)] == moved
+    assert [tuple(not torch.equal(w, b) for w, b in zip(*pairs))
+            for pairs in zip(qk, before)] == moved
     rows = control.report(state)
     assert [row != {} for row in rows] == [any(m) for m in moved]
     for layer, pr0 in zip(state['layers'], state['pr0']):   # shrink_to=0.5: the mean head PR halves
@@ -282,8 +305,9 @@ def test_control_moves_only_its_target_in_its_layers_and_reports_those(overrides
 
 
 def test_bf16_weights_reach_their_target():
-    """The zero threshold is the float64 eigensolver's round-off, not the weight's: bf16's (eps 2^-7, times 64
-    wide) would count every value below s_max / 2 as zero, and miss the target by 20%."""
+    """The zero threshold is the float64 eigensolver's round-off, not the weight's: bf16's (eps
+    2^-7, times 64 wide) would count every value below s_max / 2 as zero, and miss the target by
+    20%."""
     qk = make_qk(n_layer=1, C=64, seed=7, dtype=torch.bfloat16)
     cfg = ctl_cfg(shrink_iters=0)
     state = control.record(cfg, qk)
@@ -292,10 +316,12 @@ def test_bf16_weights_reach_their_target():
 
 
 def test_a_control_step_launches_no_more_kernels_than_a_training_step(capsys):
-    """bench.py --overhead counts each step's aten operations (about one GPU kernel each); the counts do not
-    depend on the widths, so a narrow model of the paper's 4 layers stands for the paper shape."""
+    """bench.py --overhead counts each step's aten operations (about one GPU kernel each); the
+    counts do not depend on the widths, so a narrow model of the paper's 4 layers stands for the
+    paper shape."""
     import bench
-    bench.main(['--overhead', '--device=cpu', '--n_embd=32', '--n_head=2', '--block_size=32', '--batch_size=4',
+    bench.main(['--overhead', '--device=cpu', '--n_embd=32', '--n_head=2', '--block_size=32',
+                '--batch_size=4',
                 '--eval_windows=2', '--repeats=1'])
     counts = dict(re.findall(r'(training|control) step (\d+)', capsys.readouterr().out))
     assert 0 < int(counts['control']) <= int(counts['training'])
@@ -323,34 +349,43 @@ def test_scope_reaches_each_blocks_target_and_reports_it(scope, blocks):
 
 def test_out_of_reach_target_clamps_and_warns_once_per_run():
     qk = make_qk(n_layer=2, seed=6)
-    cfg = ctl_cfg(shrink_to=0.01, shrink_iters=1)   # every head's target falls below 1: out of reach
+    # every head's target falls below 1: out of reach
+    cfg = ctl_cfg(shrink_to=0.01, shrink_iters=1)
     state = control.record(cfg, qk)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         for step in range(1, 4):
             control.apply(state, cfg, qk, step)
-            control.report(state)   # the warning comes with the record, which reads the state on the host
+            # the warning comes with the record, which reads the state on the host
+            control.report(state)
     assert len(caught) == 1 and 'out of reach' in str(caught[0].message) and state['warned']
-    assert all(abs(p - 1) < 1e-3 for layer in state['pr'] for p in layer)   # clamped to (about) rank 1
+    # clamped to (about) rank 1
+    assert all(abs(p - 1) < 1e-3 for layer in state['pr'] for p in layer)
 
 
 @pytest.mark.parametrize('name, scope', [('shrink', 'head'), ('freeze', 'layer')])
-def test_a_control_step_and_a_record_copy_nothing_to_the_host_but_the_record_s_values_once(monkeypatch, name, scope):
-    """On a GPU each host copy stalls the device: a control step makes none but its timing's syncs (Tensor.cpu, .item, .tolist, .numpy and
-    bool() of a tensor raise inside it), and a geometry record makes one .tolist of its finished values."""
+def test_a_control_step_and_a_record_copy_to_the_host_only_the_record_s_values(
+        monkeypatch, name, scope):
+    """On a GPU each host copy stalls the device: a control step makes none but its timing's syncs
+    (Tensor.cpu, .item, .tolist, .numpy and bool() of a tensor raise inside it), and a geometry
+    record makes one .tolist of its finished values."""
     import train
     torch.manual_seed(0)
     model = train.GPT(train.GPTConfig(vocab_size=20, block_size=8, n_layer=2, n_head=4, n_embd=32))
     cfg = ctl_cfg(control=name, control_scope=scope, shrink_iters=2)
-    state, w0 = control.record(cfg, model.qk_weights()), torch.stack([torch.stack(p) for p in model.qk_weights()])
+    state = control.record(cfg, model.qk_weights())
+    w0 = torch.stack([torch.stack(p) for p in model.qk_weights()])
     x = torch.randint(20, (2, 8))
     for method in ('cpu', 'item', 'tolist', 'numpy', '__bool__'):
-        monkeypatch.setattr(torch.Tensor, method, lambda t, *a, m=method, **k: pytest.fail(f'a host copy: Tensor.{m}'))
+        monkeypatch.setattr(torch.Tensor, method, lambda t, *a, m=method,
+                            **k: pytest.fail(f'a host copy: Tensor.{m}'))
     syncs, run = [], types.SimpleNamespace(cfg=cfg, ctl=state, model=model, dev='cuda', t_ctl=0.0)
-    monkeypatch.setattr(torch.cuda, 'synchronize', lambda *a: syncs.append(a))   # timed between two syncs
+    # timed between two syncs
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda *a: syncs.append(a))
     for step in (1, 2, 3):
         with torch.no_grad():
-            model.qk_weights()[0][1].add_(0.01 * torch.ones(32, 32))   # a move for the control to undo
+            # a move for the control to undo
+            model.qk_weights()[0][1].add_(0.01 * torch.ones(32, 32))
         train.control_step(run, step)
     assert len(syncs) == 6 and run.t_ctl > 0
     monkeypatch.undo()
@@ -361,7 +396,7 @@ def test_a_control_step_and_a_record_copy_nothing_to_the_host_but_the_record_s_v
     assert layers[0] == {**geometry.layer_geometry(*model.qk_weights()[0], 4), **layers[0]}
 
 
-# ----------------------------------------------------------------------------- control inside train.py
+# -------------------------------------------------------------------------- control inside train.py
 
 @pytest.fixture
 def train_run(tmp_path, text_file):
@@ -370,14 +405,16 @@ def train_run(tmp_path, text_file):
     from conftest import records, tiny_args
 
     def run(*extra):
-        run_dir = train.train(train.get_config(tiny_args(tmp_path, text_file, '--max_iters=24', *extra)))
+        args = tiny_args(tmp_path, text_file, '--max_iters=24', *extra)
+        run_dir = train.train(train.get_config(args))
         return run_dir, records(run_dir)
     return run
 
 
 def _snapshot_heads(run_dir, it, side):
     snap = np.load(os.path.join(run_dir, 'snapshots', f'qk_{it:07d}.npz'))
-    return [geometry.matrix_pr(geometry.split_heads(w, int(snap['n_head']))).tolist() for w in snap[side]]
+    return [geometry.matrix_pr(geometry.split_heads(w, int(snap['n_head']))).tolist()
+            for w in snap[side]]
 
 
 def test_freeze_in_training_holds_the_step0_pr_at_every_logged_iteration(tmp_path, train_run):
@@ -394,31 +431,37 @@ def test_freeze_in_training_holds_the_step0_pr_at_every_logged_iteration(tmp_pat
 
 
 def test_control_keep_reaches_train_py(tmp_path, train_run):
-    """Both keeps hit the same PR targets; spec leaves the largest logits smaller than fro does (shrinking the
-    PR at a fixed Frobenius norm raises the top singular value), so the runs differ in qk_spec_norm."""
-    runs = {keep: train_run('--control=shrink', '--shrink_iters=8', '--shrink_to=0.3', f'--control_keep={keep}',
+    """Both keeps hit the same PR targets; spec leaves the largest logits smaller than fro does
+    (shrinking the PR at a fixed Frobenius norm raises the top singular value), so the runs differ
+    in qk_spec_norm."""
+    runs = {keep: train_run('--control=shrink', '--shrink_iters=8', '--shrink_to=0.3',
+                            f'--control_keep={keep}',
                             f'--run_name={keep}')[1] for keep in ('fro', 'spec')}
     for fro_row, spec_row in zip(runs['fro'], runs['spec']):
         for a, b in zip(fro_row['layers'], spec_row['layers']):
             assert a['ctl_target_pr'] == pytest.approx(b['ctl_target_pr'], rel=1e-9)
-    pr0 = runs['fro'][0]['layers'][0]['ctl_target_pr_heads']   # the record at iteration 0: the target is pr0
-    for row in runs['fro']:   # a record at iteration i follows control step i: the schedule at step i
+    # the record at iteration 0: the target is pr0
+    pr0 = runs['fro'][0]['layers'][0]['ctl_target_pr_heads']
+    # a record at iteration i follows control step i: the schedule at step i
+    for row in runs['fro']:
         want = [p * (1 - 0.7 * min(row['iter'] / 8, 1)) for p in pr0]
         # the log keeps 7 significant digits (runfolder.DIGITS)
         assert row['layers'][0]['ctl_target_pr_heads'] == pytest.approx(want, rel=1e-6), row['iter']
     last = {keep: rows[-1]['layers'] for keep, rows in runs.items()}
     assert all(s['qk_spec_norm'] < f['qk_spec_norm'] for f, s in zip(last['fro'], last['spec']))
-    assert torch.load(tmp_path / 'out' / 'spec' / 'ckpt.pt', weights_only=True)['control']['keep'] == 'spec'
-
+    assert torch.load(tmp_path / 'out' / 'spec' / 'ckpt.pt',
+                      weights_only=True)['control']['keep'] == 'spec'
 
 
 # ----------------------------------------------------------------------------- a fork's new kind
 
-CLIP = """    'clip': Kind(EVERY_KIND_READS + ('clip_to',), 'clip_to', clip_fraction, upper_bound=True),
+CLIP = """    'clip': Kind(EVERY_KIND_READS + ('clip_to',), 'clip_to', clip_fraction,
+                 upper_bound=True),
 }"""
 
 
-def test_a_new_control_kind_is_control_py_and_train_py_and_the_analysis_pairs_it(tmp_path, text_file):
+def test_a_new_control_kind_is_control_py_and_train_py_and_the_analysis_pairs_it(
+        tmp_path, text_file):
     """A fork's `clip` kind (the key PR held below clip_to x its step-0 value from the first step):
     one entry in control.py's KINDS and its setting in train.py. Its runs, at a dose that is not the
     default, get their seed's baseline and a control_dose row with no verdict."""
@@ -444,7 +487,8 @@ def test_a_new_control_kind_is_control_py_and_train_py_and_the_analysis_pairs_it
     assert sorted(n.split('-')[0] for n in os.listdir(tmp_path / 'out'))[:2] == [
         'L2_normal_clip0.7', 'L2_normal_clip0.7']
     out = subprocess.run([sys.executable, 'analyze.py', str(tmp_path / 'out'), '--no_figures',
-                          f'--out={tmp_path / "analysis"}'], cwd=fork, capture_output=True, text=True)
+                          f'--out={tmp_path / "analysis"}'], cwd=fork, capture_output=True,
+                         text=True)
     assert out.returncode == 0 and 'Traceback' not in out.stderr, out.stderr
     assert 'no control=none run' not in out.stdout + out.stderr
     rows = list(csv.DictReader(open(tmp_path / 'analysis' / 'control_dose.csv')))

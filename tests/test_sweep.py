@@ -1,4 +1,5 @@
-"""sweep.sh: the grids, its variables and RUN_LIST checked before anything runs, a real sweep, resume, stop, Slurm."""
+"""sweep.sh: the grids, its variables and RUN_LIST checked before anything runs, a real sweep,
+resume, stop, Slurm."""
 import os
 import re
 import shlex
@@ -11,25 +12,28 @@ from conftest import REPO
 
 
 SWEEP = os.path.join(REPO, 'sweep.sh')
-# bad values of the variables sweep.sh reads (the test finds them in it); any other, a grid's numbers, gets x, 4,6, -1
-BAD = {'PRESET': ['', 'Paper'], 'OUT': [''], 'BACKEND': ['', 'slrum'], 'DRY_RUN': ['', 'true'], 'ANALYZE': ['yes'],
-       'PRINT_ARGS': ['2'], 'JOBS': ['', '0', 'a'], 'ARRAY_JOBS': ['-1'], 'DATA_FILE': ['', 'none.txt'],
-       'RUN_LIST': ['', 'none.txt'], 'PYTHON': ['', 'no-python'], 'INITS': ['normale'], 'CONTROL_KEEPS': ['frob'],
-       'SEEDS': ['2.5'], 'CUDA_VISIBLE_DEVICES': [], 'SLURM_CPUS_PER_TASK': [], 'SBATCH_ARGS': []}  # CUDA's, Slurm's
+# bad values of the variables sweep.sh reads (the test finds them in it); any other, a grid's
+# numbers, gets x, 4,6, -1
+BAD = {'PRESET': ['', 'Paper'], 'OUT': [''], 'BACKEND': ['', 'slrum'], 'DRY_RUN': ['', 'true'],
+       'ANALYZE': ['yes'], 'PRINT_ARGS': ['2'], 'JOBS': ['', '0', 'a'], 'ARRAY_JOBS': ['-1'],
+       'DATA_FILE': ['', 'none.txt'], 'RUN_LIST': ['', 'none.txt'], 'PYTHON': ['', 'no-python'],
+       'INITS': ['normale'], 'CONTROL_KEEPS': ['frob'], 'SEEDS': ['2.5'],
+       'CUDA_VISIBLE_DEVICES': [], 'SLURM_CPUS_PER_TASK': [], 'SBATCH_ARGS': []}  # CUDA's, Slurm's
 
 
 def sweep(tmp_path, *args, **env):
-    env = {**os.environ, 'PYTHON': sys.executable, 'OUT': str(tmp_path / 'out'), 'QKGEOM_CACHE': str(tmp_path / 'cache'),
-           **env}
-    return subprocess.run(['bash', SWEEP, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    env = {**os.environ, 'PYTHON': sys.executable, 'OUT': str(tmp_path / 'out'),
+           'QKGEOM_CACHE': str(tmp_path / 'cache'), **env}
+    return subprocess.run(['bash', SWEEP, *args], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=600)
 
 
 def commands(out):
     return [line for line in out.stdout.splitlines() if 'train.py' in line]
 
 
-@pytest.mark.parametrize('preset, n', [('paper', 77), ('cpu', 77), ('smoke', 77), ('ladder', 30), ('length', 18),
-                                       ('optim', 57), ('wide', 67)])
+@pytest.mark.parametrize('preset, n', [('paper', 77), ('cpu', 77), ('smoke', 77), ('ladder', 30),
+                                       ('length', 18), ('optim', 57), ('wide', 67)])
 def test_dry_run_lists_each_preset_s_grid_and_writes_nothing(tmp_path, preset, n):
     out = sweep(tmp_path, PRESET=preset, DRY_RUN='1')
     assert out.returncode == 0, out.stderr
@@ -37,33 +41,39 @@ def test_dry_run_lists_each_preset_s_grid_and_writes_nothing(tmp_path, preset, n
     names = [re.search(r'--run_name=(\S+)', c)[1] for c in runs]
     assert len(runs) == n == len(set(names)) and os.listdir(tmp_path) == []
     if preset == 'optim':  # the lr scans, then five arms and the control at the tuned lrs
-        lrs = sorted({(('sgd' if 'optimizer=sgd' in c else 'adamw'), re.search(r'--lr=(\S+)', c)[1]) for c in runs})
+        lrs = sorted({(('sgd' if 'optimizer=sgd' in c else 'adamw'),
+                       re.search(r'--lr=(\S+)', c)[1]) for c in runs})
         assert lrs == sorted([('adamw', x) for x in ('1e-3', '3e-3', '1e-2', '3e-2')] +
                              [('sgd', x) for x in ('0.1', '0.3', '1', '3')])
         arms = [c for c in runs if '--seed=5' in c]
         assert len(arms) == 9 and sum('--control=' in c for c in arms) == 4
         assert all('--weight_decay=0' in c for c in runs if 'optimizer=sgd' in c)
     if preset == 'wide':  # the control and its none arm (seeds 1-5) before the matrix
-        assert all('--n_layer=4 --qk_init=normal' in c for c in runs[:35]) and '--control=' not in runs[35]
+        assert (all('--n_layer=4 --qk_init=normal' in c for c in runs[:35])
+                and '--control=' not in runs[35])
 
 
 def test_extra_arguments_are_in_the_names(tmp_path):
     runs = commands(sweep(tmp_path, '--seed=7', PRESET='ladder', DRY_RUN='1'))
     assert len(runs) == 10 and all('_s7' in c for c in runs)   # 10 settings, not 30 copies of them
     one = dict(PRESET='cpu', DRY_RUN='1', SEEDS='1', DEPTHS='4', INITS='normal', CONTROL_SEEDS='')
-    plain, decay = (commands(sweep(tmp_path, *args, **one))[0] for args in ([], ['--decay_qk=False']))
+    plain, decay = (commands(sweep(tmp_path, *args, **one))[0]
+                    for args in ([], ['--decay_qk=False']))
     assert re.search(r'--run_name=(\S+)', plain)[1] != re.search(r'--run_name=(\S+)', decay)[1]
 
 
 def test_a_bad_variable_or_argument_stops_the_sweep_in_one_line_before_anything_runs(tmp_path):
-    (tmp_path / 'mine.py').write_text('n_embd = 32\n')  # the smoke preset's --n_embd=16 would win over it
+    # the smoke preset's --n_embd=16 would win over it
+    (tmp_path / 'mine.py').write_text('n_embd = 32\n')
     read = sorted(set(re.findall(r'\$\{([A-Z][A-Z_]*):?-', open(SWEEP).read())))
     cases = [({var: bad}, []) for var in read for bad in BAD.get(var, ['x', '4,6', '-1'])] + [
         ({'OUT': 'runs#1', 'BACKEND': 'slurm'}, []), ({}, ['mine.py']), ({}, ['--overwrite=True'])]
     for env, args in cases:
         out = sweep(tmp_path, *args, **{'PRESET': 'smoke', 'DRY_RUN': '1', **env})
-        assert (out.returncode, out.stdout, out.stderr.count('\n')) == (2, '', 1), (env, args, out.stderr)
-        assert [w for w in [*env, *env.values(), *args] if w and w.lstrip('-') in out.stderr], out.stderr  # names it
+        stopped = (out.returncode, out.stdout, out.stderr.count('\n'))
+        assert stopped == (2, '', 1), (env, args, out.stderr)
+        named = [w for w in [*env, *env.values(), *args] if w and w.lstrip('-') in out.stderr]
+        assert named, out.stderr  # names it
         assert os.listdir(tmp_path) == ['mine.py']
 
 
@@ -72,7 +82,8 @@ def test_a_bad_variable_or_argument_stops_the_sweep_in_one_line_before_anything_
     ('a --seed=1\n../b --seed=2\n', "'../b' is not a run name"),
     ('a/b --seed=1\n', "'a/b' is not a run name"),
     ('a --seed=1\nb --seed=2\na --seed=3\n', 'line 3: a is listed twice'),
-    ('a\r\nb --sed=2', "unknown config key 'sed'"),   # Windows line ends, and a last line without one, are read
+    # Windows line ends, and a last line without one, are read
+    ('a\r\nb --sed=2', "unknown config key 'sed'"),
 ])
 def test_run_list_lines_are_checked_before_anything_runs(tmp_path, lines, words):
     (tmp_path / 'runs.txt').write_text(lines)
@@ -80,62 +91,80 @@ def test_run_list_lines_are_checked_before_anything_runs(tmp_path, lines, words)
     assert out.returncode == 2 and words in out.stderr and not (tmp_path / 'out').exists()
 
 
-def test_a_sweep_trains_its_grid_in_parallel_skips_what_is_done_and_names_a_failed_run(tmp_path, text_file):
-    grid = dict(PRESET='smoke', DATA_FILE=str(text_file), JOBS='2', DEPTHS='2', INITS='normal tied', SEEDS='1',
-                CONTROL_SEEDS='1', SHRINK_TOS='', CONTROL_KEEPS='fro', ANALYZE='0')
+def test_a_sweep_trains_its_grid_in_parallel_skips_what_is_done_and_names_a_failed_run(
+        tmp_path, text_file):
+    grid = dict(PRESET='smoke', DATA_FILE=str(text_file), JOBS='2', DEPTHS='2', INITS='normal tied',
+                SEEDS='1', CONTROL_SEEDS='1', SHRINK_TOS='', CONTROL_KEEPS='fro', ANALYZE='0')
     first = sweep(tmp_path, '--min_char_count=1', **grid)
     assert first.returncode == 0, first.stdout + first.stderr
-    done = sorted(n for n in os.listdir(tmp_path / 'out') if os.path.exists(tmp_path / 'out' / n / 'done.json'))
-    assert len(done) == 4 and first.stdout.count('done ') == 4   # L2 normal, L2 tied, L4 normal, L4 freeze
+    done = sorted(n for n in os.listdir(tmp_path / 'out')
+                  if os.path.exists(tmp_path / 'out' / n / 'done.json'))
+    # L2 normal, L2 tied, L4 normal, L4 freeze
+    assert len(done) == 4 and first.stdout.count('done ') == 4
     assert '(4 of 4 ended, about 0 s left)' in first.stdout
     again = sweep(tmp_path, '--min_char_count=1', **grid)
-    assert again.returncode == 0 and again.stdout.count('skip ') == 4 and 'done ' not in again.stdout
-    (tmp_path / 'runs.txt').write_text(f'{done[0]} --n_layer=2 --seed=2 --min_char_count=1\n')  # done[0] has seed 1
+    assert (again.returncode == 0 and again.stdout.count('skip ') == 4
+            and 'done ' not in again.stdout)
+    # done[0] has seed 1
+    (tmp_path / 'runs.txt').write_text(f'{done[0]} --n_layer=2 --seed=2 --min_char_count=1\n')
     changed = sweep(tmp_path, RUN_LIST=str(tmp_path / 'runs.txt'), **grid)
     assert changed.returncode == 2 and changed.stdout == '' and changed.stderr.count('\n') == 1
     assert f'{done[0]} is finished with other settings (seed 1 there, 2 here)' in changed.stderr
     (tmp_path / 'runs.txt').write_text('bad --n_embd=16 --block_size=100000\n')
     failed = sweep(tmp_path, RUN_LIST=str(tmp_path / 'runs.txt'), **grid)
-    assert failed.returncode == 1 and 'FAILED bad' in failed.stdout and 'runs failed' in failed.stdout
+    assert (failed.returncode == 1 and 'FAILED bad' in failed.stdout
+            and 'runs failed' in failed.stdout)
 
 
-def test_a_stop_signal_stops_the_sweep_s_own_runs_after_their_checkpoint_and_spares_its_caller(tmp_path, text_file):
+def test_a_stop_signal_stops_the_sweep_s_own_runs_after_their_checkpoint_and_spares_its_caller(
+        tmp_path, text_file):
     fake = tmp_path / 'python'
-    fake.write_text(f'#!/usr/bin/env bash\n[[ $1 == *train.py ]] || exec {sys.executable} "$@"\n'  # runs wait
-                    'trap "sleep 1; echo TERM >> $OUT/signals; exit 1" TERM; echo >> $OUT/started; sleep 99 & wait\n')
+    fake.write_text(f'#!/usr/bin/env bash\n[[ $1 == *train.py ]] || exec {sys.executable} "$@"\n'
+                    'trap "sleep 1; echo TERM >> $OUT/signals; exit 1" TERM; '
+                    'echo >> $OUT/started; sleep 99 & wait\n')  # runs wait
     fake.chmod(0o755)
-    caller = (f'bash {SWEEP} --min_char_count=1 & until [ "$(cat $OUT/started 2> /dev/null | wc -l)" = 2 ]; do '
+    caller = (f'bash {SWEEP} --min_char_count=1 & '
+              'until [ "$(cat $OUT/started 2> /dev/null | wc -l)" = 2 ]; do '
               'sleep 0.1; done; kill -TERM $!; wait $!; echo "sweep exit $?, caller alive"')
-    env = dict(os.environ, PYTHON=str(fake), OUT=str(tmp_path / 'out'), PRESET='smoke', DATA_FILE=str(text_file),
-               JOBS='2', QKGEOM_CACHE=str(tmp_path / 'cache'), DEPTHS='2', INITS='normal', SEEDS='1 2',
-               CONTROL_SEEDS='')
-    out = subprocess.run(['bash', '-c', caller], capture_output=True, text=True, env=env, timeout=300,
-                         start_new_session=True)  # whatever sweep.sh signals stays in this test's process group
-    assert out.stdout.endswith('sweep exit 130, caller alive\n') and 'the same command resumes' in out.stderr
-    assert (tmp_path / 'out' / 'signals').read_text() == 'TERM\n' * 2   # both, before sweep.sh ended
+    env = dict(os.environ, PYTHON=str(fake), OUT=str(tmp_path / 'out'), PRESET='smoke',
+               DATA_FILE=str(text_file), JOBS='2', QKGEOM_CACHE=str(tmp_path / 'cache'),
+               DEPTHS='2', INITS='normal', SEEDS='1 2', CONTROL_SEEDS='')
+    out = subprocess.run(['bash', '-c', caller], capture_output=True, text=True, env=env,
+                         timeout=300,
+                         # whatever sweep.sh signals stays in this test's process group
+                         start_new_session=True)
+    assert (out.stdout.endswith('sweep exit 130, caller alive\n')
+            and 'the same command resumes' in out.stderr)
+    # both, before sweep.sh ended
+    assert (tmp_path / 'out' / 'signals').read_text() == 'TERM\n' * 2
 
 
 def test_a_python_without_torch_is_named_with_how_to_point_at_the_right_one(tmp_path):
     (tmp_path / 'no_torch').mkdir()
-    (tmp_path / 'no_torch' / 'torch.py').write_text('raise ModuleNotFoundError("no torch here", name="torch")\n')
+    (tmp_path / 'no_torch' / 'torch.py').write_text(
+        'raise ModuleNotFoundError("no torch here", name="torch")\n')
     out = sweep(tmp_path, PRESET='smoke', PYTHONPATH=str(tmp_path / 'no_torch'))
     assert out.returncode == 2 and out.stderr.count('\n') == 1, out.stderr
-    named = out.stderr.removeprefix('sweep.sh: ').split(' has no torch')[0]   # however the path is spelled
-    assert os.path.samefile(named, sys.executable) and 'PYTHON=/path/to/venv/bin/python' in out.stderr
+    # however the path is spelled
+    named = out.stderr.removeprefix('sweep.sh: ').split(' has no torch')[0]
+    assert (os.path.samefile(named, sys.executable)
+            and 'PYTHON=/path/to/venv/bin/python' in out.stderr)
 
 
 def test_a_second_slurm_submission_leaves_the_pending_first_array_s_files_alone(tmp_path):
-    """Each submission has its own commands file and array script (a dry run prints them and writes nothing); OUT
-    and DATA_FILE may hold spaces."""
+    """Each submission has its own commands file and array script (a dry run prints them and writes
+    nothing); OUT and DATA_FILE may hold spaces."""
     bin_dir, log = tmp_path / 'bin', tmp_path / 'sbatch.log'
     bin_dir.mkdir()
     fake = bin_dir / 'sbatch'  # records its arguments, one call per line, and answers job id 42
-    fake.write_text('#!/usr/bin/env bash\nprintf "%q " "$@" >> "$SBATCH_LOG"; echo >> "$SBATCH_LOG"; echo 42\n')
+    fake.write_text('#!/usr/bin/env bash\n'
+                    'printf "%q " "$@" >> "$SBATCH_LOG"; echo >> "$SBATCH_LOG"; echo 42\n')
     fake.chmod(0o755)
     text, out_dir = tmp_path / 'my text.txt', tmp_path / 'the runs'
     text.write_text('A plain text to train on, short and repetitive. ' * 400)
-    env = dict(PRESET='smoke', BACKEND='slurm', DATA_FILE=str(text), OUT=str(out_dir), DEPTHS='2', INITS='normal',
-               CONTROL_SEEDS='', PATH=f'{bin_dir}:{os.environ["PATH"]}', SBATCH_LOG=str(log))
+    env = dict(PRESET='smoke', BACKEND='slurm', DATA_FILE=str(text), OUT=str(out_dir), DEPTHS='2',
+               INITS='normal', CONTROL_SEEDS='', PATH=f'{bin_dir}:{os.environ["PATH"]}',
+               SBATCH_LOG=str(log))
     dry = sweep(tmp_path, '--min_char_count=1', SEEDS='1 2', DRY_RUN='1', **env)
     assert '#SBATCH --array=0-1%16' in dry.stdout and len(commands(dry)) == 2
     assert not out_dir.exists() and not log.exists() and not (tmp_path / 'cache').exists()
@@ -144,10 +173,12 @@ def test_a_second_slurm_submission_leaves_the_pending_first_array_s_files_alone(
     script = shlex.split(log.read_text().splitlines()[0])[-1]
     tasks = os.path.join(os.path.dirname(script), 'commands.txt')
     before = open(tasks).read()
-    second = sweep(tmp_path, '--min_char_count=1', SEEDS='3', ARRAY_JOBS='4', **env)  # the first array still pending
+    # the first array still pending
+    second = sweep(tmp_path, '--min_char_count=1', SEEDS='3', ARRAY_JOBS='4', **env)
     assert second.returncode == 0, second.stderr
     calls = [shlex.split(line) for line in log.read_text().splitlines()]
-    assert len(calls) == 4 and calls[0][-1] == script != calls[2][-1] and '--dependency=afterok:42' in calls[1]
+    assert (len(calls) == 4 and calls[0][-1] == script != calls[2][-1]
+            and '--dependency=afterok:42' in calls[1])
     assert open(tasks).read() == before and len(before.splitlines()) == 2
     assert '#SBATCH --array=0-0%4' in open(calls[2][-1]).read()
     wrap = [a for a in calls[1] if a.startswith('--wrap=')][0][len('--wrap='):]
@@ -155,7 +186,8 @@ def test_a_second_slurm_submission_leaves_the_pending_first_array_s_files_alone(
     name = re.search(r'--run_name=(\S+)', before.splitlines()[1])[1]
     task = dict(os.environ, SLURM_ARRAY_TASK_ID='1', QKGEOM_CACHE=str(tmp_path / 'cache'))
     for _ in range(2):  # the second time its run is done, and the task does nothing
-        ran = subprocess.run(['bash', script], cwd=tmp_path, env=task, capture_output=True, text=True)
+        ran = subprocess.run(['bash', script], cwd=tmp_path, env=task, capture_output=True,
+                             text=True)
         assert ran.returncode == 0, ran.stderr
     assert '_s2-' in name and os.path.exists(out_dir / name / 'done.json')
     assert [n for n in os.listdir(out_dir) if os.path.exists(out_dir / n / 'done.json')] == [name]
@@ -165,8 +197,12 @@ def test_ci_runs_the_readme_s_test_lines_and_no_user_file_names_a_path_outside_t
     readme = open(os.path.join(REPO, 'README.md')).read()
     lines = [line.strip() for line in readme.splitlines() if line.startswith('    python -m p')]
     tests = lines[lines.index('python -m pip install -r requirements-dev.txt'):][:2]
-    ci = [line for line in open(os.path.join(REPO, '.ci', 'run')).read().splitlines() if line and line[0] != '#']
-    assert tests == ['python -m pip install -r requirements-dev.txt', 'python -m pytest -q'] == ci[-2:]
-    users = [f for f in os.listdir(REPO) if f.endswith('.py') and not f.startswith(('test_', 'conftest'))]
+    ci = [line for line in open(os.path.join(REPO, '.ci', 'run')).read().splitlines()
+          if line and line[0] != '#']
+    assert tests == ['python -m pip install -r requirements-dev.txt',
+                     'python -m pytest -q'] == ci[-2:]
+    users = [f for f in os.listdir(REPO)
+             if f.endswith('.py') and not f.startswith(('test_', 'conftest'))]
     for name in ['README.md', 'sweep.sh', *users]:
-        assert not [p for p in ('../shared', '/work/', 'DESIGN.md') if p in open(os.path.join(REPO, name)).read()], name
+        text = open(os.path.join(REPO, name)).read()
+        assert not [p for p in ('../shared', '/work/', 'DESIGN.md') if p in text], name

@@ -20,14 +20,16 @@ import geometry
 import pretrained
 
 from conftest import REPO
-WORDS = 'the of and to in a is was for on as with by he it at from his an were are which this'.split()
+WORDS = ('the of and to in a is was for on as with by he it at from his an were are '
+         'which this').split()
 TOKEN_KEYS = ('tok_pr_q', 'tok_pr_k', 'tok_pr_qk', 'tok_pr_qk_heads', 'entropy', 'entropy_heads',
               'entropy_norm', 'entropy_norm_heads')
 
 
 def text(n, seed=0):
     rng = random.Random(seed)
-    return ''.join(' '.join(rng.choice(WORDS) for _ in range(8)).capitalize() + '. ' for _ in range(n // 40))[:n]
+    return ''.join(' '.join(rng.choice(WORDS) for _ in range(8)).capitalize() + '. '
+                   for _ in range(n // 40))[:n]
 
 
 @pytest.fixture(scope='module')
@@ -35,13 +37,14 @@ def trained(tmp_path_factory):
     """Two seeds of one tiny setting, trained by this checkout's train.py on a synthetic text."""
     root = tmp_path_factory.mktemp('smoke')
     (root / 'corpus.txt').write_text(text(40_000), encoding='utf-8')
-    args = [f'--data_file={root / "corpus.txt"}', f'--out_dir={root / "out"}', f'--cache_dir={root / "cache"}',
-            '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=8', '--max_iters=24',
+    args = [f'--data_file={root / "corpus.txt"}', f'--out_dir={root / "out"}',
+            f'--cache_dir={root / "cache"}', '--n_layer=2', '--n_head=2', '--n_embd=32',
+            '--block_size=32', '--batch_size=8', '--max_iters=24',
             '--eval_interval=8', '--geom_interval=8', '--eval_iters=2', '--eval_windows=4',
             '--model_ckpts=0', '--warmup_iters=2', '--min_char_count=1', '--threads=1']
     for seed in (1, 2):
-        done = subprocess.run([sys.executable, 'train.py', *args, f'--seed={seed}'], cwd=REPO, capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run([sys.executable, 'train.py', *args, f'--seed={seed}'], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
     return root
 
@@ -64,14 +67,15 @@ def test_train_then_analyze_end_to_end_reads_every_value_train_py_logged(trained
 
 # ----------------------------------------------------------------------------- pretrained families
 
-SMALL = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100,
-             max_position_embeddings=64, initializer_range=0.3)
-FAMILIES = {'gpt2': ('GPT2Config', dict(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=64,
-                                         initializer_range=0.3)),
-            'gpt_neox': ('GPTNeoXConfig', SMALL), 'llama': ('LlamaConfig', dict(SMALL, num_key_value_heads=2)),
-            'opt': ('OPTConfig', dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, ffn_dim=64,
-                                      vocab_size=100, max_position_embeddings=64, word_embed_proj_dim=32,
-                                      init_std=0.3))}
+SMALL = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+             vocab_size=100, max_position_embeddings=64, initializer_range=0.3)
+FAMILIES = {'gpt2': ('GPT2Config', dict(n_layer=2, n_embd=32, n_head=4, vocab_size=100,
+                                        n_positions=64, initializer_range=0.3)),
+            'gpt_neox': ('GPTNeoXConfig', SMALL),
+            'llama': ('LlamaConfig', dict(SMALL, num_key_value_heads=2)),
+            'opt': ('OPTConfig', dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                      ffn_dim=64, vocab_size=100, max_position_embeddings=64,
+                                      word_embed_proj_dim=32, init_std=0.3))}
 
 
 @pytest.fixture
@@ -151,11 +155,11 @@ def test_an_unknown_family_or_a_revision_without_a_step_stops_and_windows_carry_
     with pytest.raises(pretrained.Stop, match="revision 'main' names no training step"):
         pretrained.steps_of(['step1', 'main'])
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(['[UNK]', '[CLS]', '[SEP]', *string.ascii_lowercase,
-                                                                  ' '])}, unk_token='[UNK]'))
+    vocab = {c: i for i, c in enumerate(['[UNK]', '[CLS]', '[SEP]', *string.ascii_lowercase, ' '])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token='[UNK]'))
     tok.pre_tokenizer = pre_tokenizers.Split('', 'isolated')
-    tok.post_processor = processors.TemplateProcessing(single='[CLS] $A [SEP]', special_tokens=[('[CLS]', 1),
-                                                                                                ('[SEP]', 2)])
+    tok.post_processor = processors.TemplateProcessing(single='[CLS] $A [SEP]',
+                                                       special_tokens=[('[CLS]', 1), ('[SEP]', 2)])
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok)
     ids = pretrained.text_windows(fast, 'the cat sat on a mat' * 5, 3, 10)
     assert ids.shape == (3, 10) and (ids[:, 0] == 1).all() and (ids[:, -1] == 2).all()
