@@ -439,7 +439,8 @@ def outcomes(signs):
     """Per trajectory: +1 if every sign it has (over references or records, and parts) is +1, -1
     if every one is -1, else 0; NaN with none."""
     fin = np.isfinite(signs)
-    every = lambda x: (np.where(fin, signs, x) == x).all((1, 2))
+    def every(x):
+        return (np.where(fin, signs, x) == x).all((1, 2))
     found = np.where(every(1), 1.0, np.where(every(-1), -1.0, 0.0))
     return np.where(fin.any((1, 2)), found, np.nan)
 
@@ -470,8 +471,8 @@ def decide(claim, res):
     if claim.unit == 'trajectory':   # holds, reversed (the mirror holds), fails (neither can)
         word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, 0,
                                   f"{res['seeds']} seeds", (res['mirror_lo'], res['mirror_hi']))
-        p = lambda x, side: stats.p_value(res[f'{x}est'], claim.ref, res[f'{x}se_{side}'],
-                                          res['df'])
+        def p(x, side):
+            return stats.p_value(res[f'{x}est'], claim.ref, res[f'{x}se_{side}'], res['df'])
         found = {'holds': p('', 'lo'), 'reversed': p('mirror_', 'lo'),
                  'fails': max(p('', 'hi'), p('mirror_', 'hi'))}
         return {'verdict': word, 'why': why, 'p': found.get(word, 1.0)}
@@ -648,10 +649,12 @@ def regime(study):
 def axes(points):
     """The settings varying between points but a constant multiple of an earlier one (lr / 10)."""
     cfgs = [runs[0].settings for runs in points.values()]
-    numeric = lambda k: all(type(c.get(k)) in folders.NUMBER and c.get(k) for c in cfgs)
+    def numeric(k):
+        return all(type(c.get(k)) in folders.NUMBER and c.get(k) for c in cfgs)
     out = []
     for k in (k for k in folders.varying(cfgs) if k not in control.KEYS):
-        ratio = lambda a: {round(c[k] / c[a], 12) for c in cfgs}
+        def ratio(a):
+            return {round(c[k] / c[a], 12) for c in cfgs}
         multiple = any(numeric(a) and numeric(k) and len(ratio(a)) == 1 for a in out)
         if not multiple:
             out.append(k)
@@ -662,7 +665,8 @@ def trends(study, points, found):
     """Per numeric axis, each line of points equal in every other axis: its line_trends."""
     ax, cfg, out = axes(points), {s: runs[0].settings for s, runs in points.items()}, []
     for axis in (a for a in ax if all(type(c.get(a)) in folders.NUMBER for c in cfg.values())):
-        others = lambda s: tuple((a, cfg[s].get(a)) for a in ax if a != axis)
+        def others(s):
+            return tuple((a, cfg[s].get(a)) for a in ax if a != axis)
         for fixed, line in group(points, others).items():
             head = {'axis': axis, 'line': ', '.join(f'{a}={v}' for a, v in fixed) or 'all points'}
             at = {s: cfg[s][axis] for s in sorted(line, key=lambda s: cfg[s][axis])}
@@ -920,10 +924,12 @@ def dose_fits(study):
         if len(keys) < 2:
             continue
         pairs = [p for k in keys for p in study.arms[k]]
-        f = lambda key: [ALL[key].fn(p, View()) for p in pairs]
-        y, seeds = f('d_entropy'), [c.seed for c, _ in pairs]
-        one = stats.fit_groups(y, f('d_pr_head'), seeds)
-        two = stats.fit_groups(y, np.column_stack([f('d_pr_head'), f('d_log_qk_spec_norm')]), seeds)
+        def over_pairs(key):
+            return [ALL[key].fn(p, View()) for p in pairs]
+        y, seeds = over_pairs('d_entropy'), [c.seed for c, _ in pairs]
+        pr_k, scale = over_pairs('d_pr_head'), over_pairs('d_log_qk_spec_norm')
+        one = stats.fit_groups(y, pr_k, seeds)
+        two = stats.fit_groups(y, np.column_stack([pr_k, scale]), seeds)
         doses = ' '.join(f"{dict(k[1])['shrink_to']:g}" for k in keys)
         row = {'setting': study.label[setting], 'arm': study.arm_name(rest), 'doses': doses,
                'pairs': len(pairs)}
@@ -1004,7 +1010,8 @@ def by_value(runs):
     """The runs, settings in the order of their values (keys in config order), then seed; ranks."""
     settings = {r.setting: r.settings for r in runs}
     keys = folders.varying(list(settings.values()))
-    key = lambda s: tuple(sort_key(settings[s].get(k)) for k in keys)
+    def key(s):
+        return tuple(sort_key(settings[s].get(k)) for k in keys)
     rank = {s: i for i, s in enumerate(sorted(settings, key=key))}
     return sorted(runs, key=lambda r: (rank[r.setting], r.seed)), rank
 

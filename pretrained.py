@@ -96,7 +96,8 @@ def rotate(attn, q, k, cos_sin, d):
     if cos_sin is None:
         raise Stop(f'{type(attn).__name__} was called without position_embeddings; use '
                    '--rope=before')
-    heads = lambda t: t.unflatten(-1, (-1, d)).transpose(1, 2)
+    def heads(t):
+        return t.unflatten(-1, (-1, d)).transpose(1, 2)
     turn = sys.modules[type(attn).__module__].apply_rotary_pos_emb
     q, k = turn(heads(q), heads(k), *cos_sin)
     return q.transpose(1, 2).flatten(-2), k.transpose(1, 2).flatten(-2)
@@ -106,14 +107,17 @@ def rotate(attn, q, k, cos_sin, d):
 def capture_qk(model, ids, rope='after'):
     """Per layer (q, k) from hooks on the family's projections, and the attention probabilities."""
     fam, n_head = family_of(model.config)[1], model.config.num_attention_heads
-    holds_qk = lambda m: hasattr(m, fam.q) and hasattr(m, fam.k)
+    def holds_qk(m):
+        return hasattr(m, fam.q) and hasattr(m, fam.k)
     attns = [m for m in model.modules()   # self-attention: the modules holding q and k
              if holds_qk(m) and not getattr(m, 'is_cross_attention', False)]
     seen = {}   # a projection's output, an attention's rotary angles
-    keep = lambda module, inputs, out: seen.update({module: out})
+    def keep(module, inputs, out):
+        return seen.update({module: out})
     hooks = [getattr(a, name).register_forward_hook(keep) for a in attns for name in {fam.q, fam.k}]
     if fam.rotary:
-        angles = lambda m, args, kwargs: seen.update({m: kwargs.get('position_embeddings')})
+        def angles(m, args, kwargs):
+            return seen.update({m: kwargs.get('position_embeddings')})
         hooks += [a.register_forward_pre_hook(angles, with_kwargs=True) for a in attns]
     try:
         ids = ids.to(model.device)

@@ -378,7 +378,8 @@ def labels(dicts, keys, reference=None):
         counts = Counter(json.dumps(d.get(k)) for d in reference or dicts)
         (top, n), *rest = counts.most_common(2) + [('', 0)]
         common[k] = top if n > rest[0][1] else None
-    unlike = lambda d: [f'{k}={d.get(k)}' for k in keys if json.dumps(d.get(k)) != common[k]]
+    def unlike(d):
+        return [f'{k}={d.get(k)}' for k in keys if json.dumps(d.get(k)) != common[k]]
     return [', '.join(unlike(d)) or 'base' for d in dicts]
 
 
@@ -386,8 +387,10 @@ def labels(dicts, keys, reference=None):
 def markdown(rows, columns=None, missing=None):
     """A markdown table of rows (dicts); a cell a row lacks shows missing."""
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
-    cell = lambda v: '' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v)
-    line = lambda values: '| ' + ' | '.join(cell(v).replace('|', '\\|') for v in values) + ' |'
+    def cell(v):
+        return '' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v)
+    def line(values):
+        return '| ' + ' | '.join(cell(v).replace('|', '\\|') for v in values) + ' |'
     lines = [line(columns), '|' + ' --- |' * len(columns)]
     for r in rows:
         lines.append(line(r.get(c, missing) for c in columns))
@@ -422,12 +425,14 @@ def write_files(out, files):
     """Write {name: text or bytes} into out and remove the files MANIFEST lists but files does not;
     OutError first if a name is there but not in MANIFEST."""
     check_out(out)
-    at = lambda n: os.path.join(out, n)
+    def at(n):
+        return os.path.join(out, n)
     try:   # the plain names the analysis wrote into out
         ours = json.load(open(at(MANIFEST))) if os.path.exists(at(MANIFEST)) else []
     except (OSError, ValueError):
         ours = None
-    plain = lambda n: isinstance(n, str) and n not in ('', '.', '..') and os.path.basename(n) == n
+    def plain(n):
+        return isinstance(n, str) and n not in ('', '.', '..') and os.path.basename(n) == n
     if not isinstance(ours, (list, dict)) or not all(map(plain, ours)):   # an object: its keys
         raise OutError(f'{at(MANIFEST)} is not a list of file names in {out}: remove it, or pass '
                        'another --out')
