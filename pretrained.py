@@ -112,12 +112,12 @@ def capture_qk(model, ids, rope='after'):
     attns = [m for m in model.modules()   # self-attention: the modules holding q and k
              if holds_qk(m) and not getattr(m, 'is_cross_attention', False)]
     seen = {}   # a projection's output, an attention's rotary angles
-    def keep(module, inputs, out):
-        return seen.update({module: out})
+    def keep(module, inputs, out):   # returns None: the output goes on unchanged
+        seen[module] = out
     hooks = [getattr(a, name).register_forward_hook(keep) for a in attns for name in {fam.q, fam.k}]
     if fam.rotary:
         def angles(m, args, kwargs):
-            return seen.update({m: kwargs.get('position_embeddings')})
+            seen[m] = kwargs.get('position_embeddings')
         hooks += [a.register_forward_pre_hook(angles, with_kwargs=True) for a in attns]
     try:
         ids = ids.to(model.device)
