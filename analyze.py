@@ -537,6 +537,11 @@ def deciding(claim, study, keep):
     return out
 
 
+def twins(arm):
+    """What a spec arm and its fro arm share: the arm without its keep and its dose."""
+    return tuple(x for x in arm if x[0] != 'control_keep' and x[0] not in control.DOSES)
+
+
 def robustness_cells(study):
     """The map: each map statistic in every lens x window over the uncontrolled runs; claims in
     their own view per weight decay on W_Q, W_K; (d), (e) per deciding arm and keep."""
@@ -555,7 +560,7 @@ def robustness_cells(study):
             for setting, arm, pairs, why in deciding(c, study, keep):
                 res = judge(c, pairs) if pairs else {'n': 0, 'verdict': 'not measured', 'why': why}
                 cells.append({'key': c.key, 'lens': '', 'window': '', 'decay': '', 'keep': keep,
-                              'pairs': pairs, 'setting': study.label[setting],
+                              'pairs': pairs, 'setting': study.label[setting], 'twins': twins(arm),
                               'arm': study.arm_name(arm), **res})
     return cells
 
@@ -601,12 +606,14 @@ def claims_table(study, cells):
     where = f'{len(pool)} uncontrolled runs in {len(group(pool, lambda r: r.setting))} settings'
     for c in CLAIMS:
         if c.unit == 'pair':
-            fro = {x['setting']: x for x in cells if x['key'] == c.key and x['keep'] == 'fro'}
+            fro = {(x['setting'], x['twins']): x for x in cells
+                   if x['key'] == c.key and x['keep'] == 'fro'}
             spec = [x for x in cells if x['key'] == c.key and x['keep'] == 'spec']
             spec = spec or [dict(x, n=0, verdict='not measured', why='no control_keep=spec arm')
                             for x in fro.values()]
             found = [(x, f"{x['setting']}, {x['arm']}",
-                      beside(c, study, pool, fro.get(x['setting'], {}))) for x in spec]
+                      beside(c, study, pool, fro.get((x['setting'], x['twins']), {})))
+                     for x in spec]
         elif c.unit == 'model':
             found = [(judge(c, rs), f'{source}: {len(rs)} series', '')
                      for source, rs in models(study).items()]

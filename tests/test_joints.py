@@ -103,6 +103,32 @@ def test_each_controlled_run_is_paired_with_the_baseline_of_its_own_seed_and_set
         assert all(b.setting == setting and b.control == 'none' for _, b in pairs), where
 
 
+# the change of each freeze arm, one setting with two families (control_interval 1 and 5)
+TWINS = {(1, 'spec'): (-0.10, -0.12, -0.15), (1, 'fro'): (0.30, 0.33, 0.34),
+         (5, 'spec'): (-0.20, -0.21, -0.25), (5, 'fro'): (0.50, 0.52, 0.56)}
+
+
+def test_a_spec_arm_s_claim_row_shows_the_fro_arm_of_its_own_family_beside_it(tmp_path):
+    """Two freeze families in one setting, each with a spec and a fro arm at planted changes: each
+    (e) row shows its own family's fro arm beside it, never the other family's."""
+    for seed, base in enumerate(BASE['normal'], 1):
+        kw = dict(seed=seed, effect=0, noise=0, link=0)
+        replant(synth.write_run(str(tmp_path), f'base_s{seed}', **kw), entropy_at(base))
+        for (every, keep), change in TWINS.items():
+            path = synth.write_run(str(tmp_path), f'freeze{every}{keep}_s{seed}', control='freeze',
+                                   control_keep=keep, control_interval=every, **kw)
+            replant(path, entropy_at(base + change[seed - 1]))
+    s = synth.run([tmp_path], tmp_path / 'out')
+    rows = [r for r in s.tables['claims'] if r['key'] == 'e']
+    assert len(rows) == 2
+    for every, row in zip((1, 5), rows):
+        est, lo, hi, n = stats.t_interval(TWINS[every, 'fro'])
+        fro = report.shown(ALL['e'], {'n': n, 'est': est, 'lo': lo, 'hi': hi})
+        assert row['scope'].endswith(f'control_interval={every}'), row['scope']
+        assert row['beside'].startswith(f'keep=fro (freeze-k control_interval={every}): {fro};'), (
+            row['beside'])
+
+
 # ------------------------------------------------------------- a map cell is its claim judged alone
 def lenses_apart(it, i, lay):
     """The token-level PR_K and PR_QK of each head reversed in order against the weight ones, the
