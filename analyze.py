@@ -539,7 +539,7 @@ def deciding(claim, study, keep):
 
 def twins(arm):
     """What a spec arm and its fro arm share: the arm without its keep and its dose."""
-    return tuple(x for x in arm if x[0] != 'control_keep' and x[0] not in control.DOSES)
+    return tuple(x for x in folders.undosed(arm) if x[0] != 'control_keep')
 
 
 def robustness_cells(study):

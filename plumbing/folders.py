@@ -359,10 +359,15 @@ def stack(runs, key, its=None):
     return its, out
 
 
+def undosed(arm):
+    """An arm's (key, value) pairs without its dose: what the arms of one family share."""
+    return tuple(x for x in arm if x[0] not in control.DOSES)
+
+
 def families(arms, kind=None):
     """{(setting, arm without its dose): [arm keys]} of arms, of one control kind or all."""
     return group([k for k in arms if kind in (None, dict(k[1])['control'])],
-                 lambda k: (k[0], tuple(x for x in k[1] if x[0] not in control.DOSES)))
+                 lambda k: (k[0], undosed(k[1])))
 
 
 def varying(dicts):
