@@ -43,6 +43,12 @@ from plumbing.stats import nanmean
 from report import shown, verdict_text
 
 WELL_BELOW = -0.20
+NOT_MEASURED = {   # why a statistic has no unit with a value, by its unit
+    'seed': 'not logged, or no run with a value in this view',
+    'pair': 'no seed pair with a value (not logged)',
+    'model': 'no model with a value: a Spearman needs 3 or more checkpoints (heads) that differ',
+    'trajectory': (f'no trajectory has a reference record before its last {FINAL_LOGS} records '
+                   '(runs too short for this window)')}
 
 # ------------------------------------------------------------------------------------------ views
 Lens = namedtuple('Lens', 'q k qk size what')   # per-head lists: the key without _head, + _heads
@@ -415,11 +421,7 @@ def judge(stat, units, view=View()):
     if isinstance(stat, Claim):
         res.update(decide(stat, res))
     if not res['n']:
-        res['verdict'] = 'not measured'
-        res['why'] = 'not logged, or no unit with a value in this view'
-        if stat.unit == 'trajectory':
-            res['why'] = (f'no trajectory has a reference record before its last {FINAL_LOGS} '
-                          'records (runs too short for this window)')
+        res['verdict'], res['why'] = 'not measured', NOT_MEASURED[stat.unit]
     if stat.log:
         res.update(zip(('est', 'lo', 'hi'), np.exp([res['est'], res['lo'], res['hi']])))
     return {k: float(v) if isinstance(v, np.floating) else v for k, v in res.items()}
@@ -738,14 +740,16 @@ def spread_runs(study):
 
 def across_heads(runs):
     """Per run over its heads: Spearman of entropy with log logit_std, and the partial Spearman of
-    PR_K and of PR_QK with entropy given log logit_std; each a mean over runs, t interval."""
-    entropy = np.array([stats.ranks(final_heads(r, 'entropy')) for r in runs])
-    spread = np.array([stats.ranks(final_heads(r, 'logit_std')) for r in runs])
-    found = {'Spearman of entropy with log logit_std': stats.pearson_rows(entropy, spread)}
+    PR_K and of PR_QK with entropy given log logit_std; each a mean over runs, t interval. Runs
+    of any depth and head count: each run is correlated over its own heads."""
+    def ranked(run, key):
+        return stats.ranks(final_heads(run, key))
+    found = {'Spearman of entropy with log logit_std': [
+        float(stats.pearson_rows(ranked(r, 'entropy'), ranked(r, 'logit_std'))) for r in runs]}
     for name, key in (('PR_K', 'pr_k'), ('PR_QK', 'pr_qk')):
-        shape = np.array([stats.ranks(final_heads(r, key)) for r in runs])
-        found[f'partial Spearman of {name} with entropy | log logit_std'] = stats.partial_rows(
-            shape, entropy, spread)
+        found[f'partial Spearman of {name} with entropy | log logit_std'] = [
+            float(stats.partial_rows(ranked(r, key), ranked(r, 'entropy'), ranked(r, 'logit_std')))
+            for r in runs]
     rows = []
     for statistic, values in found.items():
         mean, lo, hi, n = stats.t_interval(values)
@@ -820,7 +824,8 @@ def arm_share(dH, dm, seeds, in_arm):
     """An arm's mean dH (t interval over its pairs), mean dm, and its share through the mediator."""
     def share(keep):
         b = stats.solve(dm[keep, None], dH[keep])[0]
-        return b * dm[keep & in_arm].mean() / dH[keep & in_arm].mean()
+        with np.errstate(divide='ignore', invalid='ignore'):   # no change: no share (not measured)
+            return b * dm[keep & in_arm].mean() / dH[keep & in_arm].mean()
     mean, lo, hi, n = stats.t_interval(dH[in_arm])
     through, through_lo, through_hi = stats.jackknife(share, seeds)
     return {'pairs': n, 'dH': mean, 'dH_lo': lo, 'dH_hi': hi,
@@ -1052,7 +1057,7 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
     """Load, compute, write; the Study. Skip (no usable run) or OutError (out refused) first."""
     study = load(paths, out, from_iter, log)
     folders.check_out(study.out)
-    if not study.runs:
+    if not study.runs and not study.series:
         raise Skip(f'no usable run folder under {", ".join(paths)} ({len(study.skipped)} skipped)')
     cells, (points, lines) = robustness_cells(study), regime(study)
     t = study.tables = dict(claims=claims_table(study, cells), cells=cells, regime=points,

@@ -328,6 +328,8 @@ def apply(state, cfg, qk_weights, step):
     state['out_of_reach'] |= out.view(L, B)
     flat = torch.where(act[:, None, None], new, flat)
     pr = torch.where(act, new_pr, pr)
+    # the target as enforced: a scheduled one out of reach (below 1 for a small head) is clamped
+    target = torch.where(act, torch.minimum(torch.maximum(target, pr_min), pr_max), target)
     with torch.no_grad():   # blocks left alone go back bit for bit (float64 holds them exactly)
         for p, block in zip(params, flat.view(L, B, m, n)):
             p.copy_(block.reshape(p.shape))

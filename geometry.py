@@ -81,8 +81,10 @@ import torch
 # and so has the learned part of an unchanged weight.
 BOUNDS = {
     **dict.fromkeys(('pr_q', 'pr_k', 'pr_dq', 'pr_dk', 'erank_q', 'erank_k', 'srank_q',
-                     'srank_k', 'tok_pr_q', 'tok_pr_k', 'ctl_pr', 'ctl_target_pr'), (1, 'C')),
-    # (ctl_*: the PR control.py reaches and aims at, of a head's block or of the whole matrix)
+                     'srank_k', 'tok_pr_q', 'tok_pr_k', 'ctl_pr'), (1, 'C')),
+    # ctl_*: the PR control.py reaches and aims at, of a head's block or of the whole matrix; a
+    # scheduled target is a fraction of the step-0 PR and may lie below 1 (control.py clamps it)
+    'ctl_target_pr': (0, 'C'),
     # a head's block is (d, C), and W_QK^h and the logits Q_h K_h^T have rank <= d
     **dict.fromkeys(('pr_q_head', 'pr_k_head', 'pr_dq_head', 'pr_dk_head', 'pr_qk', 'erank_qk',
                      'tok_pr_q_head', 'tok_pr_k_head', 'tok_pr_qk'), (1, 'd')),

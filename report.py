@@ -54,11 +54,21 @@ def shown(stat, res):
     if not res.get('n'):
         return 'not logged'
     if stat.unit == 'trajectory':
-        return ('{hits}/{n} = {est:.0%} [{lo:.0%}, {hi:.0%}], {seeds} seeds; '
-                'mirror {mirror}/{n}').format(**res)
+        share = interval(res['est'], res['lo'], res['hi'], lambda v: f'{v:.0%}')
+        mirror = f"mirror {res['mirror']}/{res['n']}"
+        return f"{res['hits']}/{res['n']} = {share}, {res['seeds']} seeds; {mirror}"
     number = (lambda v: f'{v:.4g}') if stat.log or stat.key.endswith('loss') else signed
-    interval = f" [{number(res['lo'])}, {number(res['hi'])}]" if np.isfinite(res['lo']) else ''
-    return f"{number(res['est'])}{interval}, n = {res['n']}"
+    return f"{interval(res['est'], res['lo'], res['hi'], number)}, n = {res['n']}"
+
+
+def interval(est, lo, hi, number=None):
+    """'est [lo, hi]' in number's format; words where a value cannot be computed."""
+    number = number or signed
+    if not np.isfinite(est):
+        return 'not measured'
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return f'{number(est)} (no interval)'
+    return f'{number(est)} [{number(lo)}, {number(hi)}]'
 
 
 def verdict_text(res):
@@ -129,6 +139,8 @@ def map_tables(cells, registry):
 
 def caveat(study):
     """A line for the top of the report when its verdicts rest on too little to mean much."""
+    if not study.runs:   # a pretrained series alone: its claims say their n
+        return []
     seeds = folders.group(study.runs, lambda r: r.setting).values()
     most_seeds = max(len({r.seed for r in runs}) for runs in seeds)
     most_records = max(int((r.iters >= r.cfg['warmup_iters']).sum()) for r in study.runs)
@@ -292,8 +304,8 @@ def regime_lines(tables, registry):
     trends = []
     for r in (r for r in tables['regime_trend'] if plots.trended(registry[r['statistic']])):
         row = {k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading', 'verdicts')}
-        row['slope'] = f"{signed(r['slope'])} [{signed(r['lo'])}, {signed(r['hi'])}]"
-        row['Spearman'] = f"{signed(r['rho'])} [{signed(r['rho_lo'])}, {signed(r['rho_hi'])}]"
+        row['slope'] = interval(r['slope'], r['lo'], r['hi'])
+        row['Spearman'] = interval(r['rho'], r['rho_lo'], r['rho_hi'])
         trends.append(row)
     table = folders.markdown(trends) if trends else 'No numeric setting with two points on a line.'
     return [by_point(tables), '### Trends', '', table]

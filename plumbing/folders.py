@@ -34,6 +34,7 @@ SERIES_REQUIRED = {(int,): SIZES, (str,): ('model', 'family', 'rope')}   # of a 
 FINAL_LOGS = 3
 LOSSES = ('train_loss', 'val_loss')
 MANIFEST = '.analyze.json'
+NOT_MEASURED = 'not measured'   # a table's cell for a number that could not be computed
 
 
 class Skip(Exception):
@@ -69,7 +70,7 @@ class Run:
         self.settings, self.setting = settings, json.dumps(settings, sort_keys=True)
         base = {k: v for k, v in settings.items() if k not in control.KEYS}
         self.base = json.dumps(base, sort_keys=True)
-        self.arm = tuple((k, settings.get(k)) for k in control.KEYS)
+        self.arm = tuple((k, settings[k]) for k in control.KEYS if k in settings)
 
     def final(self, key, layers=None):
         """Mean of the last FINAL_LOGS records over layers (all, or these), or NaN."""
@@ -393,7 +394,9 @@ def markdown(rows, columns=None, missing=None):
     """A markdown table of rows (dicts); a cell a row lacks shows missing."""
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
     def cell(v):
-        return '' if v is None else f'{v:.4g}' if isinstance(v, float) else str(v)
+        if isinstance(v, float):
+            return f'{v:.4g}' if math.isfinite(v) else NOT_MEASURED
+        return '' if v is None else str(v)
     def line(values):
         return '| ' + ' | '.join(cell(v).replace('|', '\\|') for v in values) + ' |'
     lines = [line(columns), '|' + ' --- |' * len(columns)]
@@ -402,13 +405,18 @@ def markdown(rows, columns=None, missing=None):
     return '\n'.join(lines) + '\n'
 
 
+def csv_cell(v):
+    """A value as csv writes it; a number that could not be computed is an empty cell."""
+    return '' if isinstance(v, float) and not math.isfinite(v) else v
+
+
 def table(stem, rows, columns=None):
     """{stem.csv: text, stem.md: text} of rows (dicts); {} without rows."""
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()
     csv.writer(buf, lineterminator='\n').writerow(columns)
     for r in rows:
-        csv.writer(buf, lineterminator='\n').writerow([r.get(c) for c in columns])
+        csv.writer(buf, lineterminator='\n').writerow([csv_cell(r.get(c)) for c in columns])
     return {f'{stem}.csv': buf.getvalue(), f'{stem}.md': markdown(rows, columns)} if rows else {}
 
 

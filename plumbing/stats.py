@@ -267,6 +267,7 @@ def jackknife(estimate, groups):
     if len(names) < 3:
         return full, full * np.nan, full * np.nan
     jack = np.array([estimate(groups != g) for g in names], dtype=float)
-    se = np.sqrt((len(names) - 1) / len(names) * ((jack - jack.mean(0)) ** 2).sum(0))
+    with np.errstate(invalid='ignore'):   # an estimate that is not finite has no interval
+        se = np.sqrt((len(names) - 1) / len(names) * ((jack - jack.mean(0)) ** 2).sum(0))
     t = t_quantile(0.5 + LEVEL / 2, len(names) - 1)
     return full, full - t * se, full + t * se

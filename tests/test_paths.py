@@ -1,0 +1,124 @@
+"""The README's paths run whole: a sweep's grid at tiny sizes (depths 4, 6, 8, each qk_init, the
+control arms with both keeps, a no-decay arm, a second learning rate) trained by sweep.sh and
+analysed at its end, then analysed again beside a pretrained series, and the series alone; and
+every committed study analysed again to its committed tables."""
+import glob
+import os
+import re
+import subprocess
+
+import pytest
+
+import analyze
+import control
+import pretrained
+from conftest import REPO, make_text
+
+NOT_A_NUMBER = re.compile(r'\b(nan|inf)\b', re.IGNORECASE)
+STUDIES = sorted(glob.glob(os.path.join(REPO, 'results', '*', 'runs')))
+
+
+def sweep(env, *args):
+    done = subprocess.run(['bash', os.path.join(REPO, 'sweep.sh'), *args], cwd=REPO,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+@pytest.fixture(scope='module')
+def swept(tmp_path_factory):
+    """The smoke preset's grid with one seed a depth and init and two control seeds, then two more
+    settings from a run list, each sweep analysing OUT at its end."""
+    root = tmp_path_factory.mktemp('paths')
+    (root / 'text.txt').write_text(make_text(30_000), encoding='utf-8')
+    env = dict(PRESET='smoke', OUT=str(root / 'out'), DATA_FILE=str(root / 'text.txt'), JOBS='2',
+               SEEDS='1', CONTROL_SEEDS='1 2', SHRINK_TOS='0.1')
+    grid = sweep(env)
+    (root / 'runs.txt').write_text('nodecay --n_layer=4 --seed=1 --decay_qk=False\n'
+                                   'lr --n_layer=4 --seed=1 --lr=3e-3\n')
+    listed = sweep({**env, 'RUN_LIST': str(root / 'runs.txt')})
+    return root, grid + listed
+
+
+@pytest.fixture(scope='module')
+def series(tmp_path_factory):
+    """A pretrained series of three revisions of a tiny random model, as pretrained.py writes it."""
+    tf = pytest.importorskip('transformers')
+    from test_tokens import build, char_tokenizer
+    root = tmp_path_factory.mktemp('series')
+    for seed, step in enumerate((0, 4, 16)):
+        build(tf, 'gpt_neox', seed).save_pretrained(root / 'model' / f'step{step}')
+        char_tokenizer(tf, root / 'model' / f'step{step}')
+    (root / 'sample.txt').write_text(make_text(3000), encoding='utf-8')
+    args = [f'--model={root / "model"}', '--revisions=step0,step4,step16', '--n_seqs=2',
+            f'--text={root / "sample.txt"}', '--seq_len=16', f'--out_dir={root / "out"}']
+    assert pretrained.main(args) == 0
+    return root / 'out'
+
+
+def outputs(out):
+    """{name: text} of REPORT.md and every table the analysis wrote into out."""
+    names = [n for n in os.listdir(out) if n.endswith(('.md', '.csv'))]
+    return {n: open(os.path.join(out, n), encoding='utf-8').read() for n in names}
+
+
+def check_report(out):
+    """No traceback's trace: every section filled or saying why, no nan or inf anywhere."""
+    files = outputs(out)
+    for name, text in files.items():
+        found = NOT_A_NUMBER.search(text)
+        assert not found, f'{name}: {text[max(found.start() - 200, 0):found.end() + 50]}'
+    sections = re.split(r'^## ', files['REPORT.md'], flags=re.M)[1:]
+    for section in sections:
+        title, _, body = section.partition('\n')
+        assert body.strip(), f'section {title} is empty'
+    return files
+
+
+def test_a_sweep_of_every_depth_init_and_arm_analyses_with_nothing_left_out(swept):
+    root, console = swept
+    assert 'Traceback' not in console and 'left out' not in console
+    assert 'warning' not in console, console
+    files = check_report(root / 'out' / 'analysis')
+    report = files['REPORT.md']
+    assert '## What sets entropy' in report and '## Control experiment' in report
+    for arm in ('shrink0.1-k', 'shrink0.1-k-spec', 'freeze-k', 'freeze-k-spec'):
+        assert arm in files['control_dose.md']
+    assert 'decay_qk=False' in files['settings.md'] and 'lr=0.003' in files['settings.md']
+    figures = set(os.listdir(root / 'out' / 'analysis'))
+    assert {'fig1_pr_over_training.png', 'fig5_control.png', 'fig11_entropy_spread.png'} <= figures
+
+
+def test_trained_runs_beside_a_pretrained_series_and_the_series_alone_analyse(swept, series,
+                                                                              tmp_path, capsys):
+    root, _ = swept
+    assert analyze.main([str(root / 'out'), str(series), f'--out={tmp_path / "both"}',
+                         '--no_figures']) == 0
+    files = check_report(tmp_path / 'both')
+    assert 'pretrained models' in files['token_series.md']
+    assert analyze.main([str(series), f'--out={tmp_path / "alone"}']) == 0
+    files = check_report(tmp_path / 'alone')
+    rows = [line for line in files['claims.md'].splitlines() if line.startswith('| (f')]
+    assert len(rows) == 3 and all('pretrained models: 1 series' in row for row in rows)
+
+
+def tables(out):
+    return {n: text for n, text in outputs(out).items() if n.endswith('.md') and n != 'REPORT.md'}
+
+
+@pytest.mark.parametrize('runs', STUDIES, ids=[p.split(os.sep)[-2] for p in STUDIES])
+def test_each_committed_study_analyses_to_its_committed_tables(runs, tmp_path):
+    assert analyze.main([runs, f'--out={tmp_path}', '--no_figures']) == 0
+    assert tables(tmp_path) == tables(os.path.dirname(runs))
+
+
+def test_a_fork_s_new_kind_with_its_own_dose_key_leaves_a_committed_study_as_it_was(
+        monkeypatch, tmp_path):
+    """The fork's kind caps the top singular value: its dose key is one no committed run has."""
+    kinds = {**control.KINDS, 'clip': control.Kind(('control_target', 'clip_to'), 'clip_to')}
+    monkeypatch.setattr(control, 'KINDS', kinds)
+    monkeypatch.setattr(control, 'KEYS', control.KEYS + ('clip_to',))
+    monkeypatch.setattr(control, 'DOSES', control.DOSES + ('clip_to',))
+    runs = os.path.join(REPO, 'results', 'cpu-wikitext103', 'runs')
+    assert analyze.main([runs, f'--out={tmp_path}', '--no_figures']) == 0
+    assert tables(tmp_path) == tables(os.path.dirname(runs))
