@@ -63,6 +63,16 @@ REFERENCES = {'all': ('the first record',),
               'warmup': ('the end of warm-up', 'twice that', '10% of training'),
               'post': (FORGOTTEN, '25% of training', '50% of training')}
 View = namedtuple('View', 'lens window from_iter', defaults=('whole', 'all', None))
+NO_LENS = 'no lens'   # the map's column of a statistic that reads no lens
+
+
+def view_of(lens, window, from_iter=None):
+    """The View of a map cell's lens and window (a statistic with no lens is read as 'whole')."""
+    return View('whole' if lens == NO_LENS else lens, window, from_iter)
+
+
+def own_lens(stat):
+    return stat.lenses[0] if stat.lenses else NO_LENS
 
 
 def usable(run, it):
@@ -270,8 +280,8 @@ class Stat:
     stat: str                   # the statistic of one unit, in words
     fn: object                  # fn(unit, view): a number (a trajectory claim: signs, see moves)
     unit: str = 'seed'          # seed | pair | model | trajectory
-    lenses: tuple = ('whole',)  # its own first; the map measures it in each
-    window: str = 'warmup'      # its own
+    lenses: tuple = ()          # its own first; the map measures it in each (none: reads no lens)
+    window: str = 'all'         # its own
     tables: tuple = ()          # map, regime, trend (REPORT.md, fig9), optimizer, control
     control: str = ''           # a pair's control kind ('': any)
     log: bool = False           # fn gives logs; intervals, ref and margin are shown as their exp
@@ -293,7 +303,7 @@ PAIRS = 'across the (layer, head) pairs of a record, mean over records'
 TIME = 'within a run over its records, per layer, mean over layers'
 CONTROLLED = 'controlled - baseline'
 SHARE = {'unit': 'trajectory', 'lenses': ALL4, 'window': 'post', 'ref': 0.5}
-ACROSS = {'lenses': HEADS, 'margin': 0.1, 'limits': CORRELATION}
+ACROSS = {'lenses': HEADS, 'window': 'warmup', 'margin': 0.1, 'limits': CORRELATION}
 CONTROL = {'unit': 'pair', 'margin': 0.02, 'beside': ('d_qk_spec_norm',), 'tables': ()}
 TOKEN = {'unit': 'model', 'margin': 0.1, 'limits': CORRELATION, 'tables': ()}
 CLAIMS = [
@@ -343,7 +353,7 @@ FAMILY = ('a', 'b', 'c', 'c-qk', 'c-d', 'c-dqk', 'c2', 'd', 'e', 'f1-early', 'f1
 def described(key, stat, x, y, scope='heads', kind='spearman', changes=False, tables=('map',)):
     """A descriptive correlation of roles x, y: across the (layer, head) pairs of each record in the
     head lenses, or within a run over its records (scope 'time') in every lens."""
-    lenses = {'lenses': HEADS} if scope == 'heads' else {'lenses': ALL4, 'window': 'all'}
+    lenses = {'lenses': HEADS, 'window': 'warmup'} if scope == 'heads' else {'lenses': ALL4}
     return Stat(key=key, stat=f"{stat} {PAIRS if scope == 'heads' else TIME}", tables=tables,
                 fn=correlation(x, y, scope, kind, changes), limits=CORRELATION, **lenses)
 
@@ -550,11 +560,12 @@ def robustness_cells(study):
     pool, cells = uncontrolled(study.runs), []
     split = group(pool, lambda r: bool(r.cfg['decay_qk'] and r.cfg['weight_decay'] > 0))
     for s in (s for s in CLAIMS + STATS if s.unit in ('trajectory', 'seed') and 'map' in s.tables):
-        views = [(lens, window, 'pooled', pool) for lens, window in product(s.lenses, WINDOWS)]
+        lenses = s.lenses or (NO_LENS,)
+        views = [(lens, window, 'pooled', pool) for lens, window in product(lenses, WINDOWS)]
         if isinstance(s, Claim) and len(split) > 1:
-            views += [(s.lenses[0], s.window, d, runs) for d, runs in split.items()]
+            views += [(lenses[0], s.window, d, runs) for d, runs in split.items()]
         for lens, window, d, runs in views:
-            res = judge(s, runs, View(lens, window, study.from_iter))
+            res = judge(s, runs, view_of(lens, window, study.from_iter))
             cells.append({'key': s.key, 'lens': lens, 'window': window, 'decay': d, 'keep': '',
                           **res})
     for c in (c for c in CLAIMS if c.unit == 'pair'):
@@ -575,7 +586,7 @@ def beside(claim, study, pool, cell):
             return ''
         more = [f"{k} {shown(ALL[k], judge(ALL[k], cell['pairs']))}" for k in claim.beside]
         return '; '.join([f"keep=fro ({cell['arm']}): {shown(claim, cell)}"] + more)
-    out, view = [], View(claim.lenses[0], claim.window, study.from_iter)
+    out, view = [], view_of(own_lens(claim), claim.window, study.from_iter)
     if claim.unit == 'trajectory':   # the paper's unit: a setting's layer averaged over its seeds
         settings = group(pool, lambda r: r.setting).values()
         res = shares([claim.fn(seed_mean(rs), view) for rs in settings])
@@ -588,7 +599,7 @@ def beside(claim, study, pool, cell):
         out.append(f'from each reference: {counts}; PR_Q rises in {rises}, PR_K falls in {falls}')
     for key, _, window in (entry.partition('@') for entry in claim.beside):
         s = ALL[key]
-        res = judge(s, pool, View(s.lenses[0], window or s.window, study.from_iter))
+        res = judge(s, pool, view_of(own_lens(s), window or s.window, study.from_iter))
         where = f' ({WINDOWS[window]})' if window else ''
         out.append(f'{key}{where}: {shown(s, res)}')
     return '; '.join(out)
@@ -620,9 +631,10 @@ def claims_table(study, cells):
             found = [(judge(c, rs), f'{source}: {len(rs)} series', '')
                      for source, rs in models(study).items()]
         else:
-            own = (c.key, c.lenses[0], c.window, 'pooled')
+            own = (c.key, own_lens(c), c.window, 'pooled')
             x = next(x for x in cells if (x['key'], x['lens'], x['window'], x['decay']) == own)
-            scope = f'{where}; {LENSES[c.lenses[0]].what}, {WINDOWS[c.window]}'
+            lens = f'{LENSES[c.lenses[0]].what}, ' if c.lenses else ''
+            scope = f'{where}; {lens}{WINDOWS[c.window]}'
             found = [(x, scope, beside(c, study, pool, x))]
         for x, scope, also in found:
             rows.append({'key': c.key, 'claim': c.text, 'scope': scope, 'n': x['n'],
@@ -647,7 +659,7 @@ def regime(study):
     rows, found = [], {}
     for setting, runs in points.items():
         for s in shown_here:
-            res = judge(s, runs, View(s.lenses[0], s.window, study.from_iter))
+            res = judge(s, runs, view_of(own_lens(s), s.window, study.from_iter))
             found[(setting, s.key)] = res
             rows.append({'point': study.label[setting], 'statistic': s.key, 'seeds': len(runs),
                          'n': res['n'], 'est': res['est'], 'lo': res['lo'], 'hi': res['hi'],

@@ -184,11 +184,14 @@ def label(cfg, extra=()):
     kind = cfg.get('control', 'none')
     if kind == 'none':
         return ''
+    reads = KINDS[kind].reads if kind in KINDS else EVERY_KIND_READS
     dose_key = KINDS[kind].dose if kind in KINDS else ''
     dose = f"{cfg[dose_key]:g}" if dose_key and dose_key in cfg else ''
-    keep = '' if cfg.get('control_keep') == 'fro' else f"-{cfg.get('control_keep')}"
-    named = ''.join(f' {key}={cfg[key]}' for key in extra if key in cfg)
-    return f"{kind}{dose}-{cfg.get('control_target')}{keep}{named}"
+    target = f"-{cfg.get('control_target')}" if 'control_target' in reads else ''
+    keep = cfg.get('control_keep', 'fro') if 'control_keep' in reads else 'fro'
+    keep = '' if keep == 'fro' else f'-{keep}'
+    named = ''.join(f' {key}={cfg[key]}' for key in extra if key in cfg and key in reads)
+    return f"{kind}{dose}{target}{keep}{named}"
 
 
 def target_pr(initial, cfg, step):

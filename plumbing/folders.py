@@ -229,11 +229,11 @@ def bad_records(m, iters, cfg, notes):
         high = np.broadcast_to(hi, a.shape).reshape(len(a), -1)
         for r in np.flatnonzero(wrong.any(1) & ~bad):
             j = wrong[r].argmax()
-            why = f'outside [{lo:.4g}, {high[r, j]:.4g}]' + (f' (from {by})' if by else '')
-            if np.isinf(flat[r, j]):
+            why = f'= {flat[r, j]:.4g} outside [{lo:.4g}, {high[r, j]:.4g}]'
+            why += f' (from {by})' if by else ''
+            if np.isinf(flat[r, j]):   # number() marks NaN and infinities alike
                 why = 'is not a finite number'
-            notes.append(f'the record of iteration {iters[r]} is left out: {key} = '
-                         f'{flat[r, j]:.4g} {why}')
+            notes.append(f'the record of iteration {iters[r]} is left out: {key} {why}')
         bad |= wrong.any(1)
     return bad
 
@@ -456,9 +456,13 @@ def write_files(out, files):
     written = {n.rsplit('.')[-1] for n in files}   # --no_figures removes no figure
     stale = [n for n in ours if n not in files and n.rsplit('.')[-1] in written]
     mine = sorted(set(ours) - set(stale) | set(files))
+    # the manifest names every file before any is written, so a stop half-way (a full disk)
+    # leaves files that a rerun knows as its own
+    claimed = json.dumps(sorted(set(ours) | set(files)), indent=0)
     try:
         os.makedirs(out, exist_ok=True)
-        for name, data in {**files, MANIFEST: json.dumps(mine, indent=0)}.items():
+        final = [(MANIFEST, json.dumps(mine, indent=0))]
+        for name, data in [(MANIFEST, claimed), *files.items(), *final]:
             with open(at(name + '.tmp'), 'wb') as f:
                 f.write(data.encode() if isinstance(data, str) else data)
             os.replace(at(name + '.tmp'), at(name))

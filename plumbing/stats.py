@@ -161,11 +161,25 @@ def verdict(lo, hi, sign, ref, margin, n, mirror=None):
 
 
 # ---------------------------------------------------------------------- correlations, row by row
+PAIRWISE = 64   # ranks: up to this many values, one pairwise comparison
+
+
 def ranks(a):
-    """Ranks 1..n along the last axis, ties at their average (pairwise: n is small)."""
+    """Ranks 1..n along the last axis, ties at their average; a NaN ranks 0.5 and is not counted.
+    Few values are compared pairwise at once; a long series (a run's records) is sorted, so time
+    and memory grow with its length, not its square."""
     a = np.asarray(a, dtype=float)
-    x, y = a[..., :, None], a[..., None, :]
-    return (y < x).sum(-1) + ((y == x).sum(-1) + 1) / 2
+    if a.shape[-1] <= PAIRWISE:
+        x, y = a[..., :, None], a[..., None, :]
+        return (y < x).sum(-1) + ((y == x).sum(-1) + 1) / 2
+    out = np.empty(a.shape)
+    for index in np.ndindex(a.shape[:-1]):
+        values = a[index]
+        ordered = np.sort(values)   # NaN last: counted neither below nor equal
+        below = np.searchsorted(ordered, values, 'left')
+        upto = np.searchsorted(ordered, values, 'right')
+        out[index] = np.where(np.isnan(values), 0.5, below + (upto - below + 1) / 2)
+    return out
 
 
 def pearson_rows(x, y):

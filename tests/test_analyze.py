@@ -363,7 +363,7 @@ def test_a_run_without_usable_records_or_whose_log_was_cut_is_skipped_with_one_l
     cut = f'ends at iteration {ITERS[3]}, done.json at {ITERS[-1]}: cut short'
     assert dict(s.skipped) == {
         paths[0]: f'none of its {len(ITERS)} geometry records is usable (the record of iteration '
-                  '0 is left out: pr_q = inf is not a finite number)',
+                  '0 is left out: pr_q is not a finite number)',
         paths[1]: f'metrics.jsonl {cut}', paths[2]: 'metrics.jsonl holds no geometry record',
         running: 'unfinished (no done.json)', gz: dict(s.skipped)[gz]}
     assert dict(s.skipped)[gz].startswith('metrics.jsonl.gz ends at iteration ')
@@ -422,3 +422,20 @@ def test_an_out_drops_the_files_it_wrote_before_and_no_other_and_a_bad_manifest_
     study(tmp_path / 'runs', seeds=1)
     assert analyze.main([str(tmp_path / 'runs'), f'--out={out}', '--no_figures']) == 2
     assert capsys.readouterr().err.count('\n') == 1
+
+
+def test_an_analysis_stopped_half_way_through_its_files_writes_them_again_on_a_rerun(
+        tmp_path, monkeypatch):
+    files = {'claims.md': 'one', 'runs.md': 'two', 'fig1.png': b'three'}
+    real = open
+    def full_disk(path, *args, **kwargs):
+        if str(path).endswith('runs.md.tmp'):
+            raise OSError(28, 'No space left on device')
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr('builtins.open', full_disk)
+    with pytest.raises(folders.OutError, match='No space left'):
+        folders.write_files(str(tmp_path), files)
+    monkeypatch.setattr('builtins.open', real)
+    assert os.listdir(tmp_path) and (tmp_path / 'claims.md').read_text() == 'one'
+    folders.write_files(str(tmp_path), files)
+    assert (tmp_path / 'runs.md').read_text() == 'two'

@@ -3,6 +3,7 @@ drawn as plain text, intervals as [lo, hi], rules on the side where their claim 
 small n, this call's figures."""
 import dataclasses
 import itertools
+import math
 import re
 
 import numpy as np
@@ -51,8 +52,9 @@ def test_figures_and_report_of_a_mixed_folder_with_odd_setting_names(tmp_path):
 def test_each_printed_rule_puts_holds_on_the_side_where_its_claim_holds():
     for claim in (dataclasses.replace(c, fn=lambda v, view: v) for c in analyze.CLAIMS
                   if c.unit != 'trajectory'):
+        ref = math.log(claim.ref) if claim.log else claim.ref   # a log claim's values are logs
         sides = [side for side, sign in (('above', 1), ('below', -1)) if analyze.judge(
-            claim, [claim.ref + sign * x for x in (0.5, 0.55, 0.45)])['verdict'] == 'holds']
+            claim, [ref + sign * x for x in (0.5, 0.55, 0.45)])['verdict'] == 'holds']
         assert sides and f'holds if it lies {sides[0]} {claim.ref:g}' in report.rule(
             claim, analyze.REFERENCES)
     assert f"below {analyze.WELL_BELOW:.0%} of the baseline's" in report.rule(
