@@ -66,8 +66,8 @@ def draw(study, tables, log=print):
         for i, fig in enumerate(made if isinstance(made, list) else [made]):
             title = f.title + (f' ({i + 1})' if i else '')
             fig.suptitle(textwrap.fill(title, int(7 * fig.get_figwidth())))   # clear of a legend
-            if key:   # below the axes, outside the layout: a long list never squeezes them
-                fig.text(0, 0, key, va='top', fontsize=7)
+            if key:   # in the layout, so that a legend under the panels stays clear of it
+                fig.supxlabel(key, x=0, ha='left', fontsize=7)
             buf = io.BytesIO()
             fig.savefig(buf, format='png', dpi=110, bbox_inches='tight')
             files[f.stem + (f'_{i + 1}.png' if i else '.png')] = buf.getvalue()
@@ -88,7 +88,7 @@ def setting_names(study):
     label = dict(study.label)
     for s in (s for s in label if label[s] == 'base'):
         label[s] = 'base: ' + ', '.join(f'{k}={settings[s].get(k)}' for k in axes) if axes else 'base'
-    if all(len(text) <= LONG_NAME for text in label.values()):
+    if all(len(text) <= LONG_NAME for text in study.label.values()):
         return {s: plain(text) for s, text in label.items()}, ''
     names = {s: f'S{i + 1}' for i, s in enumerate(label)}
     return names, '\n'.join(plain(f'{names[s]}: {label[s]}', 160) for s in label)
