@@ -261,9 +261,8 @@ def test_fig3_draws_the_planted_values_under_the_transforms_its_labels_name(tmp_
     fig3 = next(f for f in plots.FIGURES if f.stem == 'fig3_entropy_and_pr')
     fig = fig3.fn(s, {})
     ax_h, by_pr_k, by_pr_qk, by_scale = fig.axes[:4]
-    shared = by_pr_qk.collections[0].colorbar.ax.get_ylabel()   # one colour bar beside both
-    for ax, key, colour in ((by_pr_k, 'pr_k', shared), (by_pr_qk, 'pr_qk', shared),
-                            (by_scale, 'scale', by_scale.collections[0].colorbar.ax.get_ylabel())):
+    for ax, key in ((by_pr_k, 'pr_k'), (by_pr_qk, 'pr_qk'), (by_scale, 'scale')):
+        colour = ax.collections[0].colorbar.ax.get_ylabel()   # each panel its own colour bar
         (dots,) = ax.collections
         drawn = np.column_stack([dots.get_offsets(), dots.get_array()])
         labels = (ax.get_xlabel(), ax.get_ylabel(), colour)
@@ -287,13 +286,14 @@ def test_fig3_draws_the_planted_values_under_the_transforms_its_labels_name(tmp_
 
 
 def test_fig11_draws_each_head_s_final_spread_and_entropy_and_each_seed_pair(tmp_path):
-    """fig11's left panel is every head's final (logit_std, entropy, PR_K), its x axis on a log
-    scale; its right panel is entropy_pairs' (d log logit_std, dH), an arm a colour; without
-    logit_std in the logs there is no figure and no note."""
+    """fig11 is every head's final (logit_std, entropy, PR_K) under the transforms its labels name;
+    fig12 is entropy_pairs' (d log logit_std, dH), an arm a colour; without logit_std in the logs
+    there is neither figure and no note."""
     paths = synth.study(tmp_path / 'runs', seeds=2)
     s = analyze.load([str(tmp_path / 'runs')], log=synth.quiet)
-    fig11 = next(f for f in plots.FIGURES if f.stem == 'fig11_entropy_spread')
-    assert fig11.fn(s, {}) == []
+    fig11, fig12 = (next(f for f in plots.FIGURES if f.stem == stem)
+                    for stem in ('fig11_entropy_spread', 'fig12_spread_pairs'))
+    assert fig11.fn(s, {}) == [] and fig12.fn(s, {}) == []
     rng = np.random.default_rng(5)
 
     def plant(it, i, lay):
@@ -309,10 +309,12 @@ def test_fig11_draws_each_head_s_final_spread_and_entropy_and_each_seed_pair(tmp
     pairs = [{'arm': 'a', 'dH': 0.1, 'd log logit_std': -0.2},
              {'arm': 'b', 'dH': -0.3, 'd log logit_std': 0.05},
              {'arm': 'a', 'dH': 0.2, 'd log logit_std': -0.4}]
-    heads, seeds = fig11.fn(s, {'entropy_pairs': pairs}).axes[:2]
+    heads = fig11.fn(s, {}).axes[0]
+    seeds = fig12.fn(s, {'entropy_pairs': pairs}).axes[0]
     (dots,) = heads.collections
     drawn = np.column_stack([dots.get_offsets(), dots.get_array()])
-    assert heads.get_xscale() == 'log' and 'logit_std' in heads.get_xlabel()
+    want = np.column_stack([named(heads.get_xlabel())(want[:, 0]), want[:, 1:]])
+    assert 'logit_std' in heads.get_xlabel()
     assert np.allclose(rows_sorted(drawn), rows_sorted(want), rtol=1e-9, atol=0)
     by_arm = {c.get_label(): c.get_offsets().tolist() for c in seeds.collections}
     assert by_arm == {'a (2)': [[-0.2, 0.1], [-0.4, 0.2]], 'b (1)': [[0.05, -0.3]]}

@@ -22,7 +22,8 @@ def test_figures_and_report_of_a_mixed_folder_with_odd_setting_names(tmp_path):
         # mathtext, long names
         synth.study(tmp_path / 'runs', 2, name, lr=lr, note=note, control=control)
     s = analyze.analyze([str(tmp_path / 'runs')], out=str(tmp_path / 'out'), log=synth.quiet)
-    assert list(plots.settings_of(s))[::2] == ['lr=0.001', 'base']   # by value: lr, then note
+    # by value: lr, then note; base named by its values of the settings that vary
+    assert list(plots.settings_of(s))[::2] == ['lr=0.001', 'base: lr=0.003, note=plain']
     # no palette
     assert all(Image.open(p).mode in ('RGB', 'RGBA') for p in s.files if p.endswith('.png'))
     text = (tmp_path / 'out' / 'REPORT.md').read_text()
@@ -36,8 +37,9 @@ def test_figures_and_report_of_a_mixed_folder_with_odd_setting_names(tmp_path):
         for fig in np.atleast_1d(f.fn(s, s.tables)):
             fig.draw_without_rendering()
             for legend in fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]:
-                colours = [str(h.get_color()) for h in legend.legend_handles]
-                assert len(set(colours)) == len(colours), f.stem
+                styles = [(str(h.get_color()), h.get_linestyle(), h.get_marker())
+                          for h in legend.legend_handles]
+                assert len(set(styles)) == len(styles), f.stem
                 assert not any(legend.get_window_extent().overlaps(ax.get_window_extent())
                                for ax in fig.axes)
             assert min(ax.get_window_extent().height for ax in fig.axes) > 100, f.stem
