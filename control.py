@@ -147,11 +147,14 @@ class Kind:
     """A control kind: the settings it reads (beyond `control`), the one of them that is its dose
     (in its label and run name: shrink0.1), its target as a fraction of the step-0 PR after a
     step, and whether that target is an upper bound (a PR already below it is left alone) or is
-    enforced both ways."""
+    enforced both ways. A kind that is not a PR schedule gives `spectrum` instead of `fraction`:
+    spectrum(s, s0, cfg, step) -> s', each block's singular values now and at step 0 (N, m),
+    ascending, e.g. a cap on the top one: torch.minimum(s, cfg['cap_to'] * s0[:, -1:])."""
     reads: tuple = ()
     dose: str = ''
     fraction: object = None
     upper_bound: bool = False
+    spectrum: object = None
 
 
 # Every control kind, in one place: train.py checks `control` against it, the run name and the
@@ -257,19 +260,33 @@ def _blocks(W, scope, n_head):
 
 
 def _reshaped(W, target, control_keep):
-    """Blocks W (N, m, n), m <= n, float64, with their spectra moved to target PRs (N,). W = U
-    diag(s) V^T and G = W W^T = U diag(s^2) U^T, so W' = U diag(s' / s) U^T W: one batched eigh of
-    the Gram matrices, no SVD. Returns (W', pr_min, pr_max)."""
+    """Blocks W (N, m, n), m <= n, float64, with their spectra moved to target PRs (N,). Returns
+    (W', pr_min, pr_max)."""
+    # zero up to the round-off of float64 eigenvalues of W W^T (~eps * s_max^2), whatever the
+    # weight's dtype
+    rtol = math.sqrt(max(W.shape[-2:]) * torch.finfo(torch.float64).eps)
+    def to_target(s):
+        s_new, _, pr_min, pr_max = _control(s, target, rtol, control_keep)
+        return s_new, pr_min, pr_max
+    return _respectrum(W, to_target)
+
+
+def _singular_values(W):
+    """The singular values of blocks W (N, m, n), ascending, and the eigenvectors U of W W^T."""
     # a block that is not finite would make eigh fail: it goes through as zeros (apply does not
     # write it)
     lam, U = torch.linalg.eigh((W @ W.mT).nan_to_num(0.0, 0.0, 0.0))
-    s = lam.clamp(min=0).sqrt()
-    # zero up to the round-off of float64 eigenvalues of G (~eps * s_max^2), whatever the weight's
-    # dtype
-    rtol = math.sqrt(max(W.shape[-2:]) * torch.finfo(torch.float64).eps)
-    s_new, _, pr_min, pr_max = _control(s, target, rtol, control_keep)
+    return lam.clamp(min=0).sqrt(), U
+
+
+def _respectrum(W, new_values):
+    """Blocks W with their singular values s replaced by new_values(s) -> (s', *more): W = U
+    diag(s) V^T and G = W W^T = U diag(s^2) U^T, so W' = U diag(s' / s) U^T W: one batched eigh of
+    the Gram matrices, no SVD. Returns (W', *more)."""
+    s, U = _singular_values(W)
+    s_new, *more = new_values(s)
     scale = (s_new / s).nan_to_num(1.0)   # 0 / 0 where s = 0: those directions stay as they are
-    return (U * scale[:, None, :]) @ (U.mT @ W), pr_min, pr_max
+    return (U * scale[:, None, :]) @ (U.mT @ W), *more
 
 
 def record(cfg, qk_weights):
@@ -283,18 +300,24 @@ def record(cfg, qk_weights):
     layers = check_settings(cfg, len(qk_weights))
     if cfg['control'] == 'none':
         layers = []   # the baseline controls nothing and reports nothing
-    side = 1 if cfg['control_target'] == 'k' else 0
+    side, kind = 1 if cfg['control_target'] == 'k' else 0, KINDS[cfg['control']]
     pr0 = torch.stack([geometry.matrix_pr(_blocks(qk_weights[i][side], cfg['control_scope'],
                                                   cfg['n_head']),
                                           checked=False)
                        for i in layers]) if layers else torch.zeros(0, 0)
-    return {'control': cfg['control'], 'target': cfg['control_target'],
-            'scope': cfg['control_scope'],
-            'keep': cfg['control_keep'], 'n_head': cfg['n_head'], 'n_layer': len(qk_weights),
-            'layers': layers,
-            'pr0': pr0, 'target_pr': target_pr(pr0, cfg, 0) if layers else pr0, 'pr': pr0.clone(),
-            'out_of_reach': torch.zeros(pr0.shape, dtype=torch.bool, device=pr0.device), 'step': 0,
-            'warned': False}
+    scheduled = layers and kind.spectrum is None
+    state = {'control': cfg['control'], 'target': cfg['control_target'],
+             'scope': cfg['control_scope'],
+             'keep': cfg['control_keep'], 'n_head': cfg['n_head'], 'n_layer': len(qk_weights),
+             'layers': layers,
+             'pr0': pr0, 'target_pr': target_pr(pr0, cfg, 0) if scheduled else pr0.clone(),
+             'pr': pr0.clone(),
+             'out_of_reach': torch.zeros(pr0.shape, dtype=torch.bool, device=pr0.device),
+             'step': 0, 'warned': False}
+    if layers and kind.spectrum is not None:   # what a spectrum kind reads beside s
+        blocks = [_blocks(qk_weights[i][side], cfg['control_scope'], cfg['n_head']) for i in layers]
+        state['s0'] = torch.stack([_singular_values(b)[0] for b in blocks])
+    return state
 
 
 def apply(state, cfg, qk_weights, step):
@@ -318,21 +341,28 @@ def apply(state, cfg, qk_weights, step):
     flat = blocks.reshape(L * B, m, n)
     for key in ('pr0', 'out_of_reach'):   # a state from a checkpoint is loaded on the CPU
         state[key] = state[key].to(flat.device)
-    target = target_pr(state, cfg, step).view(L * B)
-    new, pr_min, pr_max = _reshaped(flat, target, keep)
+    kind = KINDS[state['control']]
+    if kind.spectrum is None:
+        target = target_pr(state, cfg, step).view(L * B)
+        new, pr_min, pr_max = _reshaped(flat, target, keep)
+    else:   # no target PR: each block's spectrum as the kind sets it
+        s0 = state['s0'].to(flat.device).view(L * B, -1)
+        new, = _respectrum(flat, lambda s: (kind.spectrum(s, s0, cfg, step),))
     # as it will be stored: the PR logged is that weight's
     new = new.to(params[0].dtype).to(torch.float64)
     pr, new_pr = geometry.matrix_pr(torch.cat([flat, new]), checked=False).chunk(2)
-    # which blocks to change: an upper bound (shrink) only lowers a PR, freeze moves it either way;
-    # a zero block has no spectrum
-    upper = KINDS[state['control']].upper_bound
-    act = (pr > 0) & ((pr > target) if upper else (pr != target))
-    out = act & ((target > pr_max * (1 + REACH_RTOL)) | (target < pr_min * (1 - REACH_RTOL)))
-    state['out_of_reach'] |= out.view(L, B)
+    if kind.spectrum is None:
+        # which blocks to change: an upper bound (shrink) only lowers a PR, freeze moves it either
+        # way; a zero block has no spectrum
+        act = (pr > 0) & ((pr > target) if kind.upper_bound else (pr != target))
+        out = act & ((target > pr_max * (1 + REACH_RTOL)) | (target < pr_min * (1 - REACH_RTOL)))
+        state['out_of_reach'] |= out.view(L, B)
+        # the target as enforced: one out of reach (below 1 for a small head) is clamped
+        target = torch.where(act, torch.minimum(torch.maximum(target, pr_min), pr_max), target)
+    else:   # every block with a spectrum; the PR it reaches stands for a target
+        act, target = pr > 0, new_pr
     flat = torch.where(act[:, None, None], new, flat)
     pr = torch.where(act, new_pr, pr)
-    # the target as enforced: a scheduled one out of reach (below 1 for a small head) is clamped
-    target = torch.where(act, torch.minimum(torch.maximum(target, pr_min), pr_max), target)
     with torch.no_grad():   # blocks left alone go back bit for bit (float64 holds them exactly)
         for p, block in zip(params, flat.view(L, B, m, n)):
             p.copy_(block.reshape(p.shape))

@@ -494,3 +494,26 @@ def test_a_new_control_kind_is_control_py_and_train_py_and_the_analysis_pairs_it
     rows = list(csv.DictReader(open(tmp_path / 'analysis' / 'control_dose.csv')))
     assert [(r['arm'], r['n'], r['verdict']) for r in rows] == [
         ('clip0.7-k', '2', 'no claim on this kind: no verdict')]
+
+
+def test_a_kind_that_is_not_a_pr_schedule_is_one_entry_a_cap_on_the_top_singular_value(
+        monkeypatch):
+    def cap(s, s0, cfg, step):   # s ascending: the top value is the last
+        return torch.minimum(s, cfg['cap_to'] * s0[:, -1:])
+    reads = ('control_target', 'control_scope', 'control_layers', 'control_interval', 'cap_to')
+    cap_kind = control.Kind(reads, 'cap_to', spectrum=cap)   # it keeps no norm: no control_keep
+    monkeypatch.setitem(control.KINDS, 'cap', cap_kind)
+    torch.manual_seed(0)
+    weights = [(torch.randn(16, 16), torch.randn(16, 16)) for _ in range(2)]
+    cfg = dict(control='cap', cap_to=0.5, control_target='k', control_scope='head',
+               control_keep='fro', control_layers='', control_interval=1, n_head=4)
+    top0 = torch.linalg.matrix_norm(weights[0][1].view(4, 4, 16).double(), ord=2)
+    state = control.record(cfg, weights)
+    weights[0][1].mul_(1.5)   # an optimizer step that grows the keys
+    control.apply(state, cfg, weights, 1)
+    top = torch.linalg.matrix_norm(weights[0][1].view(4, 4, 16).double(), ord=2)
+    assert torch.allclose(top, 0.5 * top0, rtol=1e-5)
+    row = control.report(state)[0]
+    reached = geometry.matrix_pr(weights[0][1].view(4, 4, 16)).mean().item()
+    assert row['ctl_pr'] == pytest.approx(reached, rel=1e-5)
+    assert control.label(dict(cfg, control_keep='spec')) == 'cap0.5-k'   # named by what it reads
