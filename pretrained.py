@@ -47,7 +47,8 @@ FAMILIES = (
     Family(('gpt2',), 'c_attn', 'c_attn', gpt2_qk),
     Family(('gpt_neox',), 'query_key_value', 'query_key_value', neox_qk, rotary=True),
     Family(('opt',), 'q_proj', 'k_proj'),
-    Family(('llama', 'mistral', 'qwen2'), 'q_proj', 'k_proj', rotary=True))
+    Family(('llama', 'mistral', 'qwen2'), 'q_proj', 'k_proj', rotary=True),
+    Family(('phi',), 'q_proj', 'k_proj', rotary=True))
 PYTHIA = ['step0'] + [f'step{2 ** i}' for i in range(10)]
 PYTHIA += [f'step{1000 * 2 ** i}' for i in range(8)]
 REVISION_PRESETS = {'pythia': PYTHIA + ['step143000']}
@@ -61,6 +62,8 @@ class Stop(Exception):
 def family_of(config):
     """(name, Family) of a transformers config."""
     kind = getattr(config, 'model_type', None)
+    if getattr(config, 'qk_layernorm', False):   # q, k are normalised after the hooked projections
+        raise Stop(f'{kind} with qk_layernorm is not supported: its q, k are not the projections')
     for fam in FAMILIES:
         if kind in fam.model_types:
             return fam.model_types[0], fam
@@ -92,15 +95,20 @@ def text_windows(tokenizer, text, n_seqs, seq_len):
 
 
 def rotate(attn, q, k, cos_sin, d):
-    """q, k (B, T, heads * d) turned as attention turns them (its module's apply_rotary_pos_emb)."""
+    """q, k (B, T, heads * d) turned as attention turns them (its module's apply_rotary_pos_emb).
+    Partial rotary (phi, Pythia): the first r dims of each head turn, r the angles' width; the rest
+    pass through."""
     if cos_sin is None:
         raise Stop(f'{type(attn).__name__} was called without position_embeddings; use '
                    '--rope=before')
     def heads(t):
         return t.unflatten(-1, (-1, d)).transpose(1, 2)
+    def flat(t):
+        return t.transpose(1, 2).flatten(-2)
+    r, q, k = cos_sin[0].shape[-1], heads(q), heads(k)
     turn = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-    q, k = turn(heads(q), heads(k), *cos_sin)
-    return q.transpose(1, 2).flatten(-2), k.transpose(1, 2).flatten(-2)
+    q_rot, k_rot = turn(q[..., :r], k[..., :r], *cos_sin)
+    return flat(torch.cat((q_rot, q[..., r:]), -1)), flat(torch.cat((k_rot, k[..., r:]), -1))
 
 
 @torch.no_grad()

@@ -73,6 +73,7 @@ FAMILIES = {'gpt2': ('GPT2Config', dict(n_layer=2, n_embd=32, n_head=4, vocab_si
                                         n_positions=64, initializer_range=0.3)),
             'gpt_neox': ('GPTNeoXConfig', SMALL),
             'llama': ('LlamaConfig', dict(SMALL, num_key_value_heads=2)),
+            'phi': ('PhiConfig', dict(SMALL, num_key_value_heads=2, partial_rotary_factor=0.5)),
             'opt': ('OPTConfig', dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                       ffn_dim=64, vocab_size=100, max_position_embeddings=64,
                                       word_embed_proj_dim=32, init_std=0.3))}
@@ -152,6 +153,8 @@ def test_a_local_checkpoint_series_is_a_folder_the_analysis_loads_like_a_run(tf,
 def test_an_unknown_family_or_a_revision_without_a_step_stops_and_windows_carry_special_tokens(tf):
     with pytest.raises(pretrained.Stop, match=r"'bert' is not supported.*gpt2, gpt_neox, opt"):
         pretrained.family_of(tf.BertConfig())
+    with pytest.raises(pretrained.Stop, match='qk_layernorm is not supported'):
+        pretrained.family_of(tf.PhiConfig(qk_layernorm=True))
     with pytest.raises(pretrained.Stop, match="revision 'main' names no training step"):
         pretrained.steps_of(['step1', 'main'])
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
