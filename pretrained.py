@@ -9,7 +9,7 @@ like a run folder. Needs transformers (pip install transformers).
 A series writes out_dir/<name>/: config.json (pretrained=true, the model, its family and sizes, the
 text and its windows), metrics.jsonl with one record per revision (iter = its training step, the N
 of Pythia's stepN; per layer the token-level values train.py logs, from geometry.token_geometry),
-and done.json, written last.
+and done.json, written last. Every revision is measured before an old series is replaced.
 
 Queries and keys come from hooks on each family's projections (FAMILIES). On rotary families they
 are taken after the rotary embedding, as attention uses them (--rope=before: as projected). A key
@@ -82,6 +82,24 @@ def source(name, revision):
     return {'pretrained_model_name_or_path': name}
 
 
+def one_line(e):
+    return f'{type(e).__name__}: ' + ' '.join(str(e).split())[:300]
+
+
+def load(tf, a, revision, what):
+    """transformers' tokenizer or model of a.model at revision. Any error is one line naming the
+    model: what transformers cannot load is no bug of this file."""
+    where = source(a.model, revision)
+    try:
+        if what == 'tokenizer':
+            return tf.AutoTokenizer.from_pretrained(**where)
+        return tf.AutoModel.from_pretrained(**where, dtype=torch.float32,
+                                            attn_implementation='eager')
+    except Exception as e:
+        raise Stop(f'{a.model} {revision or "(default)"}: cannot load its {what}: '
+                   f'{one_line(e)}') from None
+
+
 def text_windows(tokenizer, text, n_seqs, seq_len):
     """(B, T) ids: up to n_seqs windows of seq_len tokens, each with the tokenizer's special
     tokens."""
@@ -130,6 +148,8 @@ def capture_qk(model, ids, rope='after'):
     try:
         ids = ids.to(model.device)
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_attentions=True)
+    except Exception as e:   # a model that transformers cannot run on these ids
+        raise Stop(f'{type(model).__name__} failed on the text: {one_line(e)}') from None
     finally:
         for h in hooks:
             h.remove()
@@ -178,7 +198,7 @@ def is_series(path):
 
 def series_folder(out_dir, name, overwrite):
     """out_dir/name, refused when name is not a plain name or the folder holds a config.json not
-    written here or (without overwrite) a series; with overwrite, what this command wrote goes."""
+    written here or (without overwrite) a series. Nothing is removed here."""
     path = os.path.join(out_dir, name)
     if name in ('', '.', '..') or os.path.basename(name) != name:
         raise Stop(f'--name={name!r} must be one plain folder name inside out_dir')
@@ -188,9 +208,6 @@ def series_folder(out_dir, name, overwrite):
     if ours and not overwrite:
         raise Stop(f'{path} holds a series ({", ".join(ours)}); pass --overwrite to measure it '
                    'again, or another --name')
-    for f in ours:
-        os.remove(os.path.join(path, f))
-    os.makedirs(path, exist_ok=True)
     return path
 
 
@@ -200,47 +217,55 @@ def write_json(obj, path):
     os.replace(path + '.tmp', path)
 
 
-def write_series(path, a, tf, revisions, ids, config, log):
-    """Each revision's record into path/metrics.jsonl, in the order of its step; config.json (config
-    and the model's sizes) at the first."""
+def measure_series(a, tf, revisions, ids, config, log):
+    """Each revision's record, in the order of its step; config gains the family and the model's
+    sizes at the first revision."""
+    records = []
+    for step, revision in sorted(zip(steps_of(revisions), revisions)):
+        t0 = time.time()
+        model = load(tf, a, revision, 'model')
+        family, fam = family_of(model.config)
+        layers, width = measure(model.to(config['device']).eval(), ids, a.rope)
+        sizes = {'n_layer': len(layers), 'n_head': model.config.num_attention_heads,
+                 'n_embd': width}
+        if 'family' not in config:
+            config.update(family=family, rope=a.rope if fam.rotary else 'none', **sizes)
+        if sizes != {k: config[k] for k in sizes}:
+            raise Stop(f'revision {revision} has {sizes}, unlike the first revision')
+        records.append({'iter': step, 'revision': revision or '', 'time': time.time() - t0,
+                        'layers': layers})
+        log(f'{a.model} {revision or "(default)"}: step {step}, {time.time() - t0:.1f}s')
+    return records
+
+
+def write_series(path, config, records, done):
+    """config.json, metrics.jsonl and done.json (last) into path, after removing what this command
+    wrote there before (done.json first)."""
+    for f in reversed(OWN):
+        if os.path.exists(os.path.join(path, f)):
+            os.remove(os.path.join(path, f))
+    os.makedirs(path, exist_ok=True)
+    write_json(config, os.path.join(path, 'config.json'))
     with open(os.path.join(path, 'metrics.jsonl'), 'w') as metrics:
-        for step, revision in sorted(zip(steps_of(revisions), revisions)):
-            t0 = time.time()
-            model = tf.AutoModel.from_pretrained(**source(a.model, revision), dtype=torch.float32,
-                                                 attn_implementation='eager')
-            family, fam = family_of(model.config)
-            layers, width = measure(model.to(config['device']).eval(), ids, a.rope)
-            sizes = {'n_layer': len(layers), 'n_head': model.config.num_attention_heads,
-                     'n_embd': width}
-            if 'family' not in config:
-                config.update(family=family, rope=a.rope if fam.rotary else 'none', **sizes)
-                write_json(config, os.path.join(path, 'config.json'))
-            if sizes != {k: config[k] for k in sizes}:
-                raise Stop(f'revision {revision} has {sizes}, unlike the first revision')
-            record = {'iter': step, 'revision': revision or '', 'time': time.time() - t0,
-                      'layers': layers}
-            metrics.write(json.dumps(record) + '\n')
-            metrics.flush()
-            log(f'{a.model} {revision or "(default)"}: step {step}, {time.time() - t0:.1f}s')
-    return step
+        metrics.writelines(json.dumps(record) + '\n' for record in records)
+    write_json(done, os.path.join(path, 'done.json'))
 
 
 def run(a, tf, log=print):
-    """Measure each revision of a.model into its series folder; the folder. Every check that can
-    refuse runs before --overwrite removes anything."""
+    """Measure each revision of a.model into its series folder; the folder. Every revision is
+    loaded and measured before --overwrite removes anything: a failure leaves the old series."""
     if a.rope not in ('after', 'before'):
         raise Stop(f'--rope={a.rope}: after or before')
     if not os.path.isfile(a.text):
         raise Stop(f'{a.text} is not there; pass --text=FILE (any UTF-8 text)')
     revisions = [r or None for r in REVISION_PRESETS.get(a.revisions) or a.revisions.split(',')]
     steps_of(revisions)
-    text = open(a.text, encoding='utf-8', errors='replace').read(100_000)
-    tokenizer = tf.AutoTokenizer.from_pretrained(**source(a.model, revisions[0]))
-    ids = text_windows(tokenizer, text, a.n_seqs, a.seq_len)
-    if ids.shape[1] < 2:
-        raise Stop(f'{a.text} gives fewer than 2 tokens a window; pass a longer text')
     name = a.name or os.path.basename(os.path.normpath(a.model))
     path = series_folder(a.out_dir, name if a.rope == 'after' else f'{name}-before', a.overwrite)
+    text = open(a.text, encoding='utf-8', errors='replace').read(100_000)
+    ids = text_windows(load(tf, a, revisions[0], 'tokenizer'), text, a.n_seqs, a.seq_len)
+    if ids.shape[1] < 2:
+        raise Stop(f'{a.text} gives fewer than 2 tokens a window; pass a longer text')
     device = a.device or ('cuda' if torch.cuda.is_available() else
                           'mps' if torch.backends.mps.is_available() else 'cpu')
     config = {'pretrained': True, 'model': a.model, 'revisions': revisions,
@@ -248,9 +273,9 @@ def run(a, tf, log=print):
               'data_sha256': hashlib.sha256(text.encode()).hexdigest(), 'device': device,
               'torch': torch.__version__, 'transformers': tf.__version__}
     t0 = time.time()
-    last = write_series(path, a, tf, revisions, ids, config, log)
-    done = {'iter': last, 'revisions': len(revisions), 'wall_time': time.time() - t0}
-    write_json(done, os.path.join(path, 'done.json'))
+    records = measure_series(a, tf, revisions, ids, config, log)
+    done = {'iter': records[-1]['iter'], 'revisions': len(revisions), 'wall_time': time.time() - t0}
+    write_series(path, config, records, done)
     return path
 
 
@@ -280,7 +305,7 @@ def main(argv=None):
         return 2
     try:
         path = run(a, transformers)
-    except (Stop, OSError) as e:   # OSError: transformers found no such model or revision
+    except (Stop, OSError) as e:   # OSError: the text or out_dir cannot be read or written
         print(f'error: {e}'.splitlines()[0], file=sys.stderr)
         return 2
     print(f'wrote {path}; `python analyze.py {a.out_dir}` reads it')
