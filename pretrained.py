@@ -2,9 +2,17 @@
 Measure a pretrained model's checkpoints at the token level, into a folder that analyze.py reads
 like a run folder. Needs transformers (pip install transformers).
 
-    python pretrained.py --model=EleutherAI/pythia-160m --revisions=pythia --text=wiki.test.raw
+    python pretrained.py --model=EleutherAI/pythia-160m --revisions=pythia
     python pretrained.py --model=gpt2 --text=my_text.txt
     python analyze.py out/        # our runs and the series in out/, read alike
+
+--text is by default WikiText-103's test split where train.py puts it (data/wikitext-103-raw/).
+--revisions=pythia downloads 20 checkpoints (step0 to step143000) of a 160M-parameter model, a few
+hundred MB each: several GB in the hub's cache.
+
+Offline, --model is a local folder: one model as save_pretrained writes it (config, weights,
+tokenizer), or a folder of such folders, one a revision (FOLDER/step0/, FOLDER/step1000/, ...) read
+with --revisions=step0,step1000.
 
 A series writes out_dir/<name>/: config.json (pretrained=true, the model, its family and sizes, the
 text and its windows), metrics.jsonl with one record per revision (iter = its training step, the N
@@ -13,7 +21,9 @@ and done.json, written last. Every revision is measured before an old series is 
 
 Queries and keys come from hooks on each family's projections (FAMILIES). On rotary families they
 are taken after the rotary embedding, as attention uses them (--rope=before: as projected). A key
-head that several query heads share (grouped-query attention) is repeated to each of them.
+head that several query heads share (grouped-query attention) is repeated to each of them, as
+attention does: tok_pr_qk and entropy pair each query head with its key head, and tok_pr_k (all
+heads and the per-head mean) is its value over the distinct key heads.
 """
 import argparse
 import hashlib
@@ -280,9 +290,10 @@ def run(a, tf, log=print):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description='the token-level geometry of a pretrained checkpoint '
-                                'series, as a folder analyze.py reads')
-    p.add_argument('--model', required=True, help='a model name, or a local folder of revisions')
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--model', required=True,
+                   help='a model name, a local model folder, or a local folder of revisions')
     p.add_argument('--revisions', default='',
                    help="R1,R2,... or 'pythia' (default: the model as it is)")
     p.add_argument('--text', default='data/wikitext-103-raw/wiki.test.raw',
