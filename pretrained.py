@@ -12,7 +12,12 @@ hundred MB each: several GB in the hub's cache.
 
 Offline, --model is a local folder: one model as save_pretrained writes it (config, weights,
 tokenizer), or a folder of such folders, one a revision (FOLDER/step0/, FOLDER/step1000/, ...) read
-with --revisions=step0,step1000.
+with --revisions=step0,step1000. --gguf_file=NAME reads the model and its tokenizer from one GGUF
+file in that folder (or hub repository); its quantized weights are dequantized to float32 on load,
+and config.json records the file, its type and the quantization of W_Q and W_K (pip install gguf
+accelerate):
+
+    python pretrained.py --model=FOLDER --gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf
 
 A series writes out_dir/<name>/: config.json (pretrained=true, the model, its family and sizes, the
 text and its windows), metrics.jsonl with one record per revision (iter = its training step, the N
@@ -33,6 +38,7 @@ import re
 import sys
 import time
 from collections import namedtuple
+from importlib.util import find_spec
 
 import torch
 
@@ -82,14 +88,15 @@ def family_of(config):
                'a new one is a row of FAMILIES in pretrained.py')
 
 
-def source(name, revision):
+def source(name, revision, gguf_file=''):
     """from_pretrained's arguments: the folder name/revision if there is one, else name at
-    revision."""
+    revision; the GGUF file in it, if one is named."""
+    found = {'pretrained_model_name_or_path': name}
     if revision and os.path.isdir(f'{name}/{revision}'):
-        return {'pretrained_model_name_or_path': f'{name}/{revision}'}
-    if revision:
-        return {'pretrained_model_name_or_path': name, 'revision': revision}
-    return {'pretrained_model_name_or_path': name}
+        found = {'pretrained_model_name_or_path': f'{name}/{revision}'}
+    elif revision:
+        found['revision'] = revision
+    return dict(found, gguf_file=gguf_file) if gguf_file else found
 
 
 def one_line(e):
@@ -97,17 +104,37 @@ def one_line(e):
 
 
 def load(tf, a, revision, what):
-    """transformers' tokenizer or model of a.model at revision. Any error is one line naming the
-    model: what transformers cannot load is no bug of this file."""
-    where = source(a.model, revision)
+    """transformers' tokenizer or model of a.model at revision. A GGUF file's weights are
+    dequantized to float32 on load. Any error is one line naming the model: what transformers
+    cannot load is no bug of this file."""
+    where = source(a.model, revision, a.gguf_file)
     try:
         if what == 'tokenizer':
             return tf.AutoTokenizer.from_pretrained(**where)
+        if a.gguf_file and hasattr(tf, 'GgufConfig'):   # transformers >= 5 can keep GGUF blocks
+            where['quantization_config'] = tf.GgufConfig(dequantize=True)
         return tf.AutoModel.from_pretrained(**where, dtype=torch.float32,
                                             attn_implementation='eager')
     except Exception as e:
         raise Stop(f'{a.model} {revision or "(default)"}: cannot load its {what}: '
                    f'{one_line(e)}') from None
+
+
+def gguf_quantization(tf, where):
+    """The GGUF file's type (general.file_type) and the tensor types of its W_Q, W_K: what
+    quantization noise the dequantized weights carry."""
+    import gguf
+    path = tf.utils.cached_file(where['pretrained_model_name_or_path'], where['gguf_file'],
+                                revision=where.get('revision'))
+    reader = gguf.GGUFReader(path)
+    qk = ('attn_q.weight', 'attn_k.weight', 'attn_qkv.weight')
+    found = {'gguf_file': where['gguf_file'],
+             'gguf_qk_types': sorted({t.tensor_type.name for t in reader.tensors
+                                      if t.name.endswith(qk)})}
+    if 'general.file_type' in reader.fields:
+        file_type = int(reader.fields['general.file_type'].contents())
+        found['gguf_file_type'] = gguf.LlamaFileType(file_type).name
+    return found
 
 
 def text_windows(tokenizer, text, n_seqs, seq_len):
@@ -240,6 +267,8 @@ def measure_series(a, tf, revisions, ids, config, log):
                  'n_embd': width}
         if 'family' not in config:
             config.update(family=family, rope=a.rope if fam.rotary else 'none', **sizes)
+            if a.gguf_file:
+                config.update(gguf_quantization(tf, source(a.model, revision, a.gguf_file)))
         if sizes != {k: config[k] for k in sizes}:
             raise Stop(f'revision {revision} has {sizes}, unlike the first revision')
         records.append({'iter': step, 'revision': revision or '', 'time': time.time() - t0,
@@ -268,9 +297,13 @@ def run(a, tf, log=print):
         raise Stop(f'--rope={a.rope}: after or before')
     if not os.path.isfile(a.text):
         raise Stop(f'{a.text} is not there; pass --text=FILE (any UTF-8 text)')
+    missing = [m for m in ('gguf', 'accelerate') if a.gguf_file and not find_spec(m)]
+    if missing:
+        raise Stop(f'--gguf_file needs {" and ".join(missing)}: pip install gguf accelerate')
     revisions = [r or None for r in REVISION_PRESETS.get(a.revisions) or a.revisions.split(',')]
     steps_of(revisions)
-    name = a.name or os.path.basename(os.path.normpath(a.model))
+    stem = os.path.basename(os.path.normpath(a.gguf_file or a.model)).removesuffix('.gguf')
+    name = a.name or stem
     path = series_folder(a.out_dir, name if a.rope == 'after' else f'{name}-before', a.overwrite)
     text = open(a.text, encoding='utf-8', errors='replace').read(100_000)
     ids = text_windows(load(tf, a, revisions[0], 'tokenizer'), text, a.n_seqs, a.seq_len)
@@ -294,6 +327,9 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--model', required=True,
                    help='a model name, a local model folder, or a local folder of revisions')
+    p.add_argument('--gguf_file', default='',
+                   help="a GGUF file in --model's folder (or hub repository): model and tokenizer "
+                   'from it, its weights dequantized (pip install gguf accelerate)')
     p.add_argument('--revisions', default='',
                    help="R1,R2,... or 'pythia' (default: the model as it is)")
     p.add_argument('--text', default='data/wikitext-103-raw/wiki.test.raw',
@@ -304,8 +340,8 @@ def main(argv=None):
     p.add_argument('--n_seqs', type=int, default=8, help='windows of the text')
     p.add_argument('--seq_len', type=int, default=256, help='tokens a window')
     p.add_argument('--out_dir', default='out', help='series go to out_dir/name/')
-    p.add_argument('--name', default='', help="the series' folder (default: the model's last name; "
-                   "-before is added with --rope=before)")
+    p.add_argument('--name', default='', help="the series' folder (default: the last name of the "
+                   "model or GGUF file; -before is added with --rope=before)")
     p.add_argument('--overwrite', action='store_true', help='measure a series in its folder again')
     p.add_argument('--device', default='', help="'' = cuda, then mps, then cpu")
     a = p.parse_args(argv)
