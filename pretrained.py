@@ -2,18 +2,33 @@
 Measure a pretrained model's checkpoints at the token level, into a folder that analyze.py reads
 like a run folder. Needs transformers (pip install transformers).
 
-    python pretrained.py --model=EleutherAI/pythia-160m --revisions=pythia --text=wiki.test.raw
+    python pretrained.py --model=EleutherAI/pythia-160m --revisions=pythia
     python pretrained.py --model=gpt2 --text=my_text.txt
     python analyze.py out/        # our runs and the series in out/, read alike
+
+--text is by default WikiText-103's test split where train.py puts it (data/wikitext-103-raw/).
+--revisions=pythia downloads 20 checkpoints (step0 to step143000) of a 160M-parameter model, a few
+hundred MB each: several GB in the hub's cache.
+
+Offline, --model is a local folder: one model as save_pretrained writes it (config, weights,
+tokenizer), or a folder of such folders, one a revision (FOLDER/step0/, FOLDER/step1000/, ...) read
+with --revisions=step0,step1000. --gguf_file=NAME reads the model and its tokenizer from one GGUF
+file in that folder (or hub repository); its quantized weights are dequantized to float32 on load,
+and config.json records the file, its type and the quantization of W_Q and W_K (pip install gguf
+accelerate):
+
+    python pretrained.py --model=FOLDER --gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf
 
 A series writes out_dir/<name>/: config.json (pretrained=true, the model, its family and sizes, the
 text and its windows), metrics.jsonl with one record per revision (iter = its training step, the N
 of Pythia's stepN; per layer the token-level values train.py logs, from geometry.token_geometry),
-and done.json, written last.
+and done.json, written last. Every revision is measured before an old series is replaced.
 
 Queries and keys come from hooks on each family's projections (FAMILIES). On rotary families they
 are taken after the rotary embedding, as attention uses them (--rope=before: as projected). A key
-head that several query heads share (grouped-query attention) is repeated to each of them.
+head that several query heads share (grouped-query attention) is repeated to each of them, as
+attention does: tok_pr_qk and entropy pair each query head with its key head, and tok_pr_k (all
+heads and the per-head mean) is its value over the distinct key heads.
 """
 import argparse
 import hashlib
@@ -23,6 +38,7 @@ import re
 import sys
 import time
 from collections import namedtuple
+from importlib.util import find_spec
 
 import torch
 
@@ -47,7 +63,8 @@ FAMILIES = (
     Family(('gpt2',), 'c_attn', 'c_attn', gpt2_qk),
     Family(('gpt_neox',), 'query_key_value', 'query_key_value', neox_qk, rotary=True),
     Family(('opt',), 'q_proj', 'k_proj'),
-    Family(('llama', 'mistral', 'qwen2'), 'q_proj', 'k_proj', rotary=True))
+    Family(('llama', 'mistral', 'qwen2'), 'q_proj', 'k_proj', rotary=True),
+    Family(('phi',), 'q_proj', 'k_proj', rotary=True))
 PYTHIA = ['step0'] + [f'step{2 ** i}' for i in range(10)]
 PYTHIA += [f'step{1000 * 2 ** i}' for i in range(8)]
 REVISION_PRESETS = {'pythia': PYTHIA + ['step143000']}
@@ -61,6 +78,8 @@ class Stop(Exception):
 def family_of(config):
     """(name, Family) of a transformers config."""
     kind = getattr(config, 'model_type', None)
+    if getattr(config, 'qk_layernorm', False):   # q, k are normalised after the hooked projections
+        raise Stop(f'{kind} with qk_layernorm is not supported: its q, k are not the projections')
     for fam in FAMILIES:
         if kind in fam.model_types:
             return fam.model_types[0], fam
@@ -69,14 +88,53 @@ def family_of(config):
                'a new one is a row of FAMILIES in pretrained.py')
 
 
-def source(name, revision):
+def source(name, revision, gguf_file=''):
     """from_pretrained's arguments: the folder name/revision if there is one, else name at
-    revision."""
+    revision; the GGUF file in it, if one is named."""
+    found = {'pretrained_model_name_or_path': name}
     if revision and os.path.isdir(f'{name}/{revision}'):
-        return {'pretrained_model_name_or_path': f'{name}/{revision}'}
-    if revision:
-        return {'pretrained_model_name_or_path': name, 'revision': revision}
-    return {'pretrained_model_name_or_path': name}
+        found = {'pretrained_model_name_or_path': f'{name}/{revision}'}
+    elif revision:
+        found['revision'] = revision
+    return dict(found, gguf_file=gguf_file) if gguf_file else found
+
+
+def one_line(e):
+    return f'{type(e).__name__}: ' + ' '.join(str(e).split())[:300]
+
+
+def load(tf, a, revision, what):
+    """transformers' tokenizer or model of a.model at revision. A GGUF file's weights are
+    dequantized to float32 on load. Any error is one line naming the model: what transformers
+    cannot load is no bug of this file."""
+    where = source(a.model, revision, a.gguf_file)
+    try:
+        if what == 'tokenizer':
+            return tf.AutoTokenizer.from_pretrained(**where)
+        if a.gguf_file and hasattr(tf, 'GgufConfig'):   # transformers >= 5 can keep GGUF blocks
+            where['quantization_config'] = tf.GgufConfig(dequantize=True)
+        return tf.AutoModel.from_pretrained(**where, dtype=torch.float32,
+                                            attn_implementation='eager')
+    except Exception as e:
+        raise Stop(f'{a.model} {revision or "(default)"}: cannot load its {what}: '
+                   f'{one_line(e)}') from None
+
+
+def gguf_quantization(tf, where):
+    """The GGUF file's type (general.file_type) and the tensor types of its W_Q, W_K: what
+    quantization noise the dequantized weights carry."""
+    import gguf
+    path = tf.utils.cached_file(where['pretrained_model_name_or_path'], where['gguf_file'],
+                                revision=where.get('revision'))
+    reader = gguf.GGUFReader(path)
+    qk = ('attn_q.weight', 'attn_k.weight', 'attn_qkv.weight')
+    found = {'gguf_file': where['gguf_file'],
+             'gguf_qk_types': sorted({t.tensor_type.name for t in reader.tensors
+                                      if t.name.endswith(qk)})}
+    if 'general.file_type' in reader.fields:
+        file_type = int(reader.fields['general.file_type'].contents())
+        found['gguf_file_type'] = gguf.LlamaFileType(file_type).name
+    return found
 
 
 def text_windows(tokenizer, text, n_seqs, seq_len):
@@ -92,15 +150,20 @@ def text_windows(tokenizer, text, n_seqs, seq_len):
 
 
 def rotate(attn, q, k, cos_sin, d):
-    """q, k (B, T, heads * d) turned as attention turns them (its module's apply_rotary_pos_emb)."""
+    """q, k (B, T, heads * d) turned as attention turns them (its module's apply_rotary_pos_emb).
+    Partial rotary (phi, Pythia): the first r dims of each head turn, r the angles' width; the rest
+    pass through."""
     if cos_sin is None:
         raise Stop(f'{type(attn).__name__} was called without position_embeddings; use '
                    '--rope=before')
     def heads(t):
         return t.unflatten(-1, (-1, d)).transpose(1, 2)
+    def flat(t):
+        return t.transpose(1, 2).flatten(-2)
+    r, q, k = cos_sin[0].shape[-1], heads(q), heads(k)
     turn = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-    q, k = turn(heads(q), heads(k), *cos_sin)
-    return q.transpose(1, 2).flatten(-2), k.transpose(1, 2).flatten(-2)
+    q_rot, k_rot = turn(q[..., :r], k[..., :r], *cos_sin)
+    return flat(torch.cat((q_rot, q[..., r:]), -1)), flat(torch.cat((k_rot, k[..., r:]), -1))
 
 
 @torch.no_grad()
@@ -122,6 +185,8 @@ def capture_qk(model, ids, rope='after'):
     try:
         ids = ids.to(model.device)
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_attentions=True)
+    except Exception as e:   # a model that transformers cannot run on these ids
+        raise Stop(f'{type(model).__name__} failed on the text: {one_line(e)}') from None
     finally:
         for h in hooks:
             h.remove()
@@ -170,7 +235,7 @@ def is_series(path):
 
 def series_folder(out_dir, name, overwrite):
     """out_dir/name, refused when name is not a plain name or the folder holds a config.json not
-    written here or (without overwrite) a series; with overwrite, what this command wrote goes."""
+    written here or (without overwrite) a series. Nothing is removed here."""
     path = os.path.join(out_dir, name)
     if name in ('', '.', '..') or os.path.basename(name) != name:
         raise Stop(f'--name={name!r} must be one plain folder name inside out_dir')
@@ -180,9 +245,6 @@ def series_folder(out_dir, name, overwrite):
     if ours and not overwrite:
         raise Stop(f'{path} holds a series ({", ".join(ours)}); pass --overwrite to measure it '
                    'again, or another --name')
-    for f in ours:
-        os.remove(os.path.join(path, f))
-    os.makedirs(path, exist_ok=True)
     return path
 
 
@@ -192,47 +254,61 @@ def write_json(obj, path):
     os.replace(path + '.tmp', path)
 
 
-def write_series(path, a, tf, revisions, ids, config, log):
-    """Each revision's record into path/metrics.jsonl, in the order of its step; config.json (config
-    and the model's sizes) at the first."""
+def measure_series(a, tf, revisions, ids, config, log):
+    """Each revision's record, in the order of its step; config gains the family and the model's
+    sizes at the first revision."""
+    records = []
+    for step, revision in sorted(zip(steps_of(revisions), revisions)):
+        t0 = time.time()
+        model = load(tf, a, revision, 'model')
+        family, fam = family_of(model.config)
+        layers, width = measure(model.to(config['device']).eval(), ids, a.rope)
+        sizes = {'n_layer': len(layers), 'n_head': model.config.num_attention_heads,
+                 'n_embd': width}
+        if 'family' not in config:
+            config.update(family=family, rope=a.rope if fam.rotary else 'none', **sizes)
+            if a.gguf_file:
+                config.update(gguf_quantization(tf, source(a.model, revision, a.gguf_file)))
+        if sizes != {k: config[k] for k in sizes}:
+            raise Stop(f'revision {revision} has {sizes}, unlike the first revision')
+        records.append({'iter': step, 'revision': revision or '', 'time': time.time() - t0,
+                        'layers': layers})
+        log(f'{a.model} {revision or "(default)"}: step {step}, {time.time() - t0:.1f}s')
+    return records
+
+
+def write_series(path, config, records, done):
+    """config.json, metrics.jsonl and done.json (last) into path, after removing what this command
+    wrote there before (done.json first)."""
+    for f in reversed(OWN):
+        if os.path.exists(os.path.join(path, f)):
+            os.remove(os.path.join(path, f))
+    os.makedirs(path, exist_ok=True)
+    write_json(config, os.path.join(path, 'config.json'))
     with open(os.path.join(path, 'metrics.jsonl'), 'w') as metrics:
-        for step, revision in sorted(zip(steps_of(revisions), revisions)):
-            t0 = time.time()
-            model = tf.AutoModel.from_pretrained(**source(a.model, revision), dtype=torch.float32,
-                                                 attn_implementation='eager')
-            family, fam = family_of(model.config)
-            layers, width = measure(model.to(config['device']).eval(), ids, a.rope)
-            sizes = {'n_layer': len(layers), 'n_head': model.config.num_attention_heads,
-                     'n_embd': width}
-            if 'family' not in config:
-                config.update(family=family, rope=a.rope if fam.rotary else 'none', **sizes)
-                write_json(config, os.path.join(path, 'config.json'))
-            if sizes != {k: config[k] for k in sizes}:
-                raise Stop(f'revision {revision} has {sizes}, unlike the first revision')
-            record = {'iter': step, 'revision': revision or '', 'time': time.time() - t0,
-                      'layers': layers}
-            metrics.write(json.dumps(record) + '\n')
-            metrics.flush()
-            log(f'{a.model} {revision or "(default)"}: step {step}, {time.time() - t0:.1f}s')
-    return step
+        metrics.writelines(json.dumps(record) + '\n' for record in records)
+    write_json(done, os.path.join(path, 'done.json'))
 
 
 def run(a, tf, log=print):
-    """Measure each revision of a.model into its series folder; the folder. Every check that can
-    refuse runs before --overwrite removes anything."""
+    """Measure each revision of a.model into its series folder; the folder. Every revision is
+    loaded and measured before --overwrite removes anything: a failure leaves the old series."""
     if a.rope not in ('after', 'before'):
         raise Stop(f'--rope={a.rope}: after or before')
     if not os.path.isfile(a.text):
         raise Stop(f'{a.text} is not there; pass --text=FILE (any UTF-8 text)')
+    missing = [m for m in ('gguf', 'accelerate') if a.gguf_file and not find_spec(m)]
+    if missing:
+        raise Stop(f'--gguf_file needs {" and ".join(missing)}: pip install gguf accelerate')
     revisions = [r or None for r in REVISION_PRESETS.get(a.revisions) or a.revisions.split(',')]
     steps_of(revisions)
+    stem = os.path.basename(os.path.normpath(a.gguf_file or a.model)).removesuffix('.gguf')
+    name = a.name or stem
+    path = series_folder(a.out_dir, name if a.rope == 'after' else f'{name}-before', a.overwrite)
     text = open(a.text, encoding='utf-8', errors='replace').read(100_000)
-    tokenizer = tf.AutoTokenizer.from_pretrained(**source(a.model, revisions[0]))
-    ids = text_windows(tokenizer, text, a.n_seqs, a.seq_len)
+    ids = text_windows(load(tf, a, revisions[0], 'tokenizer'), text, a.n_seqs, a.seq_len)
     if ids.shape[1] < 2:
         raise Stop(f'{a.text} gives fewer than 2 tokens a window; pass a longer text')
-    name = a.name or os.path.basename(os.path.normpath(a.model))
-    path = series_folder(a.out_dir, name if a.rope == 'after' else f'{name}-before', a.overwrite)
     device = a.device or ('cuda' if torch.cuda.is_available() else
                           'mps' if torch.backends.mps.is_available() else 'cpu')
     config = {'pretrained': True, 'model': a.model, 'revisions': revisions,
@@ -240,16 +316,20 @@ def run(a, tf, log=print):
               'data_sha256': hashlib.sha256(text.encode()).hexdigest(), 'device': device,
               'torch': torch.__version__, 'transformers': tf.__version__}
     t0 = time.time()
-    last = write_series(path, a, tf, revisions, ids, config, log)
-    done = {'iter': last, 'revisions': len(revisions), 'wall_time': time.time() - t0}
-    write_json(done, os.path.join(path, 'done.json'))
+    records = measure_series(a, tf, revisions, ids, config, log)
+    done = {'iter': records[-1]['iter'], 'revisions': len(revisions), 'wall_time': time.time() - t0}
+    write_series(path, config, records, done)
     return path
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description='the token-level geometry of a pretrained checkpoint '
-                                'series, as a folder analyze.py reads')
-    p.add_argument('--model', required=True, help='a model name, or a local folder of revisions')
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--model', required=True,
+                   help='a model name, a local model folder, or a local folder of revisions')
+    p.add_argument('--gguf_file', default='',
+                   help="a GGUF file in --model's folder (or hub repository): model and tokenizer "
+                   'from it, its weights dequantized (pip install gguf accelerate)')
     p.add_argument('--revisions', default='',
                    help="R1,R2,... or 'pythia' (default: the model as it is)")
     p.add_argument('--text', default='data/wikitext-103-raw/wiki.test.raw',
@@ -260,8 +340,8 @@ def main(argv=None):
     p.add_argument('--n_seqs', type=int, default=8, help='windows of the text')
     p.add_argument('--seq_len', type=int, default=256, help='tokens a window')
     p.add_argument('--out_dir', default='out', help='series go to out_dir/name/')
-    p.add_argument('--name', default='', help="the series' folder (default: the model's last name; "
-                   "-before is added with --rope=before)")
+    p.add_argument('--name', default='', help="the series' folder (default: the last name of the "
+                   "model or GGUF file; -before is added with --rope=before)")
     p.add_argument('--overwrite', action='store_true', help='measure a series in its folder again')
     p.add_argument('--device', default='', help="'' = cuda, then mps, then cpu")
     a = p.parse_args(argv)
@@ -272,7 +352,7 @@ def main(argv=None):
         return 2
     try:
         path = run(a, transformers)
-    except (Stop, OSError) as e:   # OSError: transformers found no such model or revision
+    except (Stop, OSError) as e:   # OSError: the text or out_dir cannot be read or written
         print(f'error: {e}'.splitlines()[0], file=sys.stderr)
         return 2
     print(f'wrote {path}; `python analyze.py {a.out_dir}` reads it')

@@ -73,6 +73,7 @@ FAMILIES = {'gpt2': ('GPT2Config', dict(n_layer=2, n_embd=32, n_head=4, vocab_si
                                         n_positions=64, initializer_range=0.3)),
             'gpt_neox': ('GPTNeoXConfig', SMALL),
             'llama': ('LlamaConfig', dict(SMALL, num_key_value_heads=2)),
+            'phi': ('PhiConfig', dict(SMALL, num_key_value_heads=2, partial_rotary_factor=0.5)),
             'opt': ('OPTConfig', dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                       ffn_dim=64, vocab_size=100, max_position_embeddings=64,
                                       word_embed_proj_dim=32, init_std=0.3))}
@@ -149,9 +150,38 @@ def test_a_local_checkpoint_series_is_a_folder_the_analysis_loads_like_a_run(tf,
     assert os.listdir(tmp_path / 'series' / 'run') == ['config.json']
 
 
+def test_a_failed_overwrite_leaves_the_old_series_and_says_why_in_one_line(tf, tmp_path, capsys):
+    neox = tmp_path / 'neox'
+    for step in (0, 1):
+        build(tf, 'gpt_neox', step).save_pretrained(neox / f'step{step}')
+        char_tokenizer(tf, neox / f'step{step}')
+    torch.manual_seed(0)   # a model whose vocabulary is smaller than its tokenizer's: it cannot run
+    small = dict(SMALL, vocab_size=10)
+    tf.AutoModel.from_config(tf.GPTNeoXConfig(**small)).save_pretrained(neox / 'step2')
+    (tmp_path / 'sample.txt').write_text(text(3000), encoding='utf-8')
+    args = [f'--model={neox}', f'--text={tmp_path / "sample.txt"}', '--n_seqs=2', '--seq_len=16',
+            f'--out_dir={tmp_path / "series"}', '--name=neox', '--overwrite']
+    assert pretrained.main(args + ['--revisions=step0,step1']) == 0
+    series = tmp_path / 'series' / 'neox'
+    before = {f: (series / f).read_bytes() for f in os.listdir(series)}
+    assert set(before) == {'config.json', 'metrics.jsonl', 'done.json'}
+    capsys.readouterr()
+    for revisions, cause in (('step0,step1,step5', 'step5: cannot load its model'),
+                             ('step0,step2', 'failed on the text: IndexError'),
+                             ('step0', 'step0: cannot load its tokenizer')):
+        if cause.endswith('tokenizer'):
+            args[0] = f'--model={tmp_path}'   # a folder that holds no model
+        assert pretrained.main(args + [f'--revisions={revisions}']) == 2
+        err = capsys.readouterr().err
+        assert 'Traceback' not in err and cause in err.splitlines()[-1], err
+        assert {f: (series / f).read_bytes() for f in os.listdir(series)} == before
+
+
 def test_an_unknown_family_or_a_revision_without_a_step_stops_and_windows_carry_special_tokens(tf):
     with pytest.raises(pretrained.Stop, match=r"'bert' is not supported.*gpt2, gpt_neox, opt"):
         pretrained.family_of(tf.BertConfig())
+    with pytest.raises(pretrained.Stop, match='qk_layernorm is not supported'):
+        pretrained.family_of(tf.PhiConfig(qk_layernorm=True))
     with pytest.raises(pretrained.Stop, match="revision 'main' names no training step"):
         pretrained.steps_of(['step1', 'main'])
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
