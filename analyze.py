@@ -617,7 +617,7 @@ def claims_table(study, cells):
     """Each claim in its own view, (d), (e) per setting, (f1), (f2) per source; Holm over them."""
     pool, rows = uncontrolled(study.runs), []
     where = f'{len(pool)} uncontrolled runs in {len(group(pool, lambda r: r.setting))} settings'
-    for c in CLAIMS:
+    for c in (c for c in CLAIMS if study.runs or c.unit == 'model'):   # a series: model claims
         if c.unit == 'pair':
             fro = {(x['setting'], x['twins']): x for x in cells
                    if x['key'] == c.key and x['keep'] == 'fro'}
@@ -1001,6 +1001,21 @@ def token_rows(study):
     return rows
 
 
+def token_layer_rows(study):
+    """(f2) per layer of each pretrained series: Spearman of tok_pr_qk with entropy across the
+    layer's heads at the last checkpoint (exploratory: heads of one layer, one model)."""
+    rows = []
+    for r in study.series:
+        if not {'tok_pr_qk_heads', 'entropy_heads'} <= set(r.m):
+            continue
+        rank, entropy = (r.m[k][-1] for k in ('tok_pr_qk_heads', 'entropy_heads'))
+        for layer in range(r.n_layer):
+            rows.append({'model': r.name, 'step': int(r.iters[-1]), 'layer': layer,
+                         'heads': rank.shape[-1], 'f2 within the layer': stats.spearman(
+                             rank[layer], entropy[layer])})
+    return rows
+
+
 # ----------------------------------------------------------------------------------- the analysis
 @dataclass
 class Study:
@@ -1071,11 +1086,12 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
     folders.check_out(study.out)
     if not study.runs and not study.series:
         raise Skip(f'no usable run folder under {", ".join(paths)} ({len(study.skipped)} skipped)')
-    cells, (points, lines) = robustness_cells(study), regime(study)
+    cells, (points, lines) = robustness_cells(study) if study.runs else [], regime(study)
     t = study.tables = dict(claims=claims_table(study, cells), cells=cells, regime=points,
                             regime_trend=lines, control_dose=control_dose(study),
                             control_dose_fit=dose_fits(study), runs=runs_rows(study),
                             settings=setting_rows(study), token_series=token_rows(study),
+                            token_layers=token_layer_rows(study),
                             **what_sets_entropy(study))
     figs = plots.draw(study, t, log) if figures else {'files': {}, 'notes': []}
     files = {**figs['files'], **report.map_tables(cells, ALL)}

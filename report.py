@@ -316,6 +316,9 @@ def token_lines(tables):
     for source, rows in folders.group(tables['token_series'], lambda r: r['source']).items():
         columns = [k for k in rows[0] if k != 'source']
         lines += [f'### {source}', '', folders.markdown(rows, columns)]
+    if tables['token_layers']:
+        lines += ['(f2) within each layer of a pretrained series, across its heads at the last '
+                  'checkpoint:', '', folders.markdown(tables['token_layers'])]
     return lines
 
 
