@@ -44,7 +44,7 @@ WHOLE_SIZE = ['--n_layer=4', '--n_embd=128', '--n_head=4', '--block_size=128', '
 
 def preset_args(preset):
     """The --key=value sizes of one of sweep.sh's presets, their one home."""
-    out = subprocess.run(['bash', os.path.join(REPO, 'sweep.sh')],
+    out = subprocess.run(['bash', f'{REPO}/sweep.sh'],
                          env=dict(os.environ, PRESET=preset, PRINT_ARGS='1'),
                          capture_output=True, text=True)
     if out.returncode:
@@ -251,14 +251,14 @@ def count_syncs(steps):
 def gpu_check(a, args):
     """The tests, paper runs (plain, controlled, compiled), --overhead, --syncs, DDP on 2 GPUs,
     --jobs, a smoke sweep (--small: at CPU sizes), each to LOG/STEP.log, then LOG/summary.txt; a
-    failed step does not stop the next."""
+    failed step does not stop the next. Each runs in the caller's folder, where its paths lead."""
     py, small, runs, ngpu = (sys.executable, a.small, os.path.join(a.log, 'runs'),
                              torch.cuda.device_count())
     sizes = preset_args('smoke' if small else 'paper')
-    run = [py, 'train.py', *sizes, *args, f'--out_dir={runs}', '--overwrite=True']
+    run = [py, f'{REPO}/train.py', *sizes, *args, f'--out_dir={runs}', '--overwrite=True']
     # for --overhead, --syncs and --jobs
     tiny = ['--preset=smoke', '--iters=4', '--repeats=1'] if small else []
-    tests = [os.path.join('tests', 'test_geometry.py'), '-k', 'test_pr_'] if small else []
+    tests = [f'{REPO}/tests/test_geometry.py', '-k', 'test_pr_'] if small else [f'{REPO}/tests']
     sweep = {'PRESET': 'smoke', 'OUT': os.path.join(a.log, 'sweep'), 'JOBS': max(2, 2 * ngpu),
              'DEPTHS': 4, 'SEEDS': 1, 'INITS': 'normal tied', 'CONTROL_SEEDS': '' if small else 1,
              'SHRINK_TOS': 0.2, 'CONTROL_KEEPS': 'fro', 'PYTHON': py,
@@ -269,15 +269,15 @@ def gpu_check(a, args):
         'paper_control': [*run, '--control=shrink', '--shrink_to=0.2', '--run_name=paper_control'],
         'paper_compile': 'skipped (--small)' if small else
         [*run, '--compile=True', '--run_name=paper_compile'],
-        'overhead': [py, 'bench.py', '--overhead', *tiny],
-        'syncs': [py, 'bench.py', '--syncs', *tiny] if ngpu else
+        'overhead': [py, f'{REPO}/bench.py', '--overhead', *tiny],
+        'syncs': [py, f'{REPO}/bench.py', '--syncs', *tiny] if ngpu else
         'skipped (set_sync_debug_mode is CUDA only)',
         'ddp': f'skipped (DDP needs 2 GPUs, {ngpu} here)' if ngpu < 2 else
         [py, '-m', 'torch.distributed.run', '--nproc_per_node=2', *run[1:], '--grad_accum=2',
          '--run_name=ddp'],
-        'jobs': [py, 'bench.py', '--jobs=2' if small else '--jobs=1,2,4,8', *tiny, *args],
+        'jobs': [py, f'{REPO}/bench.py', '--jobs=2' if small else '--jobs=1,2,4,8', *tiny, *args],
         'sweep': ['env', *(f'{k}={v}' for k, v in sweep.items() if v is not None),
-                  'bash', 'sweep.sh'],
+                  'bash', f'{REPO}/sweep.sh'],
     }
     os.makedirs(a.log, exist_ok=True)
     with open(os.path.join(a.log, 'summary.txt'), 'a') as summary:
@@ -286,8 +286,7 @@ def gpu_check(a, args):
             t0, status, log = time.perf_counter(), steps[name], os.path.join(a.log, f'{name}.log')
             if not isinstance(status, str):
                 with open(log, 'w') as out:
-                    rc = subprocess.run(status, cwd=REPO, stdout=out,
-                                        stderr=subprocess.STDOUT).returncode
+                    rc = subprocess.run(status, stdout=out, stderr=subprocess.STDOUT).returncode
                 status = 'ok' if rc == 0 else f'FAILED (exit {rc})'
             line = f'{name}: {status} in {time.perf_counter() - t0:.0f} s'
             if os.path.isfile(os.path.join(runs, name, 'done.json')):   # a run's speed

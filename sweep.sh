@@ -16,9 +16,7 @@ die() { echo "sweep.sh: $*" >&2; exit 2; }
 check() {  # check PATTERN MESSAGE VARIABLE...: each variable that is set must match PATTERN
     for v in "${@:3}"; do [ -z "${!v+set}" ] || [[ ${!v} =~ $1 ]] || die "$v=${!v}: $2"; done
 }
-for v in OUT DATA_FILE RUN_LIST PYTHON; do  # set to "": most likely by mistake
-    [ -n "${!v-unset}" ] || die "$v=\"\": unset it for its default"
-done
+check . '"" is most likely a mistake: unset it for its default' OUT DATA_FILE RUN_LIST PYTHON
 PRESET=${PRESET-paper} OUT=${OUT-out/$PRESET} BACKEND=${BACKEND-local} PYTHON=${PYTHON-python3}
 check '^(local|slurm)$' 'use local or slurm' BACKEND
 check '^[01]$' 'use 1 (yes) or 0 (no)' DRY_RUN ANALYZE PRINT_ARGS
@@ -30,8 +28,8 @@ check '^([[:space:][:digit:].]|[eE][-+]?)*$' 'numbers >= 0, separated by spaces'
 [ -z "${DATA_FILE-}" ] || [ -f "$DATA_FILE" ] || die "DATA_FILE=$DATA_FILE is not a file"
 [[ $BACKEND = slurm && $OUT == *[#%]* ]] &&
     die "OUT=$OUT: Slurm reads # in #SBATCH lines as a comment, % as a pattern"
-REPO=$(cd "$(dirname "$0")" && pwd)
-SWEEP_PY=("$PYTHON" "$REPO/plumbing/sweep.py")  # sweep.sh's Python
+REPO=$(cd "$(dirname "$0")" && pwd) SWEEP_PY=("$PYTHON" "$REPO/plumbing/sweep.py")  # its Python
+"${SWEEP_PY[@]}" check-env || exit 2  # a near miss of a variable above or below (DRYRUN, SEED)
 # ----------------------------------------------------------------------------- presets
 CPU=(--n_embd=64 --n_head=4 --block_size=64 --batch_size=16 --max_iters=2000 --eval_interval=200
      --geom_interval=200 --eval_iters=10 --shrink_iters=400 --dataset=wikitext103-test)
@@ -142,8 +140,7 @@ names=$(for line in "${GRID[@]}"; do settings "$line"; done |
         "${SWEEP_PY[@]}" names "$OUT" "${#ARGS[@]}" "${#EXTRA[@]}" "${RUN_LIST-}") || exit 2
 NAMES=() RUNS=() TODO=()  # TODO: the runs not done yet, by their index
 while read -r i name; do
-    [ -f "$OUT/$name/done.json" ] && echo "skip $name (done)" || TODO+=(${#NAMES[@]})
-    NAMES+=("$name") RUNS+=("${GRID[$i]}")
+    [ -f "$OUT/$name/done.json" ] || TODO+=(${#NAMES[@]}); NAMES+=("$name") RUNS+=("${GRID[$i]}")
 done <<< "$names"
 command_of() {  # command_of I: CMD, the train.py command of run I
     CMD=("$PYTHON" "$REPO/train.py" "${ARGS[@]}" ${RUNS[$1]} ${EXTRA[@]+"${EXTRA[@]}"}
@@ -168,14 +165,16 @@ if [ "$BACKEND" = slurm ]; then  # an array task per run not done, read from thi
              printf '#SBATCH %q\n' "${SBATCH[@]}" "${SLURM[@]}"
              printf 'eval "$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" %q)"\n' "$SUB/commands.txt")
 fi
-echo "sweep: PRESET=$PRESET, ${#NAMES[@]} runs in $OUT (${#TODO[@]} to train)," \
-     "JOBS=$JOBS, --threads=$THREADS each"
+[ "${DRY_RUN-0}" = 1 ] || { mkdir -p "$OUT/logs" 2> /dev/null && [ -w "$OUT/logs" ]; } ||
+    die "OUT=$OUT: cannot write $OUT/logs"
+echo "sweep: PRESET=$PRESET, ${#NAMES[@]} runs in $OUT ($((${#NAMES[@]} - ${#TODO[@]})) finished," \
+     "${#TODO[@]} to train), JOBS=$JOBS, --threads=$THREADS each"
 if [ "${DRY_RUN-0}" = 1 ] && [ "$BACKEND" = slurm ]; then  # what would run, and nothing written
     printf '%s\n' "# $SUB/array.sbatch:" "$SCRIPT" "# $SUB/commands.txt:" "$TASKS"; exit 0
 elif [ "${DRY_RUN-0}" = 1 ]; then
     for i in ${TODO[@]+"${TODO[@]}"}; do shown "$i"; done; exit 0
 fi
-mkdir -p "$OUT/logs" && rm -f "$OUT"/logs/*.failed
+rm -f "$OUT"/logs/*.failed
 "${SWEEP_PY[@]}" prepare "${ARGS[@]}" ${EXTRA[@]+"${EXTRA[@]}"} ||
     die "cannot prepare the data (nothing ran)"
 if [ "$BACKEND" = slurm ]; then  # the array, then the analysis after all of its tasks

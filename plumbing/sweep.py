@@ -1,6 +1,7 @@
 """sweep.sh's Python: it checks and names every run of a sweep before anything runs, prepares the
 data once, and trains the runs on this machine. sweep.sh runs it as a script, one step a call:
 
+    python plumbing/sweep.py check-env
     python plumbing/sweep.py run-list RUN_LIST N_EXTRA
     python plumbing/sweep.py names OUT N_PRESET N_EXTRA RUN_LIST < runs
     python plumbing/sweep.py prepare --key=value ...
@@ -13,7 +14,7 @@ NUL-ended fields: each run's name, the length of its command, its command. A sto
 stderr, sweep.sh's (or train.py's about a setting), and exit status 1 (sweep.sh exits 2).
 """
 import contextlib
-import glob
+import fcntl
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import time
 
 PLUMBING = os.path.dirname(os.path.realpath(__file__))
 REPO = os.path.dirname(PLUMBING)  # the repository root
+SWEEP_SH = os.path.join(REPO, 'sweep.sh')
 
 if __name__ == '__main__':
     # as a script, Python puts plumbing/ first on sys.path; the root goes there instead, so that
@@ -48,6 +50,80 @@ def load():
     except ModuleNotFoundError as e:  # most often torch: a Python outside the project's venv
         sys.exit(f'sweep.sh: {sys.executable} has no {e.name}: '
                  f'activate its venv or set PYTHON=/path/to/venv/bin/python')
+
+
+# ----------------------------------------------------------------------------- variables
+
+
+def variables(text):
+    """The environment variables that a sweep.sh text reads: each ${NAME-default}."""
+    return set(re.findall(r'\$\{([A-Z][A-Z0-9_]*):?-', text))
+
+
+def one_edit_apart(a, b):
+    """Whether b is a with one letter changed, added or dropped, or two neighbours swapped."""
+    if len(a) > len(b):
+        a, b = b, a
+    i = 0
+    while i < len(a) and a[i] == b[i]:
+        i += 1
+    if len(a) < len(b):
+        return a[i:] == b[i + 1:]
+    swapped = a[i:i + 2] == b[i:i + 2][::-1] and a[i + 2:] == b[i + 2:]
+    return a[i + 1:] == b[i + 1:] or swapped
+
+
+def meant(name, known):
+    """The variable of known that name probably misspells, or None: the same letters but for case
+    and underscores, one more or one less S, or (for names of 5 letters or more) one letter off.
+    Other names (HOME, PATH, SLURM_JOB_ID, ...) are far from every one of them."""
+    if name in known:
+        return None
+    upper = name.upper()
+    for k in sorted(known):
+        squeezed = upper.replace('_', '') == k.replace('_', '')
+        plural = upper + 'S' == k or upper == k + 'S'
+        if squeezed or plural or (len(k) >= 5 and one_edit_apart(upper, k)):
+            return k
+    return None
+
+
+def check_env(environ):
+    """Stop at a variable of environ that is a near miss of one sweep.sh reads: sweep.sh would
+    ignore it and run its default."""
+    with open(SWEEP_SH) as f:
+        known = variables(f.read())
+    for name in sorted(environ):
+        k = meant(name, known)
+        if k:
+            sys.exit(f'sweep.sh: {name}={environ[name]}: sweep.sh reads no {name}; did you mean '
+                     f'{k}? (nothing ran; unset {name} if not)')
+
+
+def grid_variables(text):
+    """{key: the variables whose loops set --key in a sweep.sh text}: a loop over ${VAR-...} in a
+    function that sets --key from the loop's variable, or a loop over the function's argument $N
+    where a call passes "${VAR-...}"."""
+    text = text.replace('\\\n', ' ')
+    found = {}
+    for func, body in re.findall(r'^(\w+)\(\) \{[^\n{}]*\n(.*?)^\}', text, re.M | re.S):
+        for loop, source in re.findall(r'for (\w+) in (\$\{\w+-[^}]*\}|\$\d)', body):
+            names = re.findall(r'^\$\{(\w+)-', source) or passed(text, func, int(source[1:]))
+            for key in re.findall(rf'--(\w+)="?\${loop}\b', body):
+                for name in names:
+                    if name not in found.setdefault(key, []):
+                        found[key].append(name)
+    return found
+
+
+def passed(text, func, n):
+    """The variables that calls of func in text pass as its argument n, as "${VAR-...}"."""
+    names = []
+    for call in re.findall(rf'^\s*{func} (.*)$', text, re.M):
+        args = shlex.split(call, comments=True)
+        if len(args) >= n and re.match(r'\$\{\w+-', args[n - 1]):
+            names.append(re.match(r'\$\{(\w+)-', args[n - 1])[1])
+    return names
 
 
 # ----------------------------------------------------------------------------- names
@@ -104,6 +180,23 @@ def check_config_files(args, start, cfg):
                      f'(a --key=value wins over a file): pass {lost}')
 
 
+def check_grid_keys(rows, n_preset, n_extra):
+    """Stop at an extra --key=value that a grid line sets too: it would win over the grid's value
+    in every run, and runs that differ only there would merge into one."""
+    grid = set()
+    for args in rows:
+        grid |= keys(args[n_preset:len(args) - n_extra])
+    for arg in rows[0][len(rows[0]) - n_extra:] if n_extra and rows else []:
+        key, _, value = arg[2:].partition('=')
+        if arg.startswith('--') and key in grid:
+            with open(SWEEP_SH) as f:
+                names = grid_variables(f.read()).get(key)
+            instead = (f"{names[0]}={value} (the grid's variables for it: {', '.join(names)})"
+                       if names else "the grid's variable for it (sweep.sh --help)")
+            sys.exit(f'sweep.sh: {arg}: the grid sets --{key} run by run, and its runs would '
+                     f'merge; set {instead} instead')
+
+
 def check_finished(cfg, out):
     """Stop if the run is finished under out with other settings than cfg's: the sweep would skip
     it, and keep a run that is not the one asked for."""
@@ -125,10 +218,11 @@ def check_finished(cfg, out):
 def names(lines, out, n_preset, n_extra, listed):
     """{run name: the index of its first line} of the runs of lines, each checked by train.py; a
     later line with a name listed before is the same run, trained once."""
+    rows = [shlex.split(line) for line in lines]
+    check_grid_keys(rows, n_preset, n_extra)
     load()
     first = {}
-    for i, line in enumerate(lines):
-        args = shlex.split(line)
+    for i, args in enumerate(rows):
         cfg = train.get_config(args)
         check_config_files(args, user_start(args, n_preset, n_extra, listed), cfg)
         if cfg['overwrite']:  # a sweep skips finished runs and resumes stopped ones
@@ -196,6 +290,24 @@ def alive(child):
     return True
 
 
+def elsewhere(run_dir):
+    """Whether another process holds the run's .lock (a lock that goes with its holder) or has
+    finished the run."""
+    if os.path.exists(os.path.join(run_dir, 'done.json')):
+        return True
+    try:
+        fd = os.open(os.path.join(run_dir, '.lock'), os.O_RDONLY)
+    except OSError:  # no .lock: nobody trains it
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # and with it the lock this took
+    return False
+
+
 class Runner:
     """A sweep's runs as they train: at most jobs at once, each in a process group of its own."""
 
@@ -203,6 +315,7 @@ class Runner:
         self.out, self.jobs, self.threads, self.gpus, self.total = out, jobs, threads, gpus, total
         self.running = {}  # the train.py processes: their run's name and start time
         self.walls = []  # the seconds of each run that ended, for the time left
+        self.failed, self.elsewhere = [], []  # runs: failed; trained by another process
 
     def log(self, name):
         return os.path.join(self.out, 'logs', name + '.log')
@@ -243,9 +356,14 @@ class Runner:
         left = time_left(self.walls, self.total, self.jobs)
         if child.returncode == 0:
             print(f'done {name} in {took} s ({left})', flush=True)
-            return
-        print(f'FAILED {name} after {took} s ({left}): {last_line(self.log(name))}', flush=True)
-        open(os.path.join(self.out, 'logs', name + '.failed'), 'w').close()
+        elif elsewhere(os.path.join(self.out, name)):
+            print(f'elsewhere {name}: another process trains it ({left})', flush=True)
+            self.elsewhere.append(name)
+        else:
+            print(f'FAILED {name} after {took} s ({left}): {last_line(self.log(name))}',
+                  flush=True)
+            open(os.path.join(self.out, 'logs', name + '.failed'), 'w').close()
+            self.failed.append(name)
 
     def stop(self):
         """Signal each run's own process group (not the caller's): train.py checkpoints and stops.
@@ -261,7 +379,8 @@ class Runner:
 
 
 def run(commands, out, jobs, threads, gpus):
-    """Train the runs of commands (read_commands) and say how each ended; the number that failed."""
+    """Train the runs of commands (read_commands) and say how each ended: (the runs that failed,
+    those that another process trains and has not finished)."""
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         # as for bash's trap: ignored from the start stays so
         if signal.getsignal(s) != signal.SIG_IGN:
@@ -273,13 +392,17 @@ def run(commands, out, jobs, threads, gpus):
         runner.start(slot, name, command)
     while runner.running:
         runner.wait()
-    return len(glob.glob(os.path.join(glob.escape(out), 'logs', '*.failed')))
+    unfinished = [name for name in runner.elsewhere
+                  if not os.path.exists(os.path.join(out, name, 'done.json'))]
+    return runner.failed, unfinished
 
 
 def main(argv):
     """One step of sweep.sh: names, prepare or run (the module's docstring)."""
     step, *args = argv
-    if step == 'run-list':
+    if step == 'check-env':
+        check_env(os.environ)
+    elif step == 'run-list':
         path, n_extra = args
         sys.stdout.buffer.write(b''.join(line + b'\n' for line in run_list(path, int(n_extra))))
     elif step == 'names':
@@ -290,16 +413,20 @@ def main(argv):
         prepare_data(args)
     elif step == 'run':
         out, jobs, threads, analyze, python, *gpus = args
-        failed = run(read_commands(sys.stdin.buffer), out, int(jobs), threads, gpus)
+        failed, unfinished = run(read_commands(sys.stdin.buffer), out, int(jobs), threads, gpus)
         if failed:
-            print(f'{failed} runs failed (logs in {out}/logs/); fix the cause and run the same '
-                  f'command again')
+            print(f'{len(failed)} runs failed (logs in {out}/logs/); fix the cause and run the '
+                  f'same command again')
             sys.exit(1)
-        if analyze == '1':
+        if unfinished:  # the analysis waits for them: the sweep that ends last runs it
+            print(f'{len(unfinished)} runs are still training elsewhere (another sweep into '
+                  f'{out}?): no analysis here; the sweep that ends last runs it, or run '
+                  f'python analyze.py {out} once they are done')
+        elif analyze == '1':
             sys.stdout.flush()
             os.execvp(python, [python, os.path.join(REPO, 'analyze.py'), out])
     else:
-        sys.exit(f'sweep.py: unknown step {step!r}: run-list, names, prepare or run')
+        sys.exit(f'sweep.py: unknown step {step!r}: check-env, run-list, names, prepare or run')
 
 
 if __name__ == '__main__':

@@ -1,6 +1,7 @@
 """bench.py: each mode runs and prints its table, the GPU check included at its CPU size."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -58,6 +59,21 @@ def test_the_gpu_check_runs_every_step_at_cpu_size_and_goes_on_after_a_failure(t
                 f'--log={tmp_path / "log2"}')
     # the second ran after the first failed
     assert (tmp_path / 'log2' / 'summary.txt').read_text().count('FAILED') == 2
+
+
+def test_the_gpu_check_s_relative_paths_lead_from_the_caller_s_folder(tmp_path, text_file):
+    log = f'gpu-check-{os.getpid()}'  # a name no one else uses, should it land in the repository
+    try:
+        out = subprocess.run([sys.executable, os.path.join(REPO, 'bench.py'), '--gpu_check',
+                              '--small', '--steps=paper_run', f'--data_file={text_file.name}',
+                              f'--log={log}'], capture_output=True, text=True, cwd=tmp_path,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr
+        assert 'paper_run: ok' in (tmp_path / log / 'summary.txt').read_text()
+        assert (tmp_path / log / 'runs' / 'paper_run' / 'done.json').exists()
+        assert not os.path.exists(os.path.join(REPO, log))
+    finally:
+        shutil.rmtree(os.path.join(REPO, log), ignore_errors=True)
 
 
 def test_a_bad_number_or_an_absent_device_stops_bench_in_one_line_naming_it():

@@ -1,5 +1,6 @@
 """sweep.sh: the grids, its variables and RUN_LIST checked before anything runs, a real sweep,
 resume, stop, Slurm."""
+import fcntl
 import os
 import re
 import shlex
@@ -9,6 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from plumbing import sweep as sweep_py
 
 
 SWEEP = os.path.join(REPO, 'sweep.sh')
@@ -53,9 +55,14 @@ def test_dry_run_lists_each_preset_s_grid_and_writes_nothing(tmp_path, preset, n
                 and '--control=' not in runs[35])
 
 
+def names_of(runs):
+    return [re.search(r'--run_name=(\S+)', c)[1] for c in runs]
+
+
 def test_extra_arguments_are_in_the_names(tmp_path):
-    runs = commands(sweep(tmp_path, '--seed=7', PRESET='ladder', DRY_RUN='1'))
-    assert len(runs) == 10 and all('_s7' in c for c in runs)   # 10 settings, not 30 copies of them
+    plain = names_of(commands(sweep(tmp_path, PRESET='ladder', DRY_RUN='1')))
+    dropout = names_of(commands(sweep(tmp_path, '--dropout=0.1', PRESET='ladder', DRY_RUN='1')))
+    assert len(plain) == len(set(dropout)) == 30 and not set(plain) & set(dropout)
     one = dict(PRESET='cpu', DRY_RUN='1', SEEDS='1', DEPTHS='4', INITS='normal', CONTROL_SEEDS='')
     plain, decay = (commands(sweep(tmp_path, *args, **one))[0]
                     for args in ([], ['--decay_qk=False']))
@@ -65,7 +72,7 @@ def test_extra_arguments_are_in_the_names(tmp_path):
 def test_a_bad_variable_or_argument_stops_the_sweep_in_one_line_before_anything_runs(tmp_path):
     # the smoke preset's --n_embd=16 would win over it
     (tmp_path / 'mine.py').write_text('n_embd = 32\n')
-    read = sorted(set(re.findall(r'\$\{([A-Z][A-Z_]*):?-', open(SWEEP).read())))
+    read = sorted(sweep_py.variables(open(SWEEP).read()))
     cases = [({var: bad}, []) for var in read for bad in BAD.get(var, ['x', '4,6', '-1'])] + [
         ({'OUT': 'runs#1', 'BACKEND': 'slurm'}, []), ({}, ['mine.py']), ({}, ['--overwrite=True'])]
     for env, args in cases:
@@ -75,6 +82,87 @@ def test_a_bad_variable_or_argument_stops_the_sweep_in_one_line_before_anything_
         named = [w for w in [*env, *env.values(), *args] if w and w.lstrip('-') in out.stderr]
         assert named, out.stderr  # names it
         assert os.listdir(tmp_path) == ['mine.py']
+
+
+# what a shell, a cluster or a GPU machine sets: none is a near miss of a variable sweep.sh reads
+ORDINARY = ('HOME PATH USER SHELL PWD OLDPWD LANG TERM TMPDIR DISPLAY EDITOR HOSTNAME '
+            'LD_LIBRARY_PATH PYTHONPATH PYTHONHOME PYTHON_VERSION VIRTUAL_ENV CONDA_PREFIX '
+            'CUDA_HOME CUDA_DEVICE_ORDER HIP_VISIBLE_DEVICES OMP_NUM_THREADS MKL_NUM_THREADS '
+            'MPLBACKEND RANK LOCAL_RANK WORLD_SIZE MASTER_ADDR MASTER_PORT NCCL_DEBUG TORCH_HOME '
+            'HF_HOME QKGEOM_CACHE SLURM_JOB_ID SLURM_JOBID SLURM_JOB_NAME SLURM_ARRAY_JOB_ID '
+            'SLURM_ARRAY_TASK_ID SLURM_ARRAY_TASK_COUNT SLURM_CPUS_ON_NODE SLURM_CPUS_PER_GPU '
+            'SLURM_MEM_PER_CPU SLURM_NTASKS SLURM_NNODES SLURM_NODELIST SLURM_PROCID '
+            'SLURM_LOCALID SLURM_SUBMIT_DIR SLURM_TASKS_PER_NODE SBATCH_ACCOUNT SBATCH_PARTITION '
+            'SGE_TASK_ID JOB_ID NSLOTS PBS_JOBID LSB_JOBID').split()
+
+
+def test_ordinary_environment_variables_are_never_taken_for_a_near_miss():
+    known = sweep_py.variables(open(SWEEP).read())
+    assert {'DRY_RUN', 'SEEDS', 'DEPTHS', 'CUDA_VISIBLE_DEVICES', 'SLURM_CPUS_PER_TASK'} <= known
+    taken = {name: sweep_py.meant(name, known) for name in [*ORDINARY, *os.environ]}
+    assert {name: k for name, k in taken.items() if k} == {}
+
+
+@pytest.mark.parametrize('name, meant', [
+    ('DRYRUN', 'DRY_RUN'), ('SEED', 'SEEDS'), ('DEPTH', 'DEPTHS'), ('dry_run', 'DRY_RUN'),
+    ('PRSET', 'PRESET'), ('ANALYSE', 'ANALYZE'), ('RUNLIST', 'RUN_LIST'),
+    ('CONTROL_SEED', 'CONTROL_SEEDS'), ('CUDA_VISIBLE_DEVICE', 'CUDA_VISIBLE_DEVICES')])
+def test_a_near_miss_of_a_variable_stops_the_sweep_naming_the_one_meant(tmp_path, text_file,
+                                                                        name, meant):
+    (tmp_path / 'runs.txt').write_text('a --n_layer=2 --min_char_count=1\n')  # it would train
+    out = sweep(tmp_path, PRESET='smoke', DATA_FILE=str(text_file),
+                RUN_LIST=str(tmp_path / 'runs.txt'), **{name: '1'})
+    assert (out.returncode, out.stdout, out.stderr.count('\n')) == (2, '', 1), out.stderr
+    assert f'{name}=1' in out.stderr and f'did you mean {meant}?' in out.stderr
+    assert sorted(os.listdir(tmp_path)) == ['runs.txt', 'text.txt']
+
+
+@pytest.mark.parametrize('preset, arg, instead', [
+    ('smoke', '--seed=3', 'set SEEDS=3'), ('smoke', '--n_layer=2', 'set DEPTHS=2'),
+    ('smoke', '--control_keep=spec', 'set CONTROL_KEEPS=spec'),
+    ('ladder', '--max_iters=100', 'set LONG_ITERS=100'),
+    ('optim', '--lr=1e-3', "set the grid's variable for it")])
+def test_an_argument_that_the_grid_sets_stops_the_sweep_naming_the_variable_to_set(
+        tmp_path, preset, arg, instead):
+    out = sweep(tmp_path, arg, PRESET=preset, DRY_RUN='1')
+    assert (out.returncode, out.stdout, out.stderr.count('\n')) == (2, '', 1), out.stderr
+    key = arg[2:].split('=')[0]
+    assert f'{arg}: the grid sets --{key}' in out.stderr and instead in out.stderr
+
+
+@pytest.mark.parametrize('out', ['a_file', 'a_file/runs', '/proc/qkgeom-runs'])
+def test_an_out_that_cannot_be_written_stops_the_sweep_in_one_line_before_anything_runs(
+        tmp_path, text_file, out):
+    (tmp_path / 'a_file').write_text('')
+    ran = sweep(tmp_path, PRESET='smoke', DATA_FILE=str(text_file), OUT=out, DEPTHS='2',
+                SEEDS='1', INITS='normal', CONTROL_SEEDS='')
+    assert (ran.returncode, ran.stdout, ran.stderr.count('\n')) == (2, '', 1), ran.stderr
+    assert f'OUT={out}: cannot write' in ran.stderr
+    assert sorted(os.listdir(tmp_path)) == ['a_file', 'text.txt']  # no data cache either
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason='root writes into a read-only folder')
+def test_an_out_in_a_read_only_folder_stops_the_sweep_in_one_line(tmp_path, text_file):
+    (tmp_path / 'ro').mkdir(mode=0o555)
+    ran = sweep(tmp_path, PRESET='smoke', DATA_FILE=str(text_file), OUT='ro/runs', DEPTHS='2',
+                SEEDS='1', INITS='normal', CONTROL_SEEDS='')
+    assert (ran.returncode, ran.stderr.count('\n')) == (2, 1) and 'OUT=ro/runs' in ran.stderr
+
+
+def test_a_run_that_another_process_trains_is_no_failure_and_leaves_it_the_analysis(
+        tmp_path, text_file):
+    (tmp_path / 'runs.txt').write_text('a --n_layer=2 --min_char_count=1\n'
+                                       'b --n_layer=2 --seed=2 --min_char_count=1\n')
+    (tmp_path / 'out' / 'b').mkdir(parents=True)
+    with open(tmp_path / 'out' / 'b' / '.lock', 'a') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as a train.py of another sweep holds it
+        out = sweep(tmp_path, PRESET='smoke', DATA_FILE=str(text_file), JOBS='2',
+                    RUN_LIST=str(tmp_path / 'runs.txt'))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert 'done a in' in out.stdout and 'elsewhere b: another process trains it' in out.stdout
+    assert 'FAILED' not in out.stdout and 'failed' not in out.stdout
+    assert out.stdout.splitlines()[-1].startswith('1 runs are still training elsewhere')
+    assert not os.path.exists(tmp_path / 'out' / 'logs' / 'b.failed')
 
 
 @pytest.mark.parametrize('lines, words', [
@@ -103,8 +191,8 @@ def test_a_sweep_trains_its_grid_in_parallel_skips_what_is_done_and_names_a_fail
     assert len(done) == 4 and first.stdout.count('done ') == 4
     assert '(4 of 4 ended, about 0 s left)' in first.stdout
     again = sweep(tmp_path, '--min_char_count=1', **grid)
-    assert (again.returncode == 0 and again.stdout.count('skip ') == 4
-            and 'done ' not in again.stdout)
+    assert again.returncode == 0 and len(again.stdout.splitlines()) == 1, again.stdout
+    assert '4 runs in' in again.stdout and '(4 finished, 0 to train)' in again.stdout
     # done[0] has seed 1
     (tmp_path / 'runs.txt').write_text(f'{done[0]} --n_layer=2 --seed=2 --min_char_count=1\n')
     changed = sweep(tmp_path, RUN_LIST=str(tmp_path / 'runs.txt'), **grid)
