@@ -567,7 +567,9 @@ def get_config(argv):
 
 
 def main(argv):
-    """train.py [CONFIG_FILE ...] [--key=value ...]"""
+    """train.py [CONFIG_FILE ...] [--key=value ...]; -h or --help lists the settings"""
+    if {'-h', '--help'} & set(argv):
+        return print(__doc__.strip() + '\n\n' + configurator.help_text(__file__, config_keys))
     try:
         train(get_config(argv))
     except configurator.Stop as e:

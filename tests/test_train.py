@@ -1,5 +1,6 @@
 """train.py and its helpers: settings, names, data, the run folder, exact resume after a kill,
 DDP."""
+import ast
 import errno
 import json
 import os
@@ -77,7 +78,24 @@ def test_the_command_line_gives_one_line_and_exit_2(tmp_path):
     out = run_train(['--device=cuda:99', f'--out_dir={tmp_path}'])
     assert (out.returncode == 2
             and 'error: --device=cuda:99 is not available here (available: cpu' in out.stderr)
-    assert 'every setting: the config block of train.py' in run_train(['--help']).stderr
+    assert 'every setting: python train.py --help' in run_train(['--seed']).stderr
+
+
+@pytest.mark.parametrize('flag', ['--help', '-h'])
+def test_help_lists_every_setting_with_its_default_and_comment_under_its_header(flag):
+    out = run_train([flag, '--n_layers=4'])
+    assert out.returncode == 0 and out.stderr == '' and out.stdout.startswith(train.__doc__.strip())
+    lines = out.stdout.split('settings: --key=value')[1].splitlines()
+    rows = {line.split()[0]: line.split(None, 2) for line in lines if line.startswith('  ')}
+    assert sorted(rows) == sorted(train.config_keys)
+    for key, default, comment in rows.values():
+        assert ast.literal_eval(default) == getattr(train, key) and comment, key
+    assert rows['run_name'][1:] == [
+        "''", "'' = from the settings: L4_normal_s1, then a hash of the rest"]
+    # each header above its own settings, in the config block's order
+    order = [line.split()[0] for line in lines if line in ('model', 'optimizer') or
+             line.startswith(('  n_layer ', '  qk_init ', '  optimizer ', '  grad_clip '))]
+    assert order == ['model', 'n_layer', 'qk_init', 'optimizer', 'optimizer', 'grad_clip']
 
 
 def test_run_names_differ_in_every_setting_and_read_the_main_ones():
