@@ -376,6 +376,7 @@ class Run:
     train_model: nn.Module = None  # the model a training step calls: compiled, DDP-wrapped if asked
     optimizer: torch.optim.Optimizer = None
     ctl: dict = None              # the control's state: the step-0 spectra it steers from
+    first: dict = None            # the record at start, measured before the folder is touched
     w0: torch.Tensor = None       # each layer's W_Q, W_K at step 0, (n_layer, 2, C, C)
     dtype: str = 'float32'        # the autocast dtype and the CPU threads: both change the numbers,
     threads: int = 1              # so a resumed run keeps ckpt.pt's (runfolder.set_numerics)
@@ -412,9 +413,9 @@ def train(cfg):
 
 
 def setup(run):
-    """Seeds and numerics; the data; the run folder locked; the model, optimizer and a first batch
-    built. Only then is the folder started over or trimmed to ckpt.pt: a check or an allocation
-    that fails leaves it as it was."""
+    """Seeds and numerics; the data; the run folder locked; the model, optimizer and its state, a
+    first batch and the first record built. Only then is the folder started over or trimmed to
+    ckpt.pt: a check or an allocation that fails leaves it as it was."""
     cfg, device_type = run.cfg, run.dev.split(':')[0]
     if cfg['grad_accum'] % run.world:
         raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the "
@@ -427,6 +428,9 @@ def setup(run):
     resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
     run.eval_batch = tuple(t.to(run.dev) for t in eval_batch(val_data, cfg))
     build_model(run, device_type, resuming)
+    run.t_start = time.time()
+    if run.master and run.start in log_iters(cfg):  # where measuring may fail: before begin()
+        run.first = measure(run, run.start)
     if run.master:
         runfolder.begin(run, resuming)
     compiled = cfg['compile'] and device_type != 'mps'
@@ -437,11 +441,13 @@ def setup(run):
 
 def build_model(run, device_type, resuming):
     """The model, optimizer and control state, ckpt.pt's over them when resuming; then a micro-batch
-    forward and back, so that memory the run cannot have fails before the run folder is touched."""
+    forward and back and the optimizer's state, so that memory the run cannot have fails before the
+    run folder is touched. Its time gives the first estimate of the run's."""
     cfg = run.cfg
     sizes = GPTConfig(run.meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'],
                       cfg['n_embd'], cfg['dropout'])
     run.model = GPT(sizes, cfg['qk_init']).to(run.dev)
+    runfolder.print_sizes(run)  # at any size, a line within seconds of the data
     run.optimizer = make_optimizer(run.model, cfg, device_type)
     run.ctl = spectrum_control.record(cfg, run.model.qk_weights())
     run.w0 = torch.stack([torch.stack(pair) for pair in run.model.qk_weights()]).detach()
@@ -449,8 +455,13 @@ def build_model(run, device_type, resuming):
         runfolder.resume(run)
     first = torch.zeros(cfg['batch_size'], dtype=int)  # any windows: only their memory matters
     x, y = get_batch(run.data['train'], first, cfg['block_size'])
+    sync = getattr(torch, device_type).synchronize
+    t0 = sync() or time.time()
     with run.ctx:
         run.model(x.to(run.dev), y.to(run.dev))[1].backward()
+    seconds = ((sync() or time.time()) - t0) * cfg['grad_accum'] / run.world
+    runfolder.allocate_state(run.optimizer)
+    runfolder.print_time_left(run, run.start, seconds)
     run.optimizer.zero_grad(set_to_none=True)
 
 
@@ -536,7 +547,7 @@ def nan_stop(what, it, run):
 def record(run, it):
     """Measure (RESEARCH above), then write the record and the iteration's weights."""
     started = time.time()
-    row = measure(run, it)
+    row = run.first if it == run.start and run.first else measure(run, it)
     runfolder.write_record(run, row, started, it in geometry.model_ckpt_iters(run.cfg))
 
 

@@ -52,7 +52,13 @@ def claim(cfg, master):
     except OSError as e:  # a file, a dangling link or a link loop on the way, a name too long
         raise Stop(f'cannot make the run folder {run_dir} (out_dir, run_name): '
                    f'{e.strerror}') from None
-    lock = open(os.path.join(run_dir, '.lock'), 'a')
+    try:
+        if not os.access(run_dir, os.W_OK):  # a read-only file system too, whoever runs it
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        lock = open(os.path.join(run_dir, '.lock'), 'a')
+    except OSError as e:
+        raise Stop(f'cannot write in the run folder {run_dir}: {e.strerror}; make it writable, or '
+                   'another --out_dir') from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -159,8 +165,17 @@ def save_checkpoint(run, it):
 
 def resume(run):
     """The model, optimizer, control state and numerics from ckpt.pt, refused if its settings or
-    its text differ."""
-    ckpt = torch.load(run.ckpt_path, map_location='cpu', weights_only=True)
+    its text differ or it cannot be read."""
+    try:
+        ckpt = torch.load(run.ckpt_path, map_location='cpu', weights_only=True)
+        if not isinstance(ckpt, dict) or 'config' not in ckpt:
+            raise ValueError
+    except Exception as e:  # cut short, overwritten, not torch's: whatever reading it raised
+        if isinstance(e, MemoryError) or 'allocate' in str(e):
+            raise  # held(): too big for this machine, not damaged
+        raise Stop(f'{run.ckpt_path} is damaged or not a checkpoint of train.py '
+                   f'({type(e).__name__}): remove it, or pass --overwrite=True to start the run '
+                   'over') from None
     free = NOT_IN_NAME + ('data_sha256',)
     changed = [k for k in run.cfg if k not in free and ckpt['config'].get(k) != run.cfg[k]]
     if 'numerics' not in ckpt:
@@ -270,10 +285,47 @@ def print_record(row, ms, run):
     print(line, flush=True)
 
 
-def print_time_left(run, it):
-    """The training time left at the speed since run.mark, it iterations done."""
-    left = (time.time() - run.mark[0]) / (it - run.mark[1]) * (run.cfg['max_iters'] - it)
-    print(f'about {duration(left)} to go on {run.dev}, evaluations aside', flush=True)
+def print_sizes(run):
+    """The run's device and sizes, the first line it prints (rank 0)."""
+    if not run.master:
+        return
+    cfg, n_params = run.cfg, sum(p.numel() for p in run.model.parameters())
+    tokens = cfg['batch_size'] * cfg['grad_accum'] * cfg['block_size']
+    print(f"{run.dev}: {n_params / 1e6:.2f}M parameters, {tokens:,} tokens an iteration "
+          f"(batch_size x grad_accum x block_size), {cfg['max_iters']:,} iterations", flush=True)
+
+
+def print_time_left(run, it, seconds=None):
+    """The training time left, it iterations done, at seconds an iteration (the first micro-batch's
+    time) or at the speed since run.mark (rank 0)."""
+    if not run.master:
+        return
+    since = 'the first micro-batch'
+    if seconds is None:
+        since = f'iteration {run.mark[1]} on'
+        seconds = (time.time() - run.mark[0]) / (it - run.mark[1])
+    left = duration(seconds * (run.cfg['max_iters'] - it))
+    print(f'about {left} to go on {run.dev}, evaluations aside (from {since})', flush=True)
+
+
+def allocate_state(optimizer):
+    """The state a first step gives the optimizer, at zero, from which that step starts alike (an
+    AdamW's moments and step count, an SGD's momentum): allocated now, its memory fails before the
+    run folder is touched. A step at lr 0 on zero gradients leaves the weights as they are."""
+    if optimizer.state:  # ckpt.pt's
+        return
+    lrs = [group['lr'] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group['lr'] = 0.0
+        for p in group['params']:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group['lr'] = lr
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                value.zero_()
 
 
 def write_done(run):

@@ -283,6 +283,74 @@ def test_a_finished_run_is_kept_and_overwrite_deletes_only_what_train_py_wrote(t
     assert (foreign / 'ckpt.pt').read_text() == 'not ours' and os.path.exists(run_dir)
 
 
+def test_the_first_lines_say_the_sizes_and_a_time_estimate_before_the_first_loss_estimate(
+        tmp_path, text_file, monkeypatch, capsys):
+    estimate_loss = train.estimate_loss
+
+    def said(*args):
+        print('estimating the loss')
+        return estimate_loss(*args)
+    monkeypatch.setattr(train, 'estimate_loss', said)
+    run_dir = train.train(cfg_of(tmp_path, text_file, '--max_iters=4'))
+    lines = capsys.readouterr().out.splitlines()
+    n_params = json.load(open(os.path.join(run_dir, 'config.json')))['n_params']
+    first = lines.index(f'cpu: {n_params / 1e6:.2f}M parameters, 256 tokens an iteration '
+                        '(batch_size x grad_accum x block_size), 4 iterations')
+    assert re.fullmatch(r'about \d+s to go on cpu, evaluations aside \(from the first '
+                        r'micro-batch\)', lines[first + 1])
+    assert lines[first + 2] == 'estimating the loss' and lines[first + 4].startswith('iter 0: ')
+
+
+def test_overwrite_deletes_the_old_run_once_the_new_one_has_its_optimizer_state_and_first_record(
+        tmp_path, text_file, monkeypatch):
+    cfg = cfg_of(tmp_path, text_file, '--max_iters=4')
+    run_dir = pathlib.Path(train.train(cfg))
+    files = lambda: {p: p.read_bytes() for p in run_dir.rglob('*') if p.is_file()}
+    before = files()
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 TB")
+    for owner, name in ((torch.optim.AdamW, 'step'), (train, 'estimate_loss'),
+                        (geometry, 'record')):
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, no_memory)
+            with pytest.raises(configurator.Stop, match='do not fit on cpu'):
+                train.train(dict(cfg, overwrite=True))
+        assert files() == before, name
+
+
+def test_a_read_only_run_folder_or_a_damaged_checkpoint_is_one_line_naming_the_fix(
+        tmp_path, text_file, monkeypatch, capsys):
+    args = tiny_args(tmp_path, text_file, '--max_iters=4', '--run_name=r')
+    run_dir = pathlib.Path(train.train(train.get_config(args)))
+    (run_dir / 'done.json').unlink()   # unfinished: the same command resumes it
+    files = lambda: {p: p.read_bytes() for p in run_dir.rglob('*') if p.is_file()}
+    before, access = files(), os.access
+
+    def refused(args):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            train.main(args)
+        assert stop.value.code == 2 and files() == before
+        return capsys.readouterr().err.strip().splitlines()
+    with monkeypatch.context() as m:   # read-only for root too, as a read-only file system is
+        m.setattr(os, 'access', lambda path, mode: mode != os.W_OK and access(path, mode)
+                  if os.path.realpath(path) == str(run_dir.resolve()) else access(path, mode))
+        assert refused(args) == [f'error: cannot write in the run folder {run_dir}: Permission '
+                                 'denied; make it writable, or another --out_dir']
+    torch.save(torch.zeros(3), tmp_path / 'tensor.pt')
+    ckpt, words = before[run_dir / 'ckpt.pt'], (
+        f'error: {re.escape(str(run_dir))}/ckpt.pt is damaged or not a checkpoint of train.py '
+        r'\(\w+\): remove it, or pass --overwrite=True to start the run over')
+    for damaged in (ckpt[:len(ckpt) // 2], b'garbage', b'', (tmp_path / 'tensor.pt').read_bytes()):
+        (run_dir / 'ckpt.pt').write_bytes(damaged)
+        before = files()
+        said = refused(args)
+        assert len(said) == 1 and re.fullmatch(words, said[0]), said
+    train.main(args + ['--overwrite=True'])
+    assert (run_dir / 'done.json').exists()
+
+
 def mistakes(default):
     """A wrong type, a negative, zero, a huge value, NaN and infinity, as the default's type allows
     (and ',')."""
