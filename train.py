@@ -407,8 +407,9 @@ def train(cfg):
     run = Run(cfg, *runfolder.start(cfg['device']))
     with runfolder.held(run):  # out of memory or of disk space is one line; no .lock is left behind
         setup(run)
-        loop(run)
-        finish(run)
+        with runfolder.signals_caught(run) as caught:  # acted on between two iterations
+            loop(run, caught)
+            finish(run)  # a signal here: the run still ends with ckpt.pt and done.json
     return run.dir
 
 
@@ -465,31 +466,30 @@ def build_model(run, device_type, resuming):
     run.optimizer.zero_grad(set_to_none=True)
 
 
-def loop(run):
+def loop(run, caught):
     """Records at the logged iterations, optimizer steps, the control; ckpt.pt every ckpt_interval
-    and at a signal."""
+    and once a signal is caught."""
     cfg, logs = run.cfg, log_iters(run.cfg)
-    run.t_start, run.mark = time.time(), (time.time(), run.start)
-    with runfolder.signals_caught() as caught:  # acted on between two iterations
-        for it in range(run.start, cfg['max_iters'] + 1):
-            ckpt_due = it > run.start and it % cfg['ckpt_interval'] == 0
-            stop = caught and not run.ddp
-            if it in logs or ckpt_due:  # DDP ranks read their losses (and a signal) together here
-                stop = check_losses(run, len(caught))
-            if stop:
-                checkpoint(run, it)
-                sys.exit(f'stopped at iteration {it}: ckpt.pt holds it, and the same command '
-                         'resumes from there')
-            if run.master and it in logs:
-                record(run, it)
-            if it == cfg['max_iters']:
-                break
-            if ckpt_due:
-                checkpoint(run, it)
-            train_step(run, it)
-            control_step(run, it + 1)
-            if run.master and it + 1 == run.start + 5 < cfg['max_iters']:  # a CPU can take hours
-                runfolder.print_time_left(run, it + 1)
+    run.mark = (time.time(), run.start)
+    for it in range(run.start, cfg['max_iters'] + 1):
+        ckpt_due = it > run.start and it % cfg['ckpt_interval'] == 0
+        stop = caught and not run.ddp
+        if it in logs or ckpt_due:  # DDP ranks read their losses (and a signal) together here
+            stop = check_losses(run, len(caught))
+        if stop:
+            checkpoint(run, it)
+            sys.exit(f'stopped at iteration {it}: ckpt.pt holds it, and the same command '
+                     'resumes from there')
+        if run.master and it in logs:
+            record(run, it)
+        if it == cfg['max_iters']:
+            break
+        if ckpt_due:
+            checkpoint(run, it)
+        train_step(run, it)
+        control_step(run, it + 1)
+        if run.master and it + 1 == run.start + 5 < cfg['max_iters']:  # a CPU can take hours
+            runfolder.print_time_left(run, it + 1)
 
 
 def train_step(run, it):

@@ -196,14 +196,19 @@ def resume(run):
 
 
 @contextlib.contextmanager
-def signals_caught():
-    """A list that Ctrl-C or SIGTERM (a Slurm time limit) appends to, for the loop to stop at; a
-    second signal acts as usual."""
+def signals_caught(run):
+    """A list that Ctrl-C or SIGTERM (a Slurm time limit) appends to, for the loop to stop at, said
+    at once; a second signal acts as usual."""
     caught = []
+    when = 'at its next record or checkpoint' if run.ddp else 'after this iteration'
 
     def catch(signum, frame):
         caught.append(signum)
         signal.signal(signum, handlers[signum])
+        name = 'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name
+        if run.master:  # os.write: a print here could land inside one of the loop's
+            os.write(2, f'{name}: the run stops {when}, checkpointing to {run.ckpt_path} '
+                        f'(a second {name} stops it at once, without)\n'.encode())
     handlers = {s: signal.signal(s, catch) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield caught

@@ -479,14 +479,15 @@ import train
 from plumbing import runfolder
 point, at = sys.argv[2], int(sys.argv[3])
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
-record, save, get_lr = train.record, runfolder.atomic_save, train.get_lr
+record, save, get_lr, finish = train.record, runfolder.atomic_save, train.get_lr, train.finish
 
 def killing_record(run, it):
     record(run, it)
     if it == at and point == 'record':
         die()
-    if it == at and point == 'sigint':   # Ctrl-C
-        os.kill(os.getpid(), signal.SIGINT)
+    if it == at and point in ('sigint', 'sigterm'):   # Ctrl-C, a Slurm time limit
+        os.kill(os.getpid(), signal.SIGINT if point == 'sigint' else signal.SIGTERM)
+        print('the line after the signal', file=sys.stderr, flush=True)
     if it == at and point == 'half_line':
         run.metrics.write('{"iter": 99, "train_lo')
         run.metrics.flush()
@@ -498,7 +499,13 @@ def killing_save(obj, path, *how):
         die()
     save(obj, path, *how)
 
+def finishing(run):   # a SIGTERM after the last record
+    os.kill(os.getpid(), signal.SIGTERM)
+    finish(run)
+
 train.record, runfolder.atomic_save = killing_record, killing_save
+if point == 'finish':
+    train.finish = finishing
 if point == 'nan':
     train.get_lr = lambda it, cfg: float('nan') if it >= at else get_lr(it, cfg)
 train.main(sys.argv[4:])
@@ -525,6 +532,8 @@ def test_a_kill_or_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterru
     killed = run_killed(tmp_path, args, point, at)
     assert killed.returncode == (1 if point == 'sigint' else -signal.SIGKILL)
     assert point != 'sigint' or killed.stderr.strip().splitlines() == [
+        f"Ctrl-C: the run stops after this iteration, checkpointing to {tmp_path / 'out' / 'r'}"
+        '/ckpt.pt (a second Ctrl-C stops it at once, without)', 'the line after the signal',
         'stopped at iteration 5: ckpt.pt holds it, and the same command resumes from there']
     # the same command, here in this process
     resumed = records(train.train(train.get_config(args + again)))
@@ -535,6 +544,24 @@ def test_a_kill_or_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterru
     assert ('resuming' in out) == (at == 16 or point == 'sigint')
     assert 'to go on cpu, evaluations aside' in out and 'nan ms/iter' not in out
     assert ('resuming in float32 on 1 threads as ckpt.pt was trained' in out) == bool(again)
+
+
+@pytest.mark.parametrize('point, at', [('sigterm', 4), ('finish', 16)])
+def test_sigterm_is_said_at_once_and_leaves_a_checkpoint_or_a_finished_run(
+        tmp_path, text_file, point, at):
+    run_dir = tmp_path / 'out' / 'r'
+    killed = run_killed(tmp_path, tiny_args(tmp_path, text_file, '--run_name=r'), point, at)
+    said = killed.stderr.strip().splitlines()
+    assert said[0] == (f'SIGTERM: the run stops after this iteration, checkpointing to {run_dir}'
+                       '/ckpt.pt (a second SIGTERM stops it at once, without)')
+    saved = torch.load(run_dir / 'ckpt.pt', weights_only=True)['iter']
+    if point == 'sigterm':
+        assert said[1:] == ['the line after the signal', 'stopped at iteration 5: ckpt.pt holds '
+                            'it, and the same command resumes from there']
+        assert killed.returncode == 1 and saved == 5 and not (run_dir / 'done.json').exists()
+    else:
+        assert killed.returncode == 0 and saved == 16 and (run_dir / 'done.json').exists()
+        assert killed.stdout.strip().splitlines()[-1].startswith('done in ')
 
 
 def test_a_checkpoint_resumes_only_with_its_own_settings_and_text_in_its_own_dtype(
