@@ -40,6 +40,10 @@ eval_windows = 16          # windows of the fixed evaluation batch (entropy, tok
 ckpt_interval = 500        # write ckpt.pt every this many iterations (and at the end)
 model_ckpts = 8            # model checkpoints at log-spaced iterations, for token-level analysis
 save_snapshots = True      # write W_Q/W_K (float32) at every geometry record to snapshots/
+# logging to Weights & Biases (optional: pip install wandb)
+wandb_log = False          # send the config and each record's losses and geometry to wandb (rank 0)
+wandb_project = 'qkgeom'   # the wandb project
+wandb_run_name = ''        # the wandb run's name; '' = run_name
 # data
 dataset = 'wikitext103'    # no data_file: wikitext103 | wikitext103-test (wiki.test.raw, 90/10)
 data_dir = 'data/wikitext-103-raw'  # where wiki.{train,valid,test}.raw are, or are downloaded to
@@ -377,6 +381,7 @@ class Run:
     optimizer: torch.optim.Optimizer = None
     ctl: dict = None              # the control's state: the step-0 spectra it steers from
     first: dict = None            # the record at start, measured before the folder is touched
+    wandb: object = None          # the wandb module, if wandb_log (rank 0)
     w0: torch.Tensor = None       # each layer's W_Q, W_K at step 0, (n_layer, 2, C, C)
     dtype: str = 'float32'        # the autocast dtype and the CPU threads: both change the numbers,
     threads: int = 1              # so a resumed run keeps ckpt.pt's (runfolder.set_numerics)
@@ -421,6 +426,7 @@ def setup(run):
     if cfg['grad_accum'] % run.world:
         raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the "
                                 f"{run.world} DDP processes")
+    run.wandb = runfolder.import_wandb(cfg) if run.master else None  # None unless wandb_log
     torch.manual_seed(cfg['seed'])  # the init, alike on every DDP rank; each step seeds its draws
     runfolder.set_numerics(run, cfg['dtype'], cfg['threads'])
     run.dir, run.lock = runfolder.claim(cfg, run.master)

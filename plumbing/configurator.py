@@ -23,7 +23,8 @@ class Stop(SystemExit):
 # where things are and how fast, not what is computed: left out of the run name's hash, and free
 # to change when a run resumes (the text of data_file is in both by its content, as data_sha256)
 NOT_IN_NAME = ('out_dir', 'run_name', 'overwrite', 'device', 'threads', 'compile', 'cache_dir',
-               'data_dir', 'data_url', 'ckpt_interval', 'data_file')
+               'data_dir', 'data_url', 'ckpt_interval', 'data_file', 'wandb_log', 'wandb_project',
+               'wandb_run_name')
 # in the readable part of the run name
 NAMED = ('n_layer', 'qk_init', 'control', 'control_target', 'control_keep', 'shrink_to', 'seed')
 HASHES = {}  # the files' (path, size, time) -> their SHA-256

@@ -93,7 +93,17 @@ def held(run):
 
 def begin(run, resuming):
     """Only once the run is built: the old run's files deleted (where its config.json says train.py
-    wrote them) or trimmed to ckpt.pt's iteration; config.json written, metrics.jsonl opened."""
+    wrote them) or trimmed to ckpt.pt's iteration; config.json written, metrics.jsonl opened. A
+    wandb run (wandb_log) starts first: it may refuse."""
+    commit = subprocess.run('git rev-parse HEAD', shell=True, capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
+    config = dict(run.cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev,
+                  world_size=run.world, git_commit=commit or None, vocab_size=meta['vocab_size'],
+                  n_params=n_params, data_sha256=meta['sha256'],
+                  n_chars=meta['n_train'] + meta['n_val'], data_cache=meta['cache_key'])
+    if run.wandb:
+        start_wandb(run, config)
     found = [n for n in glob.glob('**', root_dir=run.dir, recursive=True) if OWN.fullmatch(n)]
     path = os.path.join(run.dir, 'metrics.jsonl')
     if resuming:  # the records and files from ckpt.pt's iteration on, which the run writes again
@@ -115,15 +125,42 @@ def begin(run, resuming):
         print(f'run folder {run.dir}{note}', flush=True)
     for name in sorted(found, key=lambda n: n == 'config.json'):  # config.json last
         os.remove(os.path.join(run.dir, name))
-    commit = subprocess.run('git rev-parse HEAD', shell=True, capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
-    config = dict(run.cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev,
-                  world_size=run.world, git_commit=commit or None, vocab_size=meta['vocab_size'],
-                  n_params=n_params, data_sha256=meta['sha256'],
-                  n_chars=meta['n_train'] + meta['n_val'], data_cache=meta['cache_key'])
     atomic_save(json.dumps(config, indent=1).encode(), os.path.join(run.dir, 'config.json'))
     run.metrics = open(path, 'a')
+
+
+def import_wandb(cfg):
+    """wandb, imported only with wandb_log, or one line naming its install."""
+    if not cfg['wandb_log']:
+        return None
+    try:
+        import wandb
+    except ImportError as e:
+        raise Stop(f'wandb_log=True needs wandb ({e}): pip install wandb') from None
+    return wandb
+
+
+def start_wandb(run, config):
+    """The wandb run of this run's records, given the config once; a refusal is one line."""
+    try:
+        run.wandb.init(project=run.cfg['wandb_project'], config=config,
+                       name=run.cfg['wandb_run_name'] or run.cfg['run_name'])
+    except Exception as e:  # not logged in, no network, a bad project name: whatever wandb raised
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise Stop(f'wandb.init failed ({why}): wandb login, or WANDB_MODE=offline, or '
+                   '--wandb_log=False') from None
+
+
+def wandb_row(row):
+    """A record under wandb's keys: loss/train, loss/val, loss/eval, lr, tokens, time and
+    geometry/L0/pr_q, ... for each layer's numbers (its per-head lists and spectra left out)."""
+    out = {f"loss/{key.split('_')[0]}": row[key] for key in ('train_loss', 'val_loss', 'eval_loss')
+           if key in row}
+    out.update({key: row[key] for key in ('lr', 'tokens', 'time')})
+    for i, layer in enumerate(row.get('layers', [])):
+        out.update({f'geometry/L{i}/{key}': v for key, v in layer.items()
+                    if isinstance(v, (int, float))})
+    return out
 
 
 def seed_all(seed, rank, it, data_gen=None):
@@ -262,6 +299,8 @@ def write_record(run, row, started, model_too):
     row['time'] = run.elapsed + time.time() - run.t_start
     kept = dict(row, layers=[logged(layer) for layer in row['layers']]) if 'layers' in row else row
     print(json.dumps(kept), file=run.metrics, flush=True)
+    if run.wandb:
+        run.wandb.log(wandb_row(kept), step=it)
     run.last = row
     ms = 1000 * (started - run.mark[0]) / (it - run.mark[1]) if it > run.mark[1] else None
     print_record(row, ms, run)
@@ -342,6 +381,8 @@ def write_done(run):
     done.update(wall_time=run.elapsed, geometry_share=run.t_geom / wall,
                 control_share=run.t_ctl / wall)
     atomic_save(json.dumps(done, indent=1).encode(), os.path.join(run.dir, 'done.json'))
+    if run.wandb:
+        run.wandb.finish()
     print(f"done in {duration(run.elapsed)}: val loss {done['val_loss']:.4f}; geometry logging "
           f"took {100 * done['geometry_share']:.1f}% of wall time; run folder {run.dir}",
           flush=True)
