@@ -40,6 +40,10 @@ eval_windows = 16          # windows of the fixed evaluation batch (entropy, tok
 ckpt_interval = 500        # write ckpt.pt every this many iterations (and at the end)
 model_ckpts = 8            # model checkpoints at log-spaced iterations, for token-level analysis
 save_snapshots = True      # write W_Q/W_K (float32) at every geometry record to snapshots/
+# logging to Weights & Biases (optional: pip install wandb)
+wandb_log = False          # send the config and each record's losses and geometry to wandb (rank 0)
+wandb_project = 'qkgeom'   # the wandb project
+wandb_run_name = ''        # the wandb run's name; '' = run_name
 # data
 dataset = 'wikitext103'    # no data_file: wikitext103 | wikitext103-test (wiki.test.raw, 90/10)
 data_dir = 'data/wikitext-103-raw'  # where wiki.{train,valid,test}.raw are, or are downloaded to
@@ -376,6 +380,8 @@ class Run:
     train_model: nn.Module = None  # the model a training step calls: compiled, DDP-wrapped if asked
     optimizer: torch.optim.Optimizer = None
     ctl: dict = None              # the control's state: the step-0 spectra it steers from
+    first: dict = None            # the record at start, measured before the folder is touched
+    wandb: object = None          # the wandb module, if wandb_log (rank 0)
     w0: torch.Tensor = None       # each layer's W_Q, W_K at step 0, (n_layer, 2, C, C)
     dtype: str = 'float32'        # the autocast dtype and the CPU threads: both change the numbers,
     threads: int = 1              # so a resumed run keeps ckpt.pt's (runfolder.set_numerics)
@@ -406,19 +412,21 @@ def train(cfg):
     run = Run(cfg, *runfolder.start(cfg['device']))
     with runfolder.held(run):  # out of memory or of disk space is one line; no .lock is left behind
         setup(run)
-        loop(run)
-        finish(run)
+        with runfolder.signals_caught(run) as caught:  # acted on between two iterations
+            loop(run, caught)
+            finish(run)  # a signal here: the run still ends with ckpt.pt and done.json
     return run.dir
 
 
 def setup(run):
-    """Seeds and numerics; the data; the run folder locked; the model, optimizer and a first batch
-    built. Only then is the folder started over or trimmed to ckpt.pt: a check or an allocation
-    that fails leaves it as it was."""
+    """Seeds and numerics; the data; the run folder locked; the model, optimizer and its state, a
+    first batch and the first record built. Only then is the folder started over or trimmed to
+    ckpt.pt: a check or an allocation that fails leaves it as it was."""
     cfg, device_type = run.cfg, run.dev.split(':')[0]
     if cfg['grad_accum'] % run.world:
         raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the "
                                 f"{run.world} DDP processes")
+    run.wandb = runfolder.import_wandb(cfg) if run.master else None  # None unless wandb_log
     torch.manual_seed(cfg['seed'])  # the init, alike on every DDP rank; each step seeds its draws
     runfolder.set_numerics(run, cfg['dtype'], cfg['threads'])
     run.dir, run.lock = runfolder.claim(cfg, run.master)
@@ -427,6 +435,9 @@ def setup(run):
     resuming = os.path.exists(run.ckpt_path) and not cfg['overwrite']
     run.eval_batch = tuple(t.to(run.dev) for t in eval_batch(val_data, cfg))
     build_model(run, device_type, resuming)
+    run.t_start = time.time()
+    if run.master and run.start in log_iters(cfg):  # where measuring may fail: before begin()
+        run.first = measure(run, run.start)
     if run.master:
         runfolder.begin(run, resuming)
     compiled = cfg['compile'] and device_type != 'mps'
@@ -437,11 +448,13 @@ def setup(run):
 
 def build_model(run, device_type, resuming):
     """The model, optimizer and control state, ckpt.pt's over them when resuming; then a micro-batch
-    forward and back, so that memory the run cannot have fails before the run folder is touched."""
+    forward and back and the optimizer's state, so that memory the run cannot have fails before the
+    run folder is touched. Its time gives the first estimate of the run's."""
     cfg = run.cfg
     sizes = GPTConfig(run.meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'],
                       cfg['n_embd'], cfg['dropout'])
     run.model = GPT(sizes, cfg['qk_init']).to(run.dev)
+    runfolder.print_sizes(run)  # at any size, a line within seconds of the data
     run.optimizer = make_optimizer(run.model, cfg, device_type)
     run.ctl = spectrum_control.record(cfg, run.model.qk_weights())
     run.w0 = torch.stack([torch.stack(pair) for pair in run.model.qk_weights()]).detach()
@@ -449,36 +462,40 @@ def build_model(run, device_type, resuming):
         runfolder.resume(run)
     first = torch.zeros(cfg['batch_size'], dtype=int)  # any windows: only their memory matters
     x, y = get_batch(run.data['train'], first, cfg['block_size'])
+    sync = getattr(torch, device_type).synchronize
+    t0 = sync() or time.time()
     with run.ctx:
         run.model(x.to(run.dev), y.to(run.dev))[1].backward()
+    seconds = ((sync() or time.time()) - t0) * cfg['grad_accum'] / run.world
+    runfolder.allocate_state(run.optimizer)
+    runfolder.print_time_left(run, run.start, seconds)
     run.optimizer.zero_grad(set_to_none=True)
 
 
-def loop(run):
+def loop(run, caught):
     """Records at the logged iterations, optimizer steps, the control; ckpt.pt every ckpt_interval
-    and at a signal."""
+    and once a signal is caught."""
     cfg, logs = run.cfg, log_iters(run.cfg)
-    run.t_start, run.mark = time.time(), (time.time(), run.start)
-    with runfolder.signals_caught() as caught:  # acted on between two iterations
-        for it in range(run.start, cfg['max_iters'] + 1):
-            ckpt_due = it > run.start and it % cfg['ckpt_interval'] == 0
-            stop = caught and not run.ddp
-            if it in logs or ckpt_due:  # DDP ranks read their losses (and a signal) together here
-                stop = check_losses(run, len(caught))
-            if stop:
-                checkpoint(run, it)
-                sys.exit(f'stopped at iteration {it}: ckpt.pt holds it, and the same command '
-                         'resumes from there')
-            if run.master and it in logs:
-                record(run, it)
-            if it == cfg['max_iters']:
-                break
-            if ckpt_due:
-                checkpoint(run, it)
-            train_step(run, it)
-            control_step(run, it + 1)
-            if run.master and it + 1 == run.start + 5 < cfg['max_iters']:  # a CPU can take hours
-                runfolder.print_time_left(run, it + 1)
+    run.mark = (time.time(), run.start)
+    for it in range(run.start, cfg['max_iters'] + 1):
+        ckpt_due = it > run.start and it % cfg['ckpt_interval'] == 0
+        stop = caught and not run.ddp
+        if it in logs or ckpt_due:  # DDP ranks read their losses (and a signal) together here
+            stop = check_losses(run, len(caught))
+        if stop:
+            checkpoint(run, it)
+            sys.exit(f'stopped at iteration {it}: ckpt.pt holds it, and the same command '
+                     'resumes from there')
+        if run.master and it in logs:
+            record(run, it)
+        if it == cfg['max_iters']:
+            break
+        if ckpt_due:
+            checkpoint(run, it)
+        train_step(run, it)
+        control_step(run, it + 1)
+        if run.master and it + 1 == run.start + 5 < cfg['max_iters']:  # a CPU can take hours
+            runfolder.print_time_left(run, it + 1)
 
 
 def train_step(run, it):
@@ -536,7 +553,7 @@ def nan_stop(what, it, run):
 def record(run, it):
     """Measure (RESEARCH above), then write the record and the iteration's weights."""
     started = time.time()
-    row = measure(run, it)
+    row = run.first if it == run.start and run.first else measure(run, it)
     runfolder.write_record(run, row, started, it in geometry.model_ckpt_iters(run.cfg))
 
 
@@ -567,7 +584,9 @@ def get_config(argv):
 
 
 def main(argv):
-    """train.py [CONFIG_FILE ...] [--key=value ...]"""
+    """train.py [CONFIG_FILE ...] [--key=value ...]; -h or --help lists the settings"""
+    if {'-h', '--help'} & set(argv):
+        return print(__doc__.strip() + '\n\n' + configurator.help_text(__file__, config_keys))
     try:
         train(get_config(argv))
     except configurator.Stop as e:

@@ -7,9 +7,11 @@ import ast
 import contextlib
 import difflib
 import hashlib
+import io
 import json
 import math
 import os
+import tokenize
 
 import control as spectrum_control   # "control" is also a config key
 
@@ -21,7 +23,8 @@ class Stop(SystemExit):
 # where things are and how fast, not what is computed: left out of the run name's hash, and free
 # to change when a run resumes (the text of data_file is in both by its content, as data_sha256)
 NOT_IN_NAME = ('out_dir', 'run_name', 'overwrite', 'device', 'threads', 'compile', 'cache_dir',
-               'data_dir', 'data_url', 'ckpt_interval', 'data_file')
+               'data_dir', 'data_url', 'ckpt_interval', 'data_file', 'wandb_log', 'wandb_project',
+               'wandb_run_name')
 # in the readable part of the run name
 NAMED = ('n_layer', 'qk_init', 'control', 'control_target', 'control_keep', 'shrink_to', 'seed')
 HASHES = {}  # the files' (path, size, time) -> their SHA-256
@@ -93,8 +96,8 @@ def get_config(argv, defaults, table, names):
     cfg = dict(defaults)
     for key, eq, _ in pairs:
         if not eq:
-            raise Stop(f'--{key} needs a value: --{key}=VALUE (every setting: the config block of '
-                       'train.py)')
+            raise Stop(f'--{key} needs a value: --{key}=VALUE (every setting: python train.py '
+                       '--help)')
     updates = [(k, v, None) for path in files for k, v in file_settings(path).items()]
     for key, value, text in updates + [(key, None, text) for key, _, text in pairs]:
         if key not in defaults:
@@ -132,3 +135,23 @@ def run_name(cfg, defaults):
     if other:
         name += '-' + hashlib.sha1(json.dumps(other, sort_keys=True).encode()).hexdigest()[:6]
     return name
+
+
+def help_text(path, keys):
+    """The config block of the file at path, as --help prints it: each of keys with its default and
+    its inline comment, under the block's one-line headers (comment lines between its settings)."""
+    source = open(path, encoding='utf-8').read()
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comments = {t.start[0]: t.string.lstrip('# ') for t in tokens if t.type == tokenize.COMMENT}
+    settings = {node.lineno: node for node in ast.parse(source).body
+                if isinstance(node, ast.Assign) and getattr(node.targets[0], 'id', None) in keys}
+    lines = source.splitlines()
+    out = ['settings: --key=value or a config file; the default, then what it means']
+    for n in range(min(settings) - 1, max(settings) + 1):
+        if n in settings:
+            key, value = settings[n].targets[0].id, settings[n].value
+            comment = comments.get(settings[n].end_lineno, '')
+            out.append(f'  {key:<16} {ast.get_source_segment(source, value):<12} {comment}')
+        elif lines[n - 1].lstrip().startswith('#'):
+            out.append(comments[n])
+    return '\n'.join(line.rstrip() for line in out)

@@ -52,7 +52,13 @@ def claim(cfg, master):
     except OSError as e:  # a file, a dangling link or a link loop on the way, a name too long
         raise Stop(f'cannot make the run folder {run_dir} (out_dir, run_name): '
                    f'{e.strerror}') from None
-    lock = open(os.path.join(run_dir, '.lock'), 'a')
+    try:
+        if not os.access(run_dir, os.W_OK):  # a read-only file system too, whoever runs it
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        lock = open(os.path.join(run_dir, '.lock'), 'a')
+    except OSError as e:
+        raise Stop(f'cannot write in the run folder {run_dir}: {e.strerror}; make it writable, or '
+                   'another --out_dir') from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -87,7 +93,17 @@ def held(run):
 
 def begin(run, resuming):
     """Only once the run is built: the old run's files deleted (where its config.json says train.py
-    wrote them) or trimmed to ckpt.pt's iteration; config.json written, metrics.jsonl opened."""
+    wrote them) or trimmed to ckpt.pt's iteration; config.json written, metrics.jsonl opened. A
+    wandb run (wandb_log) starts first: it may refuse."""
+    commit = subprocess.run('git rev-parse HEAD', shell=True, capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
+    config = dict(run.cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev,
+                  world_size=run.world, git_commit=commit or None, vocab_size=meta['vocab_size'],
+                  n_params=n_params, data_sha256=meta['sha256'],
+                  n_chars=meta['n_train'] + meta['n_val'], data_cache=meta['cache_key'])
+    if run.wandb:
+        start_wandb(run, config)
     found = [n for n in glob.glob('**', root_dir=run.dir, recursive=True) if OWN.fullmatch(n)]
     path = os.path.join(run.dir, 'metrics.jsonl')
     if resuming:  # the records and files from ckpt.pt's iteration on, which the run writes again
@@ -109,15 +125,42 @@ def begin(run, resuming):
         print(f'run folder {run.dir}{note}', flush=True)
     for name in sorted(found, key=lambda n: n == 'config.json'):  # config.json last
         os.remove(os.path.join(run.dir, name))
-    commit = subprocess.run('git rev-parse HEAD', shell=True, capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
-    config = dict(run.cfg, dtype=run.dtype, torch=torch.__version__, device=run.dev,
-                  world_size=run.world, git_commit=commit or None, vocab_size=meta['vocab_size'],
-                  n_params=n_params, data_sha256=meta['sha256'],
-                  n_chars=meta['n_train'] + meta['n_val'], data_cache=meta['cache_key'])
     atomic_save(json.dumps(config, indent=1).encode(), os.path.join(run.dir, 'config.json'))
     run.metrics = open(path, 'a')
+
+
+def import_wandb(cfg):
+    """wandb, imported only with wandb_log, or one line naming its install."""
+    if not cfg['wandb_log']:
+        return None
+    try:
+        import wandb
+    except ImportError as e:
+        raise Stop(f'wandb_log=True needs wandb ({e}): pip install wandb') from None
+    return wandb
+
+
+def start_wandb(run, config):
+    """The wandb run of this run's records, given the config once; a refusal is one line."""
+    try:
+        run.wandb.init(project=run.cfg['wandb_project'], config=config,
+                       name=run.cfg['wandb_run_name'] or run.cfg['run_name'])
+    except Exception as e:  # not logged in, no network, a bad project name: whatever wandb raised
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise Stop(f'wandb.init failed ({why}): wandb login, or WANDB_MODE=offline, or '
+                   '--wandb_log=False') from None
+
+
+def wandb_row(row):
+    """A record under wandb's keys: loss/train, loss/val, loss/eval, lr, tokens, time and
+    geometry/L0/pr_q, ... for each layer's numbers (its per-head lists and spectra left out)."""
+    out = {f"loss/{key.split('_')[0]}": row[key] for key in ('train_loss', 'val_loss', 'eval_loss')
+           if key in row}
+    out.update({key: row[key] for key in ('lr', 'tokens', 'time')})
+    for i, layer in enumerate(row.get('layers', [])):
+        out.update({f'geometry/L{i}/{key}': v for key, v in layer.items()
+                    if isinstance(v, (int, float))})
+    return out
 
 
 def seed_all(seed, rank, it, data_gen=None):
@@ -159,8 +202,17 @@ def save_checkpoint(run, it):
 
 def resume(run):
     """The model, optimizer, control state and numerics from ckpt.pt, refused if its settings or
-    its text differ."""
-    ckpt = torch.load(run.ckpt_path, map_location='cpu', weights_only=True)
+    its text differ or it cannot be read."""
+    try:
+        ckpt = torch.load(run.ckpt_path, map_location='cpu', weights_only=True)
+        if not isinstance(ckpt, dict) or 'config' not in ckpt:
+            raise ValueError
+    except Exception as e:  # cut short, overwritten, not torch's: whatever reading it raised
+        if isinstance(e, MemoryError) or 'allocate' in str(e):
+            raise  # held(): too big for this machine, not damaged
+        raise Stop(f'{run.ckpt_path} is damaged or not a checkpoint of train.py '
+                   f'({type(e).__name__}): remove it, or pass --overwrite=True to start the run '
+                   'over') from None
     free = NOT_IN_NAME + ('data_sha256',)
     changed = [k for k in run.cfg if k not in free and ckpt['config'].get(k) != run.cfg[k]]
     if 'numerics' not in ckpt:
@@ -181,14 +233,19 @@ def resume(run):
 
 
 @contextlib.contextmanager
-def signals_caught():
-    """A list that Ctrl-C or SIGTERM (a Slurm time limit) appends to, for the loop to stop at; a
-    second signal acts as usual."""
+def signals_caught(run):
+    """A list that Ctrl-C or SIGTERM (a Slurm time limit) appends to, for the loop to stop at, said
+    at once; a second signal acts as usual."""
     caught = []
+    when = 'at its next record or checkpoint' if run.ddp else 'after this iteration'
 
     def catch(signum, frame):
         caught.append(signum)
         signal.signal(signum, handlers[signum])
+        name = 'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name
+        if run.master:  # os.write: a print here could land inside one of the loop's
+            os.write(2, f'{name}: the run stops {when}, checkpointing to {run.ckpt_path} '
+                        f'(a second {name} stops it at once, without)\n'.encode())
     handlers = {s: signal.signal(s, catch) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield caught
@@ -242,6 +299,8 @@ def write_record(run, row, started, model_too):
     row['time'] = run.elapsed + time.time() - run.t_start
     kept = dict(row, layers=[logged(layer) for layer in row['layers']]) if 'layers' in row else row
     print(json.dumps(kept), file=run.metrics, flush=True)
+    if run.wandb:
+        run.wandb.log(wandb_row(kept), step=it)
     run.last = row
     ms = 1000 * (started - run.mark[0]) / (it - run.mark[1]) if it > run.mark[1] else None
     print_record(row, ms, run)
@@ -270,10 +329,47 @@ def print_record(row, ms, run):
     print(line, flush=True)
 
 
-def print_time_left(run, it):
-    """The training time left at the speed since run.mark, it iterations done."""
-    left = (time.time() - run.mark[0]) / (it - run.mark[1]) * (run.cfg['max_iters'] - it)
-    print(f'about {duration(left)} to go on {run.dev}, evaluations aside', flush=True)
+def print_sizes(run):
+    """The run's device and sizes, the first line it prints (rank 0)."""
+    if not run.master:
+        return
+    cfg, n_params = run.cfg, sum(p.numel() for p in run.model.parameters())
+    tokens = cfg['batch_size'] * cfg['grad_accum'] * cfg['block_size']
+    print(f"{run.dev}: {n_params / 1e6:.2f}M parameters, {tokens:,} tokens an iteration "
+          f"(batch_size x grad_accum x block_size), {cfg['max_iters']:,} iterations", flush=True)
+
+
+def print_time_left(run, it, seconds=None):
+    """The training time left, it iterations done, at seconds an iteration (the first micro-batch's
+    time) or at the speed since run.mark (rank 0)."""
+    if not run.master:
+        return
+    since = 'the first micro-batch'
+    if seconds is None:
+        since = f'iteration {run.mark[1]} on'
+        seconds = (time.time() - run.mark[0]) / (it - run.mark[1])
+    left = duration(seconds * (run.cfg['max_iters'] - it))
+    print(f'about {left} to go on {run.dev}, evaluations aside (from {since})', flush=True)
+
+
+def allocate_state(optimizer):
+    """The state a first step gives the optimizer, at zero, from which that step starts alike (an
+    AdamW's moments and step count, an SGD's momentum): allocated now, its memory fails before the
+    run folder is touched. A step at lr 0 on zero gradients leaves the weights as they are."""
+    if optimizer.state:  # ckpt.pt's
+        return
+    lrs = [group['lr'] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group['lr'] = 0.0
+        for p in group['params']:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group['lr'] = lr
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                value.zero_()
 
 
 def write_done(run):
@@ -285,6 +381,8 @@ def write_done(run):
     done.update(wall_time=run.elapsed, geometry_share=run.t_geom / wall,
                 control_share=run.t_ctl / wall)
     atomic_save(json.dumps(done, indent=1).encode(), os.path.join(run.dir, 'done.json'))
+    if run.wandb:
+        run.wandb.finish()
     print(f"done in {duration(run.elapsed)}: val loss {done['val_loss']:.4f}; geometry logging "
           f"took {100 * done['geometry_share']:.1f}% of wall time; run folder {run.dir}",
           flush=True)

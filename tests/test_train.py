@@ -1,5 +1,6 @@
 """train.py and its helpers: settings, names, data, the run folder, exact resume after a kill,
 DDP."""
+import ast
 import errno
 import json
 import os
@@ -77,7 +78,24 @@ def test_the_command_line_gives_one_line_and_exit_2(tmp_path):
     out = run_train(['--device=cuda:99', f'--out_dir={tmp_path}'])
     assert (out.returncode == 2
             and 'error: --device=cuda:99 is not available here (available: cpu' in out.stderr)
-    assert 'every setting: the config block of train.py' in run_train(['--help']).stderr
+    assert 'every setting: python train.py --help' in run_train(['--seed']).stderr
+
+
+@pytest.mark.parametrize('flag', ['--help', '-h'])
+def test_help_lists_every_setting_with_its_default_and_comment_under_its_header(flag):
+    out = run_train([flag, '--n_layers=4'])
+    assert out.returncode == 0 and out.stderr == '' and out.stdout.startswith(train.__doc__.strip())
+    lines = out.stdout.split('settings: --key=value')[1].splitlines()
+    rows = {line.split()[0]: line.split(None, 2) for line in lines if line.startswith('  ')}
+    assert sorted(rows) == sorted(train.config_keys)
+    for key, default, comment in rows.values():
+        assert ast.literal_eval(default) == getattr(train, key) and comment, key
+    assert rows['run_name'][1:] == [
+        "''", "'' = from the settings: L4_normal_s1, then a hash of the rest"]
+    # each header above its own settings, in the config block's order
+    order = [line.split()[0] for line in lines if line in ('model', 'optimizer') or
+             line.startswith(('  n_layer ', '  qk_init ', '  optimizer ', '  grad_clip '))]
+    assert order == ['model', 'n_layer', 'qk_init', 'optimizer', 'optimizer', 'grad_clip']
 
 
 def test_run_names_differ_in_every_setting_and_read_the_main_ones():
@@ -265,6 +283,74 @@ def test_a_finished_run_is_kept_and_overwrite_deletes_only_what_train_py_wrote(t
     assert (foreign / 'ckpt.pt').read_text() == 'not ours' and os.path.exists(run_dir)
 
 
+def test_the_first_lines_say_the_sizes_and_a_time_estimate_before_the_first_loss_estimate(
+        tmp_path, text_file, monkeypatch, capsys):
+    estimate_loss = train.estimate_loss
+
+    def said(*args):
+        print('estimating the loss')
+        return estimate_loss(*args)
+    monkeypatch.setattr(train, 'estimate_loss', said)
+    run_dir = train.train(cfg_of(tmp_path, text_file, '--max_iters=4'))
+    lines = capsys.readouterr().out.splitlines()
+    n_params = json.load(open(os.path.join(run_dir, 'config.json')))['n_params']
+    first = lines.index(f'cpu: {n_params / 1e6:.2f}M parameters, 256 tokens an iteration '
+                        '(batch_size x grad_accum x block_size), 4 iterations')
+    assert re.fullmatch(r'about \d+s to go on cpu, evaluations aside \(from the first '
+                        r'micro-batch\)', lines[first + 1])
+    assert lines[first + 2] == 'estimating the loss' and lines[first + 4].startswith('iter 0: ')
+
+
+def test_overwrite_deletes_the_old_run_once_the_new_one_has_its_optimizer_state_and_first_record(
+        tmp_path, text_file, monkeypatch):
+    cfg = cfg_of(tmp_path, text_file, '--max_iters=4')
+    run_dir = pathlib.Path(train.train(cfg))
+    files = lambda: {p: p.read_bytes() for p in run_dir.rglob('*') if p.is_file()}
+    before = files()
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 TB")
+    for owner, name in ((torch.optim.AdamW, 'step'), (train, 'estimate_loss'),
+                        (geometry, 'record')):
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, no_memory)
+            with pytest.raises(configurator.Stop, match='do not fit on cpu'):
+                train.train(dict(cfg, overwrite=True))
+        assert files() == before, name
+
+
+def test_a_read_only_run_folder_or_a_damaged_checkpoint_is_one_line_naming_the_fix(
+        tmp_path, text_file, monkeypatch, capsys):
+    args = tiny_args(tmp_path, text_file, '--max_iters=4', '--run_name=r')
+    run_dir = pathlib.Path(train.train(train.get_config(args)))
+    (run_dir / 'done.json').unlink()   # unfinished: the same command resumes it
+    files = lambda: {p: p.read_bytes() for p in run_dir.rglob('*') if p.is_file()}
+    before, access = files(), os.access
+
+    def refused(args):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            train.main(args)
+        assert stop.value.code == 2 and files() == before
+        return capsys.readouterr().err.strip().splitlines()
+    with monkeypatch.context() as m:   # read-only for root too, as a read-only file system is
+        m.setattr(os, 'access', lambda path, mode: mode != os.W_OK and access(path, mode)
+                  if os.path.realpath(path) == str(run_dir.resolve()) else access(path, mode))
+        assert refused(args) == [f'error: cannot write in the run folder {run_dir}: Permission '
+                                 'denied; make it writable, or another --out_dir']
+    torch.save(torch.zeros(3), tmp_path / 'tensor.pt')
+    ckpt, words = before[run_dir / 'ckpt.pt'], (
+        f'error: {re.escape(str(run_dir))}/ckpt.pt is damaged or not a checkpoint of train.py '
+        r'\(\w+\): remove it, or pass --overwrite=True to start the run over')
+    for damaged in (ckpt[:len(ckpt) // 2], b'garbage', b'', (tmp_path / 'tensor.pt').read_bytes()):
+        (run_dir / 'ckpt.pt').write_bytes(damaged)
+        before = files()
+        said = refused(args)
+        assert len(said) == 1 and re.fullmatch(words, said[0]), said
+    train.main(args + ['--overwrite=True'])
+    assert (run_dir / 'done.json').exists()
+
+
 def mistakes(default):
     """A wrong type, a negative, zero, a huge value, NaN and infinity, as the default's type allows
     (and ',')."""
@@ -393,14 +479,15 @@ import train
 from plumbing import runfolder
 point, at = sys.argv[2], int(sys.argv[3])
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
-record, save, get_lr = train.record, runfolder.atomic_save, train.get_lr
+record, save, get_lr, finish = train.record, runfolder.atomic_save, train.get_lr, train.finish
 
 def killing_record(run, it):
     record(run, it)
     if it == at and point == 'record':
         die()
-    if it == at and point == 'sigint':   # Ctrl-C
-        os.kill(os.getpid(), signal.SIGINT)
+    if it == at and point in ('sigint', 'sigterm'):   # Ctrl-C, a Slurm time limit
+        os.kill(os.getpid(), signal.SIGINT if point == 'sigint' else signal.SIGTERM)
+        print('the line after the signal', file=sys.stderr, flush=True)
     if it == at and point == 'half_line':
         run.metrics.write('{"iter": 99, "train_lo')
         run.metrics.flush()
@@ -412,7 +499,13 @@ def killing_save(obj, path, *how):
         die()
     save(obj, path, *how)
 
+def finishing(run):   # a SIGTERM after the last record
+    os.kill(os.getpid(), signal.SIGTERM)
+    finish(run)
+
 train.record, runfolder.atomic_save = killing_record, killing_save
+if point == 'finish':
+    train.finish = finishing
 if point == 'nan':
     train.get_lr = lambda it, cfg: float('nan') if it >= at else get_lr(it, cfg)
 train.main(sys.argv[4:])
@@ -439,6 +532,8 @@ def test_a_kill_or_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterru
     killed = run_killed(tmp_path, args, point, at)
     assert killed.returncode == (1 if point == 'sigint' else -signal.SIGKILL)
     assert point != 'sigint' or killed.stderr.strip().splitlines() == [
+        f"Ctrl-C: the run stops after this iteration, checkpointing to {tmp_path / 'out' / 'r'}"
+        '/ckpt.pt (a second Ctrl-C stops it at once, without)', 'the line after the signal',
         'stopped at iteration 5: ckpt.pt holds it, and the same command resumes from there']
     # the same command, here in this process
     resumed = records(train.train(train.get_config(args + again)))
@@ -449,6 +544,24 @@ def test_a_kill_or_ctrl_c_at_any_point_then_the_same_command_gives_the_uninterru
     assert ('resuming' in out) == (at == 16 or point == 'sigint')
     assert 'to go on cpu, evaluations aside' in out and 'nan ms/iter' not in out
     assert ('resuming in float32 on 1 threads as ckpt.pt was trained' in out) == bool(again)
+
+
+@pytest.mark.parametrize('point, at', [('sigterm', 4), ('finish', 16)])
+def test_sigterm_is_said_at_once_and_leaves_a_checkpoint_or_a_finished_run(
+        tmp_path, text_file, point, at):
+    run_dir = tmp_path / 'out' / 'r'
+    killed = run_killed(tmp_path, tiny_args(tmp_path, text_file, '--run_name=r'), point, at)
+    said = killed.stderr.strip().splitlines()
+    assert said[0] == (f'SIGTERM: the run stops after this iteration, checkpointing to {run_dir}'
+                       '/ckpt.pt (a second SIGTERM stops it at once, without)')
+    saved = torch.load(run_dir / 'ckpt.pt', weights_only=True)['iter']
+    if point == 'sigterm':
+        assert said[1:] == ['the line after the signal', 'stopped at iteration 5: ckpt.pt holds '
+                            'it, and the same command resumes from there']
+        assert killed.returncode == 1 and saved == 5 and not (run_dir / 'done.json').exists()
+    else:
+        assert killed.returncode == 0 and saved == 16 and (run_dir / 'done.json').exists()
+        assert killed.stdout.strip().splitlines()[-1].startswith('done in ')
 
 
 def test_a_checkpoint_resumes_only_with_its_own_settings_and_text_in_its_own_dtype(
