@@ -24,7 +24,8 @@ from plumbing import stats
 BOOKKEEPING = ('out_dir', 'run_name', 'overwrite', 'seed', 'device', 'threads', 'compile',
                'ckpt_interval', 'model_ckpts', 'save_snapshots', 'data_file', 'data_dir',
                'data_url', 'dataset', 'cache_dir', 'torch', 'git_commit', 'world_size', 'n_params',
-               'vocab_size', 'n_chars', 'data_cache', 'transformers')
+               'vocab_size', 'n_chars', 'data_cache', 'transformers', 'wandb_log', 'wandb_project',
+               'wandb_run_name')
 NUMBER = (int, float)
 SIZES = ('n_layer', 'n_head', 'n_embd', 'block_size')   # at least 1
 REQUIRED = {(int,): SIZES + ('seed', 'max_iters', 'warmup_iters'),
