@@ -8,11 +8,14 @@ import os
 import re
 import subprocess
 
+import numpy as np
 import pytest
 
 import analyze
 import control
+import geometry
 import pretrained
+from plumbing import folders
 from conftest import REPO, make_text
 
 NOT_A_NUMBER = re.compile(r'\b(nan|inf)\b', re.IGNORECASE)
@@ -34,11 +37,11 @@ def swept(tmp_path_factory):
     (root / 'text.txt').write_text(make_text(30_000), encoding='utf-8')
     env = dict(PRESET='smoke', OUT=str(root / 'out'), DATA_FILE=str(root / 'text.txt'), JOBS='2',
                SEEDS='1', CONTROL_SEEDS='1 2', SHRINK_TOS='0.1')
-    grid = sweep(env)
+    grid = sweep({**env, 'ANALYZE': '0'})
     (root / 'runs.txt').write_text('nodecay --n_layer=4 --seed=1 --decay_qk=False\n'
                                    'lr --n_layer=4 --seed=1 --lr=3e-3\n')
     listed = sweep({**env, 'RUN_LIST': str(root / 'runs.txt')})
-    return root, grid + listed
+    return root, env, grid + listed
 
 
 @pytest.fixture(scope='module')
@@ -77,9 +80,16 @@ def check_report(out):
 
 
 def test_a_sweep_of_every_depth_init_and_arm_analyses_with_nothing_left_out(swept):
-    root, console = swept
+    root, _, console = swept
     assert 'Traceback' not in console and 'left out' not in console
     assert 'warning' not in console, console
+    runs, _ = folders.load_runs([str(root / 'out')], print)
+    for r in runs:   # every key has its bounds, and the token level is read as logged
+        assert r.notes == [] and all(k.removesuffix('_heads') in geometry.BOUNDS for k in r.m)
+        logged = map(json.loads, open(os.path.join(r.path, 'metrics.jsonl')))
+        layers = [rec['layers'] for rec in logged if 'layers' in rec]
+        for key in ('tok_pr_q', 'tok_pr_k', 'tok_pr_qk_heads', 'entropy', 'entropy_heads'):
+            assert np.array_equal(r.m[key], [[layer[key] for layer in rec] for rec in layers])
     files = check_report(root / 'out' / 'analysis')
     report = files['REPORT.md']
     assert '## What sets entropy' in report and '## Control experiment' in report
@@ -90,9 +100,22 @@ def test_a_sweep_of_every_depth_init_and_arm_analyses_with_nothing_left_out(swep
     assert {'fig1_pr_over_training.png', 'fig5_control.png', 'fig11_entropy_spread.png'} <= figures
 
 
+def test_a_rerun_of_the_sweep_trains_nothing_and_a_finished_run_keeps_its_settings(swept):
+    root, env, _ = swept
+    again = sweep({**env, 'ANALYZE': '0'})
+    assert len(again.splitlines()) == 1 and '(18 finished, 0 to train)' in again, again
+    name = next(n for n in os.listdir(root / 'out') if n.startswith('L6_normal_s1'))
+    (root / 'changed.txt').write_text(f'{name} --n_layer=6 --seed=2\n')
+    changed = subprocess.run(['bash', os.path.join(REPO, 'sweep.sh')], cwd=REPO, text=True,
+                             env={**os.environ, **env, 'RUN_LIST': str(root / 'changed.txt')},
+                             capture_output=True, timeout=60)
+    assert changed.returncode == 2 and changed.stderr.count('\n') == 1
+    assert f'{name} is finished with other settings (seed 1 there, 2 here)' in changed.stderr
+
+
 def test_trained_runs_beside_a_pretrained_series_and_the_series_alone_analyse(swept, series,
                                                                               tmp_path, capsys):
-    root, _ = swept
+    root, _, _ = swept
     assert analyze.main([str(root / 'out'), str(series), f'--out={tmp_path / "both"}',
                          '--no_figures']) == 0
     files = check_report(tmp_path / 'both')

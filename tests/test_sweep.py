@@ -179,25 +179,10 @@ def test_run_list_lines_are_checked_before_anything_runs(tmp_path, lines, words)
     assert out.returncode == 2 and words in out.stderr and not (tmp_path / 'out').exists()
 
 
-def test_a_sweep_trains_its_grid_in_parallel_skips_what_is_done_and_names_a_failed_run(
-        tmp_path, text_file):
-    grid = dict(PRESET='smoke', DATA_FILE=str(text_file), JOBS='2', DEPTHS='2', INITS='normal tied',
-                SEEDS='1', CONTROL_SEEDS='1', SHRINK_TOS='', CONTROL_KEEPS='fro', ANALYZE='0')
-    first = sweep(tmp_path, '--min_char_count=1', **grid)
-    assert first.returncode == 0, first.stdout + first.stderr
-    done = sorted(n for n in os.listdir(tmp_path / 'out')
-                  if os.path.exists(tmp_path / 'out' / n / 'done.json'))
-    # L2 normal, L2 tied, L4 normal, L4 freeze
-    assert len(done) == 4 and first.stdout.count('done ') == 4
-    assert '(4 of 4 ended, about 0 s left)' in first.stdout
-    again = sweep(tmp_path, '--min_char_count=1', **grid)
-    assert again.returncode == 0 and len(again.stdout.splitlines()) == 1, again.stdout
-    assert '4 runs in' in again.stdout and '(4 finished, 0 to train)' in again.stdout
-    # done[0] has seed 1
-    (tmp_path / 'runs.txt').write_text(f'{done[0]} --n_layer=2 --seed=2 --min_char_count=1\n')
-    changed = sweep(tmp_path, RUN_LIST=str(tmp_path / 'runs.txt'), **grid)
-    assert changed.returncode == 2 and changed.stdout == '' and changed.stderr.count('\n') == 1
-    assert f'{done[0]} is finished with other settings (seed 1 there, 2 here)' in changed.stderr
+def test_a_run_that_fails_is_named_and_the_sweep_exits_1(tmp_path, text_file):
+    """Training a grid in parallel, skipping what is done and refusing a finished run's other
+    settings: tests/test_paths.py, on the README's sweep."""
+    grid = dict(PRESET='smoke', DATA_FILE=str(text_file), JOBS='2', ANALYZE='0')
     (tmp_path / 'runs.txt').write_text('bad --n_embd=16 --block_size=100000\n')
     failed = sweep(tmp_path, RUN_LIST=str(tmp_path / 'runs.txt'), **grid)
     assert (failed.returncode == 1 and 'FAILED bad' in failed.stdout

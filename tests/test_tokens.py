@@ -1,25 +1,20 @@
-"""The token level end to end: two tiny runs trained by train.py and analysed from what they logged;
-pretrained.py's family adapters against each model's own attention, and a local checkpoint series
-written as a folder the analysis loads like a run (tiny random models built from configs: nothing is
-downloaded)."""
-import json
+"""The token level: pretrained.py's family adapters against each model's own attention, and a local
+checkpoint series written as a folder the analysis loads like a run (tiny random models built from
+configs: nothing is downloaded). A trained run's token level read back: tests/test_paths.py."""
 import math
 import os
 import random
 import string
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-import analyze
 from plumbing import folders
 import geometry
 import pretrained
 
-from conftest import REPO
 WORDS = ('the of and to in a is was for on as with by he it at from his an were are '
          'which this').split()
 TOKEN_KEYS = ('tok_pr_q', 'tok_pr_k', 'tok_pr_qk', 'tok_pr_qk_heads', 'entropy', 'entropy_heads',
@@ -30,39 +25,6 @@ def text(n, seed=0):
     rng = random.Random(seed)
     return ''.join(' '.join(rng.choice(WORDS) for _ in range(8)).capitalize() + '. '
                    for _ in range(n // 40))[:n]
-
-
-@pytest.fixture(scope='module')
-def trained(tmp_path_factory):
-    """Two seeds of one tiny setting, trained by this checkout's train.py on a synthetic text."""
-    root = tmp_path_factory.mktemp('smoke')
-    (root / 'corpus.txt').write_text(text(40_000), encoding='utf-8')
-    args = [f'--data_file={root / "corpus.txt"}', f'--out_dir={root / "out"}',
-            f'--cache_dir={root / "cache"}', '--n_layer=2', '--n_head=2', '--n_embd=32',
-            '--block_size=32', '--batch_size=8', '--max_iters=24',
-            '--eval_interval=8', '--geom_interval=8', '--eval_iters=2', '--eval_windows=4',
-            '--model_ckpts=0', '--warmup_iters=2', '--min_char_count=1', '--threads=1']
-    for seed in (1, 2):
-        done = subprocess.run([sys.executable, 'train.py', *args, f'--seed={seed}'], cwd=REPO,
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-    return root
-
-
-def test_train_then_analyze_end_to_end_reads_every_value_train_py_logged(trained, capsys):
-    out = trained / 'analysis'
-    assert analyze.main([str(trained / 'out'), f'--out={out}']) == 0
-    assert '2 runs used, 0 skipped, 1 settings' in capsys.readouterr().out
-    made = {'REPORT.md', 'claims.csv', 'fig1_pr_over_training.png', 'fig3_entropy_and_pr.png'}
-    assert made <= set(os.listdir(out))
-    runs, _ = folders.load_runs([str(trained / 'out')], print)
-    for r in runs:   # every key has its bounds, and the token level is read as logged
-        assert r.notes == [] and all(k.removesuffix('_heads') in geometry.BOUNDS for k in r.m)
-        logged = map(json.loads, open(os.path.join(r.path, 'metrics.jsonl')))
-        layers = [rec['layers'] for rec in logged if 'layers' in rec]
-        assert len(r.iters) == len(layers)
-        for key in TOKEN_KEYS:
-            assert np.array_equal(r.m[key], [[x[key] for x in rec] for rec in layers])
 
 
 # ----------------------------------------------------------------------------- pretrained families
