@@ -18,6 +18,14 @@ h*d:(h+1)*d, d = C / n_head, giving W^h of shape (d, C).
     sigma_i    = sqrt(mean_j (l_ij - mean_j l_ij)^2)  logit spread of row i >= 1 over its i+1 keys
     logit_std  = mean of sigma_i over rows i >= 1 and windows (population std: a row of two keys
                  with logits a, b has sigma = |a - b| / 2)
+    logit_margin   = mean of (max_j l_ij - mean_j l_ij) / sigma_i     the top-1 margin in spreads
+    logit_kurtosis = mean of mean_j (l_ij - mean_j l_ij)^4 / sigma_i^4 - 3   a row's excess kurtosis
+                 (both over the same rows; 0 for a row whose logits are all equal, sigma_i = 0)
+    self_top   = the share of those rows whose largest logit is the query's own key, l_ii = max_j l_ij
+    qk_eig_mean = tr(W_QK^h) / C                    the mean eigenvalue of W_QK^h
+    qk_eig_std = sqrt(||S_h||_F^2 / C - qk_eig_mean^2)   S_h = (W_QK^h + W_QK^h^T) / 2: the spread
+                 of the eigenvalues of the symmetric part, which alone sets a self-match logit
+                 x^T W_QK^h x (Bao, Hataya and Karakida 2024 relate both to how localized attention is)
     erank(s)   = exp(-sum p log p), p = s / sum s   effective rank (Roy and Vetterli)
     srank(M)   = ||M||_F^2 / ||M||_2^2              stable rank
 
@@ -89,7 +97,9 @@ BOUNDS = {
     **dict.fromkeys(('pr_q_head', 'pr_k_head', 'pr_dq_head', 'pr_dk_head', 'pr_qk', 'erank_qk',
                      'tok_pr_q_head', 'tok_pr_k_head', 'tok_pr_qk'), (1, 'd')),
     'entropy': (0, 'log T'), 'entropy_norm': (0, 1),
-    **dict.fromkeys(('sv_q', 'sv_k', 'sv_qk', 'logit_std'), (0, float('inf'))),
+    **dict.fromkeys(('sv_q', 'sv_k', 'sv_qk', 'logit_std', 'logit_margin', 'qk_eig_std'),
+                    (0, float('inf'))),
+    'logit_kurtosis': (-2, float('inf')), 'self_top': (0, 1),   # any distribution's excess >= -2
     'qk_spec_norm': (0, 'qk_fro_norm'),   # ||M||_2 <= ||M||_F
     # ||A - B||_F <= ||A||_F + ||B||_F; D_h(0) adds its own, so the drift needs the record of step
     # 0: 'drift' is 2 + 2 qk_gram(0) / qk_gram
@@ -276,16 +286,24 @@ def _entropies(att):
     return -torch.special.xlogy(att, att).sum(-1)[..., 1:].double()
 
 
-def _logit_spread(Qh, Kh):
-    """sigma_i of every row i >= 1 (..., T-1) from per-head queries and keys (..., T, d): the
-    population std of the scaled logits over the keys j <= i."""
+def _row_statistics(Qh, Kh):
+    """Of every row i >= 1 (..., T-1) of the scaled logits over the keys j <= i, from per-head
+    queries and keys (..., T, d): sigma_i, the top-1 margin, the excess kurtosis and whether the
+    query's own key holds the largest logit (1.0 or 0.0)."""
     T, d = Qh.shape[-2:]
     allowed = torch.ones(T, T, dtype=torch.bool, device=Qh.device).tril()
     n_keys = torch.arange(1, T + 1, dtype=Qh.dtype, device=Qh.device)
     logits = (Qh @ Kh.mT / d ** 0.5).masked_fill_(~allowed, 0.0)
     mean = logits.sum(-1) / n_keys
-    spread = logits.sub_(mean[..., None]).masked_fill_(~allowed, 0.0).square_().sum(-1) / n_keys
-    return spread[..., 1:].sqrt()
+    square = (logits - mean[..., None]).masked_fill_(~allowed, 0.0).square_()
+    variance = square.sum(-1) / n_keys
+    top = logits.masked_fill(~allowed, -torch.inf).amax(-1)
+    own = (logits.diagonal(dim1=-2, dim2=-1) >= top).to(Qh.dtype)
+    sigma = variance.sqrt()
+    margin = _div(top - mean, sigma)
+    kurtosis = torch.where(variance > 0, _div(square.square().sum(-1) / n_keys, variance ** 2) - 3,
+                           0.0)
+    return (x[..., 1:] for x in (sigma, margin, kurtosis, own))
 
 
 def _log_keys(H):
@@ -392,7 +410,8 @@ def logit_spread(q, k, n_head):
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, C = q.shape
     d = _head_dim(C, n_head)
-    return _logit_spread(q.view(B, T, -1, d).transpose(1, 2), k.view(B, T, -1, d).transpose(1, 2))
+    heads = (x.view(B, T, -1, d).transpose(1, 2) for x in (q, k))
+    return next(_row_statistics(*heads))
 
 
 def effective_rank(s):
@@ -428,6 +447,8 @@ def layer_geometry(W_Q, W_K, n_head):
                                     per head
       sv_q_heads, sv_k_heads,       per head, the d singular values of W_Q^h, W_K^h and W_QK^h,
       sv_qk_heads                   descending (n_head lists of d)
+      qk_eig_mean, qk_eig_std       mean over heads of the mean and the spread of the eigenvalues
+                                    of W_QK^h (its symmetric part's); *_heads per head
     """
     return host_values([_layer(*_qk_heads(W_Q, W_K, n_head)[:2], n_head)])[0]
 
@@ -444,6 +465,7 @@ def _layer(W_Q, W_K, n_head):
     s_qk = _interaction_sv(Wq_h, Wk_h)
     pr_qk = _pr(s_qk ** 2)
     spec, fro = s_qk[:, 0], s_qk.norm(dim=-1)   # rank <= d: the d values hold all of ||.||_F
+    eig_mean, eig_std = _interaction_eigenvalues(Wq_h, Wk_h, fro)
     return {
         "pr_q": _matrix_pr(W_Q), "pr_k": _matrix_pr(W_K),
         "pr_q_head": hq.mean(), "pr_k_head": hk.mean(), "pr_q_heads": hq, "pr_k_heads": hk,
@@ -457,7 +479,19 @@ def _layer(W_Q, W_K, n_head):
         "qk_imbalance": rel.mean(), "qk_imbalance_heads": rel,
         "qk_gram": gram.mean(), "qk_gram_heads": gram,
         "sv_q_heads": sv_q, "sv_k_heads": sv_k, "sv_qk_heads": s_qk,
+        "qk_eig_mean": eig_mean.mean(), "qk_eig_mean_heads": eig_mean,
+        "qk_eig_std": eig_std.mean(), "qk_eig_std_heads": eig_std,
     }
+
+
+def _interaction_eigenvalues(Wq_h, Wk_h, fro):
+    """qk_eig_mean, qk_eig_std per head from the (d, C) blocks, with d x d products only: tr(W_QK^h)
+    = sum(W_Q^h * W_K^h) and ||S_h||_F^2 = (||W_QK^h||_F^2 + tr(M M)) / 2, M = W_K^h W_Q^h^T."""
+    C = Wq_h.shape[-1]
+    mean = (Wq_h * Wk_h).sum((-2, -1)) / C
+    M = Wk_h @ Wq_h.mT
+    symmetric = (fro ** 2 + (M * M.mT).sum((-2, -1))) / 2
+    return mean, (symmetric / C - mean ** 2).clamp(min=0).sqrt()
 
 
 def learned_geometry(W_Q, W_K, W_Q0, W_K0, n_head):
@@ -556,6 +590,8 @@ def token_geometry(q, k, att, n_head):
       entropy, entropy_norm         mean_attention_entropy (plain, normalized); *_heads per head
       logit_std                     mean of logit_spread over heads, rows and sequences;
                                     logit_std_heads per head
+      logit_margin, logit_kurtosis, the same means of each row's top-1 margin, excess kurtosis and
+      self_top                      own-key top; *_heads per head
     tok_pr_qk uses d x d Grams, Gq = Q_h^T Q_h, Gk = K_h^T K_h, P = Gq Gk: sum s^2 = tr(P),
     sum s^4 = tr(P P) (the 1/sqrt(d) cancels), so there is no T x T SVD.
     """
@@ -591,7 +627,7 @@ def _token(q, k, att, n_head):
     pr_qk = _div(P.diagonal(dim1=-2, dim2=-1).sum(-1) ** 2, (P * P.mT).sum((-2, -1)))   # (B, nh)
     H = _entropies(att)   # (B, nh, T-1)
     Hn = H / _log_keys(H)
-    spread = _logit_spread(Qh, Kh)
+    spread, margin, kurtosis, own = _row_statistics(Qh, Kh)
     return {
         "tok_pr_q": _activation_pr(q.reshape(B * T, C)),
         "tok_pr_k": _activation_pr(k.reshape(B * T, C)),
@@ -601,6 +637,9 @@ def _token(q, k, att, n_head):
         "entropy": H.mean(), "entropy_norm": Hn.mean(), "entropy_heads": H.mean((0, 2)),
         "entropy_norm_heads": Hn.mean((0, 2)),
         "logit_std": spread.mean(), "logit_std_heads": spread.mean((0, 2)),
+        "logit_margin": margin.mean(), "logit_margin_heads": margin.mean((0, 2)),
+        "logit_kurtosis": kurtosis.mean(), "logit_kurtosis_heads": kurtosis.mean((0, 2)),
+        "self_top": own.mean(), "self_top_heads": own.mean((0, 2)),
     }
 
 

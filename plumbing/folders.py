@@ -225,7 +225,7 @@ def bad_records(m, iters, cfg, notes):
         # softmax rows in bf16 sum to 1 within ~4e-3: an entropy may pass its bound by that much
         tol = 1e-2 if key.startswith('entropy') else 1e-6
         with np.errstate(invalid='ignore'):   # NaN (not logged) is in range: it bounds nothing
-            wrong = np.isinf(a) | (a != 0) & ((a < lo * (1 - tol)) | (a > hi * (1 + tol)))
+            wrong = np.isinf(a) | (a != 0) & ((a < lo - tol * abs(lo)) | (a > hi + tol * abs(hi)))
         flat, wrong = a.reshape(len(a), -1), wrong.reshape(len(a), -1)
         high = np.broadcast_to(hi, a.shape).reshape(len(a), -1)
         for r in np.flatnonzero(wrong.any(1) & ~bad):

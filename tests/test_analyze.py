@@ -188,8 +188,9 @@ def expected(field, kind, record):
         return 'named' if kind != 'absent' or field == 'iter' else None
     if field not in folders.LOSSES and field not in EVERY_KEY and field not in geometry.BOUNDS:
         return 'used'
-    high = geometry.BOUNDS.get(field, (0, math.inf))[1]
-    if kind != 'absent' and plain or kind == 'negative' or kind == 'huge' and high != math.inf:
+    low, high = geometry.BOUNDS.get(field, (0, math.inf))
+    negative = kind == 'negative' and low > -1   # the fault is -1 (an excess kurtosis may be)
+    if kind != 'absent' and plain or negative or kind == 'huge' and high != math.inf:
         return 'named'
     bounding = field in {row[1] for row in geometry.BOUNDS.values()}   # its 0 bounds another
     return 'used' if kind == 'absent' or kind == 'zero' and not bounding else None

@@ -184,12 +184,22 @@ LAYER_KEYS = {"pr_q", "pr_k", "pr_q_head", "pr_k_head", "pr_q_heads", "pr_k_head
               "erank_q", "erank_k", "srank_q", "srank_k", "erank_qk", "q_spec_norm", "k_spec_norm",
               "q_spec_norm_heads", "k_spec_norm_heads", "qk_imbalance", "qk_imbalance_heads",
               "qk_gram", "qk_gram_heads",
-              "sv_q_heads", "sv_k_heads", "sv_qk_heads"}
+              "sv_q_heads", "sv_k_heads", "sv_qk_heads",
+              "qk_eig_mean", "qk_eig_mean_heads", "qk_eig_std", "qk_eig_std_heads"}
 TOKEN_KEYS = {"tok_pr_q", "tok_pr_k", "tok_pr_q_head", "tok_pr_k_head", "tok_pr_q_heads",
               "tok_pr_k_heads",
               "tok_pr_qk", "tok_pr_qk_heads",
               "entropy", "entropy_norm", "entropy_heads", "entropy_norm_heads", "logit_std",
-              "logit_std_heads"}
+              "logit_std_heads", "logit_margin", "logit_margin_heads", "logit_kurtosis",
+              "logit_kurtosis_heads", "self_top", "self_top_heads"}
+
+
+ROW_STATS = {   # a row's logits over its keys, the query's own last
+    "logit_std": np.std,
+    "logit_margin": lambda row: (row.max() - row.mean()) / np.std(row),
+    "logit_kurtosis": lambda row: np.mean((row - row.mean()) ** 4) / np.var(row) ** 2 - 3,
+    "self_top": lambda row: float(row[-1] == row.max()),
+}
 
 
 def np_layer_geometry(W_Q, W_K, n_head):
@@ -213,8 +223,11 @@ def np_layer_geometry(W_Q, W_K, n_head):
     ref["pr_qk_heads"] = [np_pr(s ** 2) for s in s_qk]
     ref["qk_spec_norm_heads"] = [np.linalg.norm(A, 2) for A in inter]
     ref["qk_fro_norm_heads"] = [np.linalg.norm(A, "fro") for A in inter]
+    symmetric = [np.linalg.eigvalsh((A + A.T) / 2) for A in inter]   # real: the symmetric part
+    ref["qk_eig_mean_heads"] = [np.trace(A) / len(A) for A in inter]
+    ref["qk_eig_std_heads"] = [np.std(eig) for eig in symmetric]
     for key in ("pr_qk", "qk_spec_norm", "qk_fro_norm", "q_spec_norm", "k_spec_norm",
-                "qk_imbalance", "qk_gram"):
+                "qk_imbalance", "qk_gram", "qk_eig_mean", "qk_eig_std"):
         ref[key] = np.mean(ref[f"{key}_heads"])
     ref["erank_qk"] = np.mean([np_erank(s) for s in s_qk])
     return ref
@@ -228,15 +241,18 @@ def np_token_geometry(q, k, att, n_head):
         heads = [np_cov_pr(X[:, h * d:(h + 1) * d]) for h in range(n_head)]
         ref |= {f"tok_pr_{name}": np_cov_pr(X), f"tok_pr_{name}_heads": heads,
                 f"tok_pr_{name}_head": np.mean(heads)}
-    pr_qk, spread = np.zeros((B, n_head)), np.zeros((B, n_head, T - 1))
+    pr_qk = np.zeros((B, n_head))
+    rows = {name: np.zeros((B, n_head, T - 1)) for name in ROW_STATS}
     for b in range(B):
         for h in range(n_head):
             # T x T
             logits = q[b, :, h * d:(h + 1) * d] @ k[b, :, h * d:(h + 1) * d].T / math.sqrt(d)
             pr_qk[b, h] = np_pr(np_svals(logits) ** 2)
-            spread[b, h] = [np.std(logits[i, :i + 1]) for i in range(1, T)]
-    ref |= {"tok_pr_qk": pr_qk.mean(), "tok_pr_qk_heads": list(pr_qk.mean(0)),
-            "logit_std": spread.mean(), "logit_std_heads": list(spread.mean((0, 2)))}
+            for name, fn in ROW_STATS.items():
+                rows[name][b, h] = [fn(logits[i, :i + 1]) for i in range(1, T)]
+    ref |= {"tok_pr_qk": pr_qk.mean(), "tok_pr_qk_heads": list(pr_qk.mean(0))}
+    for name, values in rows.items():
+        ref |= {name: values.mean(), f"{name}_heads": list(values.mean((0, 2)))}
     H = np_entropies(att)
     Hn = H / np.log(np.arange(2, T + 1))
     ref |= {"entropy": H.mean(), "entropy_norm": Hn.mean(),
@@ -270,6 +286,27 @@ def test_logit_spread_closed_form():
     out = g.token_geometry(q, k, causal_softmax(B, 2, T), 2)
     assert out["logit_std_heads"] == pytest.approx([want.mean(), 0.0], abs=1e-12)
     assert out["logit_std"] == pytest.approx(want.mean() / 2, rel=1e-12)
+    # equally spaced logits: (max - mean) / sigma = sqrt(3 i / (i + 2)), the excess kurtosis of n
+    # equally spaced points -6 (n^2 + 1) / (5 (n^2 - 1)), and the own key (the last) on top; equal
+    # logits: margin and kurtosis 0 by convention, and the own key ties for the top
+    n = i + 1
+    margin, kurtosis = np.sqrt(3 * i / (i + 2)), -6 * (n ** 2 + 1) / (5 * (n ** 2 - 1))
+    assert out["logit_margin_heads"] == pytest.approx([margin.mean(), 0.0], abs=1e-12)
+    assert out["logit_kurtosis_heads"] == pytest.approx([kurtosis.mean(), 0.0], abs=1e-12)
+    assert out["self_top_heads"] == [1.0, 1.0]
+    q[0, :, 0] *= -1   # the order reversed: key 0 on top, the own key never (but in row 0)
+    out = g.token_geometry(q, k, causal_softmax(B, 2, T), 2)
+    assert out["logit_margin_heads"][0] == pytest.approx(margin.mean(), abs=1e-12)
+    assert out["self_top_heads"][0] == 0.0
+
+
+def test_a_symmetric_interaction_s_eigenvalues_are_its_mean_and_spread():
+    # W_QK = W_Q^T W_K with W_Q = I (one head, d = C): W_QK = W_K, symmetric with eigenvalues lam
+    lam = np.array([3.0, -1.0, 2.0, 0.5])
+    basis = np.linalg.qr(np.random.default_rng(0).normal(size=(4, 4)))[0]
+    out = g.layer_geometry(np.eye(4), basis @ np.diag(lam) @ basis.T, 1)
+    assert out["qk_eig_mean"] == pytest.approx(lam.mean(), rel=1e-12)
+    assert out["qk_eig_std"] == pytest.approx(lam.std(), rel=1e-12)
 
 
 def test_spectra_in_a_record_are_numpys_singular_values():
