@@ -100,6 +100,7 @@ BOUNDS = {
     **dict.fromkeys(('sv_q', 'sv_k', 'sv_qk', 'logit_std', 'logit_margin', 'qk_eig_std'),
                     (0, float('inf'))),
     'logit_kurtosis': (-2, float('inf')), 'self_top': (0, 1),   # any distribution's excess >= -2
+    'qk_eig_mean': (-float('inf'), float('inf')),   # a trace: any sign
     'qk_spec_norm': (0, 'qk_fro_norm'),   # ||M||_2 <= ||M||_F
     # ||A - B||_F <= ||A||_F + ||B||_F; D_h(0) adds its own, so the drift needs the record of step
     # 0: 'drift' is 2 + 2 qk_gram(0) / qk_gram
