@@ -19,7 +19,9 @@ from plumbing import folders
 from conftest import REPO, make_text
 
 NOT_A_NUMBER = re.compile(r'\b(nan|inf)\b', re.IGNORECASE)
-STUDIES = sorted(glob.glob(os.path.join(REPO, 'results', '*', 'runs')))
+# the committed studies that have been analysed (a study still training has runs but no tables)
+STUDIES = sorted(p for p in glob.glob(os.path.join(REPO, 'results', '*', 'runs'))
+                 if os.path.exists(os.path.join(os.path.dirname(p), '.analyze.json')))
 
 
 def sweep(env, *args):
