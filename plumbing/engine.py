@@ -1,8 +1,8 @@
 """
 The analysis engine: the study read once (load), each statistic judged over its units (judge), the
 control's seed pairs (arms), the robustness map, the claims table, the regime and its trends, the
-control tables, and analyze, which computes every table. It reads the registries from the Study
-(analyze.py holds them and passes them in), never from analyze.py, so a research change does not
+control tables; analyze computes them all. It reads the registries (claims, statistics, views,
+sections) from the Study that analyze.py fills, never from analyze.py: a research change does not
 open this file.
 """
 import dataclasses
@@ -30,6 +30,32 @@ NOT_MEASURED = {   # why a statistic has no unit with a value, by its unit
     'trajectory': (f'no trajectory has a reference record before its last {FINAL_LOGS} records '
                    '(runs too short for this window)')}
 
+
+# ------------------------------------------------------------------- statistics and their views
+@dataclass(frozen=True, kw_only=True)
+class Stat:
+    key: str
+    stat: str                   # the statistic of one unit, in words
+    fn: object                  # fn(unit, view): a number (a trajectory claim: signs, see moves)
+    unit: str = 'seed'          # seed | pair | model | trajectory
+    lenses: tuple = ()          # its own first; the map measures it in each (none: reads no lens)
+    window: str = 'all'         # its own
+    tables: tuple = ()          # map, regime, trend (REPORT.md, fig9), optimizer, control
+    control: str = ''           # a pair's control kind ('': any)
+    log: bool = False           # fn gives logs; intervals, ref and margin are shown as their exp
+    limits: tuple = (-math.inf, math.inf)   # intervals are clipped to these (-1, 1: a correlation)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Claim(Stat):
+    text: str                   # what the paper says
+    sign: int = +1              # the predicted sign of (statistic - ref)
+    ref: float = 0.0            # in the units of the value shown (a log claim: a ratio)
+    margin: float = 0.0         # no effect: the interval inside ref -/+ margin
+    beside: tuple = ()          # 'key' or 'key@window' shown beside (a pair claim: the fro arm's)
+    tables: tuple = ('map', 'regime')
+
+
 View = namedtuple('View', 'lens window from_iter', defaults=('whole', 'all', None))
 NO_LENS = 'no lens'   # the map's column of a statistic that reads no lens
 
@@ -50,19 +76,19 @@ def on_grid(run):
         keep = np.ones(len(run.iters), bool)
         if type(every) is int and every > 0:
             keep = (run.iters % every == 0) | (run.iters == last)
-        m = {k: v[keep] for k, v in run.m.items()}
-        run.memo['grid'] = dataclasses.replace(run, iters=run.iters[keep], m=m, memo={})
+        metrics = {key: values[keep] for key, values in run.m.items()}
+        run.memo['grid'] = dataclasses.replace(run, iters=run.iters[keep], m=metrics, memo={})
         run.memo['grid'].use(run.settings)   # as the study read them (folders.load_runs)
     return run.memo['grid']
 
 
 def seed_mean(runs):
     """One run: the per-layer mean over runs (a setting's seeds) at the grid records they share."""
-    grids = [on_grid(r) for r in runs]
-    its = reduce(np.intersect1d, [g.iters for g in grids])
-    keys = {k for g in grids for k, v in g.m.items() if v.ndim == 2}
-    m = {k: nanmean(stack(grids, k, its)[1], axis=0) for k in sorted(keys)}
-    mean = dataclasses.replace(grids[0], iters=its, m=m, memo={})
+    grids = [on_grid(run) for run in runs]
+    shared = reduce(np.intersect1d, [grid.iters for grid in grids])
+    keys = {key for grid in grids for key, values in grid.m.items() if values.ndim == 2}
+    metrics = {key: nanmean(stack(grids, key, shared)[1], axis=0) for key in sorted(keys)}
+    mean = dataclasses.replace(grids[0], iters=shared, m=metrics, memo={})
     mean.use(runs[0].settings)
     return mean
 
@@ -74,34 +100,11 @@ def checkpoints(run):
     return np.flatnonzero(np.isin(run.iters, sorted(geometry.model_ckpt_iters(run.cfg))))
 
 
-@dataclass(frozen=True, kw_only=True)
-class Stat:
-    key: str
-    stat: str                   # the statistic of one unit, in words
-    fn: object                  # fn(unit, view): a number (a trajectory claim: signs, see moves)
-    unit: str = 'seed'          # seed | pair | model | trajectory
-    lenses: tuple = ()          # its own first; the map measures it in each (none: reads no lens)
-    window: str = 'all'         # its own
-    tables: tuple = ()          # map, regime, trend (REPORT.md, fig9), optimizer, control
-    control: str = ''           # a pair's control kind ('': any)
-    log: bool = False           # fn gives logs; intervals, ref and margin are shown as their exp
-    limits: tuple = (-math.inf, math.inf)   # intervals are clipped to these ((-1, 1): a correlation)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Claim(Stat):
-    text: str                   # what the paper says
-    sign: int = +1              # the predicted sign of (statistic - ref)
-    ref: float = 0.0            # in the units of the value shown (a log claim: a ratio)
-    margin: float = 0.0         # no effect: the interval inside ref -/+ margin
-    beside: tuple = ()          # 'key' or 'key@window' shown beside (a pair claim: the fro arm's)
-    tables: tuple = ('map', 'regime')
-
-
+# ------------------------------------------------------------------------ a statistic over units
 def judge(stat, units, view=View()):
     """A statistic over units by its interval rule, judged if a Claim: {n, est, lo, hi, p, verdict,
     why, values}; a trajectory claim adds hits, mirror, seeds, per_ref, per_part."""
-    found = [stat.fn(u, view) for u in units]
+    found = [stat.fn(unit, view) for unit in units]
     res = shares(found) if stat.unit == 'trajectory' else interval(stat, found)
     res.update({'verdict': '', 'why': '', 'p': math.nan})
     if isinstance(stat, Claim):
@@ -110,47 +113,48 @@ def judge(stat, units, view=View()):
         res['verdict'], res['why'] = 'not measured', NOT_MEASURED[stat.unit]
     if stat.log:
         res.update(zip(('est', 'lo', 'hi'), np.exp([res['est'], res['lo'], res['hi']])))
-    return {k: float(v) if isinstance(v, np.floating) else v for k, v in res.items()}
+    return {key: float(v) if isinstance(v, np.floating) else v for key, v in res.items()}
 
 
 def interval(stat, values):
     """The Student-t interval of the finite values, clipped to the statistic's limits."""
-    v = np.array(values, dtype=float)
-    v = v[np.isfinite(v)]
-    est, lo, hi, n = stats.t_interval(v)
-    return {'values': list(v), 'n': n, 'est': est, 'lo': max(lo, stat.limits[0]),
+    finite = np.array(values, dtype=float)
+    finite = finite[np.isfinite(finite)]
+    est, lo, hi, n = stats.t_interval(finite)
+    return {'values': list(finite), 'n': n, 'est': est, 'lo': max(lo, stat.limits[0]),
             'hi': min(hi, stat.limits[1]), 'df': n - 1,
-            'se': float(v.std(ddof=1)) / math.sqrt(n) if n > 1 else 0}
+            'se': float(finite.std(ddof=1)) / math.sqrt(n) if n > 1 else 0}
 
 
 def outcomes(signs):
     """Per trajectory: +1 if every sign it has (over references or records, and parts) is +1, -1
     if every one is -1, else 0; NaN with none."""
-    fin = np.isfinite(signs)
-    def every(x):
-        return (np.where(fin, signs, x) == x).all((1, 2))
+    finite = np.isfinite(signs)
+    def every(sign):
+        return (np.where(finite, signs, sign) == sign).all((1, 2))
     found = np.where(every(1), 1.0, np.where(every(-1), -1.0, 0.0))
-    return np.where(fin.any((1, 2)), found, np.nan)
+    return np.where(finite.any((1, 2)), found, np.nan)
 
 
 def shares(signs):
     """The per-seed shares of a trajectory claim and its mirror; counts per reference and part."""
-    signs = [s for s in signs if np.size(s)]
-    found = [outcomes(s) for s in signs]
-    count = [int(np.isfinite(o).sum()) for o in found]
-    hold = [int((o == 1).sum()) for o in found]
-    mirror = [int((o == -1).sum()) for o in found]
+    signs = [run_signs for run_signs in signs if np.size(run_signs)]
+    found = [outcomes(run_signs) for run_signs in signs]
+    count = [int(np.isfinite(outcome).sum()) for outcome in found]
+    hold = [int((outcome == 1).sum()) for outcome in found]
+    mirror = [int((outcome == -1).sum()) for outcome in found]
     names = ('est', 'lo', 'hi', 'se_lo', 'se_hi', 'df')
     res = dict(zip(names, stats.share(hold, count)))
-    res.update({f'mirror_{k}': v for k, v in zip(names, stats.share(mirror, count))})
-    res.update({'values': [h / c for h, c in zip(hold, count) if c], 'n': sum(count),
-                'hits': sum(hold), 'mirror': sum(mirror), 'seeds': sum(c > 0 for c in count)})
-    if signs and len({s.shape[1:] for s in signs}) == 1 and signs[0].shape[2] > 1:
-        cat = np.concatenate(signs)   # trajectories x references x parts
-        refs, parts = range(cat.shape[1]), range(cat.shape[2])
-        held = [int((cat[:, r] == 1).all(1).sum()) for r in refs]
-        res['per_ref'] = [(k, int(np.isfinite(cat[:, r]).all(1).sum())) for k, r in zip(held, refs)]
-        res['per_part'] = [int((outcomes(cat[..., p:p + 1]) == 1).sum()) for p in parts]
+    res.update({f'mirror_{name}': v for name, v in zip(names, stats.share(mirror, count))})
+    res.update({'values': [held / n for held, n in zip(hold, count) if n], 'n': sum(count),
+                'hits': sum(hold), 'mirror': sum(mirror), 'seeds': sum(n > 0 for n in count)})
+    if signs and len({run_signs.shape[1:] for run_signs in signs}) == 1 and signs[0].shape[2] > 1:
+        every = np.concatenate(signs)   # trajectories x references x parts
+        refs, parts = range(every.shape[1]), range(every.shape[2])
+        held = [int((every[:, ref] == 1).all(1).sum()) for ref in refs]
+        res['per_ref'] = [(hits, int(np.isfinite(every[:, ref]).all(1).sum()))
+                          for hits, ref in zip(held, refs)]
+        res['per_part'] = [int((outcomes(every[..., part:part + 1]) == 1).sum()) for part in parts]
     return res
 
 
@@ -159,17 +163,18 @@ def decide(claim, res):
     if claim.unit == 'trajectory':   # holds, reversed (the mirror holds), fails (neither can)
         word, why = stats.verdict(res['lo'], res['hi'], claim.sign, claim.ref, 0,
                                   f"{res['seeds']} seeds", (res['mirror_lo'], res['mirror_hi']))
-        def p(x, side):
-            return stats.p_value(res[f'{x}est'], claim.ref, res[f'{x}se_{side}'], res['df'])
-        found = {'holds': p('', 'lo'), 'reversed': p('mirror_', 'lo'),
-                 'fails': max(p('', 'hi'), p('mirror_', 'hi'))}
+        def p_of(prefix, side):
+            return stats.p_value(res[f'{prefix}est'], claim.ref, res[f'{prefix}se_{side}'],
+                                 res['df'])
+        found = {'holds': p_of('', 'lo'), 'reversed': p_of('mirror_', 'lo'),
+                 'fails': max(p_of('', 'hi'), p_of('mirror_', 'hi'))}
         return {'verdict': word, 'why': why, 'p': found.get(word, 1.0)}
     to_value = np.exp if claim.log else float
     word, why = stats.verdict(to_value(res['lo']), to_value(res['hi']), claim.sign, claim.ref,
                               claim.margin, res['n'])
     ref, low, high = claim.ref, claim.ref - claim.margin, claim.ref + claim.margin
     if claim.log:   # ref and margin are in the units shown: the statistic is their log
-        ref, low, high = (math.log(x) if x > 0 else -math.inf for x in (ref, low, high))
+        ref, low, high = (math.log(bound) if bound > 0 else -math.inf for bound in (ref, low, high))
     if word == 'no effect':   # two one-sided tests, doubled to match the two-sided interval
         tails = [stats.t_sf((res['est'] - low) / res['se'], res['df']),
                  stats.t_sf((high - res['est']) / res['se'], res['df'])] if res['se'] else [0.0]
@@ -183,22 +188,22 @@ def decide(claim, res):
 
 # -------------------------------------------------------------------------------------- groupings
 def uncontrolled(runs):
-    return [r for r in runs if r.control == 'none' and not r.pretrained]
+    return [run for run in runs if run.control == 'none' and not run.pretrained]
 
 
 def arms(runs, rank):
     """{(the baseline's setting, arm): [(controlled, baseline run)] by seed}: settings in rank's
     order, then other control keys, shrink from the weakest dose."""
-    base, found = {(r.base, r.seed): r for r in uncontrolled(runs)}, {}
-    for r in sorted((r for r in runs if r.control != 'none'), key=lambda r: r.seed):
-        b = base.get((r.base, r.seed))
-        if b is not None:
-            found.setdefault((b.setting, r.arm), []).append((r, b))
+    base, found = {(run.base, run.seed): run for run in uncontrolled(runs)}, {}
+    for run in sorted((run for run in runs if run.control != 'none'), key=lambda run: run.seed):
+        baseline = base.get((run.base, run.seed))
+        if baseline is not None:
+            found.setdefault((baseline.setting, run.arm), []).append((run, baseline))
 
-    def order(key):
-        setting, arm = key
-        rest = [sort_key(v) for n, v in arm if n not in control.DOSES]
-        doses = [-dict(arm).get(key, 0) for key in control.DOSES]   # the weakest dose first
+    def order(setting_arm):
+        setting, arm = setting_arm
+        rest = [sort_key(value) for name, value in arm if name not in control.DOSES]
+        doses = [-dict(arm).get(name, 0) for name in control.DOSES]   # the weakest dose first
         return (rank[setting], *rest, *doses)
     return {key: found[key] for key in sorted(found, key=order)}
 
@@ -218,8 +223,8 @@ def deciding(claim, study, keep):
         if strong:
             out.append((setting, strong[-1][1], study.arms[strong[-1]], ''))
             continue
-        doses = ', '.join(f"shrink_to {dict(k[1])['shrink_to']:g}: {shown(rel, found[k])}"
-                          for k in keys)
+        doses = ', '.join(f"shrink_to {dict(key[1])['shrink_to']:g}: {shown(rel, found[key])}"
+                          for key in keys)
         why = f'no dose moves per-head PR_K well below the baseline ({doses})'
         out.append((setting, keys[0][1], None, why))
     return out
@@ -227,31 +232,33 @@ def deciding(claim, study, keep):
 
 def twins(arm):
     """What a spec arm and its fro arm share: the arm without its keep and its dose."""
-    return tuple(x for x in undosed(arm) if x[0] != 'control_keep')
+    return tuple(pair for pair in undosed(arm) if pair[0] != 'control_keep')
 
 
 def robustness_cells(study):
     """The map: each map statistic in every lens x window over the uncontrolled runs; claims in
     their own view per weight decay on W_Q, W_K; (d), (e) per deciding arm and keep."""
     pool, cells = uncontrolled(study.runs), []
-    split = group(pool, lambda r: bool(r.cfg['decay_qk'] and r.cfg['weight_decay'] > 0))
-    mapped = [s for s in study.stats.values() if s.unit in ('trajectory', 'seed') and 'map' in s.tables]
-    for s in mapped:
-        lenses = s.lenses or (NO_LENS,)
+    split = group(pool, lambda run: bool(run.cfg['decay_qk'] and run.cfg['weight_decay'] > 0))
+    mapped = [stat for stat in study.stats.values()
+              if stat.unit in ('trajectory', 'seed') and 'map' in stat.tables]
+    for stat in mapped:
+        lenses = stat.lenses or (NO_LENS,)
         views = [(lens, window, 'pooled', pool) for lens, window in product(lenses, study.windows)]
-        if isinstance(s, Claim) and len(split) > 1:
-            views += [(lenses[0], s.window, d, runs) for d, runs in split.items()]
-        for lens, window, d, runs in views:
-            res = judge(s, runs, view_of(lens, window, study.from_iter))
-            cells.append({'key': s.key, 'lens': lens, 'window': window, 'decay': d, 'keep': '',
-                          **res})
-    for c in (c for c in study.claims if c.unit == 'pair'):
+        if isinstance(stat, Claim) and len(split) > 1:
+            views += [(lenses[0], stat.window, decay, runs) for decay, runs in split.items()]
+        for lens, window, decay, runs in views:
+            res = judge(stat, runs, view_of(lens, window, study.from_iter))
+            cells.append({'key': stat.key, 'lens': lens, 'window': window, 'decay': decay,
+                          'keep': '', **res})
+    for claim in (claim for claim in study.claims if claim.unit == 'pair'):
         for keep in ('spec', 'fro'):
-            for setting, arm, pairs, why in deciding(c, study, keep):
-                res = judge(c, pairs) if pairs else {'n': 0, 'verdict': 'not measured', 'why': why}
-                cells.append({'key': c.key, 'lens': '', 'window': '', 'decay': '', 'keep': keep,
-                              'pairs': pairs, 'setting': study.label[setting], 'twins': twins(arm),
-                              'arm': study.arm_name(arm), **res})
+            for setting, arm, pairs, why in deciding(claim, study, keep):
+                res = judge(claim, pairs) if pairs else {'n': 0, 'verdict': 'not measured',
+                                                         'why': why}
+                cells.append({'key': claim.key, 'lens': '', 'window': '', 'decay': '',
+                              'keep': keep, 'pairs': pairs, 'setting': study.label[setting],
+                              'twins': twins(arm), 'arm': study.arm_name(arm), **res})
     return cells
 
 
@@ -266,13 +273,13 @@ def beside(claim, study, pool, cell):
         return '; '.join([f"keep=fro ({cell['arm']}): {shown(claim, cell)}"] + more)
     out, view = [], view_of(own_lens(claim), claim.window, study.from_iter)
     if claim.unit == 'trajectory':   # the paper's unit: a setting's layer averaged over its seeds
-        settings = group(pool, lambda r: r.setting).values()
-        res = shares([claim.fn(seed_mean(rs), view) for rs in settings])
+        settings = group(pool, lambda run: run.setting).values()
+        res = shares([claim.fn(seed_mean(runs), view) for runs in settings])
         hits, mirror, n = res['hits'], res['mirror'], res['n']
         out.append(f'seed-averaged layers: {hits}/{n}, mirror {mirror}/{n}')
     if cell.get('per_ref'):
         names = [name.split(' (')[0] for name in study.references[claim.window]]
-        counts = ', '.join(f'{name} {k}/{n}' for name, (k, n) in zip(names, cell['per_ref']))
+        counts = ', '.join(f'{name} {hits}/{n}' for name, (hits, n) in zip(names, cell['per_ref']))
         rises, falls = cell['per_part']
         out.append(f'from each reference: {counts}; PR_Q rises in {rises}, PR_K falls in {falls}')
     for key, _, window in (entry.partition('@') for entry in claim.beside):
@@ -286,42 +293,46 @@ def beside(claim, study, pool, cell):
 def models(study):
     """{source: the units of a model claim}: uncontrolled runs, pretrained series (q, k as used)."""
     ours = uncontrolled(study.runs)
-    series = [r for r in study.series if r.cfg.get('rope') in (None, 'none', 'after')]
-    return {name: rs for name, rs in (('our checkpoints', ours), ('pretrained models', series))
-            if rs}
+    series = [run for run in study.series if run.cfg.get('rope') in (None, 'none', 'after')]
+    return {name: runs for name, runs in (('our checkpoints', ours), ('pretrained models', series))
+            if runs}
 
 
 def claims_table(study, cells):
     """Each claim in its own view, (d), (e) per setting, (f1), (f2) per source; Holm over them."""
     pool, rows = uncontrolled(study.runs), []
-    where = f'{len(pool)} uncontrolled runs in {len(group(pool, lambda r: r.setting))} settings'
-    for c in (c for c in study.claims if study.runs or c.unit == 'model'):   # a series: model claims
-        if c.unit == 'pair':
-            fro = {(x['setting'], x['twins']): x for x in cells
-                   if x['key'] == c.key and x['keep'] == 'fro'}
-            spec = [x for x in cells if x['key'] == c.key and x['keep'] == 'spec']
-            spec = spec or [dict(x, n=0, verdict='not measured', why='no control_keep=spec arm')
-                            for x in fro.values()]
-            found = [(x, f"{x['setting']}, {x['arm']}",
-                      beside(c, study, pool, fro.get((x['setting'], x['twins']), {})))
-                     for x in spec]
-        elif c.unit == 'model':
-            found = [(judge(c, rs), f'{source}: {len(rs)} series', '')
-                     for source, rs in models(study).items()]
+    where = f'{len(pool)} uncontrolled runs in {len(group(pool, lambda run: run.setting))} settings'
+    for claim in study.claims:
+        if not study.runs and claim.unit != 'model':   # a series alone: the model claims
+            continue
+        if claim.unit == 'pair':
+            fro = {(cell['setting'], cell['twins']): cell for cell in cells
+                   if cell['key'] == claim.key and cell['keep'] == 'fro'}
+            spec = [cell for cell in cells if cell['key'] == claim.key and cell['keep'] == 'spec']
+            spec = spec or [dict(cell, n=0, verdict='not measured', why='no control_keep=spec arm')
+                            for cell in fro.values()]
+            found = [(cell, f"{cell['setting']}, {cell['arm']}",
+                      beside(claim, study, pool, fro.get((cell['setting'], cell['twins']), {})))
+                     for cell in spec]
+        elif claim.unit == 'model':
+            found = [(judge(claim, runs), f'{source}: {len(runs)} series', '')
+                     for source, runs in models(study).items()]
         else:
-            own = (c.key, own_lens(c), c.window, 'pooled')
-            x = next(x for x in cells if (x['key'], x['lens'], x['window'], x['decay']) == own)
-            lens = f'{study.lenses[c.lenses[0]].what}, ' if c.lenses else ''
-            scope = f'{where}; {lens}{study.windows[c.window]}'
-            found = [(x, scope, beside(c, study, pool, x))]
-        for x, scope, also in found:
-            rows.append({'key': c.key, 'claim': c.text, 'scope': scope, 'n': x['n'],
-                         'est': x.get('est'), 'lo': x.get('lo'), 'hi': x.get('hi'),
-                         'p': x.get('p', math.nan), 'value': shown(c, x) if x['n'] else x['why'],
-                         'beside': also, 'verdict': verdict_text(x) if x['n'] else x['verdict']})
-    judged = [r for r in rows if np.isfinite(r['p']) and r['key'] in study.family]
-    for r, p in zip(judged, stats.holm([r['p'] for r in judged])):
-        r.update(p_holm=p, holm=r['verdict'].split(' (')[0] if p < stats.ALPHA else 'undecided')
+            own = (claim.key, own_lens(claim), claim.window, 'pooled')
+            cell = next(cell for cell in cells
+                        if (cell['key'], cell['lens'], cell['window'], cell['decay']) == own)
+            lens = f'{study.lenses[claim.lenses[0]].what}, ' if claim.lenses else ''
+            found = [(cell, f'{where}; {lens}{study.windows[claim.window]}',
+                      beside(claim, study, pool, cell))]
+        for res, scope, also in found:
+            rows.append({'key': claim.key, 'claim': claim.text, 'scope': scope, 'n': res['n'],
+                         'est': res.get('est'), 'lo': res.get('lo'), 'hi': res.get('hi'),
+                         'p': res.get('p', math.nan),
+                         'value': shown(claim, res) if res['n'] else res['why'], 'beside': also,
+                         'verdict': verdict_text(res) if res['n'] else res['verdict']})
+    judged = [row for row in rows if np.isfinite(row['p']) and row['key'] in study.family]
+    for row, p in zip(judged, stats.holm([row['p'] for row in judged])):
+        row.update(p_holm=p, holm=row['verdict'].split(' (')[0] if p < stats.ALPHA else 'undecided')
     return rows
 
 
@@ -329,46 +340,52 @@ def claims_table(study, cells):
 def regime(study):
     """(a row per statistic and point (uncontrolled setting), all layers; their trends); none below
     2 points."""
-    points = group(uncontrolled(study.runs), lambda r: r.setting)
+    points = group(uncontrolled(study.runs), lambda run: run.setting)
     if len(points) < 2:
         return [], []
-    shown_here = [s for s in study.stats.values()
-                  if s.unit in ('trajectory', 'seed') and {'regime', 'optimizer'} & set(s.tables)]
+    shown_here = [stat for stat in study.stats.values() if stat.unit in ('trajectory', 'seed')
+                  and {'regime', 'optimizer'} & set(stat.tables)]
     rows, found = [], {}
     for setting, runs in points.items():
-        for s in shown_here:
-            res = judge(s, runs, view_of(own_lens(s), s.window, study.from_iter))
-            found[(setting, s.key)] = res
-            rows.append({'point': study.label[setting], 'statistic': s.key, 'seeds': len(runs),
+        for stat in shown_here:
+            res = judge(stat, runs, view_of(own_lens(stat), stat.window, study.from_iter))
+            found[(setting, stat.key)] = res
+            rows.append({'point': study.label[setting], 'statistic': stat.key, 'seeds': len(runs),
                          'n': res['n'], 'est': res['est'], 'lo': res['lo'], 'hi': res['hi'],
-                         'value': shown(s, res), 'verdict': res['verdict']})
+                         'value': shown(stat, res), 'verdict': res['verdict']})
     return rows, trends(study, points, found)
 
 
 def axes(points):
     """The settings varying between points but a constant multiple of an earlier one (lr / 10)."""
-    cfgs = [runs[0].settings for runs in points.values()]
-    def numeric(k):
-        return all(type(c.get(k)) in folders.NUMBER and c.get(k) for c in cfgs)
+    settings = [runs[0].settings for runs in points.values()]
+    def numeric(key):
+        return all(type(cfg.get(key)) in folders.NUMBER and cfg.get(key) for cfg in settings)
     out = []
-    for k in (k for k in varying(cfgs) if k not in control.KEYS):
-        def ratio(a):
-            return {round(c[k] / c[a], 12) for c in cfgs}
-        multiple = any(numeric(a) and numeric(k) and len(ratio(a)) == 1 for a in out)
+    for key in (key for key in varying(settings) if key not in control.KEYS):
+        def ratios(axis):
+            return {round(cfg[key] / cfg[axis], 12) for cfg in settings}
+        multiple = any(numeric(axis) and numeric(key) and len(ratios(axis)) == 1 for axis in out)
         if not multiple:
-            out.append(k)
+            out.append(key)
     return out
 
 
 def trends(study, points, found):
     """Per numeric axis, each line of points equal in every other axis: its line_trends."""
-    ax, cfg, out = axes(points), {s: runs[0].settings for s, runs in points.items()}, []
-    for axis in (a for a in ax if all(type(c.get(a)) in folders.NUMBER for c in cfg.values())):
-        def others(s):
-            return tuple((a, cfg[s].get(a)) for a in ax if a != axis)
+    all_axes, out = axes(points), []
+    settings = {setting: runs[0].settings for setting, runs in points.items()}
+    numeric = [axis for axis in all_axes
+               if all(type(cfg.get(axis)) in folders.NUMBER for cfg in settings.values())]
+    for axis in numeric:
+        def others(setting):
+            return tuple((other, settings[setting].get(other)) for other in all_axes
+                         if other != axis)
         for fixed, line in group(points, others).items():
-            head = {'axis': axis, 'line': ', '.join(f'{a}={v}' for a, v in fixed) or 'all points'}
-            at = {s: cfg[s][axis] for s in sorted(line, key=lambda s: cfg[s][axis])}
+            named = ', '.join(f'{other}={value}' for other, value in fixed)
+            head = {'axis': axis, 'line': named or 'all points'}
+            at = {setting: settings[setting][axis]
+                  for setting in sorted(line, key=lambda setting: settings[setting][axis])}
             out += line_trends(study, found, head, at)
     return out
 
@@ -376,18 +393,19 @@ def trends(study, points, found):
 def line_trends(study, found, head, at):
     """Each statistic's stats.trend over a line's points (at: setting -> its value on the axis; x
     is its log2 where every value is positive), the trend's reading and the point verdicts."""
-    log2, out = all(v > 0 for v in at.values()), []
-    for key in dict.fromkeys(k for _, k in found):
-        have = [s for s in at if found[(s, key)]['values']]
+    log2, out = all(value > 0 for value in at.values()), []
+    for key in dict.fromkeys(key for _, key in found):
+        have = [setting for setting in at if found[(setting, key)]['values']]
         if len(have) < 2:
             continue
-        units = [found[(s, key)]['values'] for s in have]
-        fit = stats.trend([math.log2(at[s]) if log2 else at[s] for s in have], units)
-        means = [np.mean(u) for u in units]
-        out.append({**head, 'members': ' | '.join(study.label[s] for s in have),
+        units = [found[(setting, key)]['values'] for setting in have]
+        xs = [math.log2(at[setting]) if log2 else at[setting] for setting in have]
+        fit, means = stats.trend(xs, units), [np.mean(values) for values in units]
+        out.append({**head, 'members': ' | '.join(study.label[setting] for setting in have),
                     'statistic': key, **fit,
                     'reading': reading(fit, np.exp(means) if study.stats[key].log else means),
-                    'verdicts': ', '.join(found[(s, key)]['verdict'] or '-' for s in have)})
+                    'verdicts': ', '.join(found[(setting, key)]['verdict'] or '-'
+                                          for setting in have)})
     return out
 
 
@@ -400,7 +418,7 @@ def reading(fit, means):
     """The line (up, down, no clear slope, or not a line by lack of fit) and the monotone trend."""
     line = side(fit['lo'], fit['hi'], 'up', 'down', 'no clear slope')
     if fit['lof_p'] < stats.ALPHA:
-        line = 'not a line: point means ' + ', '.join(f'{m:.3g}' for m in means)
+        line = 'not a line: point means ' + ', '.join(f'{mean:.3g}' for mean in means)
     elif fit['points'] == 2:
         line += ' (2 points: no lack-of-fit test)'
     mono = side(fit['rho_lo'], fit['rho_hi'], 'rises monotonically', 'falls monotonically',
@@ -411,15 +429,16 @@ def reading(fit, means):
 # ------------------------------------------------------------------------------- the other tables
 def control_dose(study):
     """Each paired statistic over an arm's seed pairs, with (d) or (e)'s verdict."""
-    dose, paired = [], [s for s in study.stats.values() if 'control' in s.tables]
+    dose, paired = [], [stat for stat in study.stats.values() if 'control' in stat.tables]
     for (setting, arm), pairs in study.arms.items():
         kind, target = dict(arm)['control'], dict(arm)['control_target']
-        claim = next((c for c in study.claims if c.control == kind), None)
-        res = {s.key: judge(s, pairs) for s in paired}
+        claim = next((claim for claim in study.claims if claim.control == kind), None)
+        found = {stat.key: judge(stat, pairs) for stat in paired}
+        baseline_pr = nanmean([baseline.final(f'pr_{target}_head') for _, baseline in pairs])
         row = {'setting': study.label[setting], 'arm': study.arm_name(arm), 'n': len(pairs),
-               'baseline PR/head': nanmean([b.final(f'pr_{target}_head') for _, b in pairs])}
-        row.update({s.key[2:]: shown(s, res[s.key]) for s in paired})
-        row['well below'] = bool(res['d_pr_head_rel']['hi'] < WELL_BELOW)
+               'baseline PR/head': baseline_pr}
+        row.update({stat.key[2:]: shown(stat, found[stat.key]) for stat in paired})
+        row['well below'] = bool(found['d_pr_head_rel']['hi'] < WELL_BELOW)
         row.update(predicted(claim, pairs, target))
         dose.append(row)
     return dose
@@ -430,10 +449,10 @@ def predicted(claim, pairs, target):
     no claim (a fork's new one) and the mirror get no verdict."""
     if claim is None:
         return {'predicted sign': '-', 'verdict': 'no claim on this kind: no verdict'}
-    eff = judge(claim, pairs)
-    k = sum(v * claim.sign > 0 for v in eff['values'])
-    return {'predicted sign': f"{k}/{eff['n']}",
-            'verdict': verdict_text(eff) if target == 'k' else 'mirror: no verdict'}
+    effect = judge(claim, pairs)
+    agree = sum(value * claim.sign > 0 for value in effect['values'])
+    return {'predicted sign': f"{agree}/{effect['n']}",
+            'verdict': verdict_text(effect) if target == 'k' else 'mirror: no verdict'}
 
 
 def dose_fits(study):
@@ -443,17 +462,17 @@ def dose_fits(study):
     for (setting, rest), keys in families(study.arms, 'shrink').items():
         if len(keys) < 2:
             continue
-        pairs = [p for k in keys for p in study.arms[k]]
+        pairs = [pair for key in keys for pair in study.arms[key]]
         def over_pairs(key):
-            return [study.stats[key].fn(p, View()) for p in pairs]
-        y, seeds = over_pairs('d_entropy'), [c.seed for c, _ in pairs]
+            return [study.stats[key].fn(pair, View()) for pair in pairs]
+        entropy, seeds = over_pairs('d_entropy'), [controlled.seed for controlled, _ in pairs]
         pr_k, scale = over_pairs('d_pr_head'), over_pairs('d_log_qk_spec_norm')
-        one = stats.fit_groups(y, pr_k, seeds)
-        two = stats.fit_groups(y, np.column_stack([pr_k, scale]), seeds)
-        doses = ' '.join(f"{dict(k[1])['shrink_to']:g}" for k in keys)
+        alone = stats.fit_groups(entropy, pr_k, seeds)
+        both = stats.fit_groups(entropy, np.column_stack([pr_k, scale]), seeds)
+        doses = ' '.join(f"{dict(key[1])['shrink_to']:g}" for key in keys)
         row = {'setting': study.label[setting], 'arm': study.arm_name(rest), 'doses': doses,
                'pairs': len(pairs)}
-        for name, fit, i in (('slope', one, 1), ('pr_coef', two, 1), ('scale_coef', two, 2)):
+        for name, fit, i in (('slope', alone, 1), ('pr_coef', both, 1), ('scale_coef', both, 2)):
             row.update({name: fit['coef'][i], f'{name}_lo': fit['lo'][i],
                         f'{name}_hi': fit['hi'][i]})
         row['entropy follows PR_K'] = side(row['pr_coef_lo'], row['pr_coef_hi'], 'follows',
@@ -463,37 +482,38 @@ def dose_fits(study):
 
 
 def runs_rows(study):
-    rows = [{'run': r.name, 'setting': study.label[r.setting], 'seed': r.seed,
-             'arm': study.arm_name(r.arm), 'records': len(r.iters),
-             'last_iter': int(r.iters[-1]) if len(r.iters) else None,
-             'train_loss': r.final_loss('train_loss'), 'val_loss': r.final_loss('val_loss'),
-             'wall_time': r.done.get('wall_time'), 'notes': len(r.notes), 'path': r.path}
-            for r in study.runs]
-    return rows + [{'run': os.path.basename(p), 'path': p, 'notes': f'skipped: {why}'}
-                   for p, why in study.skipped]
+    rows = [{'run': run.name, 'setting': study.label[run.setting], 'seed': run.seed,
+             'arm': study.arm_name(run.arm), 'records': len(run.iters),
+             'last_iter': int(run.iters[-1]) if len(run.iters) else None,
+             'train_loss': run.final_loss('train_loss'), 'val_loss': run.final_loss('val_loss'),
+             'wall_time': run.done.get('wall_time'), 'notes': len(run.notes), 'path': run.path}
+            for run in study.runs]
+    return rows + [{'run': os.path.basename(path), 'path': path, 'notes': f'skipped: {why}'}
+                   for path, why in study.skipped]
 
 
 def setting_rows(study):
-    groups, rows = group(study.runs, lambda r: r.setting), []
-    keys = varying([rs[0].settings for rs in groups.values()])
-    for s, rs in groups.items():
-        seeds = ' '.join(str(r.seed) for r in rs)
-        row = {'setting': study.label[s], 'runs': len(rs), 'seeds': seeds}
-        rows.append({**row, **{k: rs[0].settings.get(k) for k in keys}})
+    groups, rows = group(study.runs, lambda run: run.setting), []
+    keys = varying([runs[0].settings for runs in groups.values()])
+    for setting, runs in groups.items():
+        seeds = ' '.join(str(run.seed) for run in runs)
+        row = {'setting': study.label[setting], 'runs': len(runs), 'seeds': seeds}
+        rows.append({**row, **{key: runs[0].settings.get(key) for key in keys}})
     return rows
 
 
 def token_rows(study):
     """A row per model of each source: its checkpoints and the statistics of (f1), (f2)."""
-    rows = []
+    rows, model_claims = [], [claim for claim in study.claims if claim.unit == 'model']
     for source, runs in models(study).items():
-        for r in runs:
-            steps = r.iters[checkpoints(r)]
-            row = {'source': source, 'model': r.name, 'setting': study.label.get(r.setting, r.name),
-                   'seed': r.seed, 'checkpoints': len(steps),
+        for run in runs:
+            steps = run.iters[checkpoints(run)]
+            row = {'source': source, 'model': run.name,
+                   'setting': study.label.get(run.setting, run.name), 'seed': run.seed,
+                   'checkpoints': len(steps),
                    'first_step': int(steps[0]) if len(steps) else None,
                    'last_step': int(steps[-1]) if len(steps) else None}
-            rows.append({**row, **{c.key: c.fn(r, View()) for c in study.claims if c.unit == 'model'}})
+            rows.append({**row, **{claim.key: claim.fn(run, View()) for claim in model_claims}})
     return rows
 
 
@@ -513,7 +533,7 @@ class Study:
     tables: dict = None
     files: list = None
     arm_keys: tuple = ()        # control keys that vary between arms beyond those arm_label names
-    # the registries, as analyze.py passes them (analyze.registries)
+    # the registries, as analyze.registries() passes them
     claims: list = ()           # the paper's claims, in the claims table's order
     stats: dict = None          # every Stat and Claim by key
     family: tuple = ()          # the claims Holm adjusts over
@@ -535,36 +555,36 @@ def sort_key(value):
 
 def by_value(runs):
     """The runs, settings in the order of their values (keys in config order), then seed; ranks."""
-    settings = {r.setting: r.settings for r in runs}
+    settings = {run.setting: run.settings for run in runs}
     keys = varying(list(settings.values()))
-    def key(s):
-        return tuple(sort_key(settings[s].get(k)) for k in keys)
-    rank = {s: i for i, s in enumerate(sorted(settings, key=key))}
-    return sorted(runs, key=lambda r: (rank[r.setting], r.seed)), rank
+    def values(setting):
+        return tuple(sort_key(settings[setting].get(key)) for key in keys)
+    rank = {setting: i for i, setting in enumerate(sorted(settings, key=values))}
+    return sorted(runs, key=lambda run: (rank[run.setting], run.seed)), rank
 
 
 def load(paths, registries, out=None, from_iter=None, log=print):
     """The Study of the run folders under paths, before any table; notes go to log."""
     warnings = []
 
-    def warn(msg):
-        warnings.append(msg)
-        log(f'warning: {msg}')
+    def warn(message):
+        warnings.append(message)
+        log(f'warning: {message}')
     loaded, skipped = folders.load_runs(paths, warn)
-    series = [r for r in loaded if r.pretrained]
-    runs, rank = by_value([r for r in loaded if not r.pretrained])
+    series = [run for run in loaded if run.pretrained]
+    runs, rank = by_value([run for run in loaded if not run.pretrained])
     study = Study(list(paths), out or os.path.join(paths[0], 'analysis'), runs, skipped, warnings,
                   series, from_iter, **registries)
-    groups = group(runs, lambda r: r.setting)
-    cfgs = [rs[0].settings for rs in groups.values()]
-    names = labels(cfgs, varying(cfgs), [r.settings for r in uncontrolled(runs)])
+    groups = group(runs, lambda run: run.setting)
+    settings = [members[0].settings for members in groups.values()]
+    names = labels(settings, varying(settings), [run.settings for run in uncontrolled(runs)])
     study.label, study.arms = dict(zip(groups, names)), arms(runs, rank)
-    controlled = [dict(r.arm) for r in runs if r.control != 'none']
+    controlled = [dict(run.arm) for run in runs if run.control != 'none']
     named = ('control', 'control_target', 'control_keep', *control.DOSES)   # in the label
-    study.arm_keys = [k for k in varying(controlled) if k not in named]
-    paired = {c for pairs in study.arms.values() for c, _ in pairs}
-    for r in (r for r in runs if r.control != 'none' and r not in paired):
-        warn(f'{r.path}: no control=none run with the same other settings and seed: left out of '
+    study.arm_keys = [key for key in varying(controlled) if key not in named]
+    paired = {pair[0] for pairs in study.arms.values() for pair in pairs}
+    for run in (run for run in runs if run.control != 'none' and run not in paired):
+        warn(f'{run.path}: no control=none run with the same other settings and seed: left out of '
              'the control tables')
     return study
 
@@ -585,58 +605,57 @@ def analyze(paths, registries, out=None, from_iter=None, log=print):
     return study
 
 
-
-# ----------------------------------------------------------------------------- sets of runs
-def stack(runs, key, its=None):
-    """(its, default all runs'; (runs, its, layers[, heads]) of key, NaN where not logged)."""
-    if its is None:
-        its = reduce(np.union1d, [r.iters for r in runs], np.zeros(0, int))
-    its = np.asarray(its)
-    shape = next((r.m[key].shape[2:] for r in runs if key in r.m), ())
-    out = np.full((len(runs), len(its), runs[0].n_layer if runs else 0) + shape, np.nan)
-    for a, r in (x for x in zip(out, runs) if key in x[1].m):
-        have = np.isin(its, r.iters)
-        a[have] = r.m[key][np.searchsorted(r.iters, its[have])]
-    return its, out
+# ----------------------------------------------------------------------------------- sets of runs
+def stack(runs, key, iters=None):
+    """(iters, default all runs'; (runs, iters, layers[, heads]) of key, NaN where not logged)."""
+    if iters is None:
+        iters = reduce(np.union1d, [run.iters for run in runs], np.zeros(0, int))
+    iters = np.asarray(iters)
+    shape = next((run.m[key].shape[2:] for run in runs if key in run.m), ())
+    out = np.full((len(runs), len(iters), runs[0].n_layer if runs else 0) + shape, np.nan)
+    for values, run in zip(out, runs):
+        if key in run.m:
+            have = np.isin(iters, run.iters)
+            values[have] = run.m[key][np.searchsorted(run.iters, iters[have])]
+    return iters, out
 
 
 def undosed(arm):
     """An arm's (key, value) pairs without its dose: what the arms of one family share."""
-    return tuple(x for x in arm if x[0] not in control.DOSES)
+    return tuple(pair for pair in arm if pair[0] not in control.DOSES)
 
 
 def families(arms, kind=None):
     """{(setting, arm without its dose): [arm keys]} of arms, of one control kind or all."""
-    return group([k for k in arms if kind in (None, dict(k[1])['control'])],
-                 lambda k: (k[0], undosed(k[1])))
+    return group([key for key in arms if kind in (None, dict(key[1])['control'])],
+                 lambda key: (key[0], undosed(key[1])))
 
 
 def varying(dicts):
     """The keys whose values differ between the dicts (absent differs)."""
-    return [k for k in dict.fromkeys(k for d in dicts for k in d)
-            if len({json.dumps(d.get(k)) for d in dicts}) > 1]
+    keys = dict.fromkeys(key for each in dicts for key in each)
+    return [key for key in keys if len({json.dumps(each.get(key)) for each in dicts}) > 1]
 
 
 def labels(dicts, keys, reference=None):
     """Per dict, its values of keys unlike the most common in reference (or dicts), or 'base'."""
     common = {}
-    for k in keys:
-        counts = Counter(json.dumps(d.get(k)) for d in reference or dicts)
+    for key in keys:
+        counts = Counter(json.dumps(each.get(key)) for each in reference or dicts)
         (top, n), *rest = counts.most_common(2) + [('', 0)]
-        common[k] = top if n > rest[0][1] else None
-    def unlike(d):
-        return [f'{k}={d.get(k)}' for k in keys if json.dumps(d.get(k)) != common[k]]
-    return [', '.join(unlike(d)) or 'base' for d in dicts]
+        common[key] = top if n > rest[0][1] else None
+    def unlike(each):
+        return [f'{key}={each.get(key)}' for key in keys
+                if json.dumps(each.get(key)) != common[key]]
+    return [', '.join(unlike(each)) or 'base' for each in dicts]
 
 
-
-
-# ------------------------------------------------------------------------ a result as text
-def signed(v):
-    """v with its sign, 4 significant digits (scientific where that would show only zeros)."""
-    if not np.isfinite(v) or v == 0:
-        return f'{v:g}'
-    return f'{v:+.3e}' if abs(v) < 1e-4 else f'{v:+.4g}'
+# ------------------------------------------------------------------------------ a result as text
+def signed(value):
+    """value with its sign, 4 significant digits (scientific where that would show only zeros)."""
+    if not np.isfinite(value) or value == 0:
+        return f'{value:g}'
+    return f'{value:+.3e}' if abs(value) < 1e-4 else f'{value:+.4g}'
 
 
 def shown(stat, res):
@@ -644,16 +663,15 @@ def shown(stat, res):
     if not res.get('n'):
         return 'not logged'
     if stat.unit == 'trajectory':
-        share = interval_text(res['est'], res['lo'], res['hi'], lambda v: f'{v:.0%}')
+        share = interval_text(res['est'], res['lo'], res['hi'], lambda share: f'{share:.0%}')
         mirror = f"mirror {res['mirror']}/{res['n']}"
         return f"{res['hits']}/{res['n']} = {share}, {res['seeds']} seeds; {mirror}"
-    number = (lambda v: f'{v:.4g}') if stat.log or stat.key.endswith('loss') else signed
+    number = (lambda value: f'{value:.4g}') if stat.log or stat.key.endswith('loss') else signed
     return f"{interval_text(res['est'], res['lo'], res['hi'], number)}, n = {res['n']}"
 
 
-def interval_text(est, lo, hi, number=None):
+def interval_text(est, lo, hi, number=signed):
     """'est [lo, hi]' in number's format; words where a value cannot be computed."""
-    number = number or signed
     if not np.isfinite(est):
         return 'not measured'
     if not (np.isfinite(lo) and np.isfinite(hi)):

@@ -329,6 +329,19 @@ def test_a_claim_a_fork_adds_is_judged_outside_holm_unless_it_joins_the_family(
     assert 'holm' in next(r for r in joined if r['key'] == planted.key)
 
 
+
+def test_a_section_a_fork_adds_to_analyze_alone_is_written_and_listed_in_the_report(
+        tmp_path, monkeypatch):
+    synth.study(tmp_path / 'runs', seeds=2)
+    def final_losses(study):
+        return {'fork_losses': [{'run': r.name, 'val_loss': r.final_loss('val_loss')}
+                                for r in study.runs]}
+    monkeypatch.setattr(analyze, 'SECTIONS', analyze.SECTIONS + (final_losses,))
+    s = synth.run([tmp_path / 'runs'], tmp_path / 'fork')
+    assert len(s.tables['fork_losses']) == len(s.runs)
+    assert (tmp_path / 'fork' / 'fork_losses.csv').exists()
+    assert '- [fork_losses.md](fork_losses.md)' in (tmp_path / 'fork' / 'REPORT.md').read_text()
+
 @pytest.mark.parametrize('direct, reading', [(0.0, 'yes'), (0.5, 'refuted')])
 def test_the_spread_mediation_reads_a_planted_path_through_the_spread_and_one_beside_it(
         direct, reading):
