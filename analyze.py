@@ -10,7 +10,7 @@ This file holds what a research change touches; each change below is one edit he
     a descriptive statistic:     Stat(key=..., stat=..., fn=...) in STATS, its `tables` naming
         where it is shown (map, regime, trend, optimizer, control)
     an exploratory section:      def my_section(study): return {'my_table': rows}, then its name in
-        SECTIONS: each table is written as .csv and .md and listed in REPORT.md; text around it
+        EXPLORATORY: each table is written as .csv and .md and listed in REPORT.md; text around it
         in REPORT.md is report.py's (a second edit, if wanted)
     a figure:                    Figure(...) in plots.FIGURES
 The engine (plumbing/engine.py) judges each statistic over its units and builds the tables; it
@@ -543,14 +543,14 @@ def token_layers(study):
 
 
 # The study's exploratory sections, outside the claims and Holm: fn(study) -> {table stem: rows}
-SECTIONS = (token_layers, what_sets_entropy)
+EXPLORATORY = (token_layers, what_sets_entropy)
 
 
 # ----------------------------------------------------------------------------------- the analysis
 def registries():
     """What the engine reads of this file, as it stands when the analysis runs."""
     return dict(claims=CLAIMS, stats={s.key: s for s in CLAIMS + STATS}, family=FAMILY,
-                lenses=LENSES, windows=WINDOWS, references=REFERENCES, sections=SECTIONS)
+                lenses=LENSES, windows=WINDOWS, references=REFERENCES, exploratory=EXPLORATORY)
 
 
 def analyze(paths, out=None, figures=True, from_iter=None, log=print):

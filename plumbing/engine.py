@@ -2,8 +2,8 @@
 The analysis engine: the study read once (load), each statistic judged over its units (judge), the
 control's seed pairs (arms), the robustness map, the claims table, the regime and its trends, the
 control tables; analyze computes them all. It reads the registries (claims, statistics, views,
-sections) from the Study that analyze.py fills, never from analyze.py: a research change does not
-open this file.
+exploratory sections) from the Study that analyze.py fills, never from analyze.py: a research
+change does not open this file.
 """
 import dataclasses
 import json
@@ -540,7 +540,7 @@ class Study:
     lenses: dict = None
     windows: dict = None
     references: dict = None
-    sections: tuple = ()        # the exploratory sections: fn(study) -> {table stem: rows}
+    exploratory: tuple = ()     # the exploratory sections: fn(study) -> {table stem: rows}
 
     def arm_name(self, arm):
         return control.label(dict(arm), self.arm_keys)
@@ -600,7 +600,7 @@ def analyze(paths, registries, out=None, from_iter=None, log=print):
                         regime_trend=lines, control_dose=control_dose(study),
                         control_dose_fit=dose_fits(study), runs=runs_rows(study),
                         settings=setting_rows(study), token_series=token_rows(study))
-    for section in study.sections:
+    for section in study.exploratory:
         study.tables.update(section(study))
     return study
 

@@ -336,7 +336,7 @@ def test_a_section_a_fork_adds_to_analyze_alone_is_written_and_listed_in_the_rep
     def final_losses(study):
         return {'fork_losses': [{'run': r.name, 'val_loss': r.final_loss('val_loss')}
                                 for r in study.runs]}
-    monkeypatch.setattr(analyze, 'SECTIONS', analyze.SECTIONS + (final_losses,))
+    monkeypatch.setattr(analyze, 'EXPLORATORY', analyze.EXPLORATORY + (final_losses,))
     s = synth.run([tmp_path / 'runs'], tmp_path / 'fork')
     assert len(s.tables['fork_losses']) == len(s.runs)
     assert (tmp_path / 'fork' / 'fork_losses.csv').exists()
