@@ -59,17 +59,13 @@ import geometry
 
 # alpha in [e^-30, e^30] ~ [1e-13, 1e13]: at the ends PR(s^alpha) equals its limits (rank; the top
 # value's multiplicity) to float64 precision. The search for alpha runs on every spectrum at once,
-# with a
-# fixed amount of work: each round evaluates the PR at GRID - 1 points across the bracket and keeps
-# the
-# cell where it crosses the target, so ROUNDS rounds narrow log(alpha) to 60 / GRID^ROUNDS ~ 3e-12,
-# as
-# far as 44 halvings would (162^6 > 2^44) and far inside the 1e-6 the PR must reach, in 60 tensor
-# operations where a bisection takes 44 x 17
+# with a fixed amount of work: each round evaluates the PR at GRID - 1 points across the bracket
+# and keeps the cell where it crosses the target, so ROUNDS rounds narrow log(alpha) to
+# 60 / GRID^ROUNDS ~ 3e-12, as far as 44 halvings would (162^6 > 2^44) and far inside the 1e-6 the
+# PR must reach, in 60 tensor operations where a bisection takes 44 x 17.
 LOG_ALPHA_MIN, LOG_ALPHA_MAX = -30.0, 30.0
 GRID, ROUNDS = 162, 6
-# a target outside the reachable range by more than this (relative) is worth a warning, round-off is
-# not
+# a target out of reach by more than this (relative) is worth a warning; round-off is not
 REACH_RTOL = 1e-9
 
 
@@ -102,9 +98,8 @@ def _log_alpha(x2, goal):
         lam = torch.exp(alpha[..., None] * log_x2)                      # (..., GRID - 1, n)
         # a prefix of the points
         above = lam.sum(-1) > root_goal * torch.linalg.vector_norm(lam, dim=-1)
-        # the cell after the last point above; a goal out of reach is above all or none of them, so
-        # the
-        # search ends at that end of the range, at the nearest reachable PR
+        # the cell after the last point above; a goal out of reach is above all or none of them,
+        # so the search ends at that end of the range, at the nearest reachable PR
         lo = torch.add(lo, above.sum(-1), alpha=cell)
     return lo + cell / 2
 
@@ -225,13 +220,11 @@ def parse_layers(text, n_layer):
         layers = sorted({int(t) for t in str(text).split(',') if t.strip()})
     except ValueError:
         raise ValueError(f"control_layers={text!r}: expected comma-separated layer indices such as "
-                         f"'0,2', "
-                         f"or '' for all layers") from None
+                         "'0,2', or '' for all layers") from None
     bad = [i for i in layers if not 0 <= i < n_layer]
     if bad:
         raise ValueError(f'control_layers={text!r}: layer {bad[0]} does not exist '
-                         f'(n_layer={n_layer}: '
-                         f'indices 0..{n_layer - 1})')
+                         f'(n_layer={n_layer}: indices 0..{n_layer - 1})')
     return layers
 
 
@@ -381,10 +374,9 @@ def report(state):
         i, j = next((i, j) for i, row in enumerate(out) for j, o in enumerate(row) if o)
         where = f"layer {state['layers'][i]}" + (f' head {j}' if state['scope'] == 'head' else '')
         warnings.warn(f"control: the target PR of {where} was out of reach by step {state['step']} "
-                      f"(now "
-                      f"{targets[i][j]:.6g}, reached {prs[i][j]:.6g}); clamped to the nearest "
-                      f"reachable PR. "
-                      f"This warning is given once per run.", RuntimeWarning, stacklevel=2)
+                      f"(now {targets[i][j]:.6g}, reached {prs[i][j]:.6g}); clamped to the nearest "
+                      'reachable PR. This warning is given once per run.', RuntimeWarning,
+                      stacklevel=2)
         state['warned'] = True
     for layer, target, pr in zip(state['layers'], targets, prs):
         rows[layer] = {'ctl_target_pr': sum(target) / len(target), 'ctl_pr': sum(pr) / len(pr)}

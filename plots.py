@@ -18,8 +18,9 @@ from matplotlib.figure import Figure as Canvas
 from matplotlib.lines import Line2D
 
 import control
-from plumbing import folders, stats
-from plumbing.folders import Skip, families, group, stack
+from plumbing import stats
+from plumbing.engine import families, stack, varying
+from plumbing.folders import Skip, group
 
 matplotlib.rcParams['axes.formatter.useoffset'] = False
 Figure = namedtuple('Figure', 'stem fn section title')
@@ -84,7 +85,7 @@ def setting_names(study):
     named by its values of the settings that vary; key is '' unless a name is too long to draw,
     then the names are S1, S2, ... and the key lists them."""
     settings = {r.setting: r.settings for r in study.runs}
-    axes = [k for k in folders.varying(list(settings.values())) if k not in control.KEYS]
+    axes = [k for k in varying(list(settings.values())) if k not in control.KEYS]
     label = dict(study.label)
     for s in (s for s in label if label[s] == 'base'):
         label[s] = 'base: ' + ', '.join(f'{k}={settings[s].get(k)}' for k in axes) if axes else 'base'
@@ -282,7 +283,7 @@ def by_axis(study, points):
     first point), base first, then one setting, then two, ...; in the study's order inside a group:
     {group name: [points]}."""
     settings = {study.label[r.setting]: r.settings for r in study.runs}
-    keys = folders.varying([settings[p] for p in points])
+    keys = varying([settings[p] for p in points])
     ref = settings['base' if 'base' in points else points[0]]
     def differs(p):
         return tuple(k for k in keys if json.dumps(settings[p].get(k)) != json.dumps(ref.get(k)))

@@ -1,7 +1,8 @@
 """
-REPORT.md: a value with its interval (shown), a verdict and why (verdict_text), each claim's rule
-from its row (rule), the map pivoted from its cells (map_tables), then SECTIONS in order, placed by
-a statistic's `tables` and a figure's section (plots.FIGURES). Nothing here names a statistic.
+What the analysis writes (publish): the figures, every table as .csv and .md, and REPORT.md: each
+claim's rule from its row (rule), the map pivoted from its cells (map_tables), then SECTIONS in
+order, placed by a statistic's `tables` and a figure's section (plots.FIGURES). Nothing here names a
+statistic.
 """
 import time
 from collections import Counter
@@ -10,6 +11,7 @@ import numpy as np
 
 import plots
 from plumbing import folders, stats
+from plumbing.engine import interval_text, shown
 
 UNITS = {'seed': 'seeds (runs)', 'pair': 'seed pairs (controlled - baseline)', 'model': 'models'}
 NEAR_UNIFORM = 0.98     # a layer-mean entropy_norm this high or more: near-uniform attention
@@ -36,43 +38,10 @@ SECTIONS = {   # title: (what it says, why it can be empty); its tables follow, 
     'Queries, keys and the optimizer': (
         'D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is conserved under gradient flow (geometry.py); '
         'imbalance_conserved: what the law leaves of it.',
-        'these statistics are read per point of the regime, which needs two or more uncontrolled '
-        'settings'),
+        'these statistics are read per point of the regime, '
+        'which needs two or more uncontrolled settings'),
     'Token level': ('', 'no uncontrolled run and no pretrained series'),
 }
-
-
-def signed(v):
-    """v with its sign, 4 significant digits (scientific where that would show only zeros)."""
-    if not np.isfinite(v) or v == 0:
-        return f'{v:g}'
-    return f'{v:+.3e}' if abs(v) < 1e-4 else f'{v:+.4g}'
-
-
-def shown(stat, res):
-    """'+0.55 [+0.52, +0.58], n = 37'; a share '12/54 = 22% [13%, 35%], 3 seeds; mirror 0/54'."""
-    if not res.get('n'):
-        return 'not logged'
-    if stat.unit == 'trajectory':
-        share = interval(res['est'], res['lo'], res['hi'], lambda v: f'{v:.0%}')
-        mirror = f"mirror {res['mirror']}/{res['n']}"
-        return f"{res['hits']}/{res['n']} = {share}, {res['seeds']} seeds; {mirror}"
-    number = (lambda v: f'{v:.4g}') if stat.log or stat.key.endswith('loss') else signed
-    return f"{interval(res['est'], res['lo'], res['hi'], number)}, n = {res['n']}"
-
-
-def interval(est, lo, hi, number=None):
-    """'est [lo, hi]' in number's format; words where a value cannot be computed."""
-    number = number or signed
-    if not np.isfinite(est):
-        return 'not measured'
-    if not (np.isfinite(lo) and np.isfinite(hi)):
-        return f'{number(est)} (no interval)'
-    return f'{number(est)} [{number(lo)}, {number(hi)}]'
-
-
-def verdict_text(res):
-    return res['verdict'] + (f" ({res['why']})" if res.get('why') else '')
 
 
 def rule(claim, refs):
@@ -161,7 +130,18 @@ def outside_family(rows, family):
                 f"{', '.join(keys)}. They are reported as judged alone."]
 
 
-def write(study, tables, claims, registry, figure_notes, files, refs, family):
+def publish(study, figures, log):
+    """Draw the figures (unless not figures) and write them, every table and REPORT.md into
+    study.out."""
+    drawn = plots.draw(study, study.tables, log) if figures else {'files': {}, 'notes': []}
+    files = {**drawn['files'], **map_tables(study.tables['cells'], study.stats)}
+    for stem in sorted(set(study.tables) - {'cells'}):
+        files.update(folders.table(stem, study.tables[stem]))
+    files['REPORT.md'] = write(study, study.tables, drawn['notes'], files)
+    study.files = folders.write_files(study.out, files)
+
+
+def write(study, tables, figure_notes, files):
     """REPORT.md: the claims with their rules, then SECTIONS, settings, confounds and warnings."""
     files = {n: files[n] for n in sorted(files)}
     rows = [{'claim': r['claim'], 'in': r['scope'], 'value': r['value'], 'verdict': r['verdict'],
@@ -180,12 +160,12 @@ def write(study, tables, claims, registry, figure_notes, files, refs, family):
               "The paper's claims, fixed before the runs, each a test at 95%. Holm: the verdict "
               f"after Holm's step-down adjustment over the {judged} rows judged (family-wise 5%; a "
               'verdict it does not keep reads undecided). Every other table here is exploratory.',
-              *outside_family(tables['claims'], family), '',
+              *outside_family(tables['claims'], study.family), '',
               folders.markdown(rows, list(rows[0]) if rows else ['claim']), '### Rules', '']
     in_table = {r['key'] for r in tables['claims']}
-    lines += [f'- {rule(c, refs)}.' for c in claims if c.key in in_table]
+    lines += [f'- {rule(c, study.references)}.' for c in study.claims if c.key in in_table]
     lines += ['']
-    lines += sections(study, tables, registry, files, figure_notes)
+    lines += sections(study, tables, study.stats, files, figure_notes)
     lines += ['## Settings', '', 'Seeds of one setting share every config.json key but '
               f'{", ".join(folders.BOOKKEEPING)} (and the control keys their control kind '
               'ignores).', '',
@@ -197,18 +177,14 @@ def write(study, tables, claims, registry, figure_notes, files, refs, family):
 
 
 SPREAD_TEXT = (
-    'Outside the claims and Holm, over every run that logs logit_std (the std of a query\'s scaled '
+    "Outside the claims and Holm, over every run that logs logit_std (the std of a query's scaled "
     'logits over its keys): at the final record across (layer, head) pairs; in the control per '
-    'seed '
-    'pair (controlled - the none run of its seed), dH = b dm (model 1) and dH = b dm + c d log '
-    'PR_K '
-    '(model 2) with no intercept, jackknife-t over seeds, uncentred R^2, and the share of an '
-    'arm\'s '
-    'mean dH through the mediator m, b mean(dm) / mean(dH); "effect": the arm\'s dH interval '
-    'outside '
-    '+/-0.02 nats. Only through the spread: c\'s interval holds 0, every arm with an effect has a '
-    'share interval holding 1, and model 1 has R^2 >= 0.8; refuted where c\'s interval excludes 0 '
-    'or an arm\'s share lies below 1.')
+    'seed pair (controlled - the none run of its seed), dH = b dm (model 1) and dH = b dm + c d '
+    'log PR_K (model 2) with no intercept, jackknife-t over seeds, uncentred R^2, and the share of '
+    "an arm's mean dH through the mediator m, b mean(dm) / mean(dH); \"effect\": the arm's dH "
+    'interval outside +/-0.02 nats. Only through the spread: c\'s interval holds 0, every arm with '
+    "an effect has a share interval holding 1, and model 1 has R^2 >= 0.8; refuted where c's "
+    "interval excludes 0 or an arm's share lies below 1.")
 
 
 def spread_lines(tables, files):
@@ -304,8 +280,8 @@ def regime_lines(tables, registry):
     trends = []
     for r in (r for r in tables['regime_trend'] if plots.trended(registry[r['statistic']])):
         row = {k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading', 'verdicts')}
-        row['slope'] = interval(r['slope'], r['lo'], r['hi'])
-        row['Spearman'] = interval(r['rho'], r['rho_lo'], r['rho_hi'])
+        row['slope'] = interval_text(r['slope'], r['lo'], r['hi'])
+        row['Spearman'] = interval_text(r['rho'], r['rho_lo'], r['rho_hi'])
         trends.append(row)
     table = folders.markdown(trends) if trends else 'No numeric setting with two points on a line.'
     return [by_point(tables), '### Trends', '', table]

@@ -13,7 +13,6 @@ import os
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import reduce
 
 import numpy as np
 
@@ -346,48 +345,6 @@ def group(items, key):
     for x in items:
         out.setdefault(key(x), []).append(x)
     return out
-
-
-def stack(runs, key, its=None):
-    """(its, default all runs'; (runs, its, layers[, heads]) of key, NaN where not logged)."""
-    if its is None:
-        its = reduce(np.union1d, [r.iters for r in runs], np.zeros(0, int))
-    its = np.asarray(its)
-    shape = next((r.m[key].shape[2:] for r in runs if key in r.m), ())
-    out = np.full((len(runs), len(its), runs[0].n_layer if runs else 0) + shape, np.nan)
-    for a, r in (x for x in zip(out, runs) if key in x[1].m):
-        have = np.isin(its, r.iters)
-        a[have] = r.m[key][np.searchsorted(r.iters, its[have])]
-    return its, out
-
-
-def undosed(arm):
-    """An arm's (key, value) pairs without its dose: what the arms of one family share."""
-    return tuple(x for x in arm if x[0] not in control.DOSES)
-
-
-def families(arms, kind=None):
-    """{(setting, arm without its dose): [arm keys]} of arms, of one control kind or all."""
-    return group([k for k in arms if kind in (None, dict(k[1])['control'])],
-                 lambda k: (k[0], undosed(k[1])))
-
-
-def varying(dicts):
-    """The keys whose values differ between the dicts (absent differs)."""
-    return [k for k in dict.fromkeys(k for d in dicts for k in d)
-            if len({json.dumps(d.get(k)) for d in dicts}) > 1]
-
-
-def labels(dicts, keys, reference=None):
-    """Per dict, its values of keys unlike the most common in reference (or dicts), or 'base'."""
-    common = {}
-    for k in keys:
-        counts = Counter(json.dumps(d.get(k)) for d in reference or dicts)
-        (top, n), *rest = counts.most_common(2) + [('', 0)]
-        common[k] = top if n > rest[0][1] else None
-    def unlike(d):
-        return [f'{k}={d.get(k)}' for k in keys if json.dumps(d.get(k)) != common[k]]
-    return [', '.join(unlike(d)) or 'base' for d in dicts]
 
 
 # ---- tables and the output folder

@@ -84,44 +84,48 @@ def f_sf(f, d1, d2):
 # ------------------------------------------------------------------------ intervals and verdicts
 def nanmean(a, axis=None):
     """The mean of the finite values (along axis); NaN where there are none."""
-    a = np.asarray(a, dtype=float)
-    n = np.isfinite(a).sum(axis)
+    values = np.asarray(a, dtype=float)
+    count = np.isfinite(values).sum(axis)
     with np.errstate(invalid='ignore', divide='ignore'):
-        m = np.where(np.isfinite(a), a, 0).sum(axis) / n
-    return float(m) if np.ndim(m) == 0 else np.where(n > 0, m, np.nan)
+        mean = np.where(np.isfinite(values), values, 0).sum(axis) / count
+    return float(mean) if np.ndim(mean) == 0 else np.where(count > 0, mean, np.nan)
 
 
 def t_interval(values):
     """(mean, lo, hi, n) of the finite values, Student-t; no interval below 2 units."""
-    v = np.asarray(values, dtype=float)
-    v, m = v[np.isfinite(v)], nanmean(v)
-    if len(v) < 2:
-        return m, math.nan, math.nan, len(v)
-    half = t_quantile(0.5 + LEVEL / 2, len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v))
-    return m, m - half, m + half, len(v)
+    values = np.asarray(values, dtype=float)
+    finite, mean = values[np.isfinite(values)], nanmean(values)
+    if len(finite) < 2:
+        return mean, math.nan, math.nan, len(finite)
+    t = t_quantile(0.5 + LEVEL / 2, len(finite) - 1)
+    half = t * float(finite.std(ddof=1)) / math.sqrt(len(finite))
+    return mean, mean - half, mean + half, len(finite)
 
 
 def share(hits, counts):
     """(share, lo, hi, se_lo, se_hi, df) of hits out of counts trajectories per seed (the module's
     rule); se_lo, se_hi: (share - lo) / t and (hi - share) / t before clipping, for p_value."""
     hits, counts = np.asarray(hits, dtype=float), np.asarray(counts, dtype=float)
-    s = hits[counts > 0] / counts[counts > 0]
-    n = len(s)
-    if n < 2:
-        return float(s.mean()) if n else math.nan, math.nan, math.nan, math.nan, math.nan, n - 1
-    t = t_quantile(0.5 + LEVEL / 2, n - 1)
+    per_seed = hits[counts > 0] / counts[counts > 0]
+    seeds = len(per_seed)
+    if seeds < 2:
+        mean = float(per_seed.mean()) if seeds else math.nan
+        return mean, math.nan, math.nan, math.nan, math.nan, seeds - 1
+    t = t_quantile(0.5 + LEVEL / 2, seeds - 1)
     floor = math.sqrt(FLOOR_SHARE * (1 - FLOOR_SHARE) / counts[counts > 0].mean())
-    m = float(s.mean())
-    lo, hi = lowest(s, t, floor), 1 - lowest(1 - s, t, floor)
-    return m, max(0.0, lo), min(1.0, hi), (m - lo) / t, (hi - m) / t, n - 1
+    mean = float(per_seed.mean())
+    lo, hi = lowest(per_seed, t, floor), 1 - lowest(1 - per_seed, t, floor)
+    return mean, max(0.0, lo), min(1.0, hi), (mean - lo) / t, (hi - mean) / t, seeds - 1
 
 
-def lowest(s, t, floor):
-    """The smallest m - t max(sd, floor) / sqrt(n) of s with its top k seeds raised to 1, k <= n."""
-    n = len(s)
-    raised = np.where(np.arange(n) < np.arange(n + 1)[:, None], 1.0, np.sort(s)[::-1])
+def lowest(per_seed, t, floor):
+    """The smallest m - t max(sd, floor) / sqrt(n) of the n per-seed shares with their top k
+    raised to 1, k <= n."""
+    seeds = len(per_seed)
+    top_k = np.arange(seeds) < np.arange(seeds + 1)[:, None]
+    raised = np.where(top_k, 1.0, np.sort(per_seed)[::-1])
     spread = np.maximum(raised.std(1, ddof=1), floor)
-    return float((raised.mean(1) - t * spread / math.sqrt(n)).min())
+    return float((raised.mean(1) - t * spread / math.sqrt(seeds)).min())
 
 
 def p_value(est, ref, se, df):
@@ -133,11 +137,11 @@ def p_value(est, ref, se, df):
 
 def holm(ps):
     """Holm's step-down adjusted p-values, in the given order."""
-    order, out, top = np.argsort(ps, kind='stable'), [1.0] * len(ps), 0.0
-    for i, j in enumerate(order):
-        top = max(top, min(1.0, (len(ps) - i) * ps[j]))
-        out[j] = top
-    return out
+    order, adjusted, top = np.argsort(ps, kind='stable'), [1.0] * len(ps), 0.0
+    for rank, index in enumerate(order):
+        top = max(top, min(1.0, (len(ps) - rank) * ps[index]))
+        adjusted[index] = top
+    return adjusted
 
 
 def verdict(lo, hi, sign, ref, margin, n, mirror=None):
@@ -265,7 +269,7 @@ def fit_groups(y, X, groups):
     coef, names = solve(A, y), np.unique(groups)
     if len(names) < 3:
         return {'coef': coef, 'lo': coef * np.nan, 'hi': coef * np.nan}
-    jack = np.array([solve(A[groups != g], y[groups != g]) for g in names])
+    jack = np.array([solve(A[groups != name], y[groups != name]) for name in names])
     se = np.sqrt((len(names) - 1) / len(names) * ((jack - jack.mean(0)) ** 2).sum(0))
     t = t_quantile(0.5 + LEVEL / 2, len(names) - 1)
     return {'coef': coef, 'lo': coef - t * se, 'hi': coef + t * se}
@@ -280,7 +284,7 @@ def jackknife(estimate, groups):
     full = np.asarray(estimate(np.ones(len(groups), bool)), dtype=float)
     if len(names) < 3:
         return full, full * np.nan, full * np.nan
-    jack = np.array([estimate(groups != g) for g in names], dtype=float)
+    jack = np.array([estimate(groups != name) for name in names], dtype=float)
     with np.errstate(invalid='ignore'):   # an estimate that is not finite has no interval
         se = np.sqrt((len(names) - 1) / len(names) * ((jack - jack.mean(0)) ** 2).sum(0))
     t = t_quantile(0.5 + LEVEL / 2, len(names) - 1)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import analyze
-from plumbing import folders
+from plumbing import engine, folders
 import geometry
 from plumbing import stats
 
@@ -273,10 +273,10 @@ def test_a_metric_one_seed_did_not_log_leaves_the_other_seeds_in_place(tmp_path)
                for w in s.warnings)
     # (c) per head: 2 seeds; (b): 3 seeds x 2 layers
     assert claim(s, 'c')['n'] == 2 and claim(s, 'b')['n'] == 6
-    head = analyze.judge(analyze.ALL['b'], s.runs, analyze.View('head', 'post'))
+    head = engine.judge(analyze.ALL['b'], s.runs, engine.View('head', 'post'))
     # per head, the 2 seeds that logged PR_K
     assert head['n'] == 4 and head['seeds'] == 2
-    whole = analyze.judge(analyze.ALL['gap_end'], s.runs)
+    whole = engine.judge(analyze.ALL['gap_end'], s.runs)
     assert whole['n'] == 3
 
 
@@ -324,7 +324,7 @@ def test_c_does_not_hold_when_pr_k_and_entropy_only_trend_together(tmp_path):
     study(tmp_path, link=0.0)
     s = run([tmp_path], tmp_path / 'out')
     assert claim(s, 'c')['verdict'].split(' (')[0] in ('no effect', 'undecided')
-    over_time = analyze.judge(analyze.ALL['k~entropy over time'], s.runs)
+    over_time = engine.judge(analyze.ALL['k~entropy over time'], s.runs)
     # within runs over time the trends correlate anyway: descriptive only
     assert over_time['est'] > 0.9
 

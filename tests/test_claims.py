@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 import analyze
-from plumbing import folders
+from plumbing import engine, folders
 import geometry
 import report
 from plumbing import stats
 import train
 import test_analyze as synth
-from analyze import ALL, Claim, View, judge
+from analyze import ALL
+from plumbing.engine import Claim, View, judge
 
 
 @pytest.mark.parametrize('n', [3, 4, 5])
@@ -151,7 +152,7 @@ def test_a_negative_gap_off_the_grid_changes_no_verdict_and_one_on_it_does():
     runs, post = [collapse_then(11, 5, s, np.random.default_rng(s))
                   for s in (1, 2, 3, 4)], View('whole', 'post')
     # the grid: every 50 iterations
-    assert 1425 not in analyze.on_grid(planted(runs[0], 1425)).iters
+    assert 1425 not in engine.on_grid(planted(runs[0], 1425)).iters
     for it, verdict, all_above in ((1425, 'holds', True), (1400, 'undecided', False)):
         found = [planted(runs[0], it)] + runs[1:]
         assert judge(ALL['b'], found, post)['verdict'] == verdict
@@ -178,18 +179,18 @@ def test_a_counts_a_trajectory_if_it_and_its_mirror_hold_from_every_reference():
     # PR_Q above its value at 800 in layer 0
     assert a.tolist() == [[[1, 1], [-1, 1], [1, 1]], [[-1, -1]] * 3]
     # neither; the mirror from every reference
-    assert analyze.outcomes(a).tolist() == [0, -1]
+    assert engine.outcomes(a).tolist() == [0, -1]
 
 
 def test_a_zigzag_is_not_a_line_a_line_is_recovered_and_a_curved_rise_reads_monotone():
     # at: 3 units a point
     x, at, rng = np.arange(5.0), np.arange(5.0)[:, None], np.random.default_rng(1)
     zigzag = stats.trend(x, np.where(at % 2, 1.0, -1.0) + rng.normal(0, 0.1, (5, 3)))
-    assert zigzag['lof_p'] < 0.05 and analyze.reading(zigzag, [0] * 5).startswith('not a line')
-    assert analyze.reading(zigzag, [0] * 5).endswith('no monotone trend')
+    assert zigzag['lof_p'] < 0.05 and engine.reading(zigzag, [0] * 5).startswith('not a line')
+    assert engine.reading(zigzag, [0] * 5).endswith('no monotone trend')
     # rises, then saturates
     curve = stats.trend(x, 1 - np.exp(-2 * at) + rng.normal(0, 0.02, (5, 3)))
-    assert curve['lof_p'] < 0.05 and analyze.reading(curve, [0] * 5).endswith('rises monotonically')
+    assert curve['lof_p'] < 0.05 and engine.reading(curve, [0] * 5).endswith('rises monotonically')
     hits = 0
     for _ in range(1000):
         fit = stats.trend(x, 0.5 - 0.2 * at + rng.normal(0, 0.3, (5, 3)))
@@ -288,7 +289,7 @@ def test_token_claims_read_our_runs_at_their_model_checkpoints_and_a_series_at_e
     ours = [token_run(cfg, np.array(sorted(train.log_iters(cfg))), s) for s in (1, 2, 3)]
     series = token_run({**cfg, 'pretrained': True}, np.array([0, 8, 64, 512, 4096]))
     study = types.SimpleNamespace(runs=ours, series=[series])
-    assert analyze.models(study) == {'our checkpoints': ours, 'pretrained models': [series]}
+    assert engine.models(study) == {'our checkpoints': ours, 'pretrained models': [series]}
     for key, sign in (('f1-early', 1), ('f1-late', -1), ('f2', 1)):
         assert judge(ALL[key], ours)['verdict'] == 'holds' and ALL[key].fn(series, View()) == sign
 
@@ -327,6 +328,19 @@ def test_a_claim_a_fork_adds_is_judged_outside_holm_unless_it_joins_the_family(
     joined = synth.run([tmp_path / 'runs'], tmp_path / 'joined').tables['claims']
     assert 'holm' in next(r for r in joined if r['key'] == planted.key)
 
+
+
+def test_a_section_a_fork_adds_to_analyze_alone_is_written_and_listed_in_the_report(
+        tmp_path, monkeypatch):
+    synth.study(tmp_path / 'runs', seeds=2)
+    def final_losses(study):
+        return {'fork_losses': [{'run': r.name, 'val_loss': r.final_loss('val_loss')}
+                                for r in study.runs]}
+    monkeypatch.setattr(analyze, 'EXPLORATORY', analyze.EXPLORATORY + (final_losses,))
+    s = synth.run([tmp_path / 'runs'], tmp_path / 'fork')
+    assert len(s.tables['fork_losses']) == len(s.runs)
+    assert (tmp_path / 'fork' / 'fork_losses.csv').exists()
+    assert '- [fork_losses.md](fork_losses.md)' in (tmp_path / 'fork' / 'REPORT.md').read_text()
 
 @pytest.mark.parametrize('direct, reading', [(0.0, 'yes'), (0.5, 'refuted')])
 def test_the_spread_mediation_reads_a_planted_path_through_the_spread_and_one_beside_it(

@@ -13,10 +13,10 @@ import numpy as np
 
 import analyze
 import plots
-import report
-from plumbing import stats
+from plumbing import engine, stats
 import test_analyze as synth
-from analyze import ALL, View
+from analyze import ALL
+from plumbing.engine import View
 
 LAYER_MEAN = {'pr_q', 'pr_k', 'tok_pr_q', 'tok_pr_k', 'pr_dq', 'pr_dk'}   # logged as 2 x head mean
 
@@ -92,7 +92,7 @@ def test_each_controlled_run_is_paired_with_the_baseline_of_its_own_seed_and_set
         planted = CHANGE[init, kind]
         est, lo, hi, n = stats.t_interval(planted)
         where, key = (s.label[setting], s.arm_name(arm)), 'e' if kind == 'freeze' else 'd'
-        shown = report.shown(ALL['d_entropy'], {'n': n, 'est': est, 'lo': lo, 'hi': hi})
+        shown = engine.shown(ALL['d_entropy'], {'n': n, 'est': est, 'lo': lo, 'hi': hi})
         assert (dose[where]['n'], dose[where]['entropy']) == (3, shown), where
         row = claims[(key, ', '.join(where))]
         assert row['n'] == 3, where
@@ -123,7 +123,7 @@ def test_a_spec_arm_s_claim_row_shows_the_fro_arm_of_its_own_family_beside_it(tm
     assert len(rows) == 2
     for every, row in zip((1, 5), rows):
         est, lo, hi, n = stats.t_interval(TWINS[every, 'fro'])
-        fro = report.shown(ALL['e'], {'n': n, 'est': est, 'lo': lo, 'hi': hi})
+        fro = engine.shown(ALL['e'], {'n': n, 'est': est, 'lo': lo, 'hi': hi})
         assert row['scope'].endswith(f'control_interval={every}'), row['scope']
         assert row['beside'].startswith(f'keep=fro (freeze-k control_interval={every}): {fro};'), (
             row['beside'])
@@ -148,10 +148,10 @@ def fresh(run):
 
 def alone(study, key, lens, window, decay):
     """A map statistic judged alone in one view, on fresh copies of its runs."""
-    pool = analyze.uncontrolled(study.runs)
+    pool = engine.uncontrolled(study.runs)
     if decay != 'pooled':
         pool = [r for r in pool if r.cfg['decay_qk'] is decay]   # weight_decay is 0.1 in each
-    return analyze.judge(ALL[key], [fresh(r) for r in pool], View(lens, window, study.from_iter))
+    return engine.judge(ALL[key], [fresh(r) for r in pool], View(lens, window, study.from_iter))
 
 
 BOOKKEEPING = ('key', 'lens', 'window', 'decay', 'keep')
@@ -176,10 +176,10 @@ def test_a_map_cell_is_the_claim_judged_alone_in_its_lens_in_any_order_of_the_le
     paths += synth.study(tmp_path / 'runs', name='nodecay', decay_qk=False)
     for path in paths:
         replant(path, lenses_apart)
-    s = analyze.load([str(tmp_path / 'runs')], log=synth.quiet)
+    s = engine.load([str(tmp_path / 'runs')], analyze.registries(), log=synth.quiet)
     own = {lens: alone(s, 'c', lens, 'all', 'pooled')['est'] for lens in analyze.HEADS}
     assert len({round(v, 6) for v in own.values()}) == 3, own   # the lenses planted apart
-    cells = analyze.robustness_cells(s)
+    cells = engine.robustness_cells(s)
     pooled = {tuple(c[k] for k in BOOKKEEPING[:4]): c for c in cells if c['decay'] == 'pooled'}
     assert {k for k, _, _, _ in pooled} == {k for k, st in ALL.items() if 'map' in st.tables}
     assert any(c['decay'] is False for c in cells) and not any(c['keep'] for c in cells)
@@ -188,8 +188,8 @@ def test_a_map_cell_is_the_claim_judged_alone_in_its_lens_in_any_order_of_the_le
     flip = lambda st: dataclasses.replace(st, lenses=st.lenses[::-1]) if 'map' in st.tables else st
     monkeypatch.setattr(analyze, 'CLAIMS', [flip(c) for c in analyze.CLAIMS])
     monkeypatch.setattr(analyze, 'STATS', [flip(st) for st in analyze.STATS])
-    s2 = analyze.load([str(tmp_path / 'runs')], log=synth.quiet)
-    again = analyze.robustness_cells(s2)
+    s2 = engine.load([str(tmp_path / 'runs')], analyze.registries(), log=synth.quiet)
+    again = engine.robustness_cells(s2)
     flipped = {tuple(c[k] for k in BOOKKEEPING[:4]): c for c in again if c['decay'] == 'pooled'}
     assert flipped.keys() == pooled.keys()
     assert [k for k in pooled if not same(pooled[k], flipped[k])] == []
@@ -248,7 +248,7 @@ def test_fig3_draws_the_planted_values_under_the_transforms_its_labels_name(tmp_
         set_heads(lay, 'qk_spec_norm', spec)
         set_heads(lay, 'qk_fro_norm', 2 * spec)
     recs = [replant(path, plant) for path in synth.study(tmp_path / 'runs', seeds=2)]
-    s = analyze.load([str(tmp_path / 'runs')], log=synth.quiet)
+    s = engine.load([str(tmp_path / 'runs')], analyze.registries(), log=synth.quiet)
     assert [(len(r.iters), r.notes) for r in s.runs] == [(len(synth.ITERS), [])] * 2
     warmup = s.runs[0].cfg['warmup_iters']
     layers = [(rec['iter'], lay) for run in recs for rec in run for lay in rec['layers']]
@@ -290,7 +290,7 @@ def test_fig11_draws_each_head_s_final_spread_and_entropy_and_each_seed_pair(tmp
     fig12 is entropy_pairs' (d log logit_std, dH), an arm a colour; without logit_std in the logs
     there is neither figure and no note."""
     paths = synth.study(tmp_path / 'runs', seeds=2)
-    s = analyze.load([str(tmp_path / 'runs')], log=synth.quiet)
+    s = engine.load([str(tmp_path / 'runs')], analyze.registries(), log=synth.quiet)
     fig11, fig12 = (next(f for f in plots.FIGURES if f.stem == stem)
                     for stem in ('fig11_entropy_spread', 'fig12_spread_pairs'))
     assert fig11.fn(s, {}) == [] and fig12.fn(s, {}) == []
@@ -302,7 +302,7 @@ def test_fig11_draws_each_head_s_final_spread_and_entropy_and_each_seed_pair(tmp
         set_heads(lay, 'entropy', rng.uniform(0.5, 3.0, n))
         set_heads(lay, 'pr_k', rng.uniform(1.5, 7.5, n))
     recs = [replant(path, plant) for path in paths]
-    s = analyze.load([str(tmp_path / 'runs')], log=synth.quiet)
+    s = engine.load([str(tmp_path / 'runs')], analyze.registries(), log=synth.quiet)
     final = [lay for run in recs for lay in run[-1]['layers']]
     want = np.array([point for lay in final for point in
                      zip(*(lay[f'{k}_heads'] for k in ('logit_std', 'entropy', 'pr_k')))])

@@ -12,6 +12,7 @@ from PIL import Image
 import analyze
 import plots
 import report
+from plumbing import engine
 import test_analyze as synth
 
 
@@ -55,7 +56,7 @@ def test_each_printed_rule_puts_holds_on_the_side_where_its_claim_holds():
     for claim in (dataclasses.replace(c, fn=lambda v, view: v) for c in analyze.CLAIMS
                   if c.unit != 'trajectory'):
         ref = math.log(claim.ref) if claim.log else claim.ref   # a log claim's values are logs
-        sides = [side for side, sign in (('above', 1), ('below', -1)) if analyze.judge(
+        sides = [side for side, sign in (('above', 1), ('below', -1)) if engine.judge(
             claim, [ref + sign * x for x in (0.5, 0.55, 0.45)])['verdict'] == 'holds']
         assert sides and f'holds if it lies {sides[0]} {claim.ref:g}' in report.rule(
             claim, analyze.REFERENCES)
