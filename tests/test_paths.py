@@ -16,6 +16,7 @@ import control
 import geometry
 import pretrained
 from plumbing import folders
+import test_plots as plot_check
 from conftest import REPO, make_text
 
 NOT_A_NUMBER = re.compile(r'\b(nan|inf)\b', re.IGNORECASE)
@@ -100,6 +101,16 @@ def test_a_sweep_of_every_depth_init_and_arm_analyses_with_nothing_left_out(swep
     assert 'decay_qk=False' in files['settings.md'] and 'lr=0.003' in files['settings.md']
     figures = set(os.listdir(root / 'out' / 'analysis'))
     assert {'fig1_pr_over_training.png', 'fig5_control.png', 'fig11_entropy_spread.png'} <= figures
+
+
+def test_every_figure_of_the_sweep_names_what_it_draws_inside_the_figure(swept, tmp_path):
+    root, _, _ = swept
+    study = analyze.analyze([str(root / 'out')], out=str(tmp_path), figures=False, log=print)
+    drawn, _ = plot_check.figures(study)
+    assert {'fig1_pr_over_training', 'fig2_pr_gap', 'fig5_control', 'fig9_regime'} <= set(drawn)
+    for stem, figs in drawn.items():
+        for fig in figs:
+            plot_check.check(fig, stem)
 
 
 def test_a_rerun_of_the_sweep_trains_nothing_and_a_finished_run_keeps_its_settings(swept):
