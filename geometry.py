@@ -18,10 +18,10 @@ h*d:(h+1)*d, d = C / n_head, giving W^h of shape (d, C).
     sigma_i    = sqrt(mean_j (l_ij - mean_j l_ij)^2)  logit spread of row i >= 1 over its i+1 keys
     logit_std  = mean of sigma_i over rows i >= 1 and windows (population std: a row of two keys
                  with logits a, b has sigma = |a - b| / 2)
-    logit_margin   = mean of (max_j l_ij - mean_j l_ij) / sigma_i     the top-1 margin in spreads
-    logit_kurtosis = mean of mean_j (l_ij - mean_j l_ij)^4 / sigma_i^4 - 3   a row's excess kurtosis
+    logit_margin   = mean of (max_j l_ij - mean_j l_ij) / sigma_i   the top-1 margin in spreads
+    logit_kurtosis = mean of mean_j (l_ij - mean_j l_ij)^4 / sigma_i^4 - 3   excess kurtosis
                  (both over the same rows; 0 for a row whose logits are all equal, sigma_i = 0)
-    self_top   = the share of those rows whose largest logit is the query's own key, l_ii = max_j l_ij
+    self_top   = the share of those rows whose own key holds the largest logit, l_ii = max_j l_ij
     qk_eig_mean = tr(W_QK^h) / C                    the mean eigenvalue of W_QK^h
     qk_eig_std = sqrt(||S_h||_F^2 / C - qk_eig_mean^2)   S_h = (W_QK^h + W_QK^h^T) / 2: the spread
                  of the eigenvalues of the symmetric part, which alone sets a self-match logit

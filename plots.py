@@ -88,7 +88,8 @@ def setting_names(study):
     axes = [k for k in varying(list(settings.values())) if k not in control.KEYS]
     label = dict(study.label)
     for s in (s for s in label if label[s] == 'base'):
-        label[s] = 'base: ' + ', '.join(f'{k}={settings[s].get(k)}' for k in axes) if axes else 'base'
+        values = ', '.join(f'{k}={settings[s].get(k)}' for k in axes)
+        label[s] = f'base: {values}' if axes else 'base'
     if all(len(text) <= LONG_NAME for text in study.label.values()):
         return {s: plain(text) for s, text in label.items()}, ''
     names = {s: f'S{i + 1}' for i, s in enumerate(label)}
@@ -98,7 +99,8 @@ def setting_names(study):
 def styles(n):
     """n styles told apart: tab10's colours (not its grey) drawn solid, then dashed, then dotted
     (in a scatter: circles, squares, triangles)."""
-    return [Style(PALETTE[i % 9], ('-', '--', ':')[i // 9 % 3], 'os^'[i // 9 % 3]) for i in range(n)]
+    return [Style(PALETTE[i % 9], ('-', '--', ':')[i // 9 % 3], 'os^'[i // 9 % 3])
+            for i in range(n)]
 
 
 def legend(fig, handles, labels, title=None):
@@ -215,7 +217,7 @@ def entropy_and_pr(study, tables):
         fig.colorbar(dots, ax=ax, label=TRANSFORMS['iteration'].label)
         ax.set(xlabel=what, ylabel='attention entropy (nats)',
                title=f'{what.split()[0]}: each run, layer and record')
-    if logged:   # shape beyond scale, from warm-up on (before it, the weights are their random draw)
+    if logged:   # shape beyond scale, from warm-up on (before, the weights are their random draw)
         ax_s = scatter[-1]
         scale, entropy, pr_k = (flat(logged, key, True) for key in keys)
         order = np.argsort(pr_k)[::-1]
