@@ -34,6 +34,7 @@ from collections import namedtuple
 
 import numpy as np
 
+import control
 import report
 from plumbing import engine, stats
 from plumbing.engine import WELL_BELOW, Claim, Stat, checkpoints, on_grid
@@ -542,8 +543,32 @@ def token_layers(study):
     return {'token_layers': rows}
 
 
+def layer_effects(study):
+    """Where a key control in some layers moves entropy: per arm with control_layers set and per
+    layer, dH (the mean of the last FINAL_LOGS records over the layer's heads, controlled -
+    baseline) over the arm's seed pairs, read by the control claims' margin (results/
+    cpu-wide-layers/README.md fixed it): moves, stays or undecided."""
+    rows, margin = [], CONTROL['margin']
+    for (setting, arm), pairs in study.arms.items():
+        chosen = dict(arm).get('control_layers', '')
+        if not chosen:
+            continue
+        controlled = control.parse_layers(chosen, pairs[0][0].n_layer)
+        for layer in range(pairs[0][0].n_layer):
+            changes = [run.final('entropy', [layer]) - base.final('entropy', [layer])
+                       for run, base in pairs]
+            mean, low, high, n = stats.t_interval(changes)
+            reading = engine.side(low - margin, high + margin, 'moves up', 'moves down', 'undecided')
+            if -margin <= low and high <= margin:
+                reading = 'stays'
+            rows.append({'setting': study.label[setting], 'arm': study.arm_name(arm),
+                         'layer': layer, 'controlled': layer in controlled, 'pairs': n,
+                         'dH': mean, 'lo': low, 'hi': high, 'reading': reading})
+    return {'entropy_layers': rows}
+
+
 # The study's exploratory sections, outside the claims and Holm: fn(study) -> {table stem: rows}
-EXPLORATORY = (token_layers, what_sets_entropy)
+EXPLORATORY = (token_layers, what_sets_entropy, layer_effects)
 
 
 # ----------------------------------------------------------------------------------- the analysis
