@@ -558,7 +558,8 @@ def layer_effects(study):
             changes = [run.final('entropy', [layer]) - base.final('entropy', [layer])
                        for run, base in pairs]
             mean, low, high, n = stats.t_interval(changes)
-            reading = engine.side(low - margin, high + margin, 'moves up', 'moves down', 'undecided')
+            outside = (low - margin, high + margin)   # above 0: above the margin
+            reading = engine.side(*outside, 'moves up', 'moves down', 'undecided')
             if -margin <= low and high <= margin:
                 reading = 'stays'
             rows.append({'setting': study.label[setting], 'arm': study.arm_name(arm),
@@ -567,8 +568,100 @@ def layer_effects(study):
     return {'entropy_layers': rows}
 
 
+ROUTES = {'spread': ('log logit_std',), 'shape': ('logit_margin', 'logit_kurtosis')}
+CARRIES = 0.2   # a route carries an effect when its share's interval lies above this
+
+
+def late_heads(run, key):
+    """(layers, heads) of key's per-head values, the mean of the last FINAL_LOGS records (the log
+    for a 'log ' key); None if not logged."""
+    values = run.m.get(f"{key.removeprefix('log ')}_heads")
+    if values is None:
+        return None
+    late = values[-FINAL_LOGS:].mean(0)
+    return np.log(late) if key.startswith('log ') else late
+
+
+def head_design(runs, keys):
+    """Across the heads of runs: entropy, the columns of keys beside one intercept per layer, and
+    each head's seed."""
+    entropy, columns, seeds = [], [], []
+    for run in runs:
+        found = [late_heads(run, key) for key in ('entropy', *keys)]
+        layers = np.repeat(np.eye(run.n_layer), found[0].shape[1], axis=0)
+        entropy.append(found[0].ravel())
+        columns.append(np.column_stack([layers, *(x.ravel() for x in found[1:])]))
+        seeds += [run.seed] * len(layers)
+    return np.concatenate(entropy), np.concatenate(columns), np.array(seeds)
+
+
+def route_rows(study):
+    """The routes results/cpu-wide-layers/README.md fixed: entropy across the none runs' heads on
+    log logit_std (spread) and on it with the row's margin and kurtosis (shape), one intercept a
+    layer, R^2 on held-out seeds; then each layer-targeted arm's controlled layer: the share of
+    its dH that each route's coefficients (of the shape fit) times the pair's mean changes
+    predict, jackknife-t over seeds."""
+    keys = ROUTES['spread'] + ROUTES['shape']
+    logged = [r for r in study.runs if late_heads(r, 'logit_margin') is not None]
+    base = engine.uncontrolled(logged)
+    if len({r.seed for r in base}) < 2:
+        return {}
+    fits = [{'route': name, **held_out_r2(*head_design(base, ROUTES['spread'] + extra))}
+            for name, extra in (('spread', ()), ('shape', ROUTES['shape']))]
+    entropy, design, _ = head_design(base, keys)
+    coef = dict(zip(keys, stats.solve(design, entropy)[-len(keys):]))
+    shares = []
+    for (setting, arm), pairs in study.arms.items():
+        if dict(arm).get('control_layers', '') and all(late_heads(r, 'logit_margin') is not None
+                                                      for pair in pairs for r in pair):
+            shares += arm_routes(study, setting, arm, pairs, coef)
+    return {'entropy_routes_fit': fits, 'entropy_routes': shares}
+
+
+def held_out_r2(entropy, design, seeds):
+    """R^2 of the least-squares fit on all seeds but one, read on that seed's heads: mean, lowest
+    and highest over the seeds."""
+    scores = []
+    for held in np.unique(seeds):
+        fit = stats.solve(design[seeds != held], entropy[seeds != held])
+        error = entropy[seeds == held] - design[seeds == held] @ fit
+        spread = entropy[seeds == held] - entropy[seeds == held].mean()
+        scores.append(1 - (error @ error) / (spread @ spread))
+    return {'heads': len(entropy), 'R2_held_out': float(np.mean(scores)),
+            'lowest': float(np.min(scores)), 'highest': float(np.max(scores))}
+
+
+def arm_routes(study, setting, arm, pairs, coef):
+    """Per controlled layer of an arm: its dH and each route's share, jackknife-t over seeds."""
+    rows, seeds = [], np.array([run.seed for run, _ in pairs])
+    for layer in control.parse_layers(dict(arm)['control_layers'], pairs[0][0].n_layer):
+        def change(key):
+            layer_mean = [late_heads(run, key)[layer].mean() for pair in pairs for run in pair]
+            return np.array(layer_mean[0::2]) - np.array(layer_mean[1::2])
+        dH = change('entropy')
+        _, dH_low, dH_high, _ = stats.t_interval(dH)
+        margin = CONTROL['margin']
+        moves = dH_low > margin or dH_high < -margin   # item 1: read only where the layer moves
+        for route, keys in ROUTES.items():
+            predicted = sum(coef[key] * change(key) for key in keys)
+            def share(keep):
+                with np.errstate(divide='ignore', invalid='ignore'):   # no change: no share
+                    return predicted[keep].mean() / dH[keep].mean()
+            through, low, high = stats.jackknife(share, seeds)
+            reading = 'carries' if low > CARRIES else 'undecided'
+            if -CARRIES <= low and high <= CARRIES:
+                reading = 'carries none'
+            if not moves:
+                reading = 'not read: the layer does not move'
+            rows.append({'setting': study.label[setting], 'arm': study.arm_name(arm),
+                         'layer': layer, 'pairs': len(pairs), 'dH': float(dH.mean()),
+                         'route': route, 'share': float(through), 'lo': float(low),
+                         'hi': float(high), 'reading': reading})
+    return rows
+
+
 # The study's exploratory sections, outside the claims and Holm: fn(study) -> {table stem: rows}
-EXPLORATORY = (token_layers, what_sets_entropy, layer_effects)
+EXPLORATORY = (token_layers, what_sets_entropy, layer_effects, route_rows)
 
 
 # ----------------------------------------------------------------------------------- the analysis

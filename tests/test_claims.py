@@ -399,3 +399,36 @@ def test_layer_effects_reads_where_a_planted_layer_control_moves_entropy():
     assert [r['reading'] for r in rows] == ['moves down', 'stays', 'undecided']
     assert [r['controlled'] for r in rows] == [True, False, False]
     assert rows[0]['dH'] == pytest.approx(-0.1, abs=0.01) and rows[0]['pairs'] == 5
+
+
+def test_route_rows_give_a_planted_spread_route_its_share_and_the_shape_none():
+    """Entropy planted as a layer's intercept - log sigma across heads (margin and kurtosis drawn
+    apart from it); a control that widens layer 0's spread by e^0.1 in every seed lowers its
+    entropy by 0.1 through the spread alone."""
+    rng = np.random.default_rng(1)
+
+    def run(seed, widen=0.0, control='none'):
+        sigma = np.exp(rng.normal(0, 0.5, (2, 4))) * np.ones((3, 1, 1))   # records, layers, heads
+        sigma[:, 0] *= math.exp(widen)
+        entropy = np.array([1.0, 2.0])[:, None] - np.log(sigma)
+        m = {'logit_std_heads': sigma, 'entropy_heads': entropy,
+             'logit_margin_heads': rng.normal(2, 0.3, (3, 2, 4)),
+             'logit_kurtosis_heads': rng.normal(-1, 0.3, (3, 2, 4))}
+        return types.SimpleNamespace(m=m, n_layer=2, seed=seed, control=control, pretrained=False)
+    baselines = [run(seed) for seed in range(1, 6)]
+    controlled = [run(seed, 0.1, 'shrink') for seed in range(1, 6)]
+    for c, b in zip(controlled, baselines):   # the same heads, widened: a paired change
+        for key in ('logit_margin_heads', 'logit_kurtosis_heads'):
+            c.m[key] = b.m[key] + rng.normal(0, 0.01, b.m[key].shape)
+        c.m['logit_std_heads'] = b.m['logit_std_heads'] * np.array([math.exp(0.1), 1])[:, None]
+        c.m['entropy_heads'] = np.array([1.0, 2.0])[:, None] - np.log(c.m['logit_std_heads'])
+    arm = (('control', 'shrink'), ('control_layers', '0'))
+    study = types.SimpleNamespace(runs=baselines + controlled, label={'s': 'base'},
+                                  arms={('s', arm): list(zip(controlled, baselines))},
+                                  arm_name=lambda arm: 'shrink-k')
+    tables = analyze.route_rows(study)
+    assert [fit['R2_held_out'] > 0.99 for fit in tables['entropy_routes_fit']] == [True, True]
+    spread, shape = tables['entropy_routes']
+    assert spread['dH'] == pytest.approx(-0.1, rel=1e-6)
+    assert spread['reading'] == 'carries' and spread['share'] == pytest.approx(1, abs=0.05)
+    assert shape['reading'] == 'carries none'
