@@ -660,8 +660,69 @@ def arm_routes(study, setting, arm, pairs, coef):
     return rows
 
 
+LAYER_MEDIATORS = ('log logit_std', 'logit_margin', 'logit_kurtosis')
+
+
+def layer_mediation(study):
+    """Per layer-targeted arm and mediator m, over its (seed pair, layer) units: dH = b_l dm + c dK
+    with a slope per layer and no intercept (a pair of equal runs changes nothing), dK the change
+    in log PR_K; c with its jackknife-t interval over seeds: the key spectrum acts beyond m where
+    it excludes 0 (results/cpu-wide-layers/README.md, item 3)."""
+    rows = []
+    for (setting, arm), pairs in study.arms.items():
+        if not dict(arm).get('control_layers', '') or any(
+                late_heads(run, 'logit_margin') is None for pair in pairs for run in pair):
+            continue
+        n_layer = pairs[0][0].n_layer
+        seeds = np.repeat([run.seed for run, _ in pairs], n_layer)
+        def change(key):   # (pairs x layers,) of the layer means
+            return np.concatenate([late_heads(run, key).mean(1) - late_heads(base, key).mean(1)
+                                   for run, base in pairs])
+        dH, dK = change('entropy'), change('log pr_k')
+        layers = np.tile(np.eye(n_layer), (len(pairs), 1))
+        for mediator in LAYER_MEDIATORS:
+            design = np.column_stack([layers * change(mediator)[:, None], dK])
+            c, low, high = stats.jackknife(lambda keep: stats.solve(design[keep], dH[keep])[-1],
+                                           seeds)
+            rows.append({'setting': study.label[setting], 'arm': study.arm_name(arm),
+                         'mediator': mediator, 'units': len(dH), 'c_dlogPR_K': float(c),
+                         'lo': float(low), 'hi': float(high),
+                         'reading': reach(low, high)})
+    return {'entropy_layer_mediation': rows}
+
+
+def reach(low, high):
+    """c's reading: beyond m when its interval excludes 0."""
+    if not (np.isfinite(low) and np.isfinite(high)):
+        return 'undecided (no interval)'
+    return engine.side(low, high, 'beyond m', 'beyond m', 'not beyond m')
+
+
+def self_match(study):
+    """Across the none runs' heads within each layer (results/cpu-wide-layers/README.md, item
+    4): the partial Spearman of qk_eig_mean with entropy given log logit_std, and the Spearman of
+    qk_eig_mean with self_top; each a mean over runs with its t interval (descriptive)."""
+    runs = [r for r in engine.uncontrolled(study.runs) if 'qk_eig_mean_heads' in r.m]
+    rows = []
+    for layer in range(min((r.n_layer for r in runs), default=0)):
+        def ranked(run, key):
+            return stats.ranks(late_heads(run, key)[layer])
+        found = {'partial Spearman of qk_eig_mean with entropy | log logit_std': [
+            float(stats.partial_rows(ranked(r, 'qk_eig_mean'), ranked(r, 'entropy'),
+                                     ranked(r, 'log logit_std'))) for r in runs],
+                 'Spearman of qk_eig_mean with self_top': [
+            float(stats.pearson_rows(ranked(r, 'qk_eig_mean'), ranked(r, 'self_top')))
+            for r in runs]}
+        for statistic, values in found.items():
+            mean, low, high, n = stats.t_interval(values)
+            rows.append({'layer': layer, 'statistic': statistic, 'mean': mean,
+                         'lo': max(low, -1.0), 'hi': min(high, 1.0), 'runs': n})
+    return {'entropy_self_match': rows}
+
+
 # The study's exploratory sections, outside the claims and Holm: fn(study) -> {table stem: rows}
-EXPLORATORY = (token_layers, what_sets_entropy, layer_effects, route_rows)
+EXPLORATORY = (token_layers, what_sets_entropy, layer_effects, route_rows, layer_mediation,
+               self_match)
 
 
 # ----------------------------------------------------------------------------------- the analysis

@@ -432,3 +432,27 @@ def test_route_rows_give_a_planted_spread_route_its_share_and_the_shape_none():
     assert spread['dH'] == pytest.approx(-0.1, rel=1e-6)
     assert spread['reading'] == 'carries' and spread['share'] == pytest.approx(1, abs=0.05)
     assert shape['reading'] == 'carries none'
+
+
+def test_layer_mediation_finds_a_planted_path_beside_the_spread():
+    """Per (seed pair, layer): dH = b_l d log sigma + c d log PR_K with b = (-1, -0.5) and c = -0.3
+    planted; the fit with m = log sigma gives c back, its interval excluding 0."""
+    rng = np.random.default_rng(2)
+
+    def run(seed, values):
+        m = {f'{key}_heads': np.ones((3, 2, 4)) * value[:, None] for key, value in values.items()}
+        return types.SimpleNamespace(m=m, n_layer=2, seed=seed)
+    pairs = []
+    for seed in range(1, 6):
+        d_sigma, d_pr = rng.normal(0, 0.2, 2), rng.normal(0, 0.2, 2)
+        dH = np.array([-1.0, -0.5]) * d_sigma - 0.3 * d_pr + rng.normal(0, 0.002, 2)
+        base = {'entropy': np.ones(2), 'logit_std': np.ones(2), 'pr_k': np.ones(2) * 4,
+                'logit_margin': np.ones(2), 'logit_kurtosis': np.zeros(2)}
+        moved = dict(base, entropy=1 + dH, logit_std=np.exp(d_sigma), pr_k=4 * np.exp(d_pr))
+        pairs.append((run(seed, moved), run(seed, base)))
+    arm = (('control', 'shrink'), ('control_layers', '0'))
+    study = types.SimpleNamespace(arms={('s', arm): pairs}, label={'s': 'base'},
+                                  arm_name=lambda arm: 'shrink-k')
+    spread = analyze.layer_mediation(study)['entropy_layer_mediation'][0]
+    assert spread['mediator'] == 'log logit_std' and spread['units'] == 10
+    assert spread['c_dlogPR_K'] == pytest.approx(-0.3, abs=0.02) and spread['reading'] == 'beyond m'
