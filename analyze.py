@@ -26,6 +26,7 @@ geom_interval-th iteration and the last): the log-spaced extra records move with
 iterations in our runs, every record of a pretrained series.
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -38,7 +39,7 @@ import control
 import report
 from plumbing import engine, stats
 from plumbing.engine import WELL_BELOW, Claim, Stat, checkpoints, on_grid
-from plumbing.folders import FINAL_LOGS, OutError, Skip
+from plumbing.folders import FINAL_LOGS, OutError, Skip, group
 from plumbing.stats import nanmean
 
 # ------------------------------------------------------------------------------------------ views
@@ -720,9 +721,87 @@ def self_match(study):
     return {'entropy_self_match': rows}
 
 
+SAME_SIZE = {'b': 0.25, 'd': 0.03, 'e': 0.03}   # results/sotu-wide/README.md fixed these
+
+
+def across_texts(study):
+    """Claims (b), (d), (e) on each text of runs that differ in their text alone, and how they
+    compare (results/sotu-wide/README.md): the verdicts kept or changed, and the difference of
+    the two texts' mean units with a two-sample (Welch) interval read against SAME_SIZE."""
+    texts = group_by_text(study)
+    if len(texts) != 2:
+        return {}
+    found = {key: [text_claim(study, key, settings) for settings in texts.values()]
+             for key in SAME_SIZE}
+    rows = []
+    for key, (first, second) in found.items():
+        if first is None or second is None:
+            continue
+        diff, low, high = welch(second['values'], first['values'])
+        size = SAME_SIZE[key]
+        reading = 'different' if low > size or high < -size else 'undecided'
+        if -size <= low and high <= size:
+            reading = 'the same'
+        rows.append({'claim': key, 'text 1': first['text'], 'verdict 1': first['verdict'],
+                     'text 2': second['text'], 'verdict 2': second['verdict'],
+                     'verdicts': kept(first['verdict'], second['verdict']),
+                     'difference (2 - 1)': diff, 'lo': low, 'hi': high, 'size': reading})
+    return {'across_texts': rows}
+
+
+def group_by_text(study):
+    """{data_sha256: the settings of its runs} where the runs' settings but their control arm
+    differ in the text alone; {} otherwise."""
+    def rest(run):
+        base = json.loads(run.base)
+        base.pop('data_sha256', None)
+        return json.dumps(base, sort_keys=True)
+    if len({rest(run) for run in study.runs}) != 1:
+        return {}
+    texts = group(study.runs, lambda run: run.settings.get('data_sha256'))
+    return {text: {run.setting for run in runs} for text, runs in texts.items()}
+
+
+def text_claim(study, key, settings):
+    """A claim judged on one text's runs: (b) over its uncontrolled runs, (d) and (e) on the spec
+    arm the claims table reads; its verdict word and unit values."""
+    claim = ALL[key]
+    if claim.unit == 'pair':
+        found = [pairs for setting, _, pairs, _ in engine.deciding(claim, study, 'spec')
+                 if setting in settings and pairs]
+        res = engine.judge(claim, found[0]) if found else None
+    else:
+        runs = [r for r in engine.uncontrolled(study.runs) if r.setting in settings]
+        view = engine.view_of(engine.own_lens(claim), claim.window, study.from_iter)
+        res = engine.judge(claim, runs, view) if runs else None
+    if res is None or not res['n']:
+        return None
+    text = study.label[next(iter(settings))]
+    return {'text': text, 'verdict': res['verdict'], 'values': np.array(res['values'], float)}
+
+
+def kept(first, second):
+    if 'undecided' in (first, second):
+        return 'undecided'
+    return 'kept' if first == second else 'changed'
+
+
+def welch(values, others):
+    """The difference of two samples' means with its 95% Welch interval."""
+    var, var_other = values.var(ddof=1) / len(values), others.var(ddof=1) / len(others)
+    se = math.sqrt(var + var_other)
+    spread = var ** 2 / (len(values) - 1) + var_other ** 2 / (len(others) - 1)
+    half = 0.0   # two samples without spread: their difference is exact
+    if spread > 0:
+        df = (var + var_other) ** 2 / spread   # Welch-Satterthwaite
+        half = stats.t_quantile(0.5 + stats.LEVEL / 2, df) * se
+    diff = float(values.mean() - others.mean())
+    return diff, diff - half, diff + half
+
+
 # The study's exploratory sections, outside the claims and Holm: fn(study) -> {table stem: rows}
 EXPLORATORY = (token_layers, what_sets_entropy, layer_effects, route_rows, layer_mediation,
-               self_match)
+               self_match, across_texts)
 
 
 # ----------------------------------------------------------------------------------- the analysis

@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 import analyze
-from plumbing import engine, folders
+from plumbing import engine, folders, stats
 import geometry
 import report
-from plumbing import stats
 import train
 import test_analyze as synth
 from analyze import ALL
@@ -456,3 +455,20 @@ def test_layer_mediation_finds_a_planted_path_beside_the_spread():
     spread = analyze.layer_mediation(study)['entropy_layer_mediation'][0]
     assert spread['mediator'] == 'log logit_std' and spread['units'] == 10
     assert spread['c_dlogPR_K'] == pytest.approx(-0.3, abs=0.02) and spread['reading'] == 'beyond m'
+
+
+def test_two_texts_are_compared_claim_by_claim_with_a_welch_interval(tmp_path):
+    values, others = np.array([1.0, 2.0, 3.0, 4.0]), np.array([2.0, 4.0, 6.0])
+    var, var_other = values.var(ddof=1) / 4, others.var(ddof=1) / 3
+    df = (var + var_other) ** 2 / (var ** 2 / 3 + var_other ** 2 / 2)
+    half = stats.t_quantile(0.975, df) * math.sqrt(var + var_other)
+    assert analyze.welch(values, others) == pytest.approx((-1.5, -1.5 - half, -1.5 + half))
+    assert [analyze.kept(*pair) for pair in (('holds', 'holds'), ('holds', 'reversed'),
+                                             ('holds', 'undecided'))] == [
+        'kept', 'changed', 'undecided']
+    synth.study(tmp_path / 'runs', 3, 'a', data_sha256='a' * 64)
+    synth.study(tmp_path / 'runs', 3, 'b', data_sha256='b' * 64)
+    (row,) = synth.run([tmp_path / 'runs'], tmp_path / 'out').tables['across_texts']
+    assert row['claim'] == 'b' and row['verdicts'] in ('kept', 'changed', 'undecided')
+    synth.study(tmp_path / 'runs', 3, 'c', data_sha256='a' * 64, lr=3e-3)   # not the text alone
+    assert 'across_texts' not in synth.run([tmp_path / 'runs'], tmp_path / 'out2').tables
