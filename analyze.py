@@ -601,22 +601,31 @@ def route_rows(study):
     log logit_std (spread) and on it with the row's margin and kurtosis (shape), one intercept a
     layer, R^2 on held-out seeds; then each layer-targeted arm's controlled layer: the share of
     its dH that each route's coefficients (of the shape fit) times the pair's mean changes
-    predict, jackknife-t over seeds."""
-    keys = ROUTES['spread'] + ROUTES['shape']
-    logged = [r for r in study.runs if late_heads(r, 'logit_margin') is not None]
-    base = engine.uncontrolled(logged)
-    if len({r.seed for r in base}) < 2:
-        return {}
-    fits = [{'route': name, **held_out_r2(*head_design(base, ROUTES['spread'] + extra))}
-            for name, extra in (('spread', ()), ('shape', ROUTES['shape']))]
-    entropy, design, _ = head_design(base, keys)
-    coef = dict(zip(keys, stats.solve(design, entropy)[-len(keys):]))
-    shares = []
-    for (setting, arm), pairs in study.arms.items():
-        if dict(arm).get('control_layers', '') and all(late_heads(r, 'logit_margin') is not None
-                                                      for pair in pairs for r in pair):
+    predict, jackknife-t over seeds. Each setting with such arms is fitted on its own none runs."""
+    keys, fits, shares = ROUTES['spread'] + ROUTES['shape'], [], []
+    for setting, arms in layer_targeted(study).items():
+        base = [r for r in engine.uncontrolled(study.runs) if r.setting == setting]
+        if len({r.seed for r in base}) < 2:
+            continue
+        fits += [{'setting': study.label[setting], 'route': name,
+                  **held_out_r2(*head_design(base, ROUTES['spread'] + extra))}
+                 for name, extra in (('spread', ()), ('shape', ROUTES['shape']))]
+        entropy, design, _ = head_design(base, keys)
+        coef = dict(zip(keys, stats.solve(design, entropy)[-len(keys):]))
+        for arm, pairs in arms:
             shares += arm_routes(study, setting, arm, pairs, coef)
     return {'entropy_routes_fit': fits, 'entropy_routes': shares}
+
+
+def layer_targeted(study):
+    """{baseline setting: [(arm, pairs)]} of the arms with control_layers set whose runs log the
+    row statistics."""
+    found = {}
+    for (setting, arm), pairs in study.arms.items():
+        logged = all(late_heads(run, 'logit_margin') is not None for pair in pairs for run in pair)
+        if dict(arm).get('control_layers', '') and logged:
+            found.setdefault(setting, []).append((arm, pairs))
+    return found
 
 
 def held_out_r2(entropy, design, seeds):
@@ -670,26 +679,28 @@ def layer_mediation(study):
     in log PR_K; c with its jackknife-t interval over seeds: the key spectrum acts beyond m where
     it excludes 0 (results/cpu-wide-layers/README.md, item 3)."""
     rows = []
-    for (setting, arm), pairs in study.arms.items():
-        if not dict(arm).get('control_layers', '') or any(
-                late_heads(run, 'logit_margin') is None for pair in pairs for run in pair):
-            continue
-        n_layer = pairs[0][0].n_layer
-        seeds = np.repeat([run.seed for run, _ in pairs], n_layer)
-        def change(key):   # (pairs x layers,) of the layer means
-            return np.concatenate([late_heads(run, key).mean(1) - late_heads(base, key).mean(1)
-                                   for run, base in pairs])
-        dH, dK = change('entropy'), change('log pr_k')
-        layers = np.tile(np.eye(n_layer), (len(pairs), 1))
-        for mediator in LAYER_MEDIATORS:
-            design = np.column_stack([layers * change(mediator)[:, None], dK])
-            c, low, high = stats.jackknife(lambda keep: stats.solve(design[keep], dH[keep])[-1],
-                                           seeds)
-            rows.append({'setting': study.label[setting], 'arm': study.arm_name(arm),
-                         'mediator': mediator, 'units': len(dH), 'c_dlogPR_K': float(c),
-                         'lo': float(low), 'hi': float(high),
-                         'reading': reach(low, high)})
+    for setting, arms in layer_targeted(study).items():
+        for arm, pairs in arms:
+            rows += arm_mediation(study, setting, arm, pairs)
     return {'entropy_layer_mediation': rows}
+
+
+def arm_mediation(study, setting, arm, pairs):
+    """layer_mediation's rows of one arm, a row per mediator."""
+    n_layer, rows = pairs[0][0].n_layer, []
+    seeds = np.repeat([run.seed for run, _ in pairs], n_layer)
+    def change(key):   # (pairs x layers,) of the layer means
+        return np.concatenate([late_heads(run, key).mean(1) - late_heads(base, key).mean(1)
+                               for run, base in pairs])
+    dH, dK = change('entropy'), change('log pr_k')
+    layers = np.tile(np.eye(n_layer), (len(pairs), 1))
+    for mediator in LAYER_MEDIATORS:
+        design = np.column_stack([layers * change(mediator)[:, None], dK])
+        c, low, high = stats.jackknife(lambda keep: stats.solve(design[keep], dH[keep])[-1], seeds)
+        rows.append({'setting': study.label[setting], 'arm': study.arm_name(arm),
+                     'mediator': mediator, 'units': len(dH), 'c_dlogPR_K': float(c),
+                     'lo': float(low), 'hi': float(high), 'reading': reach(low, high)})
+    return rows
 
 
 def reach(low, high):
@@ -703,9 +714,17 @@ def self_match(study):
     """Across the none runs' heads within each layer (results/cpu-wide-layers/README.md, item
     4): the partial Spearman of qk_eig_mean with entropy given log logit_std, and the Spearman of
     qk_eig_mean with self_top; each a mean over runs with its t interval (descriptive)."""
-    runs = [r for r in engine.uncontrolled(study.runs) if 'qk_eig_mean_heads' in r.m]
     rows = []
-    for layer in range(min((r.n_layer for r in runs), default=0)):
+    for setting in layer_targeted(study):
+        rows += setting_self_match(study, setting)
+    return {'entropy_self_match': rows}
+
+
+def setting_self_match(study, setting):
+    """self_match's rows for the none runs of one setting."""
+    runs = [r for r in engine.uncontrolled(study.runs) if r.setting == setting]
+    rows = []
+    for layer in range(runs[0].n_layer if runs else 0):
         def ranked(run, key):
             return stats.ranks(late_heads(run, key)[layer])
         found = {'partial Spearman of qk_eig_mean with entropy | log logit_std': [
@@ -716,9 +735,10 @@ def self_match(study):
             for r in runs]}
         for statistic, values in found.items():
             mean, low, high, n = stats.t_interval(values)
-            rows.append({'layer': layer, 'statistic': statistic, 'mean': mean,
-                         'lo': max(low, -1.0), 'hi': min(high, 1.0), 'runs': n})
-    return {'entropy_self_match': rows}
+            rows.append({'setting': study.label[setting], 'layer': layer,
+                         'statistic': statistic, 'mean': mean, 'lo': max(low, -1.0),
+                         'hi': min(high, 1.0), 'runs': n})
+    return rows
 
 
 SAME_SIZE = {'b': 0.25, 'd': 0.03, 'e': 0.03}   # results/sotu-wide/README.md fixed these

@@ -25,7 +25,7 @@ h*d:(h+1)*d, d = C / n_head, giving W^h of shape (d, C).
     qk_eig_mean = tr(W_QK^h) / C                    the mean eigenvalue of W_QK^h
     qk_eig_std = sqrt(||S_h||_F^2 / C - qk_eig_mean^2)   S_h = (W_QK^h + W_QK^h^T) / 2: the spread
                  of the eigenvalues of the symmetric part, which alone sets a self-match logit
-                 x^T W_QK^h x (Bao, Hataya and Karakida 2024 relate both to how localized attention is)
+                 x^T W_QK^h x (Bao, Hataya and Karakida 2024 relate both to how local attention is)
     erank(s)   = exp(-sum p log p), p = s / sum s   effective rank (Roy and Vetterli)
     srank(M)   = ||M||_F^2 / ||M||_2^2              stable rank
 

@@ -413,7 +413,8 @@ def test_route_rows_give_a_planted_spread_route_its_share_and_the_shape_none():
         m = {'logit_std_heads': sigma, 'entropy_heads': entropy,
              'logit_margin_heads': rng.normal(2, 0.3, (3, 2, 4)),
              'logit_kurtosis_heads': rng.normal(-1, 0.3, (3, 2, 4))}
-        return types.SimpleNamespace(m=m, n_layer=2, seed=seed, control=control, pretrained=False)
+        return types.SimpleNamespace(m=m, n_layer=2, seed=seed, control=control, pretrained=False,
+                                     setting='s')
     baselines = [run(seed) for seed in range(1, 6)]
     controlled = [run(seed, 0.1, 'shrink') for seed in range(1, 6)]
     for c, b in zip(controlled, baselines):   # the same heads, widened: a paired change
