@@ -9,8 +9,10 @@ from collections import Counter
 
 import numpy as np
 
+import exploratory
 import plots
 from plumbing import folders, stats
+from plumbing.folders import FINAL_LOGS
 from plumbing.engine import interval_text, shown
 
 UNITS = {'seed': 'seeds (runs)', 'pair': 'seed pairs (controlled - baseline)', 'model': 'models'}
@@ -176,35 +178,57 @@ def write(study, tables, figure_notes, files):
     return '\n'.join(lines + [f'- figure skipped: {n}' for n in figure_notes]) + '\n'
 
 
-SPREAD_TEXT = (
-    "Outside the claims and Holm, over every run that logs logit_std (the std of a query's scaled "
-    'logits over its keys): at the final record across (layer, head) pairs; in the control per '
-    'seed pair (controlled - the none run of its seed), dH = b dm (model 1) and dH = b dm + c d '
-    'log PR_K (model 2) with no intercept, jackknife-t over seeds, uncentred R^2, and the share of '
-    "an arm's mean dH through the mediator m, b mean(dm) / mean(dH); \"effect\": the arm's dH "
-    'interval outside +/-0.02 nats. Only through the spread: c\'s interval holds 0, every arm with '
-    "an effect has a share interval holding 1, and model 1 has R^2 >= 0.8; refuted where c's "
-    "interval excludes 0 or an arm's share lies below 1.")
+SPREAD_TEXT = [
+    "Outside the claims and Holm, over the runs that log logit_std (the std of a query's scaled "
+    "logits over its keys). A run's per-head value is the mean of its last {logs} records, as the "
+    "claims table reads a control arm.",
+    "Layer is a factor throughout. A correlation ranks heads within their layer; it is undefined "
+    "in a run whose spread orders every layer's heads as entropy does, and `runs` counts the "
+    "others. A predictor is fitted beside one intercept per layer, on all seeds but one, and "
+    "scored by R^2 on the held-out seed's heads.",
+    "The control's mediation takes one unit per (seed pair, layer): dH = b_l dm (model 1) and "
+    "dH = b_l dm + c d log PR_K (model 2), with a slope b_l per layer and no intercept, "
+    "jackknife-t over seeds, uncentred R^2. An arm's share through m is the mean of b_l dm over "
+    "its units over the mean of its dH; it has an effect where its dH interval lies outside "
+    "+/-{margin} nats.",
+    "The key spectrum acts only through the spread where c's interval holds 0, each arm with an "
+    "effect has a share interval holding 1, and model 1 has R^2 >= {r2}; it is refuted where c's "
+    "interval excludes 0 or an arm's share lies below 1."]
+LAYER_TABLES = {
+    'entropy_layers': 'A key control in some layers: dH of each layer over its seed pairs.',
+    'entropy_routes_fit': "The routes, fitted across the none runs' heads with layer intercepts.",
+    'entropy_routes': "The share of a controlled layer's dH that each route predicts.",
+    'entropy_layer_mediation': "Model 2's c for each layer-targeted arm alone.",
+    'entropy_self_match': "The mean eigenvalue of W_QK within each layer's heads.",
+}
 
 
 def spread_lines(tables, files):
     """The section 'What sets entropy', or nothing where no run logs logit_std."""
     if 'entropy_heads.md' not in files:
         return []
-    lines = ['## What sets entropy (exploratory, outside Holm)', '', SPREAD_TEXT, '']
+    text = ' '.join(SPREAD_TEXT).format(logs=FINAL_LOGS, margin=exploratory.NO_EFFECT,
+                                        r2=exploratory.ONLY_SPREAD_R2)
+    lines = ['## What sets entropy (exploratory, outside Holm)', '', text, '']
     fit = next((f for f in tables.get('entropy_mediation', ()) if f['only through the spread']),
                None)
     if fit:
         lines += [f"The key spectrum acts only through the logits' spread: "
                   f"{fit['only through the spread']}.", '']
-    best = max(tables.get('entropy_predictors', ()), key=lambda r: r['R2_held_out'], default=None)
+    predictors = tables.get('entropy_predictors', ())
+    scored = [row for row in predictors if np.isfinite(row['R2_held_out'])]
+    best = max(scored, key=lambda row: row['R2_held_out'], default=None)
     if best:
         lines += [f"Best predictor of entropy across heads (held-out seeds): {best['predictor']}, "
                   f"R^2 {best['R2_held_out']:.3g} ({best['lowest']:.3g} to {best['highest']:.3g}).",
                   '']
-    for stem in ('entropy_heads', 'entropy_predictors', 'entropy_mediation', 'entropy_share'):
+    for stem in ('entropy_heads', 'entropy_predictors', 'entropy_mediation', 'entropy_slopes',
+                 'entropy_share'):
         if f'{stem}.md' in files:
             lines += [files[f'{stem}.md'], '']
+    for stem, caption in LAYER_TABLES.items():
+        if tables.get(stem):
+            lines += [caption, '', files[f'{stem}.md'], '']
     return lines + figures('What sets entropy', files)
 
 

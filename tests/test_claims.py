@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import analyze
+import exploratory
 from plumbing import engine, folders, stats
 import geometry
 import report
@@ -329,13 +330,13 @@ def test_a_claim_a_fork_adds_is_judged_outside_holm_unless_it_joins_the_family(
 
 
 
-def test_a_section_a_fork_adds_to_analyze_alone_is_written_and_listed_in_the_report(
+def test_a_section_a_fork_adds_to_exploratory_alone_is_written_and_listed_in_the_report(
         tmp_path, monkeypatch):
     synth.study(tmp_path / 'runs', seeds=2)
     def final_losses(study):
         return {'fork_losses': [{'run': r.name, 'val_loss': r.final_loss('val_loss')}
                                 for r in study.runs]}
-    monkeypatch.setattr(analyze, 'EXPLORATORY', analyze.EXPLORATORY + (final_losses,))
+    monkeypatch.setattr(exploratory, 'EXPLORATORY', exploratory.EXPLORATORY + (final_losses,))
     s = synth.run([tmp_path / 'runs'], tmp_path / 'fork')
     assert len(s.tables['fork_losses']) == len(s.runs)
     assert (tmp_path / 'fork' / 'fork_losses.csv').exists()
@@ -344,37 +345,46 @@ def test_a_section_a_fork_adds_to_analyze_alone_is_written_and_listed_in_the_rep
 @pytest.mark.parametrize('direct, reading', [(0.0, 'yes'), (0.5, 'refuted')])
 def test_the_spread_mediation_reads_a_planted_path_through_the_spread_and_one_beside_it(
         direct, reading):
+    """Units (seed pair, layer): dH = b_l d log sigma + direct dK, b = (-0.8, -0.4) planted."""
     rng = np.random.default_rng(0)
-    seeds = np.repeat(np.arange(1, 6), 2)
-    arm = np.tile(['shrink0.1-k-spec', 'freeze-k-spec'], 5)
-    d_spread = np.where(arm == 'freeze-k-spec', -0.2, 0.1) + rng.normal(0, 0.01, 10)
-    dK = np.where(arm == 'freeze-k-spec', 1.5, -0.7) + rng.normal(0, 0.05, 10)
-    pairs = {'dH': -0.8 * d_spread + direct * dK, 'dK': dK, 'seed': seeds, 'arm': arm,
-             **{name: d_spread + rng.normal(0, 0.05, 10) for name in analyze.MEDIATORS}}
-    pairs['log logit_std'] = d_spread
-    fits, shares = analyze.mediation_rows(pairs)
-    fit = next(f for f in fits if f['mediator'] == 'log logit_std')
-    assert analyze.only_through_spread(fits, shares).split(':')[0] == reading
+    seeds = np.repeat(np.arange(1, 6), 4)
+    arm = np.tile(np.repeat(['shrink0.1-k-spec', 'freeze-k-spec'], 2), 5)
+    layer = np.tile(['0 of 2', '1 of 2'], 10)
+    d_spread = np.where(arm == 'freeze-k-spec', -0.2, 0.1) + rng.normal(0, 0.01, 20)
+    dK = np.where(arm == 'freeze-k-spec', 1.5, -0.7) + rng.normal(0, 0.05, 20)
+    slope = np.where(layer == '0 of 2', -0.8, -0.4)
+    units = {'entropy': slope * d_spread + direct * dK, 'log pr_k': dK, 'seed': seeds, 'arm': arm,
+             'pair': np.repeat(np.arange(10), 2), 'layer': layer, 'log logit_std': d_spread,
+             'log qk_fro_norm': d_spread + rng.normal(0, 0.05, 20)}
+    fits, slopes, shares = exploratory.mediation_rows(units)
+    assert [fit['mediator'] for fit in fits] == ['log logit_std', 'log qk_fro_norm']
+    assert exploratory.only_through_spread(fits[0], shares).split(':')[0] == reading
     if direct == 0:
-        assert fit['b1'] == pytest.approx(-0.8) and fit['R2_1'] == pytest.approx(1)
-        assert all(r['share'] == pytest.approx(1) for r in shares
-                   if r['mediator'] == 'log logit_std')
+        assert [row['b1'] for row in slopes[:2]] == pytest.approx([-0.8, -0.4])
+        assert fits[0]['R2_1'] == pytest.approx(1)
+        assert all(row['share'] == pytest.approx(1) for row in shares
+                   if row['mediator'] == 'log logit_std')
     else:
-        assert fit['c_lo'] > 0 and fit['c_dlogPR_K'] == pytest.approx(0.5)
+        assert fits[0]['c_lo'] > 0 and fits[0]['c_dlogPR_K'] == pytest.approx(0.5)
 
 
-def test_entropy_is_best_predicted_by_the_quantity_it_was_planted_on():
+def test_entropy_is_best_predicted_within_layers_by_the_quantity_it_was_planted_on():
+    """Entropy = a layer's intercept - log sigma; PR_K differs between layers only, so pooled
+    across layers it would track entropy, and beside the layer intercepts it adds nothing."""
     rng, runs = np.random.default_rng(1), []
+    level = np.array([0.0, 1.0, 2.0, 3.0])[:, None] * np.ones((1, 4, 4))
     for seed in range(1, 5):
         spread = rng.uniform(0.5, 3, (1, 4, 4))
-        m = {'logit_std_heads': spread, 'entropy_heads': 3 - np.log(spread)}
-        for k in ('qk_fro_norm', 'qk_spec_norm', 'pr_k', 'pr_qk'):
-            m[f'{k}_heads'] = rng.uniform(1, 9, (1, 4, 4))
-        runs.append(types.SimpleNamespace(m=m, seed=seed))
-    rows = analyze.predictor_rows(runs)
-    assert max(rows, key=lambda r: r['R2_held_out'])['predictor'] == 'log logit_std'
-    assert rows[0]['R2_held_out'] == pytest.approx(1) and rows[1]['R2_held_out'] < 0.5
-    heads = analyze.across_heads(runs)
+        m = {'logit_std_heads': spread, 'entropy_heads': 3 + level - np.log(spread),
+             'pr_k_heads': np.exp(level + rng.normal(0, 0.01, level.shape))}
+        for key in ('qk_fro_norm', 'qk_spec_norm', 'pr_qk'):
+            m[f'{key}_heads'] = rng.uniform(1, 9, (1, 4, 4))
+        runs.append(types.SimpleNamespace(m=m, seed=seed, n_layer=4))
+    rows = {row['predictor']: row['R2_held_out'] for row in exploratory.predictor_rows(runs)}
+    assert max(rows, key=rows.get) == 'log logit_std' and rows['log logit_std'] == pytest.approx(1)
+    assert rows['log pr_k'] == pytest.approx(rows['layer alone'], abs=0.05)
+    assert rows['layer alone'] < 0.9
+    heads = exploratory.across_heads(runs)
     assert heads[0]['mean'] == pytest.approx(-1)
 
 
@@ -394,7 +404,7 @@ def test_layer_effects_reads_where_a_planted_layer_control_moves_entropy():
     arm = (('control', 'shrink'), ('control_layers', '0'))
     study = types.SimpleNamespace(arms={('s', arm): pairs}, label={'s': 'base'},
                                   arm_name=lambda arm: 'shrink-k')
-    rows = analyze.layer_effects(study)['entropy_layers']
+    rows = exploratory.layer_effects(study)['entropy_layers']
     assert [r['reading'] for r in rows] == ['moves down', 'stays', 'undecided']
     assert [r['controlled'] for r in rows] == [True, False, False]
     assert rows[0]['dH'] == pytest.approx(-0.1, abs=0.01) and rows[0]['pairs'] == 5
@@ -426,7 +436,7 @@ def test_route_rows_give_a_planted_spread_route_its_share_and_the_shape_none():
     study = types.SimpleNamespace(runs=baselines + controlled, label={'s': 'base'},
                                   arms={('s', arm): list(zip(controlled, baselines))},
                                   arm_name=lambda arm: 'shrink-k')
-    tables = analyze.route_rows(study)
+    tables = exploratory.route_rows(study)
     assert [fit['R2_held_out'] > 0.99 for fit in tables['entropy_routes_fit']] == [True, True]
     spread, shape = tables['entropy_routes']
     assert spread['dH'] == pytest.approx(-0.1, rel=1e-6)
@@ -453,7 +463,7 @@ def test_layer_mediation_finds_a_planted_path_beside_the_spread():
     arm = (('control', 'shrink'), ('control_layers', '0'))
     study = types.SimpleNamespace(arms={('s', arm): pairs}, label={'s': 'base'},
                                   arm_name=lambda arm: 'shrink-k')
-    spread = analyze.layer_mediation(study)['entropy_layer_mediation'][0]
+    spread = exploratory.layer_mediation(study)['entropy_layer_mediation'][0]
     assert spread['mediator'] == 'log logit_std' and spread['units'] == 10
     assert spread['c_dlogPR_K'] == pytest.approx(-0.3, abs=0.02) and spread['reading'] == 'beyond m'
 
@@ -463,8 +473,8 @@ def test_two_texts_are_compared_claim_by_claim_with_a_welch_interval(tmp_path):
     var, var_other = values.var(ddof=1) / 4, others.var(ddof=1) / 3
     df = (var + var_other) ** 2 / (var ** 2 / 3 + var_other ** 2 / 2)
     half = stats.t_quantile(0.975, df) * math.sqrt(var + var_other)
-    assert analyze.welch(values, others) == pytest.approx((-1.5, -1.5 - half, -1.5 + half))
-    assert [analyze.kept(*pair) for pair in (('holds', 'holds'), ('holds', 'reversed'),
+    assert exploratory.welch(values, others) == pytest.approx((-1.5, -1.5 - half, -1.5 + half))
+    assert [exploratory.kept(*pair) for pair in (('holds', 'holds'), ('holds', 'reversed'),
                                              ('holds', 'undecided'))] == [
         'kept', 'changed', 'undecided']
     synth.study(tmp_path / 'runs', 3, 'a', data_sha256='a' * 64)

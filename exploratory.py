@@ -1,0 +1,485 @@
+"""
+The study's exploratory sections: what sets a head's sharpness, where a key control in one layer
+acts, and whether the claims keep their verdicts on a second text. Outside the claims and Holm.
+
+    a new section:  def my_section(study): return {'my_table': rows}, then its name in EXPLORATORY;
+                    each table is written as .csv and .md and listed in REPORT.md
+
+A run's per-head value is the mean of its last FINAL_LOGS records, as the claims table reads a
+control arm, so an arm's effect is one number in every table. Layer is a factor throughout: the
+layers of a model differ in entropy and logit spread more than the heads of one layer do, so a
+link pooled across layers can be a difference between layers. A study's README says which of
+these statistics it fixed before its runs and what would read which way.
+"""
+import json
+import math
+
+import numpy as np
+
+import control
+from plumbing import engine, stats
+from plumbing.folders import FINAL_LOGS, group
+
+NO_EFFECT = 0.02      # nats: an arm's dH inside +/- this is no effect (the control claims' margin)
+LINK_BAND = 0.1       # a partial link inside +/- this goes no further than the spread (claim (c)'s)
+ONLY_SPREAD_R2 = 0.8  # model 1's uncentred R^2 that "only through the spread" asks for
+MEDIATORS = ('log logit_std', 'log qk_fro_norm', 'log qk_spec_norm', 'logit_margin',
+             'logit_kurtosis')
+CANDIDATES = MEDIATORS + ('log pr_k', 'log pr_qk', 'qk_eig_mean')
+ROUTES = {'spread': ('log logit_std',), 'shape': ('logit_margin', 'logit_kurtosis')}
+CARRIES = 0.2         # a route carries an effect when its share's interval lies above this
+
+
+def late_heads(run, key):
+    """(layers, heads) of key's per-head values, the mean of the last FINAL_LOGS records (of its
+    log for a 'log ' key); None where the run does not log it."""
+    values = run.m.get(f"{key.removeprefix('log ')}_heads")
+    if values is None:
+        return None
+    late = values[-FINAL_LOGS:].mean(0)
+    return np.log(late) if key.startswith('log ') else late
+
+
+def logged_by_all(runs, keys):
+    return [key for key in keys if all(late_heads(run, key) is not None for run in runs)]
+
+
+# ---------------------------------------------------------------------------- what sets entropy
+def what_sets_entropy(study):
+    """Across heads within layers, the predictors with layer intercepts, and the key control's
+    mediation with one unit per (seed pair, layer), over the runs that log logit_std."""
+    runs = [run for run in study.runs if late_heads(run, 'logit_std') is not None]
+    if not runs:
+        return {}
+    tables = {'entropy_heads': across_heads(runs)}
+    if len({run.seed for run in runs}) >= 2:
+        tables['entropy_predictors'] = predictor_rows(runs)
+    chosen = [(arm, pairs) for (_, arm), pairs in study.arms.items()
+              if dict(arm)['control_target'] == 'k']
+    units = layer_units(study, chosen)
+    if units:
+        fits, slopes, shares = mediation_rows(units)
+        fits[0]['only through the spread'] = only_through_spread(fits[0], shares)
+        tables.update(entropy_mediation=fits, entropy_slopes=slopes, entropy_share=shares,
+                      entropy_pairs=unit_rows(units))
+    return tables
+
+
+def layer_ranks(run, key):
+    """key's ranks among the heads of each layer, centred in their layer, over the run's heads."""
+    ranked = stats.ranks(late_heads(run, key))
+    return (ranked - ranked.mean(1, keepdims=True)).ravel()
+
+
+def across_heads(runs):
+    """Per run over its heads, ranked within their layer: the Spearman of entropy with log
+    logit_std, and the partial Spearman of each other candidate with entropy given log logit_std;
+    each a mean over the runs where it is defined, t interval."""
+    found = {'Spearman of entropy with log logit_std': [
+        stats.pearson_rows(layer_ranks(run, 'entropy'), layer_ranks(run, 'log logit_std'))
+        for run in runs]}
+    for key in logged_by_all(runs, CANDIDATES[1:]):
+        found[f'partial Spearman of {key} with entropy | log logit_std'] = [
+            stats.partial_rows(layer_ranks(run, key), layer_ranks(run, 'entropy'),
+                               layer_ranks(run, 'log logit_std')) for run in runs]
+    rows = []
+    for statistic, values in found.items():
+        defined = [float(value) for value in values if np.isfinite(value)]
+        if not defined:
+            continue
+        mean, low, high, count = stats.t_interval(defined)
+        reading = beyond_spread(low, high) if 'partial' in statistic else ''
+        rows.append({'statistic': statistic, 'mean': mean, 'lo': max(low, -1.0),
+                     'hi': min(high, 1.0), 'runs': count, 'reading': reading})
+    return rows
+
+
+def beyond_spread(low, high):
+    """A partial link given log logit_std, read against LINK_BAND."""
+    if -LINK_BAND <= low and high <= LINK_BAND:
+        return 'no further than the spread'
+    if (low > 0 or high < 0) and (low > LINK_BAND or high < -LINK_BAND):
+        return 'beyond the spread (a correlation)'
+    return 'undecided'
+
+
+def predictor_rows(runs):
+    """Per candidate, and the spread with the row shape together: R^2 of entropy across heads on
+    it beside one intercept per layer, fitted on all seeds but one and read on that seed's heads;
+    'layer alone' is the intercepts' own."""
+    candidates = {'layer alone': ()}
+    candidates.update({key: (key,) for key in logged_by_all(runs, CANDIDATES)})
+    if logged_by_all(runs, ROUTES['shape']):
+        candidates['log logit_std, logit_margin, logit_kurtosis'] = sum(ROUTES.values(), ())
+    return [{'predictor': name, **held_out_r2(*head_design(runs, keys))}
+            for name, keys in candidates.items()]
+
+
+def head_design(runs, keys):
+    """Across the heads of runs: entropy; one intercept per layer (a layer of a depth) beside the
+    columns of keys; each head's seed."""
+    layers = sorted({(run.n_layer, layer) for run in runs for layer in range(run.n_layer)})
+    entropy, columns, seeds = [], [], []
+    for run in runs:
+        found = [late_heads(run, key) for key in ('entropy', *keys)]
+        heads = found[0].shape[1]
+        own = [layers.index((run.n_layer, layer)) for layer in range(run.n_layer)]
+        intercepts = np.repeat(np.eye(len(layers))[own], heads, axis=0)
+        entropy.append(found[0].ravel())
+        columns.append(np.column_stack([intercepts, *(value.ravel() for value in found[1:])]))
+        seeds += [run.seed] * len(intercepts)
+    return np.concatenate(entropy), np.concatenate(columns), np.array(seeds)
+
+
+def held_out_r2(entropy, design, seeds):
+    """R^2 of the least-squares fit on all seeds but one, read on that seed's heads: mean, lowest
+    and highest over the seeds."""
+    scores = []
+    for held in np.unique(seeds):
+        fit = stats.solve(design[seeds != held], entropy[seeds != held])
+        error = entropy[seeds == held] - design[seeds == held] @ fit
+        spread = entropy[seeds == held] - entropy[seeds == held].mean()
+        with np.errstate(divide='ignore', invalid='ignore'):   # heads all alike: not measured
+            scores.append(1 - (error @ error) / (spread @ spread))
+    return {'heads': len(entropy), 'R2_held_out': float(np.mean(scores)),
+            'lowest': float(np.min(scores)), 'highest': float(np.max(scores))}
+
+
+def layer_units(study, chosen):
+    """One unit per (seed pair, layer) of the chosen (arm, pairs): the change, controlled -
+    baseline, of the layer's mean over heads of entropy, log PR_K and each mediator every run
+    logs; with the unit's arm, pair, seed and layer ('0 of 4'). {} where no pair logs logit_std."""
+    pairs = [(arm, pair) for arm, arm_pairs in chosen for pair in arm_pairs
+             if all(late_heads(run, 'logit_std') is not None for run in pair)]
+    mediators = logged_by_all([run for _, pair in pairs for run in pair], MEDIATORS)
+    found = []
+    for number, (arm, (controlled, baseline)) in enumerate(pairs):
+        for layer in range(controlled.n_layer):
+            unit = {'arm': study.arm_name(arm), 'pair': number, 'seed': controlled.seed,
+                    'layer': f'{layer} of {controlled.n_layer}'}
+            for key in ('entropy', 'log pr_k', *mediators):
+                unit[key] = (late_heads(controlled, key)[layer].mean()
+                             - late_heads(baseline, key)[layer].mean())
+            found.append(unit)
+    return {key: np.array([unit[key] for unit in found]) for key in found[0]} if found else {}
+
+
+def mediation_rows(units):
+    """Per mediator m over the units: dH = b_l dm (model 1) and dH = b_l dm + c dK (model 2), a
+    slope b_l per layer, dK the change of log PR_K, no intercept (a pair of equal runs changes
+    nothing), jackknife-t over seeds, uncentred R^2. Then per arm the share of its dH that goes
+    through m: the mean over its units of model 1's b_l dm over the mean of dH."""
+    fits, slopes, shares = [], [], []
+    entropy, seeds, arms = units['entropy'], units['seed'], units['arm']
+    layers = list(dict.fromkeys(units['layer']))
+    in_layer = (units['layer'][:, None] == np.array(layers)).astype(float)
+    for mediator in [key for key in MEDIATORS if key in units]:
+        one = in_layer * units[mediator][:, None]
+        two = np.column_stack([one, units['log pr_k']])
+        first = stats.jackknife(lambda keep: stats.solve(one[keep], entropy[keep]), seeds)
+        second = stats.jackknife(lambda keep: stats.solve(two[keep], entropy[keep]), seeds)
+        fits.append({'mediator': mediator, 'units': len(entropy),
+                     'R2_1': uncentred_r2(entropy, one), 'c_dlogPR_K': second[0][-1],
+                     'c_lo': second[1][-1], 'c_hi': second[2][-1],
+                     'R2_2': uncentred_r2(entropy, two), 'only through the spread': ''})
+        for index, layer in enumerate(layers):
+            slopes.append({'mediator': mediator, 'layer': layer, 'b1': first[0][index],
+                           'b1_lo': first[1][index], 'b1_hi': first[2][index],
+                           'b2': second[0][index]})
+        for arm in dict.fromkeys(arms):
+            shares.append({'mediator': mediator, 'arm': arm,
+                           **arm_share(units, one, arms == arm)})
+    return fits, slopes, shares
+
+
+def uncentred_r2(y, X):
+    """1 - sum e^2 / sum y^2 of the least-squares fit of y on the columns of X, no intercept."""
+    residual = y - X @ stats.solve(X, y)
+    return 1 - float(residual @ residual) / float(y @ y)
+
+
+def arm_share(units, design, in_arm):
+    """An arm's dH (per pair the mean over its layers, t interval over pairs), the mean change of
+    the mediator, and the share of dH through it, jackknife-t over seeds."""
+    entropy, seeds = units['entropy'], units['seed']
+    def share(keep):
+        slopes = stats.solve(design[keep], entropy[keep])
+        with np.errstate(divide='ignore', invalid='ignore'):   # no change: no share (not measured)
+            return (design[keep & in_arm] @ slopes).mean() / entropy[keep & in_arm].mean()
+    per_pair = [entropy[units['pair'] == pair].mean() for pair in np.unique(units['pair'][in_arm])]
+    mean, low, high, count = stats.t_interval(per_pair)
+    through, through_low, through_high = stats.jackknife(share, seeds)
+    return {'pairs': count, 'dH': mean, 'dH_lo': low, 'dH_hi': high,
+            'effect': bool(low > NO_EFFECT or high < -NO_EFFECT),
+            'd_mediator': float(design[in_arm].sum(1).mean()), 'share': float(through),
+            'share_lo': float(through_low), 'share_hi': float(through_high)}
+
+
+def only_through_spread(fit, shares):
+    """The reading of model 2's c, the arms' shares and model 1's R^2 with m = log logit_std:
+    'yes', 'refuted' (and why) or 'undecided'."""
+    arms = [row for row in shares if row['mediator'] == fit['mediator'] and row['effect']]
+    refuted = []
+    if fit['c_lo'] > 0 or fit['c_hi'] < 0:
+        refuted.append("PR_K's change acts beyond the spread (c's interval excludes 0)")
+    refuted += [f"the share of {row['arm']} lies below 1" for row in arms if row['share_hi'] < 1]
+    if refuted:
+        return 'refuted: ' + '; '.join(refuted)
+    holds = (fit['c_lo'] <= 0 <= fit['c_hi'] and fit['R2_1'] >= ONLY_SPREAD_R2
+             and all(row['share_lo'] <= 1 <= row['share_hi'] for row in arms))
+    return 'yes' if holds else 'undecided'
+
+
+def unit_rows(units):
+    """The units the mediation reads, a row each."""
+    names = {'entropy': 'dH', 'log pr_k': 'd log PR_K'}
+    names.update({key: f'd {key}' for key in MEDIATORS if key in units})
+    rows = []
+    for index in range(len(units['entropy'])):
+        row = {'arm': str(units['arm'][index]), 'seed': int(units['seed'][index]),
+               'layer': str(units['layer'][index])}
+        rows.append(row | {label: float(units[key][index]) for key, label in names.items()})
+    return rows
+
+
+# ------------------------------------------------------------------ the key control in one layer
+def layer_effects(study):
+    """Per arm with control_layers set and per layer: dH (the layer's mean entropy over the last
+    FINAL_LOGS records, controlled - baseline) over the arm's seed pairs: moves up or down (the
+    interval outside +/- NO_EFFECT on one side), stays (inside it) or undecided."""
+    rows = []
+    for (setting, arm), pairs in study.arms.items():
+        chosen = dict(arm).get('control_layers', '')
+        if not chosen:
+            continue
+        controlled = control.parse_layers(chosen, pairs[0][0].n_layer)
+        for layer in range(pairs[0][0].n_layer):
+            changes = [run.final('entropy', [layer]) - base.final('entropy', [layer])
+                       for run, base in pairs]
+            mean, low, high, count = stats.t_interval(changes)
+            outside = (low - NO_EFFECT, high + NO_EFFECT)   # above 0: above the margin
+            reading = engine.side(*outside, 'moves up', 'moves down', 'undecided')
+            if -NO_EFFECT <= low and high <= NO_EFFECT:
+                reading = 'stays'
+            rows.append({'setting': study.label[setting], 'arm': study.arm_name(arm),
+                         'layer': layer, 'controlled': layer in controlled, 'pairs': count,
+                         'dH': mean, 'lo': low, 'hi': high, 'reading': reading})
+    return {'entropy_layers': rows}
+
+
+def layer_targeted(study):
+    """{baseline setting: [(arm, pairs)]} of the arms with control_layers set whose runs log the
+    row statistics."""
+    found = {}
+    for (setting, arm), pairs in study.arms.items():
+        logged = all(late_heads(run, 'logit_margin') is not None for pair in pairs for run in pair)
+        if dict(arm).get('control_layers', '') and logged:
+            found.setdefault(setting, []).append((arm, pairs))
+    return found
+
+
+def route_rows(study):
+    """Entropy across the none runs' heads on log logit_std (spread), and on it with the row's
+    margin and kurtosis (shape), one intercept a layer, R^2 on held-out seeds; then each
+    layer-targeted arm's controlled layer: the share of its dH that each route's coefficients (of
+    the shape fit) times the pair's changes predict, jackknife-t over seeds. Each setting with
+    such arms is fitted on its own none runs."""
+    keys, fits, shares = ROUTES['spread'] + ROUTES['shape'], [], []
+    for setting, arms in layer_targeted(study).items():
+        base = [run for run in engine.uncontrolled(study.runs) if run.setting == setting]
+        if len({run.seed for run in base}) < 2:
+            continue
+        for route in ROUTES:
+            chosen = keys if route == 'shape' else ROUTES['spread']
+            fits.append({'setting': study.label[setting], 'route': route,
+                         **held_out_r2(*head_design(base, chosen))})
+        entropy, design, _ = head_design(base, keys)
+        coefficients = dict(zip(keys, stats.solve(design, entropy)[-len(keys):]))
+        for arm, pairs in arms:
+            shares += arm_routes(study, setting, arm, pairs, coefficients)
+    return {'entropy_routes_fit': fits, 'entropy_routes': shares}
+
+
+def arm_routes(study, setting, arm, pairs, coefficients):
+    """Per controlled layer of an arm: its dH and each route's share, jackknife-t over seeds."""
+    rows, seeds = [], np.array([run.seed for run, _ in pairs])
+    for layer in control.parse_layers(dict(arm)['control_layers'], pairs[0][0].n_layer):
+        def change(key):
+            means = [late_heads(run, key)[layer].mean() for pair in pairs for run in pair]
+            return np.array(means[0::2]) - np.array(means[1::2])
+        entropy = change('entropy')
+        _, low, high, _ = stats.t_interval(entropy)
+        moves = low > NO_EFFECT or high < -NO_EFFECT   # a route is read only where the layer moves
+        for route, keys in ROUTES.items():
+            predicted = sum(coefficients[key] * change(key) for key in keys)
+            def share(keep):
+                with np.errstate(divide='ignore', invalid='ignore'):   # no change: no share
+                    return predicted[keep].mean() / entropy[keep].mean()
+            through, low, high = stats.jackknife(share, seeds)
+            reading = 'carries' if low > CARRIES else 'undecided'
+            if -CARRIES <= low and high <= CARRIES:
+                reading = 'carries none'
+            if not moves:
+                reading = 'not read: the layer does not move'
+            rows.append({'setting': study.label[setting], 'arm': study.arm_name(arm),
+                         'layer': layer, 'pairs': len(pairs), 'dH': float(entropy.mean()),
+                         'route': route, 'share': float(through), 'lo': float(low),
+                         'hi': float(high), 'reading': reading})
+    return rows
+
+
+def layer_mediation(study):
+    """Per layer-targeted arm and mediator m, over its (seed pair, layer) units: model 2 of
+    mediation_rows, dH = b_l dm + c dK; c with its interval: the key spectrum acts beyond m where
+    it excludes 0."""
+    rows = []
+    for setting, arms in layer_targeted(study).items():
+        for arm, pairs in arms:
+            fits, _, _ = mediation_rows(layer_units(study, [(arm, pairs)]))
+            for fit in fits:
+                rows.append({'setting': study.label[setting], 'arm': study.arm_name(arm),
+                             'mediator': fit['mediator'], 'units': fit['units'],
+                             'c_dlogPR_K': float(fit['c_dlogPR_K']), 'lo': float(fit['c_lo']),
+                             'hi': float(fit['c_hi']), 'reading': reach(fit['c_lo'], fit['c_hi'])})
+    return {'entropy_layer_mediation': rows}
+
+
+def reach(low, high):
+    """c's reading: beyond m when its interval excludes 0."""
+    if not (np.isfinite(low) and np.isfinite(high)):
+        return 'undecided (no interval)'
+    return engine.side(low, high, 'beyond m', 'beyond m', 'not beyond m')
+
+
+def self_match(study):
+    """Across the none runs' heads within each layer: the partial Spearman of qk_eig_mean with
+    entropy given log logit_std, and the Spearman of qk_eig_mean with self_top; each a mean over
+    runs with its t interval (descriptive)."""
+    rows = []
+    for setting in layer_targeted(study):
+        rows += setting_self_match(study, setting)
+    return {'entropy_self_match': rows}
+
+
+def setting_self_match(study, setting):
+    """self_match's rows for the none runs of one setting."""
+    runs = [run for run in engine.uncontrolled(study.runs) if run.setting == setting]
+    rows = []
+    for layer in range(runs[0].n_layer if runs else 0):
+        def ranked(run, key):
+            return stats.ranks(late_heads(run, key)[layer])
+        found = {'partial Spearman of qk_eig_mean with entropy | log logit_std': [
+            float(stats.partial_rows(ranked(run, 'qk_eig_mean'), ranked(run, 'entropy'),
+                                     ranked(run, 'log logit_std'))) for run in runs],
+                 'Spearman of qk_eig_mean with self_top': [
+            float(stats.pearson_rows(ranked(run, 'qk_eig_mean'), ranked(run, 'self_top')))
+            for run in runs]}
+        for statistic, values in found.items():
+            mean, low, high, count = stats.t_interval(values)
+            rows.append({'setting': study.label[setting], 'layer': layer,
+                         'statistic': statistic, 'mean': mean, 'lo': max(low, -1.0),
+                         'hi': min(high, 1.0), 'runs': count})
+    return rows
+
+
+# --------------------------------------------------------------------------------- a second text
+SAME_SIZE = {'b': 0.25, 'd': 0.03, 'e': 0.03}   # results/sotu-wide/README.md fixed these
+
+
+def across_texts(study):
+    """Claims (b), (d), (e) on each text of runs that differ in their text alone, and how they
+    compare: the verdicts kept or changed, and the difference of the two texts' mean units with a
+    two-sample (Welch) interval read against SAME_SIZE."""
+    texts = group_by_text(study)
+    if len(texts) != 2:
+        return {}
+    rows = []
+    for key, size in SAME_SIZE.items():
+        first, second = (text_claim(study, key, settings) for settings in texts.values())
+        if first is None or second is None:
+            continue
+        difference, low, high = welch(second['values'], first['values'])
+        reading = 'different' if low > size or high < -size else 'undecided'
+        if -size <= low and high <= size:
+            reading = 'the same'
+        rows.append({'claim': key, 'text 1': first['text'], 'verdict 1': first['verdict'],
+                     'text 2': second['text'], 'verdict 2': second['verdict'],
+                     'verdicts': kept(first['verdict'], second['verdict']),
+                     'difference (2 - 1)': difference, 'lo': low, 'hi': high, 'size': reading})
+    return {'across_texts': rows}
+
+
+def group_by_text(study):
+    """{data_sha256: the settings of its runs} where the runs' settings but their control arm
+    differ in the text alone; {} otherwise."""
+    def rest(run):
+        base = json.loads(run.base)
+        base.pop('data_sha256', None)
+        return json.dumps(base, sort_keys=True)
+    if len({rest(run) for run in study.runs}) != 1:
+        return {}
+    texts = group(study.runs, lambda run: run.settings.get('data_sha256'))
+    return {text: {run.setting for run in runs} for text, runs in texts.items()}
+
+
+def text_claim(study, key, settings):
+    """A claim judged on one text's runs: (b) over its uncontrolled runs, (d) and (e) on the spec
+    arm the claims table reads; its verdict word and unit values."""
+    claim = study.stats.get(key)
+    if claim is None:
+        return None
+    if claim.unit == 'pair':
+        found = [pairs for setting, _, pairs, _ in engine.deciding(claim, study, 'spec')
+                 if setting in settings and pairs]
+        judged = engine.judge(claim, found[0]) if found else None
+    else:
+        runs = [run for run in engine.uncontrolled(study.runs) if run.setting in settings]
+        view = engine.view_of(engine.own_lens(claim), claim.window, study.from_iter)
+        judged = engine.judge(claim, runs, view) if runs else None
+    if judged is None or not judged['n']:
+        return None
+    text = study.label[next(iter(settings))]
+    return {'text': text, 'verdict': judged['verdict'],
+            'values': np.array(judged['values'], float)}
+
+
+def kept(first, second):
+    if 'undecided' in (first, second):
+        return 'undecided'
+    return 'kept' if first == second else 'changed'
+
+
+def welch(values, others):
+    """The difference of two samples' means with its 95% Welch interval (none below two values
+    in a sample)."""
+    difference = float(values.mean() - others.mean())
+    if min(len(values), len(others)) < 2:
+        return difference, math.nan, math.nan
+    var, var_other = values.var(ddof=1) / len(values), others.var(ddof=1) / len(others)
+    error = math.sqrt(var + var_other)
+    spread = var ** 2 / (len(values) - 1) + var_other ** 2 / (len(others) - 1)
+    half = 0.0   # two samples without spread: their difference is exact
+    if spread > 0:
+        freedom = (var + var_other) ** 2 / spread   # Welch-Satterthwaite
+        half = stats.t_quantile(0.5 + stats.LEVEL / 2, freedom) * error
+    return difference, difference - half, difference + half
+
+
+def token_layers(study):
+    """(f2) per layer of each pretrained series: Spearman of tok_pr_qk with entropy across the
+    layer's heads at the last checkpoint (heads of one layer, one model)."""
+    rows = []
+    for series in study.series:
+        if not {'tok_pr_qk_heads', 'entropy_heads'} <= set(series.m):
+            continue
+        rank, entropy = (series.m[key][-1] for key in ('tok_pr_qk_heads', 'entropy_heads'))
+        for layer in range(series.n_layer):
+            rows.append({'model': series.name, 'step': int(series.iters[-1]), 'layer': layer,
+                         'heads': rank.shape[-1], 'f2 within the layer': stats.spearman(
+                             rank[layer], entropy[layer])})
+    return {'token_layers': rows}
+
+
+# The sections in the order REPORT.md lists their tables: fn(study) -> {table stem: rows}
+EXPLORATORY = (token_layers, what_sets_entropy, layer_effects, route_rows, layer_mediation,
+               self_match, across_texts)
