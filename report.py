@@ -19,21 +19,22 @@ FEW_SEEDS = 3           # below this in every setting, an interval over seeds is
 FEW_RECORDS = 5         # below this from warm-up on in every run (the smoke preset): no trajectory
 SECTIONS = {   # title: (what it says, why it can be empty); its tables follow, then its figures
     'Robustness map': (
-        'Each claim in every lens and window; in its own view with and without weight decay on '
-        'W_Q, W_K; (d), (e) per control_keep. -: the claim is not measured in that view.',
+        'Each claim in every lens and window; '
+        'in its own view with and without weight decay on W_Q, W_K; (d), (e) per control_keep. '
+        '-: the claim is not measured in that view.',
         'no claim could be measured in any view'),
     'Descriptive statistics': (
-        'Links across heads beside (c) (|scale: given log ||W_QK^h||_2); within runs over time, '
-        'where two trends correlate, linked or not.',
+        'Links across heads beside (c) (|scale: given log ||W_QK^h||_2); '
+        'within runs over time, where two trends correlate, linked or not.',
         'no descriptive statistic could be measured'),
     'Trajectories': ('', ''),
     'Control experiment': (
         'Final values, controlled - baseline (the none run of its other settings, seed).',
         'no controlled run has a control=none run with the same other settings and seed'),
     'Regime': (
-        'Each statistic per point (uncontrolled setting), all layers; trends along a setting, the '
-        'rest fixed: slope per doubling (per unit if a value is 0), lack of fit (p < 0.05: not a '
-        "line), Spearman's rho. Nothing is extrapolated.",
+        'Each statistic per point (uncontrolled setting), all layers; '
+        'trends along a setting, the rest fixed: slope per doubling (per unit if a value is 0), '
+        "lack of fit (p < 0.05: not a line), Spearman's rho. Nothing is extrapolated.",
         'the regime compares two or more uncontrolled settings'),
     'Queries, keys and the optimizer': (
         'D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is conserved under gradient flow (geometry.py); '
@@ -177,14 +178,17 @@ def write(study, tables, figure_notes, files):
 
 
 SPREAD_TEXT = (
-    "Outside the claims and Holm, over every run that logs logit_std (the std of a query's scaled "
-    'logits over its keys): at the final record across (layer, head) pairs; in the control per '
-    'seed pair (controlled - the none run of its seed), dH = b dm (model 1) and dH = b dm + c d '
-    'log PR_K (model 2) with no intercept, jackknife-t over seeds, uncentred R^2, and the share of '
-    "an arm's mean dH through the mediator m, b mean(dm) / mean(dH); \"effect\": the arm's dH "
-    'interval outside +/-0.02 nats. Only through the spread: c\'s interval holds 0, every arm with '
-    "an effect has a share interval holding 1, and model 1 has R^2 >= 0.8; refuted where c's "
-    "interval excludes 0 or an arm's share lies below 1.")
+    "Outside the claims and Holm, over every run that logs logit_std "
+    "(the std of a query's scaled logits over its keys): "
+    'at the final record across (layer, head) pairs; '
+    'in the control per seed pair (controlled - the none run of its seed), '
+    'dH = b dm (model 1) and dH = b dm + c d log PR_K (model 2) with no intercept, '
+    'jackknife-t over seeds, uncentred R^2, '
+    "and the share of an arm's mean dH through the mediator m, b mean(dm) / mean(dH); "
+    "\"effect\": the arm's dH interval outside +/-0.02 nats. "
+    "Only through the spread: c's interval holds 0, "
+    'every arm with an effect has a share interval holding 1, and model 1 has R^2 >= 0.8; '
+    "refuted where c's interval excludes 0 or an arm's share lies below 1.")
 
 
 def spread_lines(tables, files):
