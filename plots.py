@@ -399,22 +399,22 @@ FIGURES = [
     Figure('fig1_pr_over_training', pr_over_training, 'Trajectories',
            'PR_Q and PR_K over training per setting (seed mean, min-max band)'),
     Figure('fig2_pr_gap', pr_gap, 'Trajectories',
-           'PR_Q - PR_K per setting: the median over layers, the band from the lowest to the '
-           'highest layer (each layer a seed mean)'),
+           'PR_Q - PR_K per setting: the median over layers, '
+           'the band from the lowest to the highest layer (each layer a seed mean)'),
     Figure('fig3_entropy_and_pr', entropy_and_pr, 'Descriptive statistics',
-           'Attention entropy over training; PR_K and PR_QK against entropy; entropy against the '
-           'logit scale, coloured by PR_K'),
+           'Attention entropy over training; PR_K and PR_QK against entropy; '
+           'entropy against the logit scale, coloured by PR_K'),
     Figure('fig5_control', control_arms, 'Control experiment',
            'The controlled PR and the entropy over training per arm family (its baseline: none); '
-           'the dose response: controlled - baseline per seed pair, each arm\'s mean with its t '
-           'interval'),
+           'the dose response: controlled - baseline per seed pair, '
+           "each arm's mean with its t interval"),
     Figure('fig9_regime', regime_points, 'Regime',
            'Each statistic per regime point (all layers): estimate and 95% interval'),
     Figure('fig10_imbalance', imbalance, 'Queries, keys and the optimizer',
-           'The Q/K imbalance and its drift from the init over training (equal where D_h starts at '
-           '0); the per-head PR gap against the imbalance'),
+           'The Q/K imbalance and its drift from the init over training '
+           '(equal where D_h starts at 0); the per-head PR gap against the imbalance'),
     Figure('fig11_entropy_spread', entropy_spread, 'What sets entropy',
            'Entropy against the logit spread across heads, coloured by PR_K'),
     Figure('fig12_spread_pairs', spread_pairs, 'What sets entropy',
-           'The key control\'s entropy change against its logit_std change per seed pair'),
+           "The key control's entropy change against its logit_std change per seed pair"),
 ]
