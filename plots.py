@@ -120,8 +120,8 @@ def iteration_axis(axis, ylabel, title=''):
 
 def settings_of(study):
     """{setting name: its uncontrolled runs with geometry records}, in setting_names' order."""
-    groups = group([run for run in study.runs if run.control == 'none' and len(run.iters)],
-                   lambda run: run.setting)
+    uncontrolled = [run for run in study.runs if run.control == 'none' and len(run.iters)]
+    groups = group(uncontrolled, lambda run: run.setting)
     if not groups:
         raise Skip('no uncontrolled runs with geometry records')
     names = setting_names(study)[0]
@@ -149,8 +149,8 @@ def band(axis, iterations, values, centre=stats.nanmean, alpha=0.15, **line):
     logged = np.isfinite(values).any(0)
     iterations, values = iterations[logged], values[:, logged]
     axis.plot(iterations, centre(values, 0), **line)
-    axis.fill_between(iterations, np.nanmin(values, 0), np.nanmax(values, 0), color=line['color'],
-                      alpha=alpha, lw=0)
+    low, high = np.nanmin(values, 0), np.nanmax(values, 0)
+    axis.fill_between(iterations, low, high, color=line['color'], alpha=alpha, lw=0)
 
 
 def coloured(figure, axis, x_values, y_values, colours, label, **dots):
@@ -274,8 +274,8 @@ def control_arms(study, tables):
         iteration_axis(pr_axis, f'{target} (layer mean)', plain(f'{family}: {target}', 48))
         iteration_axis(entropy_axis, 'attention entropy (nats, layer mean)',
                        plain(f'{family}: entropy', 48))
-        dose_axis.legend(*pr_axis.get_legend_handles_labels(), fontsize=7, loc='upper left',
-                         bbox_to_anchor=(1.02, 1))
+        handles, labels = pr_axis.get_legend_handles_labels()
+        dose_axis.legend(handles, labels, fontsize=7, loc='upper left', bbox_to_anchor=(1.02, 1))
     return figure
 
 
@@ -302,8 +302,8 @@ def by_axis(study, points):
 def regime_points(study, tables):
     """Each trended statistic per regime point, the points grouped by_axis; four to a figure."""
     keys = [key for key, stat in study.stats.items() if trended(stat)]
-    rows = group([row for row in tables['regime'] if row['statistic'] in keys and row['n']],
-                 lambda row: row['statistic'])
+    measured = [row for row in tables['regime'] if row['statistic'] in keys and row['n']]
+    rows = group(measured, lambda row: row['statistic'])
     if not rows:
         raise Skip('the regime compares two or more uncontrolled settings')
     names = {study.label[setting]: name for setting, name in setting_names(study)[0].items()}

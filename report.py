@@ -105,8 +105,8 @@ def map_text(stat, cell):
 
 def map_tables(cells, registry):
     """robustness_map (claims), descriptive: .csv a row per cell; .md a statistic by view."""
-    views = list(dict.fromkeys(f"{cell['lens']}, {cell['window']}" for cell in cells
-                               if cell['decay'] == 'pooled'))
+    pooled = [cell for cell in cells if cell['decay'] == 'pooled']
+    views = list(dict.fromkeys(f"{cell['lens']}, {cell['window']}" for cell in pooled))
     views += ['decay on W_Q, W_K', 'no decay on W_Q, W_K', 'keep=spec', 'keep=fro']
     written = {}
     for stem, claims in (('robustness_map', True), ('descriptive', False)):
@@ -121,8 +121,8 @@ def map_tables(cells, registry):
         if selected:
             used = [view for view in views if any(view in row for row in pivot.values())]
             written[f'{stem}.csv'] = folders.table(stem, selected, MAP_COLUMNS)[f'{stem}.csv']
-            written[f'{stem}.md'] = folders.markdown(list(pivot.values()), ['statistic', *used],
-                                                     missing='-')
+            pivoted = list(pivot.values())
+            written[f'{stem}.md'] = folders.markdown(pivoted, ['statistic', *used], missing='-')
     return written
 
 
@@ -307,8 +307,8 @@ def confounds(study):
         notes.append(f'weight decay {weight} {where}: it shrinks both spectra.' if on_qk and weight
                      else f'no weight decay {where}.')
     base = [run for run in study.runs if run.control == 'none']
-    starts = folders.group([run for run in base if len(run.iters) and run.iters[0] == 0],
-                           lambda run: run.cfg['qk_init'])
+    from_zero = [run for run in base if len(run.iters) and run.iters[0] == 0]
+    starts = folders.group(from_zero, lambda run: run.cfg['qk_init'])
     if starts:
         ratios = []
         for init, runs in starts.items():
@@ -318,8 +318,8 @@ def confounds(study):
                      f"so early training lowers every PR; at iteration 0 {'; '.join(ratios)}.")
     notes.append('learning rate, warm-up and length set how fast both PRs move '
                  '(their values: Settings).')
-    near = [run.m['entropy_norm'][run.iters >= run.cfg['warmup_iters']].mean(1) for run in base
-            if 'entropy_norm' in run.m]
+    logged = [run for run in base if 'entropy_norm' in run.m]
+    near = [run.m['entropy_norm'][run.iters >= run.cfg['warmup_iters']].mean(1) for run in logged]
     if near:
         uniform = sum(int((means >= NEAR_UNIFORM).sum()) for means in near)
         notes.append(f'{uniform} of the {sum(map(len, near))} records from warm-up on have '
