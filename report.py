@@ -1,8 +1,8 @@
 """
 What the analysis writes (publish): the figures, every table as .csv and .md, and REPORT.md: each
 claim's rule from its row (rule), the map pivoted from its cells (map_tables), then SECTIONS in
-order, placed by a statistic's `tables` and a figure's section (plots.FIGURES). Nothing here names a
-statistic.
+order, placed by a statistic's `tables` and a figure's section (plots.FIGURES). Nothing here names
+a statistic.
 """
 import time
 from collections import Counter
@@ -19,23 +19,33 @@ UNITS = {'seed': 'seeds (runs)', 'pair': 'seed pairs (controlled - baseline)', '
 NEAR_UNIFORM = 0.98     # a layer-mean entropy_norm this high or more: near-uniform attention
 FEW_SEEDS = 3           # below this in every setting, an interval over seeds is absent or too wide
 FEW_RECORDS = 5         # below this from warm-up on in every run (the smoke preset): no trajectory
+MAP_COLUMNS = ['key', 'lens', 'window', 'decay', 'keep', 'setting', 'n', 'est', 'lo', 'hi',
+               'verdict', 'why']
+TREND_COLUMNS = ('axis', 'line', 'statistic', 'points', 'n', 'reading', 'verdicts')
+KEEP_ARMS = ('; on the control_keep=spec arm '
+             '(the top singular value kept: the shape changes, the logits are not pushed up), '
+             'the fro arm beside with its qk_spec_norm change')
+SETTINGS_TEXT = ('Seeds of one setting share every config.json key but '
+                 f'{", ".join(folders.BOOKKEEPING)} '
+                 '(and the control keys their control kind ignores).')
 SECTIONS = {   # title: (what it says, why it can be empty); its tables follow, then its figures
     'Robustness map': (
-        'Each claim in every lens and window; in its own view with and without weight decay on '
-        'W_Q, W_K; (d), (e) per control_keep. -: the claim is not measured in that view.',
+        'Each claim in every lens and window; '
+        'in its own view with and without weight decay on W_Q, W_K; (d), (e) per control_keep. '
+        '-: the claim is not measured in that view.',
         'no claim could be measured in any view'),
     'Descriptive statistics': (
-        'Links across heads beside (c) (|scale: given log ||W_QK^h||_2); within runs over time, '
-        'where two trends correlate, linked or not.',
+        'Links across heads beside (c) (|scale: given log ||W_QK^h||_2); '
+        'within runs over time, where two trends correlate, linked or not.',
         'no descriptive statistic could be measured'),
     'Trajectories': ('', ''),
     'Control experiment': (
         'Final values, controlled - baseline (the none run of its other settings, seed).',
         'no controlled run has a control=none run with the same other settings and seed'),
     'Regime': (
-        'Each statistic per point (uncontrolled setting), all layers; trends along a setting, the '
-        'rest fixed: slope per doubling (per unit if a value is 0), lack of fit (p < 0.05: not a '
-        "line), Spearman's rho. Nothing is extrapolated.",
+        'Each statistic per point (uncontrolled setting), all layers; '
+        'trends along a setting, the rest fixed: slope per doubling (per unit if a value is 0), '
+        "lack of fit (p < 0.05: not a line), Spearman's rho. Nothing is extrapolated.",
         'the regime compares two or more uncontrolled settings'),
     'Queries, keys and the optimizer': (
         'D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T is conserved under gradient flow (geometry.py); '
@@ -46,25 +56,24 @@ SECTIONS = {   # title: (what it says, why it can be empty); its tables follow, 
 }
 
 
-def rule(claim, refs):
-    """A claim's rule from its row, in its value's units (refs: each window's references)."""
-    level, side = f'{stats.LEVEL:.0%}', ('above', 'below')[::claim.sign]
+def rule(claim, references):
+    """A claim's rule from its row, in its value's units (references: each window's)."""
+    level = f'{stats.LEVEL:.0%}'
     if claim.unit == 'trajectory':
-        return (f"`{claim.key}`: per trajectory (one layer of one run), {claim.stat}; references: "
-                f"{', '.join(refs[claim.window])}. The share of each seed's trajectories, its "
-                f'{level} interval over seeds (stats.share): holds if it lies above {claim.ref:g}, '
+        return (f"`{claim.key}`: per trajectory (one layer of one run), {claim.stat}; "
+                f"references: {', '.join(references[claim.window])}. "
+                f"The share of each seed's trajectories, its {level} interval over seeds "
+                f"(stats.share): holds if it lies above {claim.ref:g}, "
                 "reversed if the mirror's does, fails if both lie below, else undecided")
     # ref and margin are in the units of the value shown (a log claim: a ratio)
-    ref, low, high = claim.ref, claim.ref - claim.margin, claim.ref + claim.margin
-    where = f' (from {refs[claim.window][0]} on)' if claim.unit == 'seed' else ''
-    arm = ''
-    if claim.unit == 'pair':
-        arm = ('; on the control_keep=spec arm (the top singular value kept: the shape changes, '
-               'the logits are not pushed up), the fro arm beside with its qk_spec_norm change')
-    return (f"`{claim.key}`: per {claim.unit.replace('pair', 'seed pair')}, {claim.stat}{where}; "
-            f'the {level} Student-t interval over {UNITS[claim.unit]}: no effect if inside '
-            f'[{low:g}, {high:g}], holds if it lies {side[0]} {ref:g}, reversed if {side[1]}, '
-            f'else undecided{arm}')
+    low, high = claim.ref - claim.margin, claim.ref + claim.margin
+    side = ('above', 'below')[::claim.sign]
+    where = f' (from {references[claim.window][0]} on)' if claim.unit == 'seed' else ''
+    unit = claim.unit.replace('pair', 'seed pair')
+    return (f'`{claim.key}`: per {unit}, {claim.stat}{where}; '
+            f'the {level} Student-t interval over {UNITS[claim.unit]}: '
+            f'no effect if inside [{low:g}, {high:g}], holds if it lies {side[0]} {claim.ref:g}, '
+            f'reversed if {side[1]}, else undecided' + (KEEP_ARMS if claim.unit == 'pair' else ''))
 
 
 def map_column(cell):
@@ -86,96 +95,74 @@ def map_text(stat, cell):
 
 def map_tables(cells, registry):
     """robustness_map (claims), descriptive: .csv a row per cell; .md a statistic by view."""
-    out = {}
-    pooled = [c for c in cells if c['decay'] == 'pooled']
-    views = list(dict.fromkeys(f"{c['lens']}, {c['window']}" for c in pooled))
+    pooled = [cell for cell in cells if cell['decay'] == 'pooled']
+    views = list(dict.fromkeys(f"{cell['lens']}, {cell['window']}" for cell in pooled))
     views += ['decay on W_Q, W_K', 'no decay on W_Q, W_K', 'keep=spec', 'keep=fro']
-    keys = ['key', 'lens', 'window', 'decay', 'keep', 'setting', 'n', 'est', 'lo', 'hi', 'verdict',
-            'why']
+    written = {}
     for stem, claims in (('robustness_map', True), ('descriptive', False)):
-        mine, pivot = [c for c in cells if hasattr(registry[c['key']], 'sign') == claims], {}
-        if not mine:
-            continue
-        for c in mine:
-            s = registry[c['key']]
-            name = getattr(s, 'text', '') or f"{c['key']}: {s.stat}"
-            row = pivot.setdefault(c['key'], {'statistic': name})
-            column, text = map_column(c), map_text(s, c)
+        selected = [cell for cell in cells if hasattr(registry[cell['key']], 'sign') == claims]
+        pivot = {}
+        for cell in selected:
+            stat = registry[cell['key']]
+            name = getattr(stat, 'text', '') or f"{cell['key']}: {stat.stat}"
+            row = pivot.setdefault(cell['key'], {'statistic': name})
+            column, text = map_column(cell), map_text(stat, cell)
             row[column] = f'{row[column]}; {text}' if column in row else text
-        used = ['statistic'] + [v for v in views if any(v in row for row in pivot.values())]
-        out[f'{stem}.csv'] = folders.table(stem, mine, keys)[f'{stem}.csv']
-        out[f'{stem}.md'] = folders.markdown(list(pivot.values()), used, missing='-')
-    return out
+        if selected:
+            used = [view for view in views if any(view in row for row in pivot.values())]
+            written[f'{stem}.csv'] = folders.table(stem, selected, MAP_COLUMNS)[f'{stem}.csv']
+            pivoted = list(pivot.values())
+            written[f'{stem}.md'] = folders.markdown(pivoted, ['statistic', *used], missing='-')
+    return written
 
 
 def caveat(study):
     """A line for the top of the report when its verdicts rest on too little to mean much."""
     if not study.runs:   # a pretrained series alone: its claims say their n
         return []
-    seeds = folders.group(study.runs, lambda r: r.setting).values()
-    most_seeds = max(len({r.seed for r in runs}) for runs in seeds)
-    most_records = max(int((r.iters >= r.cfg['warmup_iters']).sum()) for r in study.runs)
-    why = []
-    if most_seeds < FEW_SEEDS:
-        why.append(f"n = {most_seeds} seed{'s' if most_seeds > 1 else ''} per setting")
-    if most_records < FEW_RECORDS:
-        why.append(f'at most {most_records} geometry records a run from the end of warm-up on')
-    return [f"**These verdicts rest on {' and '.join(why)}: they mean little.**", ''] if why else []
+    settings = folders.group(study.runs, lambda run: run.setting).values()
+    seeds = max(len({run.seed for run in runs}) for runs in settings)
+    records = max(int((run.iters >= run.cfg['warmup_iters']).sum()) for run in study.runs)
+    causes = []
+    if seeds < FEW_SEEDS:
+        causes.append(f"n = {seeds} seed{'s' if seeds > 1 else ''} per setting")
+    if records < FEW_RECORDS:
+        causes.append(f'at most {records} geometry records a run from the end of warm-up on')
+    if not causes:
+        return []
+    return [f"**These verdicts rest on {' and '.join(causes)}: they mean little.**", '']
 
 
 def outside_family(rows, family):
     """The line naming the claims judged outside the pre-registered family, if any."""
-    keys = list(dict.fromkeys(r['key'] for r in rows if r['key'] not in family))
+    keys = list(dict.fromkeys(row['key'] for row in rows if row['key'] not in family))
     if not keys:
         return []
-    return ['', f"Outside the pre-registered family, so not in Holm (Holm reads '-'): "
+    return ['', "Outside the pre-registered family, so not in Holm (Holm reads '-'): "
                 f"{', '.join(keys)}. They are reported as judged alone."]
 
 
 def publish(study, figures, log):
-    """Draw the figures (unless not figures) and write them, every table and REPORT.md into
-    study.out."""
+    """Draw the figures (if figures) and write them, every table and REPORT.md into study.out."""
     drawn = plots.draw(study, study.tables, log) if figures else {'files': {}, 'notes': []}
     files = {**drawn['files'], **map_tables(study.tables['cells'], study.stats)}
     for stem in sorted(set(study.tables) - {'cells'}):
         files.update(folders.table(stem, study.tables[stem]))
-    files['REPORT.md'] = write(study, study.tables, drawn['notes'], files)
+    files['REPORT.md'] = write(study, drawn['notes'], dict(sorted(files.items())))
     study.files = folders.write_files(study.out, files)
 
 
-def write(study, tables, figure_notes, files):
+def write(study, figure_notes, files):
     """REPORT.md: the claims with their rules, then SECTIONS, settings, confounds and warnings."""
-    files = {n: files[n] for n in sorted(files)}
-    rows = [{'claim': r['claim'], 'in': r['scope'], 'value': r['value'], 'verdict': r['verdict'],
-             'Holm': r.get('holm', '-'), 'beside': r['beside']} for r in tables['claims']]
-    first = tables['settings'][0] if tables['settings'] else {}
-    keys = [k for k in first if k not in ('setting', 'runs', 'seeds')]
-    differ = f' that differ in {", ".join(keys)}' if keys else ''
-    judged = sum('holm' in r for r in tables['claims'])
-    lines = ['# qkgeom: claims report', '',
-             f'Generated by `python analyze.py {" ".join(study.paths)}` on '
-             f'{time.strftime("%Y-%m-%d %H:%M")}: {len(study.runs)} runs used, '
-             f'{len(study.skipped)} skipped, in {len(study.label)} settings{differ}. Every value '
-             'and verdict is computed from the run folders by the rules printed here.', '']
-    lines += caveat(study)
-    lines += ['## Claims', '',
-              "The paper's claims, fixed before the runs, each a test at 95%. Holm: the verdict "
-              f"after Holm's step-down adjustment over the {judged} rows judged (family-wise 5%; a "
-              'verdict it does not keep reads undecided). Every other table here is exploratory.',
-              *outside_family(tables['claims'], study.family), '',
-              folders.markdown(rows, list(rows[0]) if rows else ['claim']), '### Rules', '']
-    in_table = {r['key'] for r in tables['claims']}
-    lines += [f'- {rule(c, study.references)}.' for c in study.claims if c.key in in_table]
-    lines += ['']
-    lines += sections(study, tables, study.stats, files, figure_notes)
-    lines += ['## Settings', '', 'Seeds of one setting share every config.json key but '
-              f'{", ".join(folders.BOOKKEEPING)} (and the control keys their control kind '
-              'ignores).', '',
-              folders.markdown(tables['settings']), '## Notes: known confounds', '']
-    lines += [f'- {n}' for n in confounds(study)] + ['', '## Skipped runs and warnings', '']
-    lines += [f'- {w}' for w in study.warnings] or ['- none']
-    lines += ['', '## Files', ''] + [f'- [{n}]({n})' for n in files if n.endswith('.md')]
-    return '\n'.join(lines + [f'- figure skipped: {n}' for n in figure_notes]) + '\n'
+    lines = ['# qkgeom: claims report', '', generated(study), '', *caveat(study)]
+    lines += claims_lines(study) + sections(study, files, figure_notes)
+    lines += ['## Settings', '', SETTINGS_TEXT, '', folders.markdown(study.tables['settings'])]
+    lines += ['## Notes: known confounds', ''] + [f'- {note}' for note in confounds(study)]
+    lines += ['', '## Skipped runs and warnings', '']
+    lines += [f'- {warning}' for warning in study.warnings] or ['- none']
+    markdown_files = [name for name in files if name.endswith('.md')]
+    lines += ['', '## Files', ''] + [f'- [{name}]({name})' for name in markdown_files]
+    return '\n'.join(lines + [f'- figure skipped: {note}' for note in figure_notes]) + '\n'
 
 
 SPREAD_TEXT = [
@@ -210,18 +197,17 @@ def spread_lines(tables, files):
     text = ' '.join(SPREAD_TEXT).format(logs=FINAL_LOGS, margin=exploratory.NO_EFFECT,
                                         r2=exploratory.ONLY_SPREAD_R2)
     lines = ['## What sets entropy (exploratory, outside Holm)', '', text, '']
-    fit = next((f for f in tables.get('entropy_mediation', ()) if f['only through the spread']),
-               None)
-    if fit:
-        lines += [f"The key spectrum acts only through the logits' spread: "
-                  f"{fit['only through the spread']}.", '']
+    fits = [fit for fit in tables.get('entropy_mediation', ()) if fit['only through the spread']]
+    if fits:
+        lines += ["The key spectrum acts only through the logits' spread: "
+                  f"{fits[0]['only through the spread']}.", '']
     predictors = tables.get('entropy_predictors', ())
     scored = [row for row in predictors if np.isfinite(row['R2_held_out'])]
-    best = max(scored, key=lambda row: row['R2_held_out'], default=None)
-    if best:
+    if scored:
+        best = max(scored, key=lambda row: row['R2_held_out'])
+        held_out = f"{best['R2_held_out']:.3g} ({best['lowest']:.3g} to {best['highest']:.3g})"
         lines += [f"Best predictor of entropy across heads (held-out seeds): {best['predictor']}, "
-                  f"R^2 {best['R2_held_out']:.3g} ({best['lowest']:.3g} to {best['highest']:.3g}).",
-                  '']
+                  f'R^2 {held_out}.', '']
     for stem in ('entropy_heads', 'entropy_predictors', 'entropy_mediation', 'entropy_slopes',
                  'entropy_share'):
         if f'{stem}.md' in files:
@@ -232,44 +218,75 @@ def spread_lines(tables, files):
     return lines + figures('What sets entropy', files)
 
 
-def sections(study, tables, registry, files, figure_notes):
+def generated(study):
+    """The line under the title: the command, its date and what it read."""
+    first = study.tables['settings'][0] if study.tables['settings'] else {}
+    varied = [key for key in first if key not in ('setting', 'runs', 'seeds')]
+    differ = f' that differ in {", ".join(varied)}' if varied else ''
+    return (f'Generated by `python analyze.py {" ".join(study.paths)}` '
+            f'on {time.strftime("%Y-%m-%d %H:%M")}: {len(study.runs)} runs used, '
+            f'{len(study.skipped)} skipped, in {len(study.label)} settings{differ}. '
+            'Every value and verdict is computed from the run folders by the rules printed here.')
+
+
+def claims_lines(study):
+    """The claims table, what its verdicts mean, and each claim's rule."""
+    claims = study.tables['claims']
+    rows = [{'claim': row['claim'], 'in': row['scope'], 'value': row['value'],
+             'verdict': row['verdict'], 'Holm': row.get('holm', '-'), 'beside': row['beside']}
+            for row in claims]
+    judged = sum('holm' in row for row in claims)
+    lines = ['## Claims', '',
+             "The paper's claims, fixed before the runs, each a test at 95%. "
+             f"Holm: the verdict after Holm's step-down adjustment over the {judged} rows judged "
+             '(family-wise 5%; a verdict it does not keep reads undecided). '
+             'Every other table here is exploratory.',
+             *outside_family(claims, study.family), '',
+             folders.markdown(rows, list(rows[0]) if rows else ['claim']), '### Rules', '']
+    in_table = {row['key'] for row in claims}
+    rules = [rule(claim, study.references) for claim in study.claims if claim.key in in_table]
+    return lines + [f'- {text}.' for text in rules] + ['']
+
+
+def sections(study, files, figure_notes):
     """SECTIONS in order: each one's text, tables and figures, or why it has none."""
-    optimizer = [s.key for s in registry.values() if 'optimizer' in s.tables]
+    tables, registry = study.tables, study.stats
+    optimizer = [stat.key for stat in registry.values() if 'optimizer' in stat.tables]
     described = '[descriptive.md](descriptive.md)' if 'descriptive.md' in files else ''
     bodies = {'Robustness map': [files.get('robustness_map.md', '')],
               'Descriptive statistics': [described], 'Trajectories': [],
               'Control experiment': control_lines(tables), 'Regime': regime_lines(tables, registry),
               'Queries, keys and the optimizer': [by_point(tables, optimizer)],
               'Token level': token_lines(tables)}
-    drawn = bool(figure_notes) or any(n.endswith('.png') for n in files)
+    drawn = bool(figure_notes) or any(name.endswith('.png') for name in files)
     lines = []
     for title, (text, empty) in SECTIONS.items():
-        body = [x for x in bodies[title] if x] + figures(title, files)
+        body = [part for part in bodies[title] if part] + figures(title, files)
         if not body:
             body = [nothing_shown(title, empty, drawn, figure_notes)]
         elif text:
             body = [text, ''] + body
         lines += [f'## {title} (exploratory)', ''] + body + ['']
-    lines += spread_lines(tables, files)
-    return lines
+    return lines + spread_lines(tables, files)
 
 
 def nothing_shown(title, empty, drawn, figure_notes):
     """Why a section is empty: its own reason, else its figures' (not drawn, or skipped and why)."""
-    stems = [f.stem for f in plots.FIGURES if f.section == title]
-    why = [note for note in figure_notes if note.split(':')[0] in stems]
+    stems = [plot.stem for plot in plots.FIGURES if plot.section == title]
+    reasons = [note for note in figure_notes if note.split(':')[0] in stems]
     if stems and not drawn:
-        why = ['figures not drawn (--no_figures)']
-    return f"Nothing to show: {empty or '; '.join(why) or 'nothing was measured'}."
+        reasons = ['figures not drawn (--no_figures)']
+    return f"Nothing to show: {empty or '; '.join(reasons) or 'nothing was measured'}."
 
 
 def figures(section, names):
     """The figures of a section (plots.FIGURES), in their order, with their titles."""
-    out = []
-    for f in (f for f in plots.FIGURES if f.section == section):
-        found = {n for n in names if n.startswith(f.stem) and n.endswith('.png')}
-        out += [f'![{f.title}]({n})' for n in sorted(found, key=lambda n: (len(n), n))]
-    return out + [''] if out else []
+    shown_here = []
+    for plot in (plot for plot in plots.FIGURES if plot.section == section):
+        images = [name for name in names if name.startswith(plot.stem) and name.endswith('.png')]
+        for image in sorted(images, key=lambda name: (len(name), name)):   # fig9 before fig9_2
+            shown_here.append(f'![{plot.title}]({image})')
+    return shown_here + [''] if shown_here else []
 
 
 def control_lines(tables):
@@ -277,73 +294,79 @@ def control_lines(tables):
         return []
     lines = [folders.markdown(tables['control_dose'])]
     if tables['control_dose_fit']:
-        lines += ['Dose response over the doses x seeds of an arm family: the entropy change on '
-                  'the per-head PR change (slope), and on it with the change in log qk_spec_norm; '
-                  'jackknife-t over seeds.', '', folders.markdown(tables['control_dose_fit'])]
+        lines += ['Dose response over the doses x seeds of an arm family: '
+                  'the entropy change on the per-head PR change (slope), '
+                  'and on it with the change in log qk_spec_norm; jackknife-t over seeds.', '',
+                  folders.markdown(tables['control_dose_fit'])]
     return lines
 
 
 def by_point(tables, keep=None):
     """The regime rows: a row per statistic (those in keep), a column per point."""
-    rows = [r for r in tables['regime'] if keep is None or r['statistic'] in keep]
-    points = list(dict.fromkeys(r['point'] for r in rows))
-    measured = {r['statistic'] for r in rows if r['n']}
+    rows = [row for row in tables['regime'] if keep is None or row['statistic'] in keep]
+    points = list(dict.fromkeys(row['point'] for row in rows))
+    measured = {row['statistic'] for row in rows if row['n']}
     pivot = {}
-    for r in (r for r in rows if r['statistic'] in measured):
-        cell = f"{r['value']} {r['verdict']}" if r['verdict'] and r['n'] else r['value']
-        pivot.setdefault(r['statistic'], {'statistic': r['statistic']})[r['point']] = cell
+    for row in (row for row in rows if row['statistic'] in measured):
+        cell = f"{row['value']} {row['verdict']}" if row['verdict'] and row['n'] else row['value']
+        pivot.setdefault(row['statistic'], {'statistic': row['statistic']})[row['point']] = cell
     if not pivot:
         return ''
-    order = [pivot[k] for k in (keep or pivot) if k in pivot]
-    return folders.markdown(order, ['statistic'] + points)
+    ordered = [pivot[key] for key in (keep or pivot) if key in pivot]
+    return folders.markdown(ordered, ['statistic'] + points)
 
 
 def regime_lines(tables, registry):
     if not tables['regime']:
         return []
     trends = []
-    for r in (r for r in tables['regime_trend'] if plots.trended(registry[r['statistic']])):
-        row = {k: r[k] for k in ('axis', 'line', 'statistic', 'points', 'n', 'reading', 'verdicts')}
-        row['slope'] = interval_text(r['slope'], r['lo'], r['hi'])
-        row['Spearman'] = interval_text(r['rho'], r['rho_lo'], r['rho_hi'])
-        trends.append(row)
+    for row in tables['regime_trend']:
+        if plots.trended(registry[row['statistic']]):
+            trends.append({**{key: row[key] for key in TREND_COLUMNS},
+                           'slope': interval_text(row['slope'], row['lo'], row['hi']),
+                           'Spearman': interval_text(row['rho'], row['rho_lo'], row['rho_hi'])})
     table = folders.markdown(trends) if trends else 'No numeric setting with two points on a line.'
     return [by_point(tables), '### Trends', '', table]
 
 
 def token_lines(tables):
     lines = []
-    for source, rows in folders.group(tables['token_series'], lambda r: r['source']).items():
-        columns = [k for k in rows[0] if k != 'source']
+    for source, rows in folders.group(tables['token_series'], lambda row: row['source']).items():
+        columns = [key for key in rows[0] if key != 'source']
         lines += [f'### {source}', '', folders.markdown(rows, columns)]
     if tables['token_layers']:
-        lines += ['(f2) within each layer of a pretrained series, across its heads at the last '
-                  'checkpoint:', '', folders.markdown(tables['token_layers'])]
+        lines += ['(f2) within each layer of a pretrained series, '
+                  'across its heads at the last checkpoint:', '',
+                  folders.markdown(tables['token_layers'])]
     return lines
 
 
 def confounds(study):
     """Weight decay on W_Q, W_K; the init's PR near C/2; lr and length; near-uniform records."""
-    base = [r for r in study.runs if r.control == 'none']
-    decay = sorted(Counter((r.cfg['weight_decay'], r.cfg['decay_qk']) for r in study.runs).items())
     notes = []
-    for (weight, on_qk), n in decay:
-        notes.append(f'weight decay {weight} on W_Q, W_K in {n} run(s): it shrinks both spectra.'
-                     if on_qk and weight else f'no weight decay on W_Q, W_K in {n} run(s).')
-    start = folders.group([r for r in base if len(r.iters) and r.iters[0] == 0],
-                          lambda r: r.cfg['qk_init'])
-    ratio = '; '.join(f"{init}: PR_Q/C = {np.mean([r.m['pr_q'][0].mean() / r.C for r in runs]):.2f}"
-                      for init, runs in start.items())
-    if start:
-        notes.append('a random (C, C) matrix starts near PR = C/2 (an orthogonal one at C), so '
-                     f'early training lowers every PR; at iteration 0 {ratio}.')
-    notes.append('learning rate, warm-up and length set how fast both PRs move (their values: '
-                 'Settings).')
-    near = [r.m['entropy_norm'][r.iters >= r.cfg['warmup_iters']].mean(1) for r in base
-            if 'entropy_norm' in r.m]
+    decay = Counter((run.cfg['weight_decay'], run.cfg['decay_qk']) for run in study.runs)
+    for (weight, on_qk), count in sorted(decay.items()):
+        where = f'on W_Q, W_K in {count} run(s)'
+        notes.append(f'weight decay {weight} {where}: it shrinks both spectra.' if on_qk and weight
+                     else f'no weight decay {where}.')
+    base = [run for run in study.runs if run.control == 'none']
+    from_zero = [run for run in base if len(run.iters) and run.iters[0] == 0]
+    starts = folders.group(from_zero, lambda run: run.cfg['qk_init'])
+    if starts:
+        ratios = []
+        for init, runs in starts.items():
+            ratio = np.mean([run.m['pr_q'][0].mean() / run.C for run in runs])
+            ratios.append(f'{init}: PR_Q/C = {ratio:.2f}')
+        notes.append('a random (C, C) matrix starts near PR = C/2 (an orthogonal one at C), '
+                     f"so early training lowers every PR; at iteration 0 {'; '.join(ratios)}.")
+    notes.append('learning rate, warm-up and length set how fast both PRs move '
+                 '(their values: Settings).')
+    logged = [run for run in base if 'entropy_norm' in run.m]
+    near = [run.m['entropy_norm'][run.iters >= run.cfg['warmup_iters']].mean(1) for run in logged]
     if near:
-        count = sum(int((v >= NEAR_UNIFORM).sum()) for v in near)
-        notes.append(f'{count} of the {sum(map(len, near))} records from warm-up on have '
-                     f'near-uniform attention (layer-mean entropy_norm >= {NEAR_UNIFORM}): entropy '
-                     'differs across heads there by round-off.')
+        uniform = sum(int((means >= NEAR_UNIFORM).sum()) for means in near)
+        notes.append(f'{uniform} of the {sum(map(len, near))} records from warm-up on have '
+                     f'near-uniform attention (layer-mean entropy_norm >= {NEAR_UNIFORM}): '
+                     'entropy differs across heads there by round-off.')
     return notes
+
