@@ -438,7 +438,8 @@ def text_claim(study, key, settings):
         judged = engine.judge(claim, runs, view) if runs else None
     if judged is None or not judged['n']:
         return None
-    text = study.label[next(iter(settings))]
+    plain = [run.setting for run in engine.uncontrolled(study.runs) if run.setting in settings]
+    text = study.label[plain[0] if plain else next(iter(settings))]   # its none runs' setting
     return {'text': text, 'verdict': judged['verdict'],
             'values': np.array(judged['values'], float)}
 

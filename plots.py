@@ -18,6 +18,7 @@ from matplotlib.figure import Figure as Canvas
 from matplotlib.lines import Line2D
 
 import control
+import exploratory
 from plumbing import stats
 from plumbing.engine import families, stack, varying
 from plumbing.folders import Skip, group
@@ -378,22 +379,56 @@ def entropy_spread(study, tables):
 
 
 def spread_pairs(study, tables):
-    """The key control's seed pairs, dH against d log logit_std, by arm."""
+    """The key control's (seed pair, layer) units, dH against d log logit_std: a panel a layer,
+    a colour an arm (the same in every panel)."""
     if not spread_runs(study):
         return []
-    arms = group(tables.get('entropy_pairs', []), lambda row: row['arm'])
-    if not arms:
+    units = tables.get('entropy_pairs', [])
+    if not units:
         raise Skip('no controlled run that logs logit_std has a baseline of the same seed')
-    figure, (axis,) = panels(1, 6, 4.5)
-    for style, arm, rows in styled(arms):
-        axis.scatter([row['d log logit_std'] for row in rows], [row['dH'] for row in rows], s=16,
-                     color=style.color, marker=style.marker,
-                     label=plain(f'{arm} ({len(rows)})', 30))
+    arm_styles = {arm: style for style, arm, _ in styled(group(units, lambda row: row['arm']))}
+    layers = group(units, lambda row: row['layer'])
+    figure, axes = panels(len(layers), 3.6, 3.2)
+    for axis, (layer, rows) in zip(axes, layers.items()):
+        for arm, arm_rows in group(rows, lambda row: row['arm']).items():
+            style = arm_styles[arm]
+            axis.scatter([row['d log logit_std'] for row in arm_rows],
+                         [row['dH'] for row in arm_rows], s=16, color=style.color,
+                         marker=style.marker)
+        axis.axhline(0, color='k', lw=0.8)
+        axis.axvline(0, color='k', lw=0.8)
+        axis.set(xlabel='change in log logit_std', ylabel='change in entropy',
+                 title=f'layer {layer}, a dot per seed pair')
+    handles = [Line2D([], [], ls='', color=style.color, marker=style.marker)
+               for style in arm_styles.values()]
+    legend(figure, handles, [plain(arm, 30) for arm in arm_styles])
+    return figure
+
+
+def layer_control(study, tables):
+    """Each layer-targeted arm's dH in every layer with its interval, the controlled layer filled,
+    the no-effect band shaded."""
+    rows = tables.get('entropy_layers', [])
+    if not rows:
+        return []
+    arms = group(rows, lambda row: f"{row['setting']}: {row['arm']}")
+    figure, (axis,) = panels(1, 6.5, 4)
+    step = 0.7 / len(arms)
+    for index, (style, arm, arm_rows) in enumerate(styled(arms)):
+        for row in arm_rows:
+            where = row['layer'] + (index - (len(arms) - 1) / 2) * step
+            error = [[row['dH'] - row['lo']], [row['hi'] - row['dH']]]
+            filled = style.color if row['controlled'] else 'white'
+            axis.errorbar(where, row['dH'], yerr=error if np.isfinite(error).all() else None,
+                          color=style.color, marker=style.marker, markerfacecolor=filled, lw=1)
+    axis.axhspan(-exploratory.NO_EFFECT, exploratory.NO_EFFECT, color='0.9', zorder=0)
     axis.axhline(0, color='k', lw=0.8)
-    axis.axvline(0, color='k', lw=0.8)
-    axis.set(xlabel='change in log logit_std (head mean)', ylabel='change in entropy (head mean)',
-             title='key control, a dot per seed pair')
-    legend(figure, *axis.get_legend_handles_labels())
+    axis.set_xticks(sorted({row['layer'] for row in rows}))
+    axis.set(xlabel='layer', ylabel='change in entropy, controlled - none (nats)',
+             title='each point the mean over its seed pairs')
+    handles = [Line2D([], [], color=style.color, marker=style.marker, markerfacecolor=style.color)
+               for style, _, _ in styled(arms)]
+    legend(figure, handles, [plain(arm, 44) for arm in arms])
     return figure
 
 
@@ -418,5 +453,9 @@ FIGURES = [
     Figure('fig11_entropy_spread', entropy_spread, 'What sets entropy',
            'Entropy against the logit spread across heads, coloured by PR_K'),
     Figure('fig12_spread_pairs', spread_pairs, 'What sets entropy',
-           "The key control's entropy change against its logit_std change per seed pair"),
+           "The key control's entropy change against its logit_std change, "
+           'per seed pair in each layer'),
+    Figure('fig13_layer_control', layer_control, 'What sets entropy',
+           "The key control in one layer: each layer's change in entropy with its 95% interval "
+           '(filled: the controlled layer; grey: the no-effect band)'),
 ]

@@ -136,3 +136,16 @@ def test_check_refuses_an_unnamed_series_a_clipped_legend_a_shared_colour_bar_an
                         ('shared bar', 'colour bar'), ('empty', 'empty panel')):
         with pytest.raises(AssertionError, match=says):
             check(fig_with(fault), fault)
+
+
+def test_the_layer_control_figure_draws_every_arm_in_every_layer_and_fills_the_controlled_one():
+    rows = [{'setting': 'base', 'arm': arm, 'layer': layer, 'controlled': layer == chosen,
+             'dH': 0.1 * (layer == chosen), 'lo': -0.05, 'hi': 0.15 if layer else float('nan')}
+            for arm, chosen in (('freeze-k-spec control_layers=0', 0),
+                                ('shrink0.1-k-spec control_layers=2', 2)) for layer in range(3)]
+    figure = plots.layer_control(None, {'entropy_layers': rows})
+    check(figure, 'fig13_layer_control')
+    markers = [line for line in figure.axes[0].lines if len(line.get_xdata()) == 1]
+    filled = [line.get_markerfacecolor() != 'white' for line in markers]
+    assert len(markers) == 6 and filled == [True, False, False, False, False, True]
+    assert plots.layer_control(None, {'entropy_layers': []}) == []
