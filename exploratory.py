@@ -54,7 +54,7 @@ def what_sets_entropy(study):
     tables = {'entropy_heads': across_heads(runs)}
     if len({run.seed for run in runs}) >= 2:
         tables['entropy_predictors'] = predictor_rows(runs)
-    chosen = [(arm, pairs) for (_, arm), pairs in study.arms.items()
+    chosen = [(arm, pairs) for (setting, arm), pairs in study.arms.items()
               if dict(arm)['control_target'] == 'k']
     units = layer_units(study, chosen)
     if units:
@@ -151,7 +151,8 @@ def layer_units(study, chosen):
     logs; with the unit's arm, pair, seed and layer ('0 of 4'). {} where no pair logs logit_std."""
     pairs = [(arm, pair) for arm, arm_pairs in chosen for pair in arm_pairs
              if all(late_heads(run, 'logit_std') is not None for run in pair)]
-    mediators = logged_by_all([run for _, pair in pairs for run in pair], MEDIATORS)
+    runs = [run for arm, pair in pairs for run in pair]
+    mediators = logged_by_all(runs, MEDIATORS)
     found = []
     for number, (arm, (controlled, baseline)) in enumerate(pairs):
         for layer in range(controlled.n_layer):
@@ -174,28 +175,29 @@ def mediation_rows(units):
     layers = list(dict.fromkeys(units['layer']))
     in_layer = (units['layer'][:, None] == np.array(layers)).astype(float)
     for mediator in [key for key in MEDIATORS if key in units]:
-        one = in_layer * units[mediator][:, None]
-        two = np.column_stack([one, units['log pr_k']])
-        first = stats.jackknife(lambda keep: stats.solve(one[keep], entropy[keep]), seeds)
-        second = stats.jackknife(lambda keep: stats.solve(two[keep], entropy[keep]), seeds)
+        slope_only = in_layer * units[mediator][:, None]
+        with_key = np.column_stack([slope_only, units['log pr_k']])
+        first = stats.jackknife(lambda keep: stats.solve(slope_only[keep], entropy[keep]), seeds)
+        second = stats.jackknife(lambda keep: stats.solve(with_key[keep], entropy[keep]), seeds)
         fits.append({'mediator': mediator, 'units': len(entropy),
-                     'R2_1': uncentred_r2(entropy, one), 'c_dlogPR_K': second[0][-1],
+                     'R2_1': uncentred_r2(entropy, slope_only), 'c_dlogPR_K': second[0][-1],
                      'c_lo': second[1][-1], 'c_hi': second[2][-1],
-                     'R2_2': uncentred_r2(entropy, two), 'only through the spread': ''})
+                     'R2_2': uncentred_r2(entropy, with_key), 'only through the spread': ''})
         for index, layer in enumerate(layers):
             slopes.append({'mediator': mediator, 'layer': layer, 'b1': first[0][index],
                            'b1_lo': first[1][index], 'b1_hi': first[2][index],
                            'b2': second[0][index]})
         for arm in dict.fromkeys(arms):
             shares.append({'mediator': mediator, 'arm': arm,
-                           **arm_share(units, one, arms == arm)})
+                           **arm_share(units, slope_only, arms == arm)})
     return fits, slopes, shares
 
 
-def uncentred_r2(y, X):
-    """1 - sum e^2 / sum y^2 of the least-squares fit of y on the columns of X, no intercept."""
-    residual = y - X @ stats.solve(X, y)
-    return 1 - float(residual @ residual) / float(y @ y)
+def uncentred_r2(target, design):
+    """1 - sum e^2 / sum target^2 of the least-squares fit of target on design's columns, no
+    intercept."""
+    residual = target - design @ stats.solve(design, target)
+    return 1 - float(residual @ residual) / float(target @ target)
 
 
 def arm_share(units, design, in_arm):
@@ -293,7 +295,7 @@ def route_rows(study):
             chosen = keys if route == 'shape' else ROUTES['spread']
             fits.append({'setting': study.label[setting], 'route': route,
                          **held_out_r2(*head_design(base, chosen))})
-        entropy, design, _ = head_design(base, keys)
+        entropy, design, seeds = head_design(base, keys)
         coefficients = dict(zip(keys, stats.solve(design, entropy)[-len(keys):]))
         for arm, pairs in arms:
             shares += arm_routes(study, setting, arm, pairs, coefficients)
@@ -302,13 +304,13 @@ def route_rows(study):
 
 def arm_routes(study, setting, arm, pairs, coefficients):
     """Per controlled layer of an arm: its dH and each route's share, jackknife-t over seeds."""
-    rows, seeds = [], np.array([run.seed for run, _ in pairs])
+    rows, seeds = [], np.array([run.seed for run, baseline in pairs])
     for layer in control.parse_layers(dict(arm)['control_layers'], pairs[0][0].n_layer):
         def change(key):
             means = [late_heads(run, key)[layer].mean() for pair in pairs for run in pair]
             return np.array(means[0::2]) - np.array(means[1::2])
         entropy = change('entropy')
-        _, low, high, _ = stats.t_interval(entropy)
+        mean, low, high, count = stats.t_interval(entropy)
         moves = low > NO_EFFECT or high < -NO_EFFECT   # a route is read only where the layer moves
         for route, keys in ROUTES.items():
             predicted = sum(coefficients[key] * change(key) for key in keys)
@@ -335,7 +337,7 @@ def layer_mediation(study):
     rows = []
     for setting, arms in layer_targeted(study).items():
         for arm, pairs in arms:
-            fits, _, _ = mediation_rows(layer_units(study, [(arm, pairs)]))
+            fits, slopes, shares = mediation_rows(layer_units(study, [(arm, pairs)]))
             for fit in fits:
                 rows.append({'setting': study.label[setting], 'arm': study.arm_name(arm),
                              'mediator': fit['mediator'], 'units': fit['units'],
@@ -429,7 +431,7 @@ def text_claim(study, key, settings):
     if claim is None:
         return None
     if claim.unit == 'pair':
-        found = [pairs for setting, _, pairs, _ in engine.deciding(claim, study, 'spec')
+        found = [pairs for setting, arm, pairs, dose in engine.deciding(claim, study, 'spec')
                  if setting in settings and pairs]
         judged = engine.judge(claim, found[0]) if found else None
     else:
@@ -456,12 +458,12 @@ def welch(values, others):
     difference = float(values.mean() - others.mean())
     if min(len(values), len(others)) < 2:
         return difference, math.nan, math.nan
-    var, var_other = values.var(ddof=1) / len(values), others.var(ddof=1) / len(others)
-    error = math.sqrt(var + var_other)
-    spread = var ** 2 / (len(values) - 1) + var_other ** 2 / (len(others) - 1)
+    variance, variance_other = values.var(ddof=1) / len(values), others.var(ddof=1) / len(others)
+    error = math.sqrt(variance + variance_other)
+    spread = variance ** 2 / (len(values) - 1) + variance_other ** 2 / (len(others) - 1)
     half = 0.0   # two samples without spread: their difference is exact
     if spread > 0:
-        freedom = (var + var_other) ** 2 / spread   # Welch-Satterthwaite
+        freedom = (variance + variance_other) ** 2 / spread   # Welch-Satterthwaite
         half = stats.t_quantile(0.5 + stats.LEVEL / 2, freedom) * error
     return difference, difference - half, difference + half
 
