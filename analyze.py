@@ -38,8 +38,8 @@ import numpy as np
 import control
 import report
 from plumbing import engine, stats
-from plumbing.engine import WELL_BELOW, Claim, Stat, checkpoints, on_grid
-from plumbing.folders import FINAL_LOGS, OutError, Skip, group
+from plumbing.engine import WELL_BELOW, Claim, Stat, checkpoints, group, on_grid
+from plumbing.folders import FINAL_LOGS, OutError, Skip
 from plumbing.stats import nanmean
 
 # ------------------------------------------------------------------------------------------ views

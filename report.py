@@ -11,7 +11,7 @@ import numpy as np
 
 import plots
 from plumbing import folders, stats
-from plumbing.engine import interval_text, shown
+from plumbing.engine import group, interval_text, shown
 
 UNITS = {'seed': 'seeds (runs)', 'pair': 'seed pairs (controlled - baseline)', 'model': 'models'}
 NEAR_UNIFORM = 0.98     # a layer-mean entropy_norm this high or more: near-uniform attention
@@ -110,7 +110,7 @@ def caveat(study):
     """A line for the top of the report when its verdicts rest on too little to mean much."""
     if not study.runs:   # a pretrained series alone: its claims say their n
         return []
-    seeds = folders.group(study.runs, lambda r: r.setting).values()
+    seeds = group(study.runs, lambda r: r.setting).values()
     most_seeds = max(len({r.seed for r in runs}) for runs in seeds)
     most_records = max(int((r.iters >= r.cfg['warmup_iters']).sum()) for r in study.runs)
     why = []
@@ -289,7 +289,7 @@ def regime_lines(tables, registry):
 
 def token_lines(tables):
     lines = []
-    for source, rows in folders.group(tables['token_series'], lambda r: r['source']).items():
+    for source, rows in group(tables['token_series'], lambda r: r['source']).items():
         columns = [k for k in rows[0] if k != 'source']
         lines += [f'### {source}', '', folders.markdown(rows, columns)]
     if tables['token_layers']:
@@ -306,7 +306,7 @@ def confounds(study):
     for (weight, on_qk), n in decay:
         notes.append(f'weight decay {weight} on W_Q, W_K in {n} run(s): it shrinks both spectra.'
                      if on_qk and weight else f'no weight decay on W_Q, W_K in {n} run(s).')
-    start = folders.group([r for r in base if len(r.iters) and r.iters[0] == 0],
+    start = group([r for r in base if len(r.iters) and r.iters[0] == 0],
                           lambda r: r.cfg['qk_init'])
     ratio = '; '.join(f"{init}: PR_Q/C = {np.mean([r.m['pr_q'][0].mean() / r.C for r in runs]):.2f}"
                       for init, runs in start.items())

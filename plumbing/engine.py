@@ -19,7 +19,7 @@ import numpy as np
 import control
 import geometry
 from plumbing import folders, stats
-from plumbing.folders import FINAL_LOGS, Skip, group
+from plumbing.folders import FINAL_LOGS, Skip
 from plumbing.stats import nanmean
 
 WELL_BELOW = -0.20
@@ -187,6 +187,14 @@ def decide(claim, res):
 
 
 # -------------------------------------------------------------------------------------- groupings
+def group(items, key):
+    """{key(item): [item, ...]} in the order first seen."""
+    groups = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return groups
+
+
 def uncontrolled(runs):
     return [run for run in runs if run.control == 'none' and not run.pretrained]
 

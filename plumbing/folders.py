@@ -87,8 +87,9 @@ class Run:
 def config_settings(cfgs):
     """Each config's keys but BOOKKEEPING; a key its control kind ignores as most of its kind."""
     out = [{k: v for k, v in c.items() if k not in BOOKKEEPING} for c in cfgs]
-    for kind, ss in group(out, lambda s: s.get('control')).items():
-        for k in control.ignored(kind) if kind in control.KINDS else ():
+    for kind in control.KINDS:
+        ss = [s for s in out if s.get('control') == kind]
+        for k in control.ignored(kind):
             for v, _ in Counter(json.dumps(s[k]) for s in ss if k in s).most_common(1):
                 for s in ss:
                     s[k] = json.loads(v)
@@ -318,17 +319,16 @@ def load_runs(paths, warn):
         if first != r.path:
             skipped.append((r.path, f'duplicate of {first} (the same settings and seed)'))
     runs = [r for r in loaded if seen[r.setting, r.seed] == r.path]
-    for rs in group(runs, lambda r: r.setting).values():
-        logged = set().union(*(r.m for r in rs))
-        for r in rs:   # kept apart: it may differ in what it lacks
-            lost = ', '.join(sorted(logged - set(r.m)))
-            like = [s.settings for s in runs if r.settings.items() < s.settings.items()]
-            if like:
-                keys = ', '.join(sorted(set().union(*like) - set(r.settings)))
-                r.notes.insert(0, f'config.json lacks {keys}, which {len(like)} run(s) of '
-                                  'otherwise the same settings have: kept as a setting of its own')
-            if lost:
-                r.notes.append(f'{lost} not logged, unlike other seeds of its setting')
+    for r in runs:   # kept apart: it may differ in what it lacks
+        logged = set().union(*(s.m for s in runs if s.setting == r.setting))
+        lost = ', '.join(sorted(logged - set(r.m)))
+        like = [s.settings for s in runs if r.settings.items() < s.settings.items()]
+        if like:
+            keys = ', '.join(sorted(set().union(*like) - set(r.settings)))
+            r.notes.insert(0, f'config.json lacks {keys}, which {len(like)} run(s) of '
+                              'otherwise the same settings have: kept as a setting of its own')
+        if lost:
+            r.notes.append(f'{lost} not logged, unlike other seeds of its setting')
     skipped.sort()
     for path, why in skipped:
         warn(f'skipped {path}: {why}')
@@ -337,14 +337,6 @@ def load_runs(paths, warn):
         for note in r.notes[:6] + more:
             warn(f'{r.path}: {note}')
     return runs, skipped
-
-
-def group(items, key):
-    """{key(x): [x, ...]} in the order first seen."""
-    out = {}
-    for x in items:
-        out.setdefault(key(x), []).append(x)
-    return out
 
 
 # ---- tables and the output folder
