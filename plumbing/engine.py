@@ -480,9 +480,9 @@ def dose_fits(study):
         doses = ' '.join(f"{dict(key[1])['shrink_to']:g}" for key in keys)
         row = {'setting': study.label[setting], 'arm': study.arm_name(rest), 'doses': doses,
                'pairs': len(pairs)}
-        for name, fit, i in (('slope', alone, 1), ('pr_coef', both, 1), ('scale_coef', both, 2)):
-            row.update({name: fit['coef'][i], f'{name}_lo': fit['lo'][i],
-                        f'{name}_hi': fit['hi'][i]})
+        for name, (coef, lo, hi), i in (('slope', alone, 1), ('pr_coef', both, 1),
+                                        ('scale_coef', both, 2)):
+            row.update({name: coef[i], f'{name}_lo': lo[i], f'{name}_hi': hi[i]})
         row['entropy follows PR_K'] = side(row['pr_coef_lo'], row['pr_coef_hi'], 'follows',
                                            'goes against', 'undecided')
         out.append(row)
