@@ -427,8 +427,7 @@ def write_files(out, files):
                        'move them or pass another --out')
     kinds = {name.rsplit('.')[-1] for name in files}   # --no_figures removes no figure
     stale = [name for name in ours if name not in files and name.rsplit('.')[-1] in kinds]
-    # The manifest names every file before any is written: a rerun after a stop half-way (a full
-    # disk) knows them as its own.
+    # the manifest lists every file before any is written: a rerun after a full disk owns them
     claimed = json.dumps(sorted(set(ours) | set(files)), indent=0)
     final = json.dumps(sorted(set(ours) - set(stale) | set(files)), indent=0)
     try:
