@@ -18,7 +18,8 @@ import numpy as np
 
 import control
 from plumbing import engine, stats
-from plumbing.folders import FINAL_LOGS, group
+from plumbing.engine import group
+from plumbing.folders import FINAL_LOGS
 
 NO_EFFECT = 0.02      # nats: an arm's dH inside +/- this is no effect (the control claims' margin)
 LINK_BAND = 0.1       # a partial link inside +/- this goes no further than the spread (claim (c)'s)

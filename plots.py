@@ -20,8 +20,8 @@ from matplotlib.lines import Line2D
 import control
 import exploratory
 from plumbing import stats
-from plumbing.engine import families, stack, varying
-from plumbing.folders import Skip, group
+from plumbing.engine import families, group, stack, varying
+from plumbing.folders import Skip
 
 matplotlib.rcParams['axes.formatter.useoffset'] = False
 Figure = namedtuple('Figure', 'stem fn section title')

@@ -12,8 +12,8 @@ import numpy as np
 import exploratory
 import plots
 from plumbing import folders, stats
+from plumbing.engine import group, interval_text, shown
 from plumbing.folders import FINAL_LOGS
-from plumbing.engine import interval_text, shown
 
 UNITS = {'seed': 'seeds (runs)', 'pair': 'seed pairs (controlled - baseline)', 'model': 'models'}
 NEAR_UNIFORM = 0.98     # a layer-mean entropy_norm this high or more: near-uniform attention
@@ -120,7 +120,7 @@ def caveat(study):
     """A line for the top of the report when its verdicts rest on too little to mean much."""
     if not study.runs:   # a pretrained series alone: its claims say their n
         return []
-    settings = folders.group(study.runs, lambda run: run.setting).values()
+    settings = group(study.runs, lambda run: run.setting).values()
     seeds = max(len({run.seed for run in runs}) for runs in settings)
     records = max(int((run.iters >= run.cfg['warmup_iters']).sum()) for run in study.runs)
     causes = []
@@ -331,7 +331,7 @@ def regime_lines(tables, registry):
 
 def token_lines(tables):
     lines = []
-    for source, rows in folders.group(tables['token_series'], lambda row: row['source']).items():
+    for source, rows in group(tables['token_series'], lambda row: row['source']).items():
         columns = [key for key in rows[0] if key != 'source']
         lines += [f'### {source}', '', folders.markdown(rows, columns)]
     if tables['token_layers']:
@@ -351,7 +351,7 @@ def confounds(study):
                      else f'no weight decay {where}.')
     base = [run for run in study.runs if run.control == 'none']
     from_zero = [run for run in base if len(run.iters) and run.iters[0] == 0]
-    starts = folders.group(from_zero, lambda run: run.cfg['qk_init'])
+    starts = group(from_zero, lambda run: run.cfg['qk_init'])
     if starts:
         ratios = []
         for init, runs in starts.items():

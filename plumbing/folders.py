@@ -1,8 +1,9 @@
 """
-Run folders in, files out: each run's config.json, done.json and metrics.jsonl(.gz), read once as
-arrays; its settings are the config.json keys but BOOKKEEPING. A pretrained series (pretrained.py)
-is read alike: its config.json has pretrained=true; a record is a checkpoint, iter its step.
-A fault in a run's files leaves that run (or that record) out with one line, and nothing else.
+Run folders in, files out. A run folder's config.json, done.json and metrics.jsonl(.gz) are read
+once, as arrays; its settings are the config.json keys but BOOKKEEPING. A pretrained series
+(pretrained.py) reads alike: its config.json has pretrained=true, and a record is a checkpoint with
+its step as iter. A fault in a run's files leaves that run (or that record) out with one line
+saying why, and nothing else.
 """
 import csv
 import gzip
@@ -35,6 +36,7 @@ FINAL_LOGS = 3
 LOSSES = ('train_loss', 'val_loss')
 MANIFEST = '.analyze.json'
 NOT_MEASURED = 'not measured'   # a table's cell for a number that could not be computed
+NOTES_SHOWN = 6                 # a run's notes warned in full; the rest are counted
 
 
 class Skip(Exception):
@@ -45,32 +47,38 @@ class OutError(Exception):
     """An --out refused, as one line."""
 
 
-@dataclass(eq=False)     # a run is itself: hashed and compared by identity
+def require(holds, why):
+    """Skip with why unless holds."""
+    if not holds:
+        raise Skip(why)
+
+
+@dataclass(eq=False)   # a run is itself: hashed and compared by identity
 class Run:
     path: str
     cfg: dict
     done: dict
     iters: np.ndarray   # of the geometry records
     m: dict             # metric -> (records, layers[, heads])
-    losses: dict        # LOSSES
+    losses: dict        # LOSSES -> their values in the records that log val_loss
     notes: list
     memo: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        c = self.cfg
-        self.name, self.n_layer = os.path.basename(self.path), c['n_layer']
-        self.C, self.d = c['n_embd'], c['n_embd'] / c['n_head']
+        config = self.cfg
+        self.name, self.n_layer = os.path.basename(self.path), config['n_layer']
+        self.C, self.d = config['n_embd'], config['n_embd'] / config['n_head']
         # a pretrained series has no seed and no control
-        self.seed, self.control = c.get('seed'), c.get('control', 'none')
-        self.pretrained = c.get('pretrained') is True
-        self.use(config_settings([c])[0])
+        self.seed, self.control = config.get('seed'), config.get('control', 'none')
+        self.pretrained = config.get('pretrained') is True
+        self.use(config_settings([config])[0])
 
     def use(self, settings):
-        """settings, and from them setting, base (no control keys), arm."""
+        """settings, and from them setting, base (without the control keys) and arm."""
         self.settings, self.setting = settings, json.dumps(settings, sort_keys=True)
-        base = {k: v for k, v in settings.items() if k not in control.KEYS}
+        base = {name: value for name, value in settings.items() if name not in control.KEYS}
         self.base = json.dumps(base, sort_keys=True)
-        self.arm = tuple((k, settings[k]) for k in control.KEYS if k in settings)
+        self.arm = tuple((name, settings[name]) for name in control.KEYS if name in settings)
 
     def final(self, key, layers=None):
         """Mean of the last FINAL_LOGS records over layers (all, or these), or NaN."""
@@ -81,351 +89,357 @@ class Run:
     def final_loss(self, key):
         """done.json's train_loss or val_loss, else the last one logged."""
         found = [number(self.done.get(key)), *self.losses[key][::-1]]
-        return next((float(v) for v in found if v < math.inf), math.nan)
+        return next((float(value) for value in found if value < math.inf), math.nan)
 
 
-def config_settings(cfgs):
-    """Each config's keys but BOOKKEEPING; a key its control kind ignores as most of its kind."""
-    out = [{k: v for k, v in c.items() if k not in BOOKKEEPING} for c in cfgs]
-    for kind, ss in group(out, lambda s: s.get('control')).items():
-        for k in control.ignored(kind) if kind in control.KINDS else ():
-            for v, _ in Counter(json.dumps(s[k]) for s in ss if k in s).most_common(1):
-                for s in ss:
-                    s[k] = json.loads(v)
-    return out
+def config_settings(configs):
+    """Each config's keys but BOOKKEEPING. A control key that a kind ignores takes, in every run of
+    that kind, the value most of them have: it must not split their setting."""
+    settings = [{name: value for name, value in config.items() if name not in BOOKKEEPING}
+                for config in configs]
+    for kind in control.KINDS:
+        same_kind = [setting for setting in settings if setting.get('control') == kind]
+        for name in control.ignored(kind):
+            counts = Counter(json.dumps(setting[name]) for setting in same_kind if name in setting)
+            for common, _ in counts.most_common(1):
+                for setting in same_kind:
+                    setting[name] = json.loads(common)
+    return settings
 
 
 # ---- reading
 def read_json(path):
     try:
         return json.load(open(path))
-    except (OSError, ValueError) as e:
-        raise Skip(f'{os.path.basename(path)} is unreadable ({type(e).__name__})') from None
+    except (OSError, ValueError) as error:
+        raise Skip(f'{os.path.basename(path)} is unreadable ({type(error).__name__})') from None
 
 
 def read_records(path, last, notes):
     """The records (objects with an int iter) increasing up to iteration last; other lines noted."""
-    lines, found = [], []
-    with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as f:
+    lines, records = [], []
+    with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as log:
         try:
-            lines += f
+            lines += log
         except (EOFError, OSError, zlib.error):
             pass   # a cut log: what it holds is checked against done.json
-    lines = [(i, s) for i, s in enumerate(lines, 1) if s.strip()]
-    for i, line in lines:
+    numbered = [(line_no, line) for line_no, line in enumerate(lines, 1) if line.strip()]
+    for line_no, line in numbered:
         try:
-            rec = json.loads(line)
+            record = json.loads(line)
         except ValueError:
-            rec = None
-        it = rec.get('iter') if isinstance(rec, dict) else None
-        after = found[-1]['iter'] if found else -1
-        if type(it) is int and after < it <= last:
-            found.append(rec)
+            record = None
+        step = record.get('iter') if isinstance(record, dict) else None
+        after = records[-1]['iter'] if records else -1
+        if type(step) is int and after < step <= last:
+            records.append(record)
             continue
-        cut = i == lines[-1][0]
-        why = 'is cut short (a kill while it was written?)' if cut else 'is not a record'
-        if type(it) is int:   # train.py trims its log to the checkpoint it resumes from
-            why = f'has iteration {it}, not after {after} and up to done.json\'s {last}'
-        notes.append(f'metrics line {i} {why}: left out')
-    return found
+        why = 'is not a record'
+        if line_no == numbered[-1][0]:
+            why = 'is cut short (a kill while it was written?)'
+        if type(step) is int:   # train.py trims its log to the checkpoint it resumes from
+            why = f"has iteration {step}, not after {after} and up to done.json's {last}"
+        notes.append(f'metrics line {line_no} {why}: left out')
+    return records
 
 
-def check_config(cfg):
+def check_config(config):
     """Skip naming why a config.json cannot be read as a run (or a pretrained series)."""
-    if not isinstance(cfg, dict):
-        raise Skip('config.json is not a JSON object')
-    series = cfg.get('pretrained') is True
-    for kind, keys in (SERIES_REQUIRED if series else REQUIRED).items():
-        for key in keys:
-            if key not in cfg:
-                raise Skip(f'config.json lacks {key}')
-            if type(cfg[key]) not in kind:
-                what = 'number' if kind == NUMBER else kind[0].__name__
-                raise Skip(f'config.json has {key}={cfg[key]!r}, not a {what}')
-    wrong = [(k, 'not a finite number') for k, v in cfg.items()
-             if type(v) is float and not math.isfinite(v)]
-    wrong += [(k, 'not a count of at least 1') for k in SIZES if cfg[k] < 1]
-    wrong += [(k, 'negative') for k in ('max_iters', 'warmup_iters') if cfg.get(k, 0) < 0]
-    if not series and cfg['control'] not in control.KINDS:
+    require(isinstance(config, dict), 'config.json is not a JSON object')
+    series = config.get('pretrained') is True
+    for types, names in (SERIES_REQUIRED if series else REQUIRED).items():
+        for name in names:
+            require(name in config, f'config.json lacks {name}')
+            what = 'number' if types == NUMBER else types[0].__name__
+            require(type(config[name]) in types, f'config.json has {name}={config[name]!r}, '
+                    f'not a {what}')
+    wrong = [(name, 'not a finite number') for name, value in config.items()
+             if type(value) is float and not math.isfinite(value)]
+    wrong += [(name, 'not a count of at least 1') for name in SIZES if config[name] < 1]
+    wrong += [(name, 'negative') for name in ('max_iters', 'warmup_iters')
+              if config.get(name, 0) < 0]
+    if not series and config['control'] not in control.KINDS:
         wrong.append(('control', f"not one of {', '.join(control.KINDS)}"))
-    if not wrong and cfg['n_embd'] % cfg['n_head']:   # n_head is at least 1 here
-        wrong.append(('n_embd', f"not a multiple of n_head={cfg['n_head']}"))
+    if not wrong and config['n_embd'] % config['n_head']:   # n_head is at least 1 here
+        wrong.append(('n_embd', f"not a multiple of n_head={config['n_head']}"))
     if wrong:
-        key, why = wrong[0]
-        raise Skip(f'config.json has {key}={cfg[key]!r}, {why}')
+        name, why = wrong[0]
+        raise Skip(f'config.json has {name}={config[name]!r}, {why}')
 
 
-def record_fault(rec, n_layer, n_head):
+def record_fault(record, n_layer, n_head):
     """Why a record's losses or layers are not what train.py logs, or ''."""
-    for k in LOSSES:
-        if k in rec and not (type(rec[k]) in NUMBER and 0 <= rec[k] < math.inf):
-            return f'{k} = {rec[k]!r} is not a loss'
-    if 'layers' not in rec:   # a record of the losses alone
+    for loss in LOSSES:
+        if loss in record and not (type(record[loss]) in NUMBER and 0 <= record[loss] < math.inf):
+            return f'{loss} = {record[loss]!r} is not a loss'
+    if 'layers' not in record:   # a record of the losses alone
         return ''
-    layers = rec['layers']
+    layers = record['layers']
     if not isinstance(layers, list) or len(layers) != n_layer:
         return f'layers is not a list of n_layer = {n_layer} layers'
     for layer in layers:
         if not isinstance(layer, dict):
             return f'layers holds {layer!r}, not a layer'
-        for k, v in layer.items():   # a per-head list is named *_heads
-            if k.endswith('_heads') and not (isinstance(v, list) and len(v) == n_head):
-                return f'{k} is not a list of n_head = {n_head} values'
-            if isinstance(v, list) and not k.endswith('_heads'):
-                return f'{k} is a list, not a number'
+        for metric, value in layer.items():   # a per-head list is named *_heads
+            per_head = metric.endswith('_heads')
+            if per_head and not (isinstance(value, list) and len(value) == n_head):
+                return f'{metric} is not a list of n_head = {n_head} values'
+            if isinstance(value, list) and not per_head:
+                return f'{metric} is a list, not a number'
     return ''
 
 
-def number(v):
+def number(value):
     """A logged value as floats (a list, or a list of lists for a spectrum per head), +inf where
     it is not a finite number."""
-    if isinstance(v, list):
-        return [number(x) for x in v]
-    return float(v) if type(v) in NUMBER and math.isfinite(v) else math.inf
+    if isinstance(value, list):
+        return [number(each) for each in value]
+    return float(value) if type(value) in NUMBER and math.isfinite(value) else math.inf
 
 
-def layer_arrays(geo, n_layer):
-    """{key: (records, layers[, heads])}: NaN where absent, +inf where not a finite number."""
-    out = {}
-    for r, rec in enumerate(geo):
-        for i, layer in enumerate(rec['layers']):
-            for k, v in layer.items():
-                v = number(v)
-                if k not in out:
-                    out[k] = np.full((len(geo), n_layer) + np.shape(v), np.nan)
-                out[k][r, i] = v
-    return out
+def layer_arrays(records, n_layer):
+    """{metric: (records, layers[, heads])}: NaN where absent, +inf where not a finite number."""
+    arrays = {}
+    for row, record in enumerate(records):
+        for layer, logged in enumerate(record['layers']):
+            for metric, value in logged.items():
+                value = number(value)
+                if metric not in arrays:
+                    arrays[metric] = np.full((len(records), n_layer) + np.shape(value), np.nan)
+                arrays[metric][row, layer] = value
+    return arrays
 
 
-def bounds(key, m, iters, cfg):
-    """(low, high, the logged key high comes from or '') of key's values by geometry.BOUNDS; a key
-    not there may be any finite number."""
-    base, heads, C = key.removesuffix('_heads'), key.endswith('_heads'), cfg['n_embd']
-    row = geometry.BOUNDS.get(base + '_head' if heads else key) or geometry.BOUNDS.get(base)
-    low, name = row or (-math.inf, math.inf)
-    sizes = {'C': C, 'd': C / cfg['n_head'], 'log T': math.log(cfg['block_size'])}
-    if not isinstance(name, str) or name in sizes:
-        return low, sizes.get(name, name), ''
-    if name == 'drift':   # 2 + 2 qk_gram(0) / qk_gram, head by head, from a first record at step 0
-        if 'qk_gram_heads' not in m or iters[0] != 0:
+def bounds(metric, metrics, iters, config):
+    """(low, high, the logged metric high comes from or '') of a metric's values by geometry.BOUNDS;
+    a metric not there may be any finite number."""
+    base, per_head = metric.removesuffix('_heads'), metric.endswith('_heads')
+    width = config['n_embd']
+    bound = geometry.BOUNDS.get(base + '_head' if per_head else metric) or geometry.BOUNDS.get(base)
+    low, high = bound or (-math.inf, math.inf)
+    sizes = {'C': width, 'd': width / config['n_head'], 'log T': math.log(config['block_size'])}
+    if not isinstance(high, str) or high in sizes:
+        return low, sizes.get(high, high), ''
+    if high == 'drift':   # 2 + 2 qk_gram(0) / qk_gram, head by head, from a first record at step 0
+        if 'qk_gram_heads' not in metrics or iters[0] != 0:
             return low, math.inf, ''
         with np.errstate(divide='ignore', invalid='ignore'):
-            ratio = m['qk_gram_heads'][:1] / m['qk_gram_heads']
-        return low, 2 + 2 * (ratio if heads else ratio.mean(-1)), 'qk_gram_heads'
-    by = name + '_heads' if heads else name
-    return (low, m[by], by) if by in m else (low, math.inf, '')
+            ratio = metrics['qk_gram_heads'][:1] / metrics['qk_gram_heads']
+        return low, 2 + 2 * (ratio if per_head else ratio.mean(-1)), 'qk_gram_heads'
+    source = high + '_heads' if per_head else high
+    return (low, metrics[source], source) if source in metrics else (low, math.inf, '')
 
 
-def bad_records(m, iters, cfg, notes):
-    """The records to leave out, each noted with its key and value."""
+def bad_records(metrics, iters, config, notes):
+    """The records to leave out, each noted with the metric and value that leave it out."""
     bad = np.zeros(len(iters), bool)
-    for key, a in m.items():
-        lo, hi, by = bounds(key, m, iters, cfg)
+    for metric, values in metrics.items():
+        low, high, source = bounds(metric, metrics, iters, config)
         # softmax rows in bf16 sum to 1 within ~4e-3: an entropy may pass its bound by that much
-        tol = 1e-2 if key.startswith('entropy') else 1e-6
+        slack = 1e-2 if metric.startswith('entropy') else 1e-6
         with np.errstate(invalid='ignore'):   # NaN (not logged) is in range: it bounds nothing
-            wrong = np.isinf(a) | (a != 0) & ((a < lo - tol * abs(lo)) | (a > hi + tol * abs(hi)))
-        flat, wrong = a.reshape(len(a), -1), wrong.reshape(len(a), -1)
-        high = np.broadcast_to(hi, a.shape).reshape(len(a), -1)
-        for r in np.flatnonzero(wrong.any(1) & ~bad):
-            j = wrong[r].argmax()
-            why = f'= {flat[r, j]:.4g} outside [{lo:.4g}, {high[r, j]:.4g}]'
-            why += f' (from {by})' if by else ''
-            if np.isinf(flat[r, j]):   # number() marks NaN and infinities alike
-                why = 'is not a finite number'
-            notes.append(f'the record of iteration {iters[r]} is left out: {key} {why}')
+            outside = (values < low - slack * abs(low)) | (values > high + slack * abs(high))
+        wrong = (np.isinf(values) | (values != 0) & outside).reshape(len(values), -1)
+        flat = values.reshape(len(values), -1)
+        highs = np.broadcast_to(high, values.shape).reshape(len(values), -1)
+        for row in np.flatnonzero(wrong.any(1) & ~bad):
+            column = wrong[row].argmax()
+            value, top = flat[row, column], highs[row, column]
+            reason = f'= {value:.4g} outside [{low:.4g}, {top:.4g}]'
+            reason += f' (from {source})' if source else ''
+            if np.isinf(value):   # number() marks NaN and infinities alike
+                reason = 'is not a finite number'
+            notes.append(f'the record of iteration {iters[row]} is left out: {metric} {reason}')
         bad |= wrong.any(1)
     return bad
 
 
 def load_run(path):
     """A finished run folder (or pretrained series) as a Run, or Skip naming why."""
-    cfg = read_json(f'{path}/config.json')
-    check_config(cfg)
-    log = [p for p in (f'{path}/metrics.jsonl', f'{path}/metrics.jsonl.gz') if os.path.isfile(p)]
-    if not os.path.exists(f'{path}/done.json'):
-        raise Skip('unfinished (no done.json)')
-    if not log:
-        raise Skip('no metrics.jsonl')
+    config = read_json(f'{path}/config.json')
+    check_config(config)
+    logs = [f'{path}/{name}' for name in ('metrics.jsonl', 'metrics.jsonl.gz')
+            if os.path.isfile(f'{path}/{name}')]
+    require(os.path.exists(f'{path}/done.json'), 'unfinished (no done.json)')
+    require(logs, 'no metrics.jsonl')
     done = read_json(f'{path}/done.json')   # its iteration is the last a finished run logged
-    it = done.get('iter') if isinstance(done, dict) else None
-    if type(it) is not int or it < 0:
-        raise Skip(f'done.json has iter={it!r}, not an iteration')
-    if it != cfg.get('max_iters', it):
-        raise Skip(f"done.json is at iteration {it}, config.json has max_iters={cfg['max_iters']}")
-    notes = []
-    recs = read_records(log[0], it, notes)
-    if recs and recs[-1]['iter'] < done['iter']:   # its final values would be read at the cut
-        raise Skip(f"{os.path.basename(log[0])} ends at iteration {recs[-1]['iter']}, done.json at "
-                   f"{done['iter']}: cut short")
-    faults = {r['iter']: record_fault(r, cfg['n_layer'], cfg['n_head']) for r in recs}
-    notes += [f'the record of iteration {it} is left out: {why}' for it, why in faults.items()
-              if why]
-    recs = [r for r in recs if not faults[r['iter']]]
-    geo = [r for r in recs if 'layers' in r]
-    m, iters = layer_arrays(geo, cfg['n_layer']), np.array([r['iter'] for r in geo], dtype=int)
-    keep = ~bad_records(m, iters, cfg, notes)
+    last = done.get('iter') if isinstance(done, dict) else None
+    require(type(last) is int and last >= 0, f'done.json has iter={last!r}, not an iteration')
+    require(last == config.get('max_iters', last), f'done.json is at iteration {last}, '
+            f"config.json has max_iters={config.get('max_iters')}")
+    notes, log_name = [], os.path.basename(logs[0])
+    records = read_records(logs[0], last, notes)
+    ended = records[-1]['iter'] if records else last   # final values read at a cut would mislead
+    require(ended == last, f'{log_name} ends at iteration {ended}, done.json at {last}: cut short')
+    faults = [record_fault(record, config['n_layer'], config['n_head']) for record in records]
+    notes += [f"the record of iteration {record['iter']} is left out: {fault}"
+              for record, fault in zip(records, faults) if fault]
+    records = [record for record, fault in zip(records, faults) if not fault]
+    with_layers = [record for record in records if 'layers' in record]
+    metrics = layer_arrays(with_layers, config['n_layer'])
+    iters = np.array([record['iter'] for record in with_layers], dtype=int)
+    keep = ~bad_records(metrics, iters, config, notes)
     if not keep.any():
-        left = next((n for n in notes if n.startswith('the record')), '')
-        raise Skip(f'none of its {len(geo)} geometry records is usable ({left})' if geo else
-                   f'{os.path.basename(log[0])} holds no geometry record')
-    last = next((r for r in recs if r['iter'] == done['iter']), {})   # train.py copies its losses
-    for k in LOSSES:
-        if k in last and done.get(k) != last[k]:
-            notes.append(f"done.json has {k} = {done.get(k)!r}, not {last[k]!r} as logged at its "
-                         f"iteration {last['iter']}: the logged one is used")
-            done[k] = last[k]
-    losses = {k: np.array([number(r.get(k)) for r in recs if 'val_loss' in r]) for k in LOSSES}
-    return Run(path, cfg, done, iters[keep], {k: v[keep] for k, v in m.items()}, losses, notes)
+        first = next((note for note in notes if note.startswith('the record')), '')
+        raise Skip(f'none of its {len(with_layers)} geometry records is usable ({first})'
+                   if with_layers else f'{log_name} holds no geometry record')
+    final = next((record for record in records if record['iter'] == last), {})
+    for loss in LOSSES:   # train.py copies the final record's losses into done.json
+        if loss in final and done.get(loss) != final[loss]:
+            logged = f'{final[loss]!r} as logged at its iteration {last}'
+            notes.append(f'done.json has {loss} = {done.get(loss)!r}, not {logged}: '
+                         'the logged one is used')
+            done[loss] = final[loss]
+    with_losses = [record for record in records if 'val_loss' in record]
+    losses = {loss: np.array([number(record.get(loss)) for record in with_losses])
+              for loss in LOSSES}
+    kept = {metric: values[keep] for metric, values in metrics.items()}
+    return Run(path, config, done, iters[keep], kept, losses, notes)
 
 
 def find_runs(paths, left_out):
     """Folders holding config.json under paths, each once, not in snapshots/ or models/. A link is
     followed where it stays under paths (one to an ancestor would pull sibling studies in); the
     others go to left_out as (link, why)."""
-    tops = [os.path.realpath(p) for p in paths]
+    tops = [os.path.realpath(path) for path in paths]
     found, seen = [], set()
     for top in paths:
-        for root, dirs, files in os.walk(top, followlinks=True):
+        for root, subfolders, files in os.walk(top, followlinks=True):
             real = os.path.realpath(root)
-            names, dirs[:] = sorted(d for d in dirs if d not in ('snapshots', 'models')), []
+            names = sorted(name for name in subfolders if name not in ('snapshots', 'models'))
+            subfolders[:] = []
             if real in seen:
                 continue
             seen.add(real)
             if 'config.json' in files:
                 found.append(os.path.normpath(root))
-            for d in names:
-                target = os.path.realpath(os.path.join(root, d))
-                if any(os.path.commonpath([t, target]) == t for t in tops):
-                    dirs.append(d)
+            for name in names:
+                target = os.path.realpath(os.path.join(root, name))
+                if any(os.path.commonpath([inside, target]) == inside for inside in tops):
+                    subfolders.append(name)
                 else:
                     why = f'a link to {target}, outside the folders given'
-                    left_out.append((os.path.join(root, d), why))
+                    left_out.append((os.path.join(root, name), why))
     return sorted(found)
 
 
 def load_runs(paths, warn):
     """(runs, [(path, why skipped)]) of the run folders under paths; notes go to warn."""
-    loaded, skipped, seen = [], [], {}
+    loaded, skipped, first_path = [], [], {}
     for path in find_runs(paths, skipped):
         try:
             loaded.append(load_run(path))
-        except Skip as e:
-            skipped.append((path, str(e)))
-    for r, settings in zip(loaded, config_settings([r.cfg for r in loaded])):
-        r.use(settings)
-        first = seen.setdefault((r.setting, r.seed), r.path)
-        if first != r.path:
-            skipped.append((r.path, f'duplicate of {first} (the same settings and seed)'))
-    runs = [r for r in loaded if seen[r.setting, r.seed] == r.path]
-    for rs in group(runs, lambda r: r.setting).values():
-        logged = set().union(*(r.m for r in rs))
-        for r in rs:   # kept apart: it may differ in what it lacks
-            lost = ', '.join(sorted(logged - set(r.m)))
-            like = [s.settings for s in runs if r.settings.items() < s.settings.items()]
-            if like:
-                keys = ', '.join(sorted(set().union(*like) - set(r.settings)))
-                r.notes.insert(0, f'config.json lacks {keys}, which {len(like)} run(s) of '
-                                  'otherwise the same settings have: kept as a setting of its own')
-            if lost:
-                r.notes.append(f'{lost} not logged, unlike other seeds of its setting')
+        except Skip as error:
+            skipped.append((path, str(error)))
+    for run, settings in zip(loaded, config_settings([run.cfg for run in loaded])):
+        run.use(settings)
+        first = first_path.setdefault((run.setting, run.seed), run.path)
+        if first != run.path:
+            skipped.append((run.path, f'duplicate of {first} (the same settings and seed)'))
+    runs = [run for run in loaded if first_path[run.setting, run.seed] == run.path]
+    for run in runs:   # kept apart: it may differ in what it lacks
+        fuller = [other.settings for other in runs if run.settings.items() < other.settings.items()]
+        if fuller:
+            missing = ', '.join(sorted(set().union(*fuller) - set(run.settings)))
+            others = f'{len(fuller)} run(s) of otherwise the same settings'
+            run.notes.insert(0, f'config.json lacks {missing}, which {others} have: '
+                                'kept as a setting of its own')
+        logged = set().union(*(other.m for other in runs if other.setting == run.setting))
+        if logged - set(run.m):
+            lost = ', '.join(sorted(logged - set(run.m)))
+            run.notes.append(f'{lost} not logged, unlike other seeds of its setting')
     skipped.sort()
     for path, why in skipped:
         warn(f'skipped {path}: {why}')
-    for r in runs:
-        more = [f'and {len(r.notes) - 6} more notes'] if len(r.notes) > 6 else []
-        for note in r.notes[:6] + more:
-            warn(f'{r.path}: {note}')
+    for run in runs:
+        more = len(run.notes) - NOTES_SHOWN
+        for note in run.notes[:NOTES_SHOWN] + ([f'and {more} more notes'] if more > 0 else []):
+            warn(f'{run.path}: {note}')
     return runs, skipped
-
-
-def group(items, key):
-    """{key(x): [x, ...]} in the order first seen."""
-    out = {}
-    for x in items:
-        out.setdefault(key(x), []).append(x)
-    return out
 
 
 # ---- tables and the output folder
 def markdown(rows, columns=None, missing=None):
-    """A markdown table of rows (dicts); a cell a row lacks shows missing."""
-    columns = columns or list(dict.fromkeys(k for r in rows for k in r))
-    def cell(v):
-        if isinstance(v, float):
-            return f'{v:.4g}' if math.isfinite(v) else NOT_MEASURED
-        return '' if v is None else str(v)
-    def line(values):
-        return '| ' + ' | '.join(cell(v).replace('|', '\\|') for v in values) + ' |'
-    lines = [line(columns), '|' + ' --- |' * len(columns)]
-    for r in rows:
-        lines.append(line(r.get(c, missing) for c in columns))
-    return '\n'.join(lines) + '\n'
+    """A markdown table of rows (dicts); a cell_text a row lacks shows missing."""
+    def cell_text(value):
+        if isinstance(value, float):
+            return f'{value:.4g}' if math.isfinite(value) else NOT_MEASURED
+        return '' if value is None else str(value)
 
-
-def csv_cell(v):
-    """A value as csv writes it; a number that could not be computed is an empty cell."""
-    return '' if isinstance(v, float) and not math.isfinite(v) else v
+    def table_line(values):
+        return '| ' + ' | '.join(cell_text(value).replace('|', '\\|') for value in values) + ' |'
+    columns = columns or list(dict.fromkeys(column for row in rows for column in row))
+    table_lines = [table_line(columns), '|' + ' --- |' * len(columns)]
+    table_lines += [table_line(row.get(column, missing) for column in columns) for row in rows]
+    return '\n'.join(table_lines) + '\n'
 
 
 def table(stem, rows, columns=None):
-    """{stem.csv: text, stem.md: text} of rows (dicts); {} without rows."""
-    columns = columns or list(dict.fromkeys(k for r in rows for k in r))
-    buf = io.StringIO()
-    csv.writer(buf, lineterminator='\n').writerow(columns)
-    for r in rows:
-        csv.writer(buf, lineterminator='\n').writerow([csv_cell(r.get(c)) for c in columns])
-    return {f'{stem}.csv': buf.getvalue(), f'{stem}.md': markdown(rows, columns)} if rows else {}
+    """{stem.csv: text, stem.md: text} of rows (dicts); {} without rows. A number that could not be
+    computed is an empty csv cell."""
+    if not rows:
+        return {}
+    columns = columns or list(dict.fromkeys(column for row in rows for column in row))
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator='\n')
+    writer.writerow(columns)
+    for row in rows:
+        values = [row.get(column) for column in columns]
+        writer.writerow(['' if isinstance(value, float) and not math.isfinite(value) else value
+                         for value in values])
+    return {f'{stem}.csv': text.getvalue(), f'{stem}.md': markdown(rows, columns)}
 
 
 def check_out(out):
     """OutError when out is /, a file, a run folder or a folder inside one."""
-    real = p = os.path.realpath(out)
+    real = folder = os.path.realpath(out)
     if os.path.dirname(real) == real:
         raise OutError(f'--out={out} is the root folder; pass a folder of its own')
     if os.path.lexists(out) and not os.path.isdir(out):
         raise OutError(f'--out={out} is a file; pass a folder')
-    while os.path.dirname(p) != p:
-        if os.path.isfile(os.path.join(p, 'config.json')):
-            where = 'inside the run folder' if p != real else 'the run folder'
-            raise OutError(f'--out={out} is {where} {p}; pass another --out')
-        p = os.path.dirname(p)
+    while os.path.dirname(folder) != folder:
+        if os.path.isfile(os.path.join(folder, 'config.json')):
+            where = 'inside the run folder' if folder != real else 'the run folder'
+            raise OutError(f'--out={out} is {where} {folder}; pass another --out')
+        folder = os.path.dirname(folder)
+
+
+def plain_name(name):
+    return isinstance(name, str) and name not in ('', '.', '..') and os.path.basename(name) == name
 
 
 def write_files(out, files):
     """Write {name: text or bytes} into out and remove the files MANIFEST lists but files does not;
     OutError first if a name is there but not in MANIFEST."""
     check_out(out)
-    def at(n):
-        return os.path.join(out, n)
-    try:   # the plain names the analysis wrote into out
-        ours = json.load(open(at(MANIFEST))) if os.path.exists(at(MANIFEST)) else []
+    manifest = os.path.join(out, MANIFEST)
+    try:   # the plain names the analysis wrote into out (an object: its keys)
+        ours = json.load(open(manifest)) if os.path.exists(manifest) else []
     except (OSError, ValueError):
         ours = None
-    def plain(n):
-        return isinstance(n, str) and n not in ('', '.', '..') and os.path.basename(n) == n
-    if not isinstance(ours, (list, dict)) or not all(map(plain, ours)):   # an object: its keys
-        raise OutError(f'{at(MANIFEST)} is not a list of file names in {out}: remove it, or pass '
-                       'another --out')
-    foreign = sorted(n for n in files if os.path.lexists(at(n)) and n not in ours)
+    if not isinstance(ours, (list, dict)) or not all(map(plain_name, ours)):
+        raise OutError(f'{manifest} is not a list of file names in {out}: '
+                       'remove it, or pass another --out')
+    foreign = sorted(name for name in files
+                     if os.path.lexists(os.path.join(out, name)) and name not in ours)
     if foreign:
-        raise OutError(f'{out} holds {", ".join(foreign)}, not written by analyze.py: move them or '
-                       'pass another --out')
-    written = {n.rsplit('.')[-1] for n in files}   # --no_figures removes no figure
-    stale = [n for n in ours if n not in files and n.rsplit('.')[-1] in written]
-    mine = sorted(set(ours) - set(stale) | set(files))
-    # the manifest names every file before any is written, so a stop half-way (a full disk)
-    # leaves files that a rerun knows as its own
+        raise OutError(f'{out} holds {", ".join(foreign)}, not written by analyze.py: '
+                       'move them or pass another --out')
+    kinds = {name.rsplit('.')[-1] for name in files}   # --no_figures removes no figure
+    stale = [name for name in ours if name not in files and name.rsplit('.')[-1] in kinds]
+    # the manifest lists every file before any is written: a rerun after a full disk owns them
     claimed = json.dumps(sorted(set(ours) | set(files)), indent=0)
+    final = json.dumps(sorted(set(ours) - set(stale) | set(files)), indent=0)
     try:
         os.makedirs(out, exist_ok=True)
-        final = [(MANIFEST, json.dumps(mine, indent=0))]
-        for name, data in [(MANIFEST, claimed), *files.items(), *final]:
-            with open(at(name + '.tmp'), 'wb') as f:
-                f.write(data.encode() if isinstance(data, str) else data)
-            os.replace(at(name + '.tmp'), at(name))
-        for name in (n for n in stale if os.path.isfile(at(n))):
-            os.remove(at(name))
-    except OSError as e:
-        raise OutError(f'cannot write into {out}: {e.strerror or e}; pass another --out') from None
-    return list(map(at, files))
+        for name, data in [(MANIFEST, claimed), *files.items(), (MANIFEST, final)]:
+            with open(os.path.join(out, name + '.tmp'), 'wb') as temporary:
+                temporary.write(data.encode() if isinstance(data, str) else data)
+            os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name))
+        for name in stale:
+            if os.path.isfile(os.path.join(out, name)):
+                os.remove(os.path.join(out, name))
+    except OSError as error:
+        why = error.strerror or error
+        raise OutError(f'cannot write into {out}: {why}; pass another --out') from None
+    return [os.path.join(out, name) for name in files]

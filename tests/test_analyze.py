@@ -340,7 +340,7 @@ def test_control_keys_a_run_ignores_split_no_setting_and_a_lacking_key_is_named(
         write_run(str(tmp_path), f'fr_s{s}', seed=s, rope=False, control='freeze', **over)
     warnings = []
     runs, _ = folders.load_runs([str(tmp_path)], warnings.append)
-    assert sorted(len(rs) for rs in folders.group(runs, lambda r: r.setting).values()) == [1, 2, 3]
+    assert sorted(len(rs) for rs in engine.group(runs, lambda r: r.setting).values()) == [1, 2, 3]
     assert len({r.arm for r in runs if r.control == 'freeze'}) == 1
     assert warnings == [f'{tmp_path / "old_s4"}: config.json lacks rope, which 3 run(s) of '
                         'otherwise the same settings have: kept as a setting of its own']

@@ -287,8 +287,8 @@ def test_fig3_draws_the_planted_values_under_the_transforms_its_labels_name(tmp_
 
 def test_fig11_draws_each_head_s_final_spread_and_entropy_and_each_seed_pair(tmp_path):
     """fig11 is every head's final (logit_std, entropy, PR_K) under the transforms its labels name;
-    fig12 is entropy_pairs' (d log logit_std, dH), an arm a colour; without logit_std in the logs
-    there is neither figure and no note."""
+    fig12 is entropy_pairs' (d log logit_std, dH), a panel a layer, an arm a colour; without
+    logit_std in the logs there is neither figure and no note."""
     paths = synth.study(tmp_path / 'runs', seeds=2)
     s = engine.load([str(tmp_path / 'runs')], analyze.registries(), log=synth.quiet)
     fig11, fig12 = (next(f for f in plots.FIGURES if f.stem == stem)
@@ -306,15 +306,18 @@ def test_fig11_draws_each_head_s_final_spread_and_entropy_and_each_seed_pair(tmp
     final = [lay for run in recs for lay in run[-1]['layers']]
     want = np.array([point for lay in final for point in
                      zip(*(lay[f'{k}_heads'] for k in ('logit_std', 'entropy', 'pr_k')))])
-    pairs = [{'arm': 'a', 'dH': 0.1, 'd log logit_std': -0.2},
-             {'arm': 'b', 'dH': -0.3, 'd log logit_std': 0.05},
-             {'arm': 'a', 'dH': 0.2, 'd log logit_std': -0.4}]
+    pairs = [{'arm': 'a', 'layer': '0 of 2', 'dH': 0.1, 'd log logit_std': -0.2},
+             {'arm': 'b', 'layer': '0 of 2', 'dH': -0.3, 'd log logit_std': 0.05},
+             {'arm': 'a', 'layer': '1 of 2', 'dH': 0.2, 'd log logit_std': -0.4}]
     heads = fig11.fn(s, {}).axes[0]
-    seeds = fig12.fn(s, {'entropy_pairs': pairs}).axes[0]
+    layers = fig12.fn(s, {'entropy_pairs': pairs}).axes
     (dots,) = heads.collections
     drawn = np.column_stack([dots.get_offsets(), dots.get_array()])
     want = np.column_stack([named(heads.get_xlabel())(want[:, 0]), want[:, 1:]])
     assert 'logit_std' in heads.get_xlabel()
     assert np.allclose(rows_sorted(drawn), rows_sorted(want), rtol=1e-9, atol=0)
-    by_arm = {c.get_label(): c.get_offsets().tolist() for c in seeds.collections}
-    assert by_arm == {'a (2)': [[-0.2, 0.1], [-0.4, 0.2]], 'b (1)': [[0.05, -0.3]]}
+    assert [axis.get_title().split(',')[0] for axis in layers] == ['layer 0 of 2', 'layer 1 of 2']
+    drawn = [[dots.get_offsets().tolist() for dots in axis.collections] for axis in layers]
+    assert drawn == [[[[-0.2, 0.1]], [[0.05, -0.3]]], [[[-0.4, 0.2]]]]
+    colours = [tuple(dots.get_facecolor()[0]) for axis in layers for dots in axis.collections]
+    assert colours[0] == colours[2] != colours[1]   # an arm keeps its colour in every panel
