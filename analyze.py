@@ -217,9 +217,7 @@ def token_link(run, view):
 
 
 # ---------------------------------------------------------------------------------- the registries
-CORRELATION = (-1.0, 1.0)
-
-
+CORRELATION = (-1.0, 1.0)   # the limits of a correlation
 ALL4, HEADS = tuple(LENSES), ('head', 'tok', 'learned')
 PAIRS = 'across the (layer, head) pairs of a record, mean over records'
 TIME = 'within a run over its records, per layer, mean over layers'
@@ -231,12 +229,12 @@ TOKEN = {'unit': 'model', 'margin': 0.1, 'limits': CORRELATION, 'tables': ()}
 CLAIMS = [
     Claim(key='a', text='(a) PR_Q grows and PR_K falls over training', fn=moves, **SHARE,
           beside=('a@warmup',),
-          stat='PR_Q(end) > PR_Q(ref) and PR_K(end) < PR_K(ref) from every reference, on the grid '
-               'records; mirror: PR_Q falls and PR_K rises from every one'),
+          stat='PR_Q(end) > PR_Q(ref) and PR_K(end) < PR_K(ref) from every reference,'
+               ' on the grid records; mirror: PR_Q falls and PR_K rises from every one'),
     Claim(key='b', text='(b) PR_Q - PR_K > 0 along every trajectory', fn=gap_signs, **SHARE,
           beside=('gap_share', 'b@all', 'ratio_end', 'ratio_end_head'),
-          stat='PR_Q - PR_K > 0 at every grid record from the first reference; mirror: < 0 at '
-               'every one'),
+          stat='PR_Q - PR_K > 0 at every grid record from the first reference;'
+               ' mirror: < 0 at every one'),
     Claim(key='c', text='(c) lower PR_K goes with lower attention entropy, across heads',
           stat=f'Spearman of PR_K with entropy {PAIRS}', fn=correlation('k', 'entropy'), **ACROSS),
     Claim(key='c-qk', text='(c) lower PR_K goes with a narrower QK^T spectrum, across heads',
@@ -250,34 +248,33 @@ CLAIMS = [
           stat=f'Pearson partial correlation of PR_K with entropy given log ||W_QK^h||_2 {PAIRS}',
           fn=correlation('k', 'entropy', kind='partial'), **ACROSS),
     Claim(key='d', text='(d) shrinking the key spectrum sharpens attention',
-          stat=f'final attention entropy, {CONTROLLED}, at the strongest shrink dose whose '
-               f"per-head PR_K change lies below {WELL_BELOW:.0%} of the baseline's",
+          stat=f'final attention entropy, {CONTROLLED}, at the strongest shrink dose'
+               f" whose per-head PR_K change lies below {WELL_BELOW:.0%} of the baseline's",
           fn=change('entropy'), sign=-1, control='shrink', **CONTROL),
-    Claim(key='e', text='(e) freezing the key spectrum softens attention',
-          stat=f'final attention entropy, {CONTROLLED}', fn=change('entropy'), control='freeze',
-          **CONTROL),
-    Claim(key='f1-early', text='(f1) token-level PR_Q - PR_K rises early',
-          stat="Spearman of tok_pr_q - tok_pr_k with log(1 + step) over a model's early "
-               'checkpoints (log step at or below its median), mean over layers',
-          fn=contrast_rho('early'), **TOKEN),
-    Claim(key='f1-late', text='(f1) ... and decays later',
-          stat='the same over the late checkpoints (at or above the median)',
-          fn=contrast_rho('late'), sign=-1, **TOKEN),
-    Claim(key='f2', text='(f2) token-level interaction rank tracks attention entropy',
-          stat="Spearman of tok_pr_qk with entropy across the (layer, head) pairs of a model's "
-               'last checkpoint', fn=token_link, **TOKEN),
+    Claim(key='e', text='(e) freezing the key spectrum softens attention', control='freeze',
+          stat=f'final attention entropy, {CONTROLLED}', fn=change('entropy'), **CONTROL),
+    Claim(key='f1-early', text='(f1) token-level PR_Q - PR_K rises early', fn=contrast_rho('early'),
+          **TOKEN, stat='Spearman of tok_pr_q - tok_pr_k with log(1 + step)'
+                        " over a model's early checkpoints (log step at or below its median),"
+                        ' mean over layers'),
+    Claim(key='f1-late', text='(f1) ... and decays later', fn=contrast_rho('late'), **TOKEN,
+          sign=-1, stat='the same over the late checkpoints (at or above the median)'),
+    Claim(key='f2', text='(f2) token-level interaction rank tracks attention entropy', **TOKEN,
+          fn=token_link, stat="Spearman of tok_pr_qk with entropy across the (layer, head) pairs"
+                              " of a model's last checkpoint"),
 ]
 # The pre-registered family: Holm adjusts over these claims' rows only. A claim a fork adds to
 # CLAIMS is judged and reported beside them, outside Holm, unless its key is added here.
 FAMILY = ('a', 'b', 'c', 'c-qk', 'c-d', 'c-dqk', 'c2', 'd', 'e', 'f1-early', 'f1-late', 'f2')
 
 
-def described(key, stat, x, y, scope='heads', kind='spearman', changes=False, tables=('map',)):
-    """A descriptive correlation of roles x, y: across the (layer, head) pairs of each record in the
+def described(key, stat, role, other, scope='heads', kind='spearman', changes=False,
+              tables=('map',)):
+    """A descriptive correlation of two roles: across the (layer, head) pairs of each record in the
     head lenses, or within a run over its records (scope 'time') in every lens."""
-    lenses = {'lenses': HEADS, 'window': 'warmup'} if scope == 'heads' else {'lenses': ALL4}
+    views = {'lenses': HEADS, 'window': 'warmup'} if scope == 'heads' else {'lenses': ALL4}
     return Stat(key=key, stat=f"{stat} {PAIRS if scope == 'heads' else TIME}", tables=tables,
-                fn=correlation(x, y, scope, kind, changes), limits=CORRELATION, **lenses)
+                fn=correlation(role, other, scope, kind, changes), limits=CORRELATION, **views)
 
 
 def final_stats():
@@ -296,32 +293,31 @@ def final_stats():
 
 def control_stats():
     """Final values of a seed pair, controlled - baseline."""
-    rows = (('entropy', 'final entropy', change('entropy')),
-            ('pr_head', 'final per-head PR of the controlled projection', change('pr_ctl_head')),
-            ('pr_head_rel', "the same relative to the baseline's",
-             change('pr_ctl_head', 'relative')),
-            ('qk_spec_norm', 'final qk_spec_norm', change('qk_spec_norm')),
-            ('log_qk_spec_norm', 'final log qk_spec_norm', change('qk_spec_norm', 'log')),
-            ('k_spec_norm', 'final k_spec_norm (top singular value of W_K^h)',
-             change('k_spec_norm')),
-            ('q_spec_norm', 'final q_spec_norm', change('q_spec_norm')),
-            ('val_loss', 'final val_loss', change('val_loss')))
-    return [Stat(key=f'd_{key}', stat=f'{stat}, {CONTROLLED}', fn=fn, unit='pair',
-                 tables=('control',)) for key, stat, fn in rows]
+    rows = (
+        ('entropy', 'final entropy', change('entropy')),
+        ('pr_head', 'final per-head PR of the controlled projection', change('pr_ctl_head')),
+        ('pr_head_rel', "the same relative to the baseline's", change('pr_ctl_head', 'relative')),
+        ('qk_spec_norm', 'final qk_spec_norm', change('qk_spec_norm')),
+        ('log_qk_spec_norm', 'final log qk_spec_norm', change('qk_spec_norm', 'log')),
+        ('k_spec_norm', 'final k_spec_norm (top singular value of W_K^h)', change('k_spec_norm')),
+        ('q_spec_norm', 'final q_spec_norm', change('q_spec_norm')),
+        ('val_loss', 'final val_loss', change('val_loss')))
+    return [Stat(key=f'd_{key}', stat=f'{stat}, {CONTROLLED}', fn=statistic, unit='pair',
+                 tables=('control',)) for key, stat, statistic in rows]
 
 
 STATS = [
     described('qk~entropy', 'Spearman of PR_QK with entropy', 'qk', 'entropy'),
     described('scale~entropy', 'Pearson of log ||W_QK^h||_2 with entropy', 'scale', 'entropy',
               kind='pearson', tables=('map', 'regime')),
-    described('k~entropy over time', 'Spearman of PR_K with entropy (two trends correlate, '
-              'linked or not)', 'k', 'entropy', 'time'),
-    described('dk~dentropy over time', 'Spearman of their changes between records', 'k',
-              'entropy', 'time', changes=True),
-    described('k~entropy|scale over time', 'Pearson partial of PR_K with entropy given the log '
-              'scale', 'k', 'entropy', 'time', 'partial'),
-    Stat(key='gap_share', stat="the share of (b)'s grid records with PR_Q - PR_K > 0 (of the "
-                               'iterations from the reference on), over layers',
+    described('k~entropy over time', 'Spearman of PR_K with entropy'
+              ' (two trends correlate, linked or not)', 'k', 'entropy', 'time'),
+    described('dk~dentropy over time', 'Spearman of their changes between records',
+              'k', 'entropy', 'time', changes=True),
+    described('k~entropy|scale over time', 'Pearson partial of PR_K with entropy'
+              ' given the log scale', 'k', 'entropy', 'time', 'partial'),
+    Stat(key='gap_share', stat="the share of (b)'s grid records with PR_Q - PR_K > 0"
+                               ' (of the iterations from the reference on), over layers',
          fn=gap_share, lenses=ALL4, window='post', tables=('regime',), limits=(0.0, 1.0)),
     *final_stats(),
     Stat(key='entropy_end', stat='final attention entropy (nats)', fn=value('entropy'),
@@ -336,12 +332,11 @@ STATS = [
          tables=('optimizer',)),
     Stat(key='val_loss', stat='final validation loss',
          fn=lambda run, view: run.final_loss('val_loss'), tables=('regime', 'optimizer')),
-    Stat(key='train_val_gap', stat='final val_loss - train_loss',
-         fn=lambda run, view: run.final_loss('val_loss') - run.final_loss('train_loss'),
-         tables=('regime', 'trend')),
+    Stat(key='train_val_gap', stat='final val_loss - train_loss', tables=('regime', 'trend'),
+         fn=lambda run, view: run.final_loss('val_loss') - run.final_loss('train_loss')),
     *control_stats(),
 ]
-ALL = {s.key: s for s in CLAIMS + STATS}
+ALL = {stat.key: stat for stat in CLAIMS + STATS}
 
 
 # ----------------------------------------------------------------------------------- the analysis
