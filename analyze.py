@@ -40,7 +40,7 @@ from plumbing.folders import FINAL_LOGS, OutError, Skip
 from plumbing.stats import nanmean
 
 # ------------------------------------------------------------------------------------------ views
-Lens = namedtuple('Lens', 'q k qk size what')   # per-head lists: the key without _head, + _heads
+Lens = namedtuple('Lens', 'q k qk size what')   # metric keys; size: the run attribute PR is at most
 LENSES = {'whole': Lens('pr_q', 'pr_k', 'pr_qk', 'C', 'whole-matrix weight PR'),
           'head': Lens('pr_q_head', 'pr_k_head', 'pr_qk', 'd', 'per-head weight PR'),
           'tok': Lens('tok_pr_q', 'tok_pr_k', 'tok_pr_qk', 'C', 'token-level PR'),
@@ -52,114 +52,117 @@ REFERENCES = {'all': ('the first record',),
               'post': (FORGOTTEN, '25% of training', '50% of training')}
 
 
-def usable(run, it):
-    """The index of the first record at or after iteration it, before the final records."""
-    i = len(run.iters) if it is None else int(np.searchsorted(run.iters, it))
-    return i if i < len(run.iters) - FINAL_LOGS else None
+def usable(run, iteration):
+    """The index of the first record at or after the iteration, if it precedes the final records."""
+    index = len(run.iters) if iteration is None else int(np.searchsorted(run.iters, iteration))
+    return index if index < len(run.iters) - FINAL_LOGS else None
 
 
 def references(run, view, layers):
     """The window's REFERENCES' iterations (None: not reached)."""
-    m = run.cfg['max_iters']
-    w = run.cfg['warmup_iters'] if view.from_iter is None else view.from_iter
+    max_iters = run.cfg['max_iters']
+    warmup = run.cfg['warmup_iters'] if view.from_iter is None else view.from_iter
     if view.window == 'all':
         return [int(view.lens == 'learned')]   # the learned part is 0 at iteration 0
     if view.window == 'warmup':
-        return [w, 2 * w, m / 10]
-    moved = [run.m[k][:, layers] >= 1 for k in ('dq_rel', 'dk_rel') if k in run.m]
-    gone = np.flatnonzero(np.all(moved, (0, 2))) if moved else []
-    return [int(run.iters[gone[0]]) if len(gone) else None, m / 4, m / 2]
+        return [warmup, 2 * warmup, max_iters / 10]
+    moved = [run.m[key][:, layers] >= 1 for key in ('dq_rel', 'dk_rel') if key in run.m]
+    forgotten = np.flatnonzero(np.all(moved, (0, 2))) if moved else []
+    return [int(run.iters[forgotten[0]]) if len(forgotten) else None, max_iters / 4, max_iters / 2]
 
 
 def start(run, view, layers):
     """The first iteration a window keeps ('post': its earliest usable reference)."""
-    refs = references(run, view, layers)
-    found = [run.iters[i] for i in (usable(run, it) for it in refs) if i is not None]
-    first = min(found, default=math.inf) if view.window == 'post' else refs[0]
+    iterations = references(run, view, layers)
+    records = [usable(run, iteration) for iteration in iterations]
+    reached = [run.iters[record] for record in records if record is not None]
+    first = min(reached, default=math.inf) if view.window == 'post' else iterations[0]
     return max(first, int(view.lens == 'learned'))
 
 
 # ------------------------------------------------------------------------ statistics of one unit
-def series(run, key, i):
-    return run.m[key][:, i] if key in run.m else np.full(len(run.iters), np.nan)
+def series(run, key, layer):
+    return run.m[key][:, layer] if key in run.m else np.full(len(run.iters), np.nan)
 
 
 def moves(run, view):
     """(a), per trajectory and reference: signs of PR_Q(end) - PR_Q(ref), PR_K(ref) - PR_K(end)."""
-    run, out, lens = on_grid(run), [], LENSES[view.lens]
-    for i in range(run.n_layer):
-        q, k = series(run, lens.q, i), series(run, lens.k, i)
-        q1, k1 = nanmean(q[-FINAL_LOGS:]), nanmean(k[-FINAL_LOGS:])
-        at = [usable(run, it) for it in references(run, view, [i])]
-        out.append([(np.nan, np.nan) if j is None else (np.sign(q1 - q[j]), np.sign(k[j] - k1))
-                    for j in at])
-    return np.array(out, dtype=float)
+    run, lens, signs = on_grid(run), LENSES[view.lens], []
+    for layer in range(run.n_layer):
+        pr_q, pr_k = series(run, lens.q, layer), series(run, lens.k, layer)
+        q_end, k_end = nanmean(pr_q[-FINAL_LOGS:]), nanmean(pr_k[-FINAL_LOGS:])
+        refs = [usable(run, iteration) for iteration in references(run, view, [layer])]
+        signs.append([(np.nan, np.nan) if ref is None else
+                      (np.sign(q_end - pr_q[ref]), np.sign(pr_k[ref] - k_end)) for ref in refs])
+    return np.array(signs, dtype=float)
 
 
 def gap_signs(run, view):
     """(b), per trajectory and record from the window's start (after iteration 0): the gap sign."""
-    run, lens, out = on_grid(run), LENSES[view.lens], []
-    for i in range(run.n_layer):
-        kept = run.iters >= max(start(run, view, [i]), 1)
-        gap = series(run, lens.q, i) - series(run, lens.k, i)
-        out.append(np.where(kept, np.sign(gap), np.nan)[:, None])
-    return np.array(out)
+    run, lens, signs = on_grid(run), LENSES[view.lens], []
+    for layer in range(run.n_layer):
+        in_window = run.iters >= max(start(run, view, [layer]), 1)
+        pr_gap = series(run, lens.q, layer) - series(run, lens.k, layer)
+        signs.append(np.where(in_window, np.sign(pr_gap), np.nan)[:, None])
+    return np.array(signs)
 
 
 def gap_share(run, view):
     """The share of (b)'s records with PR_Q - PR_K > 0 (of its iterations: the grid is regular)."""
     signs = gap_signs(run, view)
-    kept = np.isfinite(signs)
-    return float((signs[kept] > 0).mean()) if kept.any() else math.nan
+    signed = np.isfinite(signs)
+    return float((signs[signed] > 0).mean()) if signed.any() else math.nan
 
 
 def values(run, role, lens, heads):
-    """(records, values) of a role (k, qk: the lens' PR_K, PR_QK; entropy; scale: log
-    ||W_QK^h||_2), per (layer, head) or per layer; None if not logged."""
+    """A role's values as (records, values), per (layer, head) or per layer; None if not logged.
+    Roles: q, k, qk (the lens' PR_Q, PR_K, PR_QK), entropy, scale (log ||W_QK^h||_2)."""
     key = {'entropy': 'entropy', 'scale': 'qk_spec_norm'}.get(role) or getattr(LENSES[lens], role)
     key = key.removesuffix('_head') + '_heads' if heads else key
     if key not in run.m:
         return None
-    a = run.m[key]
+    logged = run.m[key]
     if role == 'scale':
         with np.errstate(divide='ignore', invalid='ignore'):
-            a = np.log(np.where(a > 0, a, np.nan))
-    return a.reshape(len(a), -1)
+            logged = np.log(np.where(logged > 0, logged, np.nan))
+    return logged.reshape(len(logged), -1)
 
 
-def correlation(x, y, scope='heads', kind='spearman', changes=False):
-    """A statistic of a run: the correlation of roles x, y (partial: given the scale), of levels or
-    of changes between records; across each record's (layer, head) pairs, mean over records
-    (heads), or over the run's records, mean over layers (time)."""
-    roles = (x, y, 'scale') if kind == 'partial' else (x, y)
-    corr = {'spearman': stats.spearman_rows, 'pearson': stats.pearson_rows,
-            'partial': stats.partial_rows}[kind]
+def correlation(role, other, scope='heads', kind='spearman', changes=False):
+    """A statistic of a run: the correlation of two roles (partial: given the scale), of their
+    levels or of their changes between records. Scope 'heads': across each record's (layer, head)
+    pairs, mean over records; scope 'time': across the run's records, mean over layers."""
+    roles = (role, other, 'scale') if kind == 'partial' else (role, other)
+    correlate = {'spearman': stats.spearman_rows, 'pearson': stats.pearson_rows,
+                 'partial': stats.partial_rows}[kind]
 
-    def fn(run, view):
-        vals = [values(run, role, view.lens, scope == 'heads') for role in roles]
-        if any(v is None for v in vals):
+    def statistic(run, view):
+        levels = [values(run, each, view.lens, scope == 'heads') for each in roles]
+        if any(level is None for level in levels):
             return math.nan
-        keep = run.iters >= start(run, view, list(range(run.n_layer)))
+        in_window = run.iters >= start(run, view, list(range(run.n_layer)))
+        if changes:   # a change is in the window where its earlier record is
+            levels, in_window = [np.diff(level, axis=0) for level in levels], in_window[:-1]
         if scope == 'time':
-            kept = [np.diff(v[keep], axis=0) if changes else v[keep] for v in vals]
-            return nanmean(corr(*(v.T for v in kept)))
-        key = (x, y, kind, changes, view.lens)
-        if key not in run.memo:   # every window of the run reads the same per-record correlations
-            run.memo[key] = corr(*(np.diff(v, axis=0) if changes else v for v in vals))
-        return nanmean(run.memo[key][keep[:-1] if changes else keep])
-    return fn
+            return nanmean(correlate(*(level[in_window].T for level in levels)))
+        memo_key = (role, other, kind, changes, view.lens)
+        if memo_key not in run.memo:   # the per-record correlations every window reads
+            run.memo[memo_key] = correlate(*levels)
+        return nanmean(run.memo[memo_key][in_window])
+    return statistic
 
 
-def final_pr(stat):
+def final_pr(measure):
     """A statistic of a run: final (PR_Q - PR_K) / C (/ d per head), or log(PR_Q / PR_K)."""
-    def fn(run, view):
+    def statistic(run, view):
         lens, layers = LENSES[view.lens], range(run.n_layer)
-        q, k = (np.array([run.final(key, [i]) for i in layers]) for key in (lens.q, lens.k))
-        if stat == 'gap':
-            return nanmean(q - k) / getattr(run, lens.size)
+        pr_q = np.array([run.final(lens.q, [layer]) for layer in layers])
+        pr_k = np.array([run.final(lens.k, [layer]) for layer in layers])
+        if measure == 'gap':
+            return nanmean(pr_q - pr_k) / getattr(run, lens.size)
         with np.errstate(divide='ignore', invalid='ignore'):
-            return nanmean(np.log(q / k))
-    return fn
+            return nanmean(np.log(pr_q / pr_k))
+    return statistic
 
 
 def value(key):
@@ -171,49 +174,51 @@ def conserved_imbalance(run, view):
     """The final qk_imbalance had D_h kept its norm: imbalance_h(0) gram_h(0) / gram_h(t)."""
     if not {'qk_imbalance_heads', 'qk_gram_heads'} <= set(run.m) or not len(run.iters):
         return math.nan
-    imb, gram = (run.m[k] for k in ('qk_imbalance_heads', 'qk_gram_heads'))
+    imbalance, gram = run.m['qk_imbalance_heads'], run.m['qk_gram_heads']
     with np.errstate(divide='ignore', invalid='ignore'):
-        return nanmean(imb[0] * gram[0] / gram[-FINAL_LOGS:])
+        return nanmean(imbalance[0] * gram[0] / gram[-FINAL_LOGS:])
 
 
 def change(key, how='difference'):
     """A statistic of a seed pair: key's final value (pr_ctl_head: the controlled projection's
-    per-head PR), controlled against baseline: difference, relative change or log ratio."""
-    def fn(pair, view):
+    per-head PR), controlled against baseline: a difference, relative change or log ratio."""
+    def statistic(pair, view):
         name = f'pr_{pair[0].cfg["control_target"]}_head' if key == 'pr_ctl_head' else key
-        a, b = (r.final_loss(name) if name.endswith('_loss') else r.final(name) for r in pair)
+        controlled, baseline = (run.final_loss(name) if name.endswith('_loss') else run.final(name)
+                                for run in pair)
         if how == 'difference':
-            return a - b
-        if not (a > 0 and b > 0):
+            return controlled - baseline
+        if not (controlled > 0 and baseline > 0):
             return math.nan
-        return a / b - 1 if how == 'relative' else math.log(a / b)
-    return fn
+        return controlled / baseline - 1 if how == 'relative' else math.log(controlled / baseline)
+    return statistic
 
 
-def contrast_rho(part):
+def contrast_rho(phase):
     """A statistic of a model: Spearman of tok_pr_q - tok_pr_k with log(1 + step) over its early
     (log step at or below the median) or late (at or above) checkpoints, mean over layers."""
-    def fn(run, view):
-        at = checkpoints(run)
-        x = np.log1p(run.iters[at].astype(float))
-        if not len(x):
+    def statistic(run, view):
+        ckpts = checkpoints(run)
+        log_step = np.log1p(run.iters[ckpts].astype(float))
+        if not len(log_step):
             return math.nan
-        half = x <= np.median(x) if part == 'early' else x >= np.median(x)
-        rhos = []
-        for i in range(run.n_layer):
-            contrast = series(run, 'tok_pr_q', i) - series(run, 'tok_pr_k', i)
-            rhos.append(stats.spearman(x[half], contrast[at][half]))
-        return nanmean(rhos)
-    return fn
+        median = np.median(log_step)
+        in_phase = log_step <= median if phase == 'early' else log_step >= median
+        layer_rhos = []
+        for layer in range(run.n_layer):
+            contrast = series(run, 'tok_pr_q', layer) - series(run, 'tok_pr_k', layer)
+            layer_rhos.append(stats.spearman(log_step[in_phase], contrast[ckpts][in_phase]))
+        return nanmean(layer_rhos)
+    return statistic
 
 
 def token_link(run, view):
-    """A statistic of a model: Spearman of tok_pr_qk with entropy at its last checkpoint's heads"""
-    at = checkpoints(run)
-    if not len(at) or not {'tok_pr_qk_heads', 'entropy_heads'} <= set(run.m):
+    """A statistic of a model: Spearman of tok_pr_qk with entropy at its last checkpoint's heads."""
+    ckpts = checkpoints(run)
+    if not len(ckpts) or not {'tok_pr_qk_heads', 'entropy_heads'} <= set(run.m):
         return math.nan
-    x, y = (run.m[k][at[-1]].ravel() for k in ('tok_pr_qk_heads', 'entropy_heads'))
-    return stats.spearman(x, y)
+    pr_qk, entropy = (run.m[key][ckpts[-1]].ravel() for key in ('tok_pr_qk_heads', 'entropy_heads'))
+    return stats.spearman(pr_qk, entropy)
 
 
 # ---------------------------------------------------------------------------------- the registries
