@@ -6,22 +6,20 @@ Run folders in, the study's evidence out: REPORT.md, tables, figures.
 This file and exploratory.py hold what a research change touches; each change is one edit in one:
     a claim with its statistic:  def final_cos(run, view): return run.final('qk_cos'), then
         Claim(key='g', text='(g) queries and keys align', stat='final qk_cos', fn=final_cos,
-        margin=0.05) in CLAIMS (judged outside Holm unless its key joins FAMILY)
-    a descriptive statistic:     Stat(key=..., stat=..., fn=...) in STATS, its `tables` naming
-        where it is shown (map, regime, trend, optimizer, control)
+              margin=0.05) in CLAIMS (judged outside Holm unless its key joins FAMILY)
+    a descriptive statistic:     Stat(key=..., stat=..., fn=..., tables=('map', 'regime')) in STATS
     an exploratory section:      a function of the study and its name in exploratory.EXPLORATORY
     a figure:                    Figure(...) in plots.FIGURES
-The engine (plumbing/engine.py) judges each statistic over its units and builds the tables; it
-reads the registries that registries() passes it and nothing else of this file.
+The engine (plumbing/engine.py) judges each statistic and builds the tables from registries() alone.
 
-A statistic is fn(unit, view); a unit is a seed (a run), a seed pair (a controlled run and the none
+A statistic is fn(unit, view). A unit is a seed (a run), a seed pair (a controlled run and the none
 run of its other settings and seed) or a model (a run or a pretrained series, read at its model
-checkpoints); (a), (b) give signs per trajectory (a layer of a run), summarised per seed
-(stats.share). A view is a lens and a window. Why (a), (b) start where the init is forgotten and
-(d), (e) read the spec arm: README.md. (a), (b) read only the records of the regular grid (every
-geom_interval-th iteration and the last): the log-spaced extra records move with a run's length.
-(f1), (f2) read the token-level values of a model's checkpoints: train.py's model_ckpts
-iterations in our runs, every record of a pretrained series.
+checkpoints); a view is a lens and a window. (a) and (b) give signs per trajectory (a layer of a
+run), summarised per seed by stats.share, and read only the records of the regular grid (every
+geom_interval-th iteration and the last), as the log-spaced extra records move with a run's length.
+(f1) and (f2) read the token-level values of a model's checkpoints: train.py's model_ckpts
+iterations in our runs, every record of a pretrained series. README.md says why (a) and (b) start
+where the init is forgotten and why (d) and (e) read the spec arm.
 """
 import argparse
 import math
@@ -347,7 +345,7 @@ ALL = {stat.key: stat for stat in CLAIMS + STATS}
 # ----------------------------------------------------------------------------------- the analysis
 def registries():
     """What the engine reads of this file, as it stands when the analysis runs."""
-    return dict(claims=CLAIMS, stats={s.key: s for s in CLAIMS + STATS}, family=FAMILY,
+    return dict(claims=CLAIMS, stats={stat.key: stat for stat in CLAIMS + STATS}, family=FAMILY,
                 lenses=LENSES, windows=WINDOWS, references=REFERENCES,
                 exploratory=exploratory.EXPLORATORY)
 
@@ -360,26 +358,28 @@ def analyze(paths, out=None, figures=True, from_iter=None, log=print):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description='REPORT.md, tables and figures from run folders')
-    p.add_argument('dirs', nargs='+', help='folders searched for run folders (holding config.json)')
-    p.add_argument('--out', default=None, help='where to write (default: <first dir>/analysis)')
-    p.add_argument('--no_figures', action='store_true', help='tables only')
-    p.add_argument('--from_iter', type=int, default=None,
-                   help="where 'from warm-up on' starts (default: warmup_iters)")
-    a, t0 = p.parse_args(sys.argv[1:] if argv is None else list(argv)), time.time()
+    parser = argparse.ArgumentParser(description='REPORT.md, tables and figures from run folders')
+    parser.add_argument('dirs', nargs='+',
+                        help='folders searched for run folders (holding config.json)')
+    parser.add_argument('--out', default=None,
+                        help='where to write (default: <first dir>/analysis)')
+    parser.add_argument('--no_figures', action='store_true', help='tables only')
+    parser.add_argument('--from_iter', type=int, default=None,
+                        help="where 'from warm-up on' starts (default: warmup_iters)")
+    args, started = parser.parse_args(argv), time.time()
     try:
-        bad = [d for d in a.dirs if not os.path.isdir(d)]
-        if bad:
-            raise Skip(f'{", ".join(bad)}: not a folder (pass the out_dir of train.py, or a folder '
-                       'above it)')
-        s = analyze(a.dirs, a.out, not a.no_figures, a.from_iter)
-    except (Skip, OutError) as e:
-        print(f'error: {e}', file=sys.stderr)
+        missing = [folder for folder in args.dirs if not os.path.isdir(folder)]
+        if missing:
+            raise Skip(f'{", ".join(missing)}: not a folder'
+                       ' (pass the out_dir of train.py, or a folder above it)')
+        study = analyze(args.dirs, args.out, not args.no_figures, args.from_iter)
+    except (Skip, OutError) as error:
+        print(f'error: {error}', file=sys.stderr)
         return 2
-    print(f'{len(s.runs)} runs used, {len(s.skipped)} skipped, {len(s.label)} settings')
-    for r in s.tables['claims']:
-        print(f"{r['key']:<9} {r['verdict'][:46]:<46} {r['scope'][:60]}")
-    print(f'wrote {len(s.files)} files in {time.time() - t0:.1f}s')
+    print(f'{len(study.runs)} runs used, {len(study.skipped)} skipped, {len(study.label)} settings')
+    for claim in study.tables['claims']:
+        print(f"{claim['key']:<9} {claim['verdict'][:46]:<46} {claim['scope'][:60]}")
+    print(f'wrote {len(study.files)} files in {time.time() - started:.1f}s')
     return 0
 
 
