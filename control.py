@@ -147,8 +147,8 @@ class Kind:
     spectrum: object = None    # spectrum(s, s0, cfg, step) -> s'
 
 
-# Every control kind, in one place: train.py checks `control` against it, the run name and the
-# analysis' arm label come from label(), the analysis pairs runs by KEYS and ignores what a kind
+# Every control kind, in one place. train.py checks `control` against it; the run name and the
+# analysis' arm label come from label(); the analysis pairs runs by KEYS and ignores what a kind
 # does not read. A new kind is an entry here (and its settings in train.py's config block).
 EVERY_KIND_READS = ('control_target', 'control_scope', 'control_keep', 'control_layers',
                     'control_interval')

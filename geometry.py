@@ -231,8 +231,8 @@ def _srank(s):
 
 def _interaction_sv(Wq_h, Wk_h):
     # (W_Q^h)^T W_K^h = Q_q R_q R_k^T Q_k^T, Q_q and Q_k orthonormal (C, d): its singular values
-    # are those of the d x d core R_q R_k^T. Householder QR keeps Q orthonormal, so this holds for
-    # rank-deficient heads too.
+    # are those of the d x d core R_q R_k^T. Householder QR keeps Q orthonormal,
+    # so this holds for rank-deficient heads too.
     R_q = torch.linalg.qr(Wq_h.mT, mode="r").R
     R_k = torch.linalg.qr(Wk_h.mT, mode="r").R
     return torch.linalg.svdvals(R_q @ R_k.mT)
@@ -481,8 +481,8 @@ def _layer(W_Q, W_K, n_head):
 
 def _interaction_eigenvalues(Wq_h, Wk_h, fro):
     """qk_eig_mean, qk_eig_std per head from the (d, C) blocks, with d x d products only:
-    tr(W_QK^h) = sum(W_Q^h * W_K^h) and ||S_h||_F^2 = (||W_QK^h||_F^2 + tr(M M)) / 2,
-    M = W_K^h W_Q^h^T."""
+    tr(W_QK^h) = sum(W_Q^h * W_K^h), and with M = W_K^h W_Q^h^T,
+    ||S_h||_F^2 = (||W_QK^h||_F^2 + tr(M M)) / 2."""
     C = Wq_h.shape[-1]
     mean = (Wq_h * Wk_h).sum((-2, -1)) / C
     M = Wk_h @ Wq_h.mT
@@ -559,9 +559,9 @@ def partial_correlation(x, y, z=None):
 
 
 def model_ckpt_iters(cfg):
-    """The iterations of the model checkpoints, whose records carry the token-level values: 0, then
-    model_ckpts - 1 iterations log-spaced from max_iters down to the end of warm-up. train.py saves
-    there and the analysis reads there, both from this one schedule."""
+    """The iterations of the model checkpoints, whose records carry the token-level values:
+    0, then model_ckpts - 1 iterations log-spaced from max_iters down to the end of warm-up.
+    train.py saves there and the analysis reads there, both from this one schedule."""
     n, m = cfg['model_ckpts'], cfg['max_iters']
     if n < 2 or m < 1:
         return {0} if n else set()
