@@ -417,9 +417,9 @@ def train(cfg):
 
 
 def setup(run):
-    """Seeds and numerics; the data; the run folder locked; the model, optimizer and its state, a
-    first batch and the first record built. Only then is the folder started over or trimmed to
-    ckpt.pt: a check or an allocation that fails leaves it as it was."""
+    """Seeds and numerics; the data; the run folder locked; the model, optimizer and its state,
+    a first batch and the first record built. Only then is the folder started over or trimmed
+    to ckpt.pt, so that a check or an allocation that fails leaves it as it was."""
     cfg, device_type = run.cfg, run.dev.split(':')[0]
     if cfg['grad_accum'] % run.world:
         raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by "

@@ -1,7 +1,7 @@
 """The training text, read and encoded once (nanoGPT's prepare.py): a character vocabulary from the
 training part, uint16 train.bin and val.bin, and meta.json, in a cache folder whose name holds the
-text's SHA-256, min_char_count and ENCODER_VERSION. WikiText-103 is downloaded into data_dir when
-it is not there."""
+text's SHA-256, min_char_count and ENCODER_VERSION.
+WikiText-103 is downloaded into data_dir when it is not there."""
 import json
 import os
 import shutil
@@ -101,9 +101,9 @@ def sources(cfg):
 
 
 def build(folder, name, encode_into):
-    """The cache folder, encoded aside and renamed into place: complete or absent. Processes that
-    start on one text together (DDP ranks) each encode it; the first rename wins and the others
-    find it built."""
+    """The cache folder, encoded aside and renamed into place: complete or absent.
+    Processes that start on one text together (DDP ranks) each encode it;
+    the first rename wins, and the others find it built."""
     root = os.path.dirname(folder)
     try:
         os.makedirs(root, exist_ok=True)

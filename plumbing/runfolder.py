@@ -272,9 +272,9 @@ def save_weights(run, it, model_too):
 
 
 # Significant digits of a record's geometry in metrics.jsonl: the values are computed in float64,
-# and float32's 7 digits are more than any analysis reads. The spectra whole (sv_*, 3 x C values a
-# layer) keep 3 (a relative 5e-4), so a compact log stays within 1.5 times one without them
-# (results/cpu-wide-spread/README.md measures it).
+# and float32's 7 digits are more than any analysis reads.
+# The whole spectra (sv_*, 3 x C values a layer) keep 3 (a relative 5e-4), so a compact log stays
+# within 1.5 times one without them (results/cpu-wide-spread/README.md measures it).
 DIGITS, SPECTRUM_DIGITS = 7, 3
 
 
