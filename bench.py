@@ -53,8 +53,8 @@ def preset_args(preset):
 
 
 def launch(cmds):
-    """Run the commands at once: (wall seconds until the last ends, their CPU seconds). Exits
-    naming a failure."""
+    """Run the commands at once: (wall seconds until the last ends, their CPU seconds).
+    A command that fails ends this process, naming it."""
     t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for c in cmds]
@@ -124,8 +124,8 @@ def bench_whole(a, args):
     wall, cpu = ({kind: statistics.median(t[i] for t in v) for kind, v in times.items()}
                  for i in (0, 1))
     for kind in times:   # CPU time is what a busy machine inflates least
-        print(f"{kind:24s} median {wall[kind]:6.1f} s wall, {cpu[kind]:6.1f} s CPU: speed x"
-              f"{wall['plain'] / wall[kind]:.3f} (CPU x{cpu['plain'] / cpu[kind]:.3f})"
+        print(f"{kind:24s} median {wall[kind]:6.1f} s wall, {cpu[kind]:6.1f} s CPU: "
+              f"speed x{wall['plain'] / wall[kind]:.3f} (CPU x{cpu['plain'] / cpu[kind]:.3f})"
               " of the plain process")
     print(f'geometry logging: {100 * share:.1f}% of the wall time of the train.py run'
           ' (its done.json)')
@@ -168,8 +168,8 @@ def bench_control(a, args):
 
 
 class KernelCount(TorchDispatchMode):
-    """Counts aten operations, about one GPU kernel each (views and Python numbers wrapped as
-    tensors launch none)."""
+    """Counts aten operations, about one GPU kernel each.
+    Views, and Python numbers wrapped as tensors, launch none."""
     FREE = (torch.ops.aten._unsafe_view.default, torch.ops.aten.scalar_tensor.default)
     n = 0
 
@@ -179,8 +179,8 @@ class KernelCount(TorchDispatchMode):
 
 
 def bare_run(cfg, device, data, vocab_size):
-    """A train.Run built as train.py builds one (model, optimizer, control, numerics), nothing on
-    disk; its steps."""
+    """A train.Run built as train.py builds one (model, optimizer, control, numerics) with nothing
+    on disk, and its steps by name."""
     run = train.Run(cfg, False, 0, 1, device, meta={'vocab_size': vocab_size}, data=data,
                     data_gen=torch.Generator().manual_seed(cfg['seed']))
     train.runfolder.seed_all(cfg['seed'], 0, 0)
@@ -198,8 +198,8 @@ def bare_run(cfg, device, data, vocab_size):
 
 def bench_overhead(a, args):
     """--overhead: each step's kernels (the optimizer fused as on CUDA, past its first step) and
-    time, synchronised before each clock reading. --syncs: a training and a control step's host
-    syncs (a record copies once, by design)."""
+    its time, synchronised before each clock reading. --syncs: the host syncs of a training step
+    and of a control step (a record copies once, by design)."""
     if a.syncs and not a.device.startswith('cuda'):
         raise Stop(f'--syncs needs CUDA (torch.cuda.set_sync_debug_mode), not --device={a.device}')
     cfg = train.get_config([*preset_args(a.preset or 'paper'), '--control=shrink',
@@ -235,8 +235,8 @@ def bench_overhead(a, args):
 
 
 def count_syncs(steps):
-    """Print where each step, called once before, synchronises with the host: 'NAME: N host syncs
-    FILE:LINE ...'."""
+    """Print where each step, called once before, synchronises with the host:
+    'NAME: N host syncs FILE:LINE ...'."""
     for name, step in steps.items():
         step()
         with warnings.catch_warnings(record=True) as caught:
@@ -250,8 +250,8 @@ def count_syncs(steps):
 
 def gpu_check(a, args):
     """The tests, paper runs (plain, controlled, compiled), --overhead, --syncs, DDP on 2 GPUs,
-    --jobs, a smoke sweep (--small: at CPU sizes), each to LOG/STEP.log, then LOG/summary.txt; a
-    failed step does not stop the next. Each runs in the caller's folder, where its paths lead."""
+    --jobs and a smoke sweep (--small: at CPU sizes), each to LOG/STEP.log, then LOG/summary.txt.
+    A failed step does not stop the next. Each runs in the caller's folder, where its paths lead."""
     py, small, runs, ngpu = (sys.executable, a.small, os.path.join(a.log, 'runs'),
                              torch.cuda.device_count())
     sizes = preset_args('smoke' if small else 'paper')

@@ -1,7 +1,7 @@
 """
-Key-spectrum control: after each optimizer step, reshape the singular-value spectrum of W_K (or W_Q,
-the mirror experiment) towards a target participation ratio, keeping its singular vectors and, at
-that step, one measure of its scale (control_keep).
+Key-spectrum control: after each optimizer step, reshape the singular-value spectrum of W_K
+(or of W_Q, the mirror experiment) towards a target participation ratio, keeping its singular
+vectors and, at that step, one measure of its scale (control_keep).
 
     W = U diag(s) V^T   ->   W' = U diag(s') V^T,   s' = c * s^alpha
     alpha  by a search on log alpha, so that PR(s') = (sum s'^2)^2 / sum s'^4 hits the target
@@ -27,21 +27,21 @@ Schedules (pr0 = the step-0 PR of each controlled head, or layer with control_sc
     freeze  target = pr0 at every step, enforced both ways
     none    the baseline: the same calls, the weights untouched
 
-Where: on the weights' device (MPS, which has no float64: on the CPU), in float64 whatever the
-weights' dtype, in a fixed number of batched tensor operations with no data-dependent branch: U and
-s from one eigh of every block's Gram matrix W W^T (no SVD), so W' = U diag(s'/s) U^T W. Nothing is
-read on the host during training: the state holds tensors, and report() reads them once per record.
-On CUDA the eigh still waits once for the device (cuSOLVER's convergence check, which every torch
-eigensolver and SVD makes).
+The transform runs on the weights' device (on the CPU for MPS, which has no float64), in float64
+whatever the weights' dtype, in a fixed number of batched tensor operations with no data-dependent
+branch. U and s come from one eigh of every block's Gram matrix W W^T, not an SVD, and then
+W' = U diag(s'/s) U^T W. Nothing is read on the host during training: the state holds tensors,
+and report() reads them once per record. On CUDA the eigh still waits once for the device,
+for cuSOLVER's convergence check, which every torch eigensolver and SVD makes.
 
-Edge cases: singular values below sqrt(max(m, n) * eps(float64)) * s_max (3e-7 s_max at 64 x 384:
+Edge cases. Singular values below sqrt(max(m, n) * eps(float64)) * s_max (3e-7 s_max at 64 x 384,
 the round-off of a zero eigenvalue of the float64 Gram matrix) count as zero and stay as they are,
-so the most reachable PR is the rank; a target outside the reachable range is clamped to it, with
-one warning per run (at the next record); a flat spectrum (every nonzero value equal) is left as it
-is, since no alpha changes its PR; an all-zero block is left as it is.
+so the most reachable PR is the rank. A target outside the reachable range is clamped to it, with
+one warning per run (at the next record). A flat spectrum (every nonzero value equal) and an
+all-zero block are left as they are, since no alpha changes their PR.
 
-train.py checks the settings with control.check_settings(cfg, n_layer) before training, then calls
-it in two places (the state is a plain dict, saved in checkpoints):
+train.py checks the settings with control.check_settings(cfg, n_layer) before training.
+It then calls this module in two places (the state is a plain dict, saved in checkpoints):
     state = control.record(cfg, model.qk_weights())        # at step 0
     control.apply(state, cfg, model.qk_weights(), step)    # after each optimizer step, step >= 1
 and merges control.report(state)[layer] into each layer's record in metrics.jsonl.
@@ -57,13 +57,11 @@ import torch
 
 import geometry
 
-# alpha in [e^-30, e^30] ~ [1e-13, 1e13]: at the ends PR(s^alpha) equals its limits (rank; the top
-# value's multiplicity) to float64 precision. The search for alpha runs on every spectrum at once,
-# with a fixed amount of work: each round evaluates the PR at GRID - 1 points across the bracket
-# and keeps the cell where it crosses the target, so ROUNDS rounds narrow log(alpha) to
-# 60 / GRID^ROUNDS ~ 3e-12, as far as 44 halvings would (162^6 > 2^44) and far inside the 1e-6 the
-# PR must reach, in 60 tensor operations where a bisection takes 44 x 17.
+# alpha runs from e^-30 to e^30 (~1e-13 to 1e13): at those ends, PR(s^alpha) equals its limits,
+# the rank and the top value's multiplicity, to float64 precision.
 LOG_ALPHA_MIN, LOG_ALPHA_MAX = -30.0, 30.0
+# ROUNDS rounds narrow log alpha to 60 / GRID^ROUNDS ~ 3e-12, as 44 halvings would (162^6 > 2^44),
+# far inside the 1e-6 the PR must reach, in 60 tensor operations where a bisection takes 44 x 17.
 GRID, ROUNDS = 162, 6
 # a target out of reach by more than this (relative) is worth a warning; round-off is not
 REACH_RTOL = 1e-9
@@ -72,8 +70,8 @@ REACH_RTOL = 1e-9
 # ----------------------------------------------------------------------------- the transform
 
 def _reach(s, rtol):
-    """What the search needs of spectra s (..., n): the kept (nonzero) values, x^2 = (s / s_max)^2
-    on them (0 on the others), and the reachable PR range (PR at the largest alpha, rank)."""
+    """What the search needs of spectra s (..., n): the mask of kept (nonzero) values, x^2 on them
+    (x = s / s_max, 0 elsewhere), and the reachable PR range (PR at the largest alpha, rank)."""
     s_max = s.amax(-1, keepdim=True)
     keep = s > rtol * s_max   # smaller values are round-off of zero ones: they stay as they are
     # x = s / s_max is in (0, 1], so x^alpha neither overflows nor loses the top value
@@ -84,34 +82,34 @@ def _reach(s, rtol):
 
 
 def _log_alpha(x2, goal):
-    """log alpha with PR(x^alpha) = goal (...), PR written out as in geometry.participation_ratio on
-    lam = x^(2 alpha): it is above the goal where sum lam > sqrt(goal) * |lam|, and falls as alpha
-    grows."""
+    """log alpha with PR(x^alpha) = goal (...) for all spectra at once, in a fixed number of steps.
+    PR is written out as in geometry.participation_ratio on lam = x^(2 alpha): it is above the goal
+    where sum lam > sqrt(goal) * |lam|, and falls as alpha grows. Each round evaluates it at the
+    GRID - 1 points inside the cell and keeps the part where it crosses the goal."""
     lo = torch.full_like(goal, LOG_ALPHA_MIN)
     cell = LOG_ALPHA_MAX - LOG_ALPHA_MIN
     points = torch.arange(1, GRID, dtype=x2.dtype, device=x2.device)
-    # log 0 = -inf: lam = 0 there
+    # a value that is not kept has log x2 = -inf, so lam = 0 there
     root_goal, log_x2 = goal.sqrt()[..., None], x2.log()[..., None, :]
     for _ in range(ROUNDS):
         cell /= GRID
         alpha = torch.add(lo[..., None], points, alpha=cell).exp()      # (..., GRID - 1)
         lam = torch.exp(alpha[..., None] * log_x2)                      # (..., GRID - 1, n)
-        # a prefix of the points
+        # PR falls as alpha grows, so the points above the goal are a prefix
         above = lam.sum(-1) > root_goal * torch.linalg.vector_norm(lam, dim=-1)
-        # the cell after the last point above; a goal out of reach is above all or none of them,
-        # so the search ends at that end of the range, at the nearest reachable PR
+        # The next cell starts at the last point above the goal. A goal out of reach is above all
+        # the points or none, so the search ends at that end of the range, the nearest reachable PR.
         lo = torch.add(lo, above.sum(-1), alpha=cell)
     return lo + cell / 2
 
 
 def _control(s, target, rtol, control_keep='fro'):
-    """The transform of the module docstring on float64 spectra s (..., n) >= 0, batched: s' = c *
-    s^alpha with PR(s') = target (...), clamped to the reachable range; values <= rtol * max(s)
-    count as zero and stay as they are; a flat spectrum comes back unchanged with alpha = 1. Returns
-    (s', alpha, pr_min, pr_max)."""
+    """The transform of the module docstring, batched on float64 spectra s (..., n) >= 0:
+    s' = c * s^alpha with PR(s') = target (...), the target clamped to the reachable range.
+    Values <= rtol * max(s) count as zero and stay as they are; a flat spectrum comes back
+    unchanged with alpha = 1. Returns (s', alpha, pr_min, pr_max)."""
     keep, x2, pr_min, pr_max = _reach(s, rtol)
-    # flat (every kept value is the top one) or all zero: every alpha gives the same PR, nothing to
-    # do
+    # a flat spectrum (every kept value the top one) or a zero one: no alpha changes its PR
     leave = pr_min == pr_max
     alpha = torch.where(leave, 1.0, _log_alpha(x2, target).exp())
     xa = x2 ** (alpha[..., None] / 2)
@@ -139,21 +137,18 @@ def freeze_fraction(cfg, step):
 
 @dataclass(frozen=True)
 class Kind:
-    """A control kind: the settings it reads (beyond `control`), the one of them that is its dose
-    (in its label and run name: shrink0.1), its target as a fraction of the step-0 PR after a
-    step, and whether that target is an upper bound (a PR already below it is left alone) or is
-    enforced both ways. A kind that is not a PR schedule gives `spectrum` instead of `fraction`:
-    spectrum(s, s0, cfg, step) -> s', each block's singular values now and at step 0 (N, m),
-    ascending, e.g. a cap on the top one: torch.minimum(s, cfg['cap_to'] * s0[:, -1:])."""
-    reads: tuple = ()
-    dose: str = ''
-    fraction: object = None
-    upper_bound: bool = False
-    spectrum: object = None
+    """A control kind. One that is not a PR schedule gives `spectrum` instead of `fraction`:
+    s' from each block's singular values now and at step 0, s and s0 (N, m), ascending. A cap on
+    the top one, for example: torch.minimum(s, cfg['cap_to'] * s0[:, -1:])."""
+    reads: tuple = ()          # the settings it reads beyond `control`
+    dose: str = ''             # the one of them in its label and run name (shrink_to: shrink0.1)
+    fraction: object = None    # fraction(cfg, step): the target after a step, over the step-0 PR
+    upper_bound: bool = False  # True: a PR below the target is left alone; False: both ways
+    spectrum: object = None    # spectrum(s, s0, cfg, step) -> s'
 
 
-# Every control kind, in one place: train.py checks `control` against it, the run name and the
-# analysis' arm label come from label(), the analysis pairs runs by KEYS and ignores what a kind
+# Every control kind, in one place. train.py checks `control` against it; the run name and the
+# analysis' arm label come from label(); the analysis pairs runs by KEYS and ignores what a kind
 # does not read. A new kind is an entry here (and its settings in train.py's config block).
 EVERY_KIND_READS = ('control_target', 'control_scope', 'control_keep', 'control_layers',
                     'control_interval')
@@ -177,8 +172,8 @@ def ignored(kind):
 
 
 def label(cfg, extra=()):
-    """'shrink0.1-k-spec', 'freeze-k' (a dose not in cfg: 'shrink-k'), then ' key=value' for each
-    key of extra in cfg; '' for none. The run name's control part and the analysis' arm label."""
+    """The run name's control part and the analysis' arm label: 'shrink0.1-k-spec', 'freeze-k'
+    ('shrink-k' without a dose in cfg), then ' key=value' per key of extra in cfg; '' for none."""
     kind = cfg.get('control', 'none')
     if kind == 'none':
         return ''
@@ -195,8 +190,8 @@ def label(cfg, extra=()):
 def target_pr(initial, cfg, step):
     """The target PR after `step` optimizer steps, from the step-0 PR: its kind's fraction of it.
 
-    initial: a state from record (-> a list per controlled layer of lists per head), or a float, a
-    list or a tensor of step-0 PRs (-> the same structure).
+    initial: a state from record (-> a list per controlled layer of lists per head),
+    or a float, a list or a tensor of step-0 PRs (-> the same structure).
     """
     kind = KINDS.get(cfg['control'])
     if kind is None or kind.fraction is None:
@@ -212,22 +207,19 @@ def _scaled(x, frac):
 # ------------------------------------------------------------------------- the hooks train.py calls
 
 def parse_layers(text, n_layer):
-    """control_layers ('' = all, else comma-separated indices such as '0,2') -> sorted list of
-    layers."""
+    """control_layers, '' (all) or comma-separated indices such as '0,2' -> the sorted layers."""
     if not str(text).strip():
         return list(range(n_layer))
     try:
         layers = sorted({int(t) for t in str(text).split(',') if t.strip()})
     except ValueError:
-        raise ValueError(f"control_layers={text!r}: expected comma-separated layer indices such as "
-                         "'0,2', or '' for all layers") from None
+        raise ValueError(f"control_layers={text!r}: expected comma-separated layer indices"
+                         " such as '0,2', or '' for all layers") from None
     bad = [i for i in layers if not 0 <= i < n_layer]
     if bad:
         raise ValueError(f'control_layers={text!r}: layer {bad[0]} does not exist '
                          f'(n_layer={n_layer}: indices 0..{n_layer - 1})')
     return layers
-
-
 
 
 def check_settings(cfg, n_layer):
@@ -239,24 +231,22 @@ def check_settings(cfg, n_layer):
     if cfg['control_target'] not in ('k', 'q') or cfg['control_scope'] not in ('head', 'layer'):
         raise ValueError('control_target must be k or q, and control_scope head or layer')
     if cfg['control'] == 'shrink' and (cfg['shrink_to'] <= 0 or cfg['shrink_iters'] < 0):
-        raise ValueError(f"control=shrink needs shrink_to > 0 and shrink_iters >= 0 (got "
-                         f"shrink_to={cfg['shrink_to']}, "
-                         f"shrink_iters={cfg['shrink_iters']})")
+        raise ValueError("control=shrink needs shrink_to > 0 and shrink_iters >= 0 "
+                         f"(got shrink_to={cfg['shrink_to']}, shrink_iters={cfg['shrink_iters']})")
     return parse_layers(cfg['control_layers'], n_layer)
 
 
 def _blocks(W, scope, n_head):
-    """The controlled blocks of weights W (..., C, C), float64 where they are: (..., n_head, d, C)
-    heads or (..., 1, C, C)."""
+    """The controlled blocks of weights W (..., C, C) in float64, where they are: the heads
+    (..., n_head, d, C), or the whole matrix (..., 1, C, C)."""
     W = geometry.as_float64(W)
     return W.unflatten(-2, (n_head, -1)) if scope == 'head' else W.unsqueeze(-3)
 
 
 def _reshaped(W, target, control_keep):
-    """Blocks W (N, m, n), m <= n, float64, with their spectra moved to target PRs (N,). Returns
-    (W', pr_min, pr_max)."""
-    # zero up to the round-off of float64 eigenvalues of W W^T (~eps * s_max^2), whatever the
-    # weight's dtype
+    """Blocks W (N, m, n), m <= n, float64, moved to target PRs (N,): (W', pr_min, pr_max)."""
+    # Below rtol * s_max, a singular value is the round-off of a zero eigenvalue of W W^T in
+    # float64 (~eps * s_max^2), whatever the weight's dtype.
     rtol = math.sqrt(max(W.shape[-2:]) * torch.finfo(torch.float64).eps)
     def to_target(s):
         s_new, _, pr_min, pr_max = _control(s, target, rtol, control_keep)
@@ -266,16 +256,15 @@ def _reshaped(W, target, control_keep):
 
 def _singular_values(W):
     """The singular values of blocks W (N, m, n), ascending, and the eigenvectors U of W W^T."""
-    # a block that is not finite would make eigh fail: it goes through as zeros (apply does not
-    # write it)
+    # eigh fails on a block that is not finite: it goes through as zeros, and apply leaves it
     lam, U = torch.linalg.eigh((W @ W.mT).nan_to_num(0.0, 0.0, 0.0))
     return lam.clamp(min=0).sqrt(), U
 
 
 def _respectrum(W, new_values):
-    """Blocks W with their singular values s replaced by new_values(s) -> (s', *more): W = U
-    diag(s) V^T and G = W W^T = U diag(s^2) U^T, so W' = U diag(s' / s) U^T W: one batched eigh of
-    the Gram matrices, no SVD. Returns (W', *more)."""
+    """Blocks W with their singular values s replaced by new_values(s) -> (s', *more).
+    Returns (W', *more), from one batched eigh of the Gram matrices, no SVD:
+    W = U diag(s) V^T and G = W W^T = U diag(s^2) U^T, so W' = U diag(s' / s) U^T W."""
     s, U = _singular_values(W)
     s_new, *more = new_values(s)
     scale = (s_new / s).nan_to_num(1.0)   # 0 / 0 where s = 0: those directions stay as they are
@@ -286,18 +275,16 @@ def record(cfg, qk_weights):
     """The control state at step 0: which layers, and the step-0 PR per controlled head (or layer).
 
     qk_weights: a list per layer of (W_Q, W_K) pairs. The state is a dict of Python values and
-    float64 tensors (L, B) over the controlled layers and their blocks, so it goes into a checkpoint
-    and comes back with torch.load(weights_only=True); apply moves its tensors to the weights'
-    device.
+    float64 tensors (L, B) over the controlled layers and their blocks: it goes into a checkpoint
+    and comes back with torch.load(weights_only=True). apply moves them to the weights' device.
     """
     layers = check_settings(cfg, len(qk_weights))
     if cfg['control'] == 'none':
         layers = []   # the baseline controls nothing and reports nothing
     side, kind = 1 if cfg['control_target'] == 'k' else 0, KINDS[cfg['control']]
-    pr0 = torch.stack([geometry.matrix_pr(_blocks(qk_weights[i][side], cfg['control_scope'],
-                                                  cfg['n_head']),
-                                          checked=False)
-                       for i in layers]) if layers else torch.zeros(0, 0)
+    blocks = [_blocks(qk_weights[i][side], cfg['control_scope'], cfg['n_head']) for i in layers]
+    pr0 = (torch.stack([geometry.matrix_pr(b, checked=False) for b in blocks]) if layers
+           else torch.zeros(0, 0))
     scheduled = layers and kind.spectrum is None
     state = {'control': cfg['control'], 'target': cfg['control_target'],
              'scope': cfg['control_scope'],
@@ -308,15 +295,14 @@ def record(cfg, qk_weights):
              'out_of_reach': torch.zeros(pr0.shape, dtype=torch.bool, device=pr0.device),
              'step': 0, 'warned': False}
     if layers and kind.spectrum is not None:   # what a spectrum kind reads beside s
-        blocks = [_blocks(qk_weights[i][side], cfg['control_scope'], cfg['n_head']) for i in layers]
         state['s0'] = torch.stack([_singular_values(b)[0] for b in blocks])
     return state
 
 
 def apply(state, cfg, qk_weights, step):
     """After optimizer step number `step` (1, 2, ...): move each controlled spectrum to its target
-    PR, in place under no_grad, when control is not none and step % control_interval == 0. Records
-    the target and the reached PR (of the weight as written, in its own dtype) in the state."""
+    PR, in place under no_grad, when control is not none and step % control_interval == 0.
+    Records in the state the target and the reached PR (of the weight as written, in its dtype)."""
     if not state['layers'] or step % cfg['control_interval']:
         return
     keep = state['keep']
@@ -328,7 +314,6 @@ def apply(state, cfg, qk_weights, step):
             raise ValueError(f"the control state was recorded with {name}={was!r}, not {now!r}")
     side = 1 if state['target'] == 'k' else 0
     params = [qk_weights[i][side] for i in state['layers']]
-    # (L, B, m, n)
     blocks = _blocks(torch.stack([p.detach() for p in params]), state['scope'], state['n_head'])
     L, B, m, n = blocks.shape
     flat = blocks.reshape(L * B, m, n)
@@ -341,12 +326,12 @@ def apply(state, cfg, qk_weights, step):
     else:   # no target PR: each block's spectrum as the kind sets it
         s0 = state['s0'].to(flat.device).view(L * B, -1)
         new, = _respectrum(flat, lambda s: (kind.spectrum(s, s0, cfg, step),))
-    # as it will be stored: the PR logged is that weight's
+    # rounded to the weight's dtype, so that the PR logged is that of the weight as stored
     new = new.to(params[0].dtype).to(torch.float64)
     pr, new_pr = geometry.matrix_pr(torch.cat([flat, new]), checked=False).chunk(2)
     if kind.spectrum is None:
-        # which blocks to change: an upper bound (shrink) only lowers a PR, freeze moves it either
-        # way; a zero block has no spectrum
+        # An upper bound (shrink) only lowers a PR, and freeze moves it either way.
+        # A zero block (PR 0) has no spectrum to move.
         act = (pr > 0) & ((pr > target) if kind.upper_bound else (pr != target))
         out = act & ((target > pr_max * (1 + REACH_RTOL)) | (target < pr_min * (1 - REACH_RTOL)))
         state['out_of_reach'] |= out.view(L, B)
@@ -368,15 +353,15 @@ def report(state):
     rows = [{} for _ in range(state['n_layer'])]
     if not state['layers']:
         return rows
-    # once per record
+    # the one read on the host, once per record
     targets, prs, out = (state[key].tolist() for key in ('target_pr', 'pr', 'out_of_reach'))
     if any(map(any, out)) and not state['warned']:
         i, j = next((i, j) for i, row in enumerate(out) for j, o in enumerate(row) if o)
         where = f"layer {state['layers'][i]}" + (f' head {j}' if state['scope'] == 'head' else '')
         warnings.warn(f"control: the target PR of {where} was out of reach by step {state['step']} "
-                      f"(now {targets[i][j]:.6g}, reached {prs[i][j]:.6g}); clamped to the nearest "
-                      'reachable PR. This warning is given once per run.', RuntimeWarning,
-                      stacklevel=2)
+                      f"(now {targets[i][j]:.6g}, reached {prs[i][j]:.6g}); "
+                      'clamped to the nearest reachable PR. This warning is given once per run.',
+                      RuntimeWarning, stacklevel=2)
         state['warned'] = True
     for layer, target, pr in zip(state['layers'], targets, prs):
         rows[layer] = {'ctl_target_pr': sum(target) / len(target), 'ctl_pr': sum(pr) / len(pr)}

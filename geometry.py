@@ -69,12 +69,11 @@ later from a saved float32 snapshot agree to float64 round-off. Scalars come bac
 per-head lists as Python lists, batched results as float64 tensors. A training record uses
 record_tensors and host_values instead: the same math on trusted inputs, no checks, one copy to the
 host per record. An all-zero spectrum (a zero matrix, constant activations) has PR, effective rank
-and stable rank 0.0, never NaN; so has the learned part of an unchanged weight (W == W(0): PR 0.0,
+and stable rank 0.0, never NaN. So has the learned part of an unchanged weight (W == W(0): PR 0.0,
 rel 0.0), and a zero W(0) has rel 0.0 (no scale to compare with). The one exception is a correlation
 with nothing to correlate (fewer than 3 + k points for k controls, or a series constant once z is
-taken out): NaN, as a table should show
-"not measurable" there, not "no link". NaN or Inf in any input, or a shape that does not fit, is a
-ValueError that says what was expected.
+taken out): NaN, as a table should show "not measurable" there, not "no link".
+NaN or Inf in any input, or a shape that does not fit, is a ValueError that says what was expected.
 
 A library with no command line; `python bench.py --geometry` measures its speed.
 """
@@ -83,15 +82,15 @@ import torch
 
 # The range of every value a record logs per layer, by the definitions above: (low, high) of a
 # layer's value and of its per-head list (*_heads: the row of its *_head mean where there is one).
-# A high that is a string is a size, C = n_embd, d = C / n_head, T = block_size (a row attends to at
-# most T keys), or another logged value of the same layer (head by head for a list), or 'drift'.
+# A high that is a string is a size (C = n_embd, d = C / n_head, T = block_size, the most keys a
+# row attends to), another logged value of the same layer (head by head for a list), or 'drift'.
 # Exactly 0.0 is in every range: an all-zero spectrum has PR, effective rank and stable rank 0.0,
 # and so has the learned part of an unchanged weight.
 BOUNDS = {
     **dict.fromkeys(('pr_q', 'pr_k', 'pr_dq', 'pr_dk', 'erank_q', 'erank_k', 'srank_q',
                      'srank_k', 'tok_pr_q', 'tok_pr_k', 'ctl_pr'), (1, 'C')),
-    # ctl_*: the PR control.py reaches and aims at, of a head's block or of the whole matrix; a
-    # scheduled target is a fraction of the step-0 PR and may lie below 1 (control.py clamps it)
+    # ctl_*: the PR control.py reaches and aims at, of a head's block or of the whole matrix.
+    # A scheduled target is a fraction of the step-0 PR and may lie below 1 (control.py clamps it).
     'ctl_target_pr': (0, 'C'),
     # a head's block is (d, C), and W_QK^h and the logits Q_h K_h^T have rank <= d
     **dict.fromkeys(('pr_q_head', 'pr_k_head', 'pr_dq_head', 'pr_dk_head', 'pr_qk', 'erank_qk',
@@ -102,16 +101,16 @@ BOUNDS = {
     'logit_kurtosis': (-2, float('inf')), 'self_top': (0, 1),   # any distribution's excess >= -2
     'qk_eig_mean': (-float('inf'), float('inf')),   # a trace: any sign
     'qk_spec_norm': (0, 'qk_fro_norm'),   # ||M||_2 <= ||M||_F
-    # ||A - B||_F <= ||A||_F + ||B||_F; D_h(0) adds its own, so the drift needs the record of step
-    # 0: 'drift' is 2 + 2 qk_gram(0) / qk_gram
+    # ||A - B||_F <= ||A||_F + ||B||_F, and D_h(0) adds its own norm to the drift's bound:
+    # 'drift' is 2 + 2 qk_gram(0) / qk_gram, read from the record of step 0
     'qk_imbalance': (0, 2), 'qk_drift': (0, 'drift'),
     **dict.fromkeys(('qk_fro_norm', 'q_spec_norm', 'k_spec_norm', 'qk_gram', 'dq_rel', 'dk_rel'),
                     (0, float('inf'))),
 }
 
 # A softmax in bf16 rounds each probability to 8 significant bits, so its rows can miss 1 by up to
-# 2^-8 (~4e-3; 3e-3 seen at T=256). 1e-2 accepts that and still rejects logits, dropout-scaled
-# rows and unnormalised masks.
+# 2^-8 (~4e-3; 3e-3 seen at T=256). 1e-2 accepts that, and still rejects logits, rows scaled by
+# dropout and masks that are not normalised.
 ROW_SUM_ATOL = 1e-2
 
 
@@ -124,16 +123,15 @@ def _first(mask):
 
 
 def _home(x):
-    """Where x is computed on: its device, but the CPU for numpy and for MPS (no float64, no
-    eigvalsh there)."""
+    """Where x is computed: its device, or the CPU for numpy and MPS (no float64 or eigvalsh)."""
     if not isinstance(x, torch.Tensor) or x.device.type == "mps":
         return torch.device("cpu")
     return x.device
 
 
 def _as_f64(x, name, ndim=None, min_ndim=0, shape_hint="", dtype=torch.float64, device=None):
-    """x as a float64 tensor on device (default _home(x); dtype=None: its own float precision,
-    float32 at least); ValueError on the wrong number of dims or on NaN/Inf."""
+    """x as a float64 tensor on device, by default _home(x); dtype=None keeps its own float
+    precision, float32 at least. A ValueError on the wrong number of dims or on NaN/Inf."""
     device = device or _home(x)
     if not isinstance(x, torch.Tensor):
         x = torch.from_numpy(np.array(x))  # a copy: from_numpy rejects negative strides
@@ -232,17 +230,16 @@ def _srank(s):
 
 
 def _interaction_sv(Wq_h, Wk_h):
-    # (W_Q^h)^T W_K^h = Q_q R_q R_k^T Q_k^T with Q_q, Q_k orthonormal (C, d): the same singular
-    # values as the d x d core R_q R_k^T, even for rank-deficient heads (Householder Q stays
-    # orthonormal).
+    # (W_Q^h)^T W_K^h = Q_q R_q R_k^T Q_k^T, Q_q and Q_k orthonormal (C, d): its singular values
+    # are those of the d x d core R_q R_k^T. Householder QR keeps Q orthonormal,
+    # so this holds for rank-deficient heads too.
     R_q = torch.linalg.qr(Wq_h.mT, mode="r").R
     R_k = torch.linalg.qr(Wk_h.mT, mode="r").R
     return torch.linalg.svdvals(R_q @ R_k.mT)
 
 
 def _imbalance(Wq_h, Wk_h):
-    """D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T (n_head, d, d) and the mean Frobenius norm of the two
-    Grams."""
+    """D_h = W_Q^h W_Q^h^T - W_K^h W_K^h^T (n_head, d, d), and the Grams' mean Frobenius norm."""
     Gq, Gk = Wq_h @ Wq_h.mT, Wk_h @ Wk_h.mT
     return Gq - Gk, (Gq.norm(dim=(-2, -1)) + Gk.norm(dim=(-2, -1))) / 2
 
@@ -302,8 +299,8 @@ def _row_statistics(Qh, Kh):
     own = (logits.diagonal(dim1=-2, dim2=-1) >= top).to(Qh.dtype)
     sigma = variance.sqrt()
     margin = _div(top - mean, sigma)
-    kurtosis = torch.where(variance > 0, _div(square.square().sum(-1) / n_keys, variance ** 2) - 3,
-                           0.0)
+    fourth_moment = square.square().sum(-1) / n_keys
+    kurtosis = torch.where(variance > 0, _div(fourth_moment, variance ** 2) - 3, 0.0)
     return (x[..., 1:] for x in (sigma, margin, kurtosis, own))
 
 
@@ -388,8 +385,7 @@ def attention_entropy(att, normalized=False):
     att (..., T, T); returns (..., T-1) for rows i = 1..T-1 (row 0 has one key and is left out).
 
     normalized=True divides by log(i+1): 1 = uniform over keys j <= i, 0 = one-hot.
-    ValueError unless rows are nonnegative, causal and sum to 1 within ROW_SUM_ATOL (1e-2, for
-    bf16).
+    ValueError unless rows are nonnegative, causal and sum to 1 within ROW_SUM_ATOL (1e-2, bf16).
     """
     return _entropy(_as_probs(att, min_ndim=2, shape_hint=" (..., T, T)"), normalized)
 
@@ -418,15 +414,15 @@ def logit_spread(q, k, n_head):
 def effective_rank(s):
     """Roy and Vetterli effective rank exp(-sum p log p), p = s / sum s, over the last dim.
 
-    s: singular values, (n,) -> float or (..., n) -> tensor. Between 1 and the number of nonzero
-    values; all zeros -> 0.0.
+    s: singular values, (n,) -> float or (..., n) -> tensor.
+    Between 1 and the number of nonzero values; all zeros -> 0.0.
     """
     return _ret(_erank(_nonneg(_as_f64(s, "s", min_ndim=1), "s")))
 
 
 def stable_rank(M):
-    """Stable rank ||M||_F^2 / ||M||_2^2 = sum s^2 / max s^2 of M (..., m, n); singular values as
-    in singular_values. 2-D -> float, batched -> tensor. Zero matrix -> 0.0."""
+    """Stable rank ||M||_F^2 / ||M||_2^2 = sum s^2 / max s^2 of M (..., m, n).
+    Singular values as in singular_values; 2-D -> float, batched -> tensor. Zero matrix -> 0.0."""
     return _ret(_srank(_singular_values(_as_f64(M, "M", min_ndim=2))))
 
 
@@ -435,17 +431,15 @@ def layer_geometry(W_Q, W_K, n_head):
 
     Returns floats (lists of length n_head for *_heads):
       pr_q, pr_k                    PR of the full C x C matrices
-      pr_q_head, pr_k_head          mean over heads of PR(W^h), W^h (d, C); per head: pr_q_heads,
-                                    pr_k_heads
-      pr_qk                         mean over heads of PR of the singular values of W_QK^h;
-                                    pr_qk_heads
+      pr_q_head, pr_k_head          mean over heads of PR(W^h), W^h (d, C); *_heads per head
+      pr_qk                         mean over heads of PR(W_QK^h); pr_qk_heads per head
       qk_spec_norm, qk_fro_norm     mean over heads of ||W_QK^h||_2, ||W_QK^h||_F; *_heads per head
       erank_q, erank_k              effective rank of W_Q, W_K
       srank_q, srank_k              stable rank of W_Q, W_K
       erank_qk                      mean over heads of the effective rank of W_QK^h
       q_spec_norm, k_spec_norm      mean over heads of ||W_Q^h||_2, ||W_K^h||_2; *_heads per head
-      qk_imbalance, qk_gram         mean over heads of ||D_h||_F / qk_gram and of qk_gram; *_heads
-                                    per head
+      qk_imbalance, qk_gram         mean over heads of ||D_h||_F / qk_gram and of qk_gram;
+                                    *_heads per head
       sv_q_heads, sv_k_heads,       per head, the d singular values of W_Q^h, W_K^h and W_QK^h,
       sv_qk_heads                   descending (n_head lists of d)
       qk_eig_mean, qk_eig_std       mean over heads of the mean and the spread of the eigenvalues
@@ -486,8 +480,9 @@ def _layer(W_Q, W_K, n_head):
 
 
 def _interaction_eigenvalues(Wq_h, Wk_h, fro):
-    """qk_eig_mean, qk_eig_std per head from the (d, C) blocks, with d x d products only: tr(W_QK^h)
-    = sum(W_Q^h * W_K^h) and ||S_h||_F^2 = (||W_QK^h||_F^2 + tr(M M)) / 2, M = W_K^h W_Q^h^T."""
+    """qk_eig_mean, qk_eig_std per head from the (d, C) blocks, with d x d products only:
+    tr(W_QK^h) = sum(W_Q^h * W_K^h), and with M = W_K^h W_Q^h^T,
+    ||S_h||_F^2 = (||W_QK^h||_F^2 + tr(M M)) / 2."""
     C = Wq_h.shape[-1]
     mean = (Wq_h * Wk_h).sum((-2, -1)) / C
     M = Wk_h @ Wq_h.mT
@@ -504,8 +499,7 @@ def learned_geometry(W_Q, W_K, W_Q0, W_K0, n_head):
                                     per head: pr_dq_heads, pr_dk_heads
       dq_rel, dk_rel                ||W - W(0)||_F / ||W(0)||_F
       qk_drift                      mean over heads of ||D_h - D_h(0)||_F / qk_gram; qk_drift_heads
-    W == W(0) gives PR 0.0 and rel 0.0; a zero W(0) gives rel 0.0. The difference is taken in
-    float64.
+    W == W(0) gives PR 0.0 and rel 0.0; a zero W(0) gives rel 0.0. W - W(0) is taken in float64.
     """
     W_Q, W_K, _, _ = _qk_heads(W_Q, W_K, n_head)
     W_Q0 = _as_f64(W_Q0, "W_Q0", ndim=2, shape_hint=" (C, C) = (out, in)", device=W_Q.device)
@@ -552,23 +546,22 @@ def partial_correlation(x, y, z=None):
         return float("nan")
     A = torch.cat([torch.ones(n, 1, dtype=torch.float64), _unit_scale(z - z.mean(0), (0,))], 1)
     xy = _unit_scale(torch.stack([x, y], 1), (0,))
-    # residuals: project out the column space of A, from its SVD so that a constant or collinear
-    # control (a rank-deficient A) takes out only the directions it has
+    # The residuals project out the column space of A, taken from its SVD, so that a constant or
+    # collinear control (a rank-deficient A) takes out only the directions it has.
     U, S, _ = torch.linalg.svd(A, full_matrices=False)
     U = U[:, S > S[0] * n * torch.finfo(torch.float64).eps]
     res = xy - U @ (U.mT @ xy)
     norms = res.norm(dim=0)
-    # a residual at round-off of the data is a series that z explains fully: nothing left to
-    # correlate
+    # a residual at the data's round-off: z explains that series fully, nothing is left to correlate
     if (norms <= 1e-12 * xy.norm(dim=0).clamp(min=1e-300)).any():
         return float("nan")
     return (res[:, 0] @ res[:, 1] / (norms[0] * norms[1])).clamp(-1, 1).item()
 
 
 def model_ckpt_iters(cfg):
-    """The iterations of the model checkpoints, whose records carry the token-level values: 0, then
-    model_ckpts - 1 iterations log-spaced from max_iters down to the end of warm-up. train.py saves
-    there and the analysis reads there, both from this one schedule."""
+    """The iterations of the model checkpoints, whose records carry the token-level values:
+    0, then model_ckpts - 1 iterations log-spaced from max_iters down to the end of warm-up.
+    train.py saves there and the analysis reads there, both from this one schedule."""
     n, m = cfg['model_ckpts'], cfg['max_iters']
     if n < 2 or m < 1:
         return {0} if n else set()
@@ -580,14 +573,13 @@ def token_geometry(q, k, att, n_head):
     """Token-level geometry of one attention layer on a batch.
 
     q, k: (B, T, C) query and key vectors, all heads concatenated (head h = channels h*d:(h+1)*d);
-    att: (B, n_head, T, T) causal attention probabilities. Returns floats (lists over heads for
-    *_heads):
+    att: (B, n_head, T, T) causal attention probabilities.
+    Returns floats (lists over heads for *_heads):
       tok_pr_q, tok_pr_k            activation_pr over all B*T tokens pooled, all C dims
-      tok_pr_q_head, tok_pr_k_head  mean over heads of activation_pr of the head's d dims; *_heads
-                                    per head
-      tok_pr_qk                     PR of the singular values of Q_h K_h^T / sqrt(d) (T x T, before
-                                    the mask), mean over heads and sequences; tok_pr_qk_heads: mean
-                                    over sequences
+      tok_pr_q_head, tok_pr_k_head  mean over heads of activation_pr of the head's d dims;
+                                    *_heads per head
+      tok_pr_qk                     PR of Q_h K_h^T / sqrt(d) (T x T, before the mask),
+                                    mean over heads and sequences; tok_pr_qk_heads per head
       entropy, entropy_norm         mean_attention_entropy (plain, normalized); *_heads per head
       logit_std                     mean of logit_spread over heads, rows and sequences;
                                     logit_std_heads per head
@@ -645,19 +637,16 @@ def _token(q, k, att, n_head):
 
 
 # ----------------------------------------------------------------------------------------------
-# the training path: the same math on trusted tensors, where the model is, with no host copy until
-# the end
+# the training path: the same math on trusted tensors where the model is, one host copy at the end
 
 def as_float64(x):
-    """A tensor as float64 where it is (MPS: on the CPU), without the checks of the functions
-    above."""
+    """A tensor as float64 where it is (MPS: on the CPU), unchecked, unlike the functions above."""
     return x.detach().to(device=_home(x), dtype=torch.float64)
 
 
 def record_tensors(W_Q, W_K, W_Q0, W_K0, q, k, att, n_head):
-    """layer_geometry, learned_geometry and token_geometry of one layer, as 0-D and 1-D float64
-    tensors where the inputs are: trusted (no checks, which would each read a value on the host);
-    host_values copies them."""
+    """layer_geometry, learned_geometry and token_geometry of one layer as float64 tensors where the
+    inputs are, unchecked (each check reads a value on the host), for host_values to copy."""
     W_Q, W_K, W_Q0, W_K0, q, k = map(as_float64, (W_Q, W_K, W_Q0, W_K0, q, k))
     att = att.detach().to(device=q.device, dtype=torch.promote_types(att.dtype, torch.float32))
     return {**_layer(W_Q, W_K, n_head), **_learned(W_Q, W_K, W_Q0, W_K0, n_head),
@@ -665,10 +654,10 @@ def record_tensors(W_Q, W_K, W_Q0, W_K0, q, k, att, n_head):
 
 
 def record(qk, qk0, probe, loss, n_head):
-    """A training record: (loss, one dict per layer of layer_geometry, learned_geometry and
-    token_geometry), from the weights and W(0) (a (W_Q, W_K) pair per layer), the (q, k, att) of
-    each layer on the evaluation batch and its loss; computed where they are and copied to the host
-    at once. The layers are None if any input is not finite."""
+    """A training record, computed where the inputs are and copied to the host at once: (loss, one
+    dict per layer of layer_geometry, learned_geometry and token_geometry), from the weights and
+    W(0) (a (W_Q, W_K) pair per layer), each layer's (q, k, att) on the evaluation batch and its
+    loss. The layers are None if any input is not finite."""
     inputs = [(*w, *w0, *acts) for w, w0, acts in zip(qk, qk0, probe)]
     checks = [torch.isfinite(t).all() for layer in inputs for t in layer]
     finite = torch.stack([loss.isfinite()] + checks).all()

@@ -56,8 +56,8 @@ def gpt2_qk(out, n_head):
     return out.chunk(3, dim=-1)[:2]
 
 
-# model types (the first names the family), the modules whose outputs are q and k, split: a fused
-# output -> q, k. Causal language models only: entropy is defined over the keys j <= i.
+# A family's model types (the first names it), the modules whose outputs are q and k, and split,
+# a fused output -> q, k. Causal language models only: entropy is defined over the keys j <= i.
 Family = namedtuple('Family', 'model_types q k split rotary', defaults=(None, False))
 FAMILIES = (
     Family(('gpt2',), 'c_attn', 'c_attn', gpt2_qk),
@@ -89,8 +89,8 @@ def family_of(config):
 
 
 def source(name, revision, gguf_file=''):
-    """from_pretrained's arguments: the folder name/revision if there is one, else name at
-    revision; the GGUF file in it, if one is named."""
+    """from_pretrained's arguments: the folder name/revision if there is one, else name at revision,
+    and the GGUF file in it, if one is named."""
     found = {'pretrained_model_name_or_path': name}
     if revision and os.path.isdir(f'{name}/{revision}'):
         found = {'pretrained_model_name_or_path': f'{name}/{revision}'}
@@ -105,8 +105,8 @@ def one_line(e):
 
 def load(tf, a, revision, what):
     """transformers' tokenizer or model of a.model at revision. A GGUF file's weights are
-    dequantized to float32 on load. Any error is one line naming the model: what transformers
-    cannot load is no bug of this file."""
+    dequantized to float32 on load. Any error is one line naming the model:
+    what transformers cannot load is no bug of this file."""
     where = source(a.model, revision, a.gguf_file)
     try:
         if what == 'tokenizer':
@@ -138,8 +138,7 @@ def gguf_quantization(tf, where):
 
 
 def text_windows(tokenizer, text, n_seqs, seq_len):
-    """(B, T) ids: up to n_seqs windows of seq_len tokens, each with the tokenizer's special
-    tokens."""
+    """Up to n_seqs windows of seq_len token ids (B, T), each with the tokenizer's special ids."""
     ids = tokenizer(text, add_special_tokens=False)['input_ids']
     bare, full = (tokenizer('a', add_special_tokens=s)['input_ids'] for s in (False, True))
     at = full.index(bare[0]) if bare and bare[0] in full else 0   # full: head + bare + tail
@@ -151,11 +150,11 @@ def text_windows(tokenizer, text, n_seqs, seq_len):
 
 def rotate(attn, q, k, cos_sin, d):
     """q, k (B, T, heads * d) turned as attention turns them (its module's apply_rotary_pos_emb).
-    Partial rotary (phi, Pythia): the first r dims of each head turn, r the angles' width; the rest
-    pass through."""
+    Partial rotary (phi, Pythia) turns the first r dims of each head, r the angles' width;
+    the rest pass through."""
     if cos_sin is None:
-        raise Stop(f'{type(attn).__name__} was called without position_embeddings; use '
-                   '--rope=before')
+        raise Stop(f'{type(attn).__name__} was called without position_embeddings;'
+                   ' use --rope=before')
     def heads(t):
         return t.unflatten(-1, (-1, d)).transpose(1, 2)
     def flat(t):
@@ -218,8 +217,8 @@ def steps_of(revisions):
         return [int(found[0][1]) if found[0] else 0]
     lacking = [r for r, m in zip(revisions, found) if not m]
     if lacking:
-        raise Stop(f'revision {lacking[0]!r} names no training step (as step1000 does): pass '
-                   'revisions that do, or one revision')
+        raise Stop(f'revision {lacking[0]!r} names no training step (as step1000 does): '
+                   'pass revisions that do, or one revision')
     steps = [int(m[1]) for m in found]
     if len(set(steps)) < len(steps):
         raise Stop(f'--revisions names a step twice: {", ".join(revisions)}')
@@ -234,8 +233,8 @@ def is_series(path):
 
 
 def series_folder(out_dir, name, overwrite):
-    """out_dir/name, refused when name is not a plain name or the folder holds a config.json not
-    written here or (without overwrite) a series. Nothing is removed here."""
+    """out_dir/name, refused when name is not a plain name, when the folder holds a config.json
+    not written here, or (without overwrite) a series. Nothing is removed here."""
     path = os.path.join(out_dir, name)
     if name in ('', '.', '..') or os.path.basename(name) != name:
         raise Stop(f'--name={name!r} must be one plain folder name inside out_dir')
@@ -243,8 +242,8 @@ def series_folder(out_dir, name, overwrite):
         raise Stop(f'{path} holds a config.json not written here; pass another --name or --out_dir')
     ours = [f for f in OWN if os.path.exists(os.path.join(path, f))]
     if ours and not overwrite:
-        raise Stop(f'{path} holds a series ({", ".join(ours)}); pass --overwrite to measure it '
-                   'again, or another --name')
+        raise Stop(f'{path} holds a series ({", ".join(ours)}); '
+                   'pass --overwrite to measure it again, or another --name')
     return path
 
 
@@ -255,8 +254,7 @@ def write_json(obj, path):
 
 
 def measure_series(a, tf, revisions, ids, config, log):
-    """Each revision's record, in the order of its step; config gains the family and the model's
-    sizes at the first revision."""
+    """Each revision's record, by step; the first revision adds its family and sizes to config."""
     records = []
     for step, revision in sorted(zip(steps_of(revisions), revisions)):
         t0 = time.time()
@@ -278,8 +276,8 @@ def measure_series(a, tf, revisions, ids, config, log):
 
 
 def write_series(path, config, records, done):
-    """config.json, metrics.jsonl and done.json (last) into path, after removing what this command
-    wrote there before (done.json first)."""
+    """config.json, metrics.jsonl and done.json (last) into path, once what this command wrote
+    there before is removed (done.json first)."""
     for f in reversed(OWN):
         if os.path.exists(os.path.join(path, f)):
             os.remove(os.path.join(path, f))
@@ -291,8 +289,8 @@ def write_series(path, config, records, done):
 
 
 def run(a, tf, log=print):
-    """Measure each revision of a.model into its series folder; the folder. Every revision is
-    loaded and measured before --overwrite removes anything: a failure leaves the old series."""
+    """Measure each revision of a.model into its series folder, and return that folder.
+    Each revision is measured before --overwrite removes anything: a failure keeps an old series."""
     if a.rope not in ('after', 'before'):
         raise Stop(f'--rope={a.rope}: after or before')
     if not os.path.isfile(a.text):
@@ -333,15 +331,16 @@ def main(argv=None):
     p.add_argument('--revisions', default='',
                    help="R1,R2,... or 'pythia' (default: the model as it is)")
     p.add_argument('--text', default='data/wikitext-103-raw/wiki.test.raw',
-                   help='a UTF-8 text, of which the first 100,000 characters are read (default: '
-                   'WikiText-103 test, where train.py downloads it)')
+                   help='a UTF-8 text, of which the first 100,000 characters are read '
+                   '(default: WikiText-103 test, where train.py downloads it)')
     p.add_argument('--rope', default='after',
                    help='rotary families: q, k after the rotary embedding or before it')
     p.add_argument('--n_seqs', type=int, default=8, help='windows of the text')
     p.add_argument('--seq_len', type=int, default=256, help='tokens a window')
     p.add_argument('--out_dir', default='out', help='series go to out_dir/name/')
-    p.add_argument('--name', default='', help="the series' folder (default: the last name of the "
-                   "model or GGUF file; -before is added with --rope=before)")
+    p.add_argument('--name', default='',
+                   help="the series' folder (default: the last name of the model or GGUF file;"
+                   ' -before is added with --rope=before)')
     p.add_argument('--overwrite', action='store_true', help='measure a series in its folder again')
     p.add_argument('--device', default='', help="'' = cuda, then mps, then cpu")
     a = p.parse_args(argv)

@@ -135,10 +135,10 @@ if [ -n "${RUN_LIST-}" ]; then  # its lines instead of the grid's: NAME --key=va
 fi
 [ "${#GRID[@]}" -gt 0 ] || die "the grid is empty"
 settings() { printf '%q ' "${ARGS[@]}" $1 ${EXTRA[@]+"${EXTRA[@]}"}; echo; }  # grid line $1's run
-# sweep.py: train.py checks and names each line's run, before anything runs; NAMES, RUNS: each once
+# train.py checks and names each line's run, through sweep.py, before anything runs
 names=$(for line in "${GRID[@]}"; do settings "$line"; done |
         "${SWEEP_PY[@]}" names "$OUT" "${#ARGS[@]}" "${#EXTRA[@]}" "${RUN_LIST-}") || exit 2
-NAMES=() RUNS=() TODO=()  # TODO: the runs not done yet, by their index
+NAMES=() RUNS=() TODO=()  # each run once; TODO: the runs not done yet, by their index
 while read -r i name; do
     [ -f "$OUT/$name/done.json" ] || TODO+=(${#NAMES[@]}); NAMES+=("$name") RUNS+=("${GRID[$i]}")
 done <<< "$names"

@@ -89,9 +89,9 @@ compile = False            # torch.compile the training forward (where available
 threads = 0                # CPU threads for torch; 0 = torch's default
 config_keys = [k for k, v in list(globals().items())
                if not k.startswith('_') and isinstance(v, (bool, int, float, str))]
-# what each setting must be, checked before anything is touched (configurator.check): its choices
-# or a condition on the settings. 0 is none or off where a count allows it. Any other number, a
-# fork's new setting too, must be finite.
+# What each setting must be, checked before anything is touched (configurator.check):
+# its choices, or a condition on the settings. 0 is none or off where a count allows it.
+# Any other number, a fork's new setting too, must be finite.
 SETTINGS = {
     **{k: f'1 <= {k} <= 1e9' for k in ('n_layer', 'n_head', 'block_size', 'batch_size',
                                        'grad_accum', 'eval_iters', 'eval_windows', 'eval_interval',
@@ -283,8 +283,8 @@ def loss_iters(cfg):
 
 
 def log_iters(cfg):
-    """The loss and model checkpoint iterations; with geometry on, each geom_interval too, and 1, 2,
-    4, ... for the fast early change."""
+    """The loss and model checkpoint iterations; with geometry on, each geom_interval too,
+    and 1, 2, 4, ... for the fast early change."""
     last, every = cfg['max_iters'], cfg['geom_interval']
     iters = loss_iters(cfg) | geometry.model_ckpt_iters(cfg)
     if every:
@@ -318,8 +318,8 @@ def estimate_loss(model, data, cfg, dev, ctx):
 
 @torch.no_grad()
 def measure_geometry(model, eval_x, eval_y, n_head, w0):
-    """The evaluation batch's loss and geometry.py's metrics per layer (None: not finite): one copy
-    to the host, as each copy stalls a GPU."""
+    """The evaluation batch's loss and geometry.py's metrics per layer (None: not finite).
+    They come to the host in one copy, as each copy stalls a GPU."""
     model.eval()
     probe = []
     loss = model(eval_x, eval_y, probe=probe)[1]  # float32, explicit attention
@@ -328,8 +328,8 @@ def measure_geometry(model, eval_x, eval_y, n_head, w0):
 
 
 def measure(run, it):
-    """One metrics.jsonl record: the losses (at loss iterations), each layer's geometry and the
-    control's PRs."""
+    """One metrics.jsonl record: the losses (at loss iterations),
+    and each layer's geometry and the control's PRs."""
     cfg = run.cfg
     tokens = it * cfg['batch_size'] * cfg['grad_accum'] * cfg['block_size']
     row = {'iter': it, 'tokens': tokens, 'lr': get_lr(it, cfg)}
@@ -363,11 +363,10 @@ def control_step(run, step):
 
 @dataclass
 class Run:
-    """What one training process holds: built by setup(), advanced by the loop, written by the
-    writers (runfolder.py)."""
+    """What a training process holds: built by setup(), advanced by loop(), written by runfolder."""
     cfg: dict                     # the settings (get_config)
-    ddp: bool                     # under torchrun (runfolder.start): process rank of world, on dev
-    rank: int
+    ddp: bool                     # under torchrun (runfolder.start)
+    rank: int                     # this process's rank among the world processes
     world: int
     dev: str                      # cpu, cuda, cuda:1, mps
     dir: str = ''                 # out_dir/run_name
@@ -383,8 +382,8 @@ class Run:
     first: dict = None            # the record at start, measured before the folder is touched
     wandb: object = None          # the wandb module, if wandb_log (rank 0)
     w0: torch.Tensor = None       # each layer's W_Q, W_K at step 0, (n_layer, 2, C, C)
-    dtype: str = 'float32'        # the autocast dtype and the CPU threads: both change the numbers,
-    threads: int = 1              # so a resumed run keeps ckpt.pt's (runfolder.set_numerics)
+    dtype: str = 'float32'        # the autocast dtype, ckpt.pt's on resuming: it changes numbers
+    threads: int = 1              # CPU threads, ckpt.pt's on resuming: they change the numbers too
     ctx: object = contextlib.nullcontext()  # autocast to dtype, or nothing
     start: int = 0                # this process's first iteration: 0, or the one ckpt.pt holds
     saved_at: int = None          # the iteration ckpt.pt holds
@@ -407,8 +406,7 @@ class Run:
 
 
 def train(cfg):
-    """One run from its config: trains, logs, checkpoints; resumes an unfinished run. Returns the
-    run folder."""
+    """Trains, logs and checkpoints one run from its config, resumed if unfinished; its folder."""
     run = Run(cfg, *runfolder.start(cfg['device']))
     with runfolder.held(run):  # out of memory or of disk space is one line; no .lock is left behind
         setup(run)
@@ -419,13 +417,13 @@ def train(cfg):
 
 
 def setup(run):
-    """Seeds and numerics; the data; the run folder locked; the model, optimizer and its state, a
-    first batch and the first record built. Only then is the folder started over or trimmed to
-    ckpt.pt: a check or an allocation that fails leaves it as it was."""
+    """Seeds and numerics; the data; the run folder locked; the model, optimizer and its state,
+    a first batch and the first record built. Only then is the folder started over or trimmed
+    to ckpt.pt, so that a check or an allocation that fails leaves it as it was."""
     cfg, device_type = run.cfg, run.dev.split(':')[0]
     if cfg['grad_accum'] % run.world:
-        raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by the "
-                                f"{run.world} DDP processes")
+        raise configurator.Stop(f"grad_accum={cfg['grad_accum']} must be divisible by "
+                                f"the {run.world} DDP processes")
     run.wandb = runfolder.import_wandb(cfg) if run.master else None  # None unless wandb_log
     torch.manual_seed(cfg['seed'])  # the init, alike on every DDP rank; each step seeds its draws
     runfolder.set_numerics(run, cfg['dtype'], cfg['threads'])
@@ -447,9 +445,9 @@ def setup(run):
 
 
 def build_model(run, device_type, resuming):
-    """The model, optimizer and control state, ckpt.pt's over them when resuming; then a micro-batch
-    forward and back and the optimizer's state, so that memory the run cannot have fails before the
-    run folder is touched. Its time gives the first estimate of the run's."""
+    """The model, optimizer and control state, ckpt.pt's over them when resuming. Then a micro-batch
+    forward and backward pass and the optimizer's state, so that memory the run cannot have fails
+    before the run folder is touched; the pass's time gives the first estimate of the run's."""
     cfg = run.cfg
     sizes = GPTConfig(run.meta['vocab_size'], cfg['block_size'], cfg['n_layer'], cfg['n_head'],
                       cfg['n_embd'], cfg['dropout'])
@@ -484,8 +482,8 @@ def loop(run, caught):
             stop = check_losses(run, len(caught))
         if stop:
             checkpoint(run, it)
-            sys.exit(f'stopped at iteration {it}: ckpt.pt holds it, and the same command '
-                     'resumes from there')
+            sys.exit(f'stopped at iteration {it}: ckpt.pt holds it, '
+                     'and the same command resumes from there')
         if run.master and it in logs:
             record(run, it)
         if it == cfg['max_iters']:
@@ -499,8 +497,8 @@ def loop(run, caught):
 
 
 def train_step(run, it):
-    """One optimizer step over this rank's share of grad_accum micro-batches; its loss stays on the
-    device, for check_losses to read with others in one copy."""
+    """One optimizer step over this rank's share of grad_accum micro-batches. Its loss stays on
+    the device, for check_losses to read with the others in one copy."""
     cfg, data, micro_steps = run.cfg, run.data['train'], run.cfg['grad_accum'] // run.world
     for group in run.optimizer.param_groups:
         group['lr'] = get_lr(it, cfg)
@@ -527,8 +525,8 @@ def train_step(run, it):
 
 
 def check_losses(run, caught):
-    """One host read of the losses since the last (one not finite stops every DDP rank); whether a
-    rank got a signal."""
+    """Whether a rank got a signal, read on the host with the losses since the last read.
+    A loss that is not finite stops every DDP rank."""
     signals = torch.tensor(float(caught), device=run.dev)
     values = torch.stack([loss for _, loss in run.losses] + [signals])
     if run.ddp:
@@ -543,9 +541,9 @@ def check_losses(run, caught):
 
 def nan_stop(what, it, run):
     kept = 'no ckpt.pt yet' if run.saved_at is None else f'ckpt.pt holds iteration {run.saved_at}'
-    raise configurator.Stop(f"{what} at iteration {it}; the run stops ({kept}). Lower --lr (now "
-                            f"{run.cfg['lr']}) or lengthen --warmup_iters, then rerun with "
-                            "--overwrite=True")
+    raise configurator.Stop(f"{what} at iteration {it}; the run stops ({kept}). "
+                            f"Lower --lr (now {run.cfg['lr']}) or lengthen --warmup_iters, "
+                            "then rerun with --overwrite=True")
 
 
 # ----------------------------------------------------------------------- what the run writes

@@ -69,8 +69,8 @@ def file_settings(path):
 
 def check(cfg, table, names):
     """Each setting against its row of the table: its choices (a tuple or a dict), or a Python
-    condition on the settings (and names); any other float must be finite. A Stop names the first
-    setting that fails, and the values its row reads."""
+    condition on the settings (and names); any other float must be finite.
+    A Stop names the first setting that fails, and the values its row reads."""
     for key, value in cfg.items():
         row = table.get(key)
         if isinstance(value, float) and not math.isfinite(value):
@@ -89,15 +89,14 @@ def check(cfg, table, names):
 
 
 def get_config(argv, defaults, table, names):
-    """defaults <- config files <- --key=value, checked against table (its rows may read names);
-    the run named."""
+    """defaults <- config files <- --key=value, checked against table, with the run named."""
     files = [a for a in argv if not a.startswith('--')]
     pairs = [a[2:].partition('=') for a in argv if a.startswith('--')]
     cfg = dict(defaults)
     for key, eq, _ in pairs:
         if not eq:
-            raise Stop(f'--{key} needs a value: --{key}=VALUE (every setting: python train.py '
-                       '--help)')
+            raise Stop(f'--{key} needs a value: --{key}=VALUE '
+                       '(every setting: python train.py --help)')
     updates = [(k, v, None) for path in files for k, v in file_settings(path).items()]
     for key, value, text in updates + [(key, None, text) for key, _, text in pairs]:
         if key not in defaults:
@@ -113,8 +112,8 @@ def get_config(argv, defaults, table, names):
 
 
 def sha256_of(paths):
-    """Of the files' bytes, remembered while they keep their size and time (get_config and
-    prepare_data both ask)."""
+    """The SHA-256 of the files' bytes, remembered while they keep their size and time:
+    get_config and prepare_data both ask for it."""
     stamps = tuple((os.path.realpath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
     if stamps not in HASHES:
         h = hashlib.sha256()
@@ -127,8 +126,7 @@ def sha256_of(paths):
 
 
 def run_name(cfg, defaults):
-    """L4_normal_s1, L4_normal_freeze-k-spec_s3, ..., then a hash of the other settings that are not
-    defaults."""
+    """L4_normal_s1, L4_normal_freeze-k-spec_s3, ..., then a hash of other non-default settings."""
     control = f"_{spectrum_control.label(cfg)}" if cfg['control'] != 'none' else ''
     name = f"L{cfg['n_layer']}_{cfg['qk_init']}{control}_s{cfg['seed']}"
     other = {k: v for k, v in cfg.items() if k not in NOT_IN_NAME + NAMED and v != defaults.get(k)}

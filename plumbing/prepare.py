@@ -1,7 +1,7 @@
 """The training text, read and encoded once (nanoGPT's prepare.py): a character vocabulary from the
 training part, uint16 train.bin and val.bin, and meta.json, in a cache folder whose name holds the
-text's SHA-256, min_char_count and ENCODER_VERSION. WikiText-103 is downloaded into data_dir when
-it is not there."""
+text's SHA-256, min_char_count and ENCODER_VERSION.
+WikiText-103 is downloaded into data_dir when it is not there."""
 import json
 import os
 import shutil
@@ -28,8 +28,8 @@ def pieces(path, start=0, stop=None):
                 pos += len(text)
         except UnicodeDecodeError as e:  # e.object: the bytes decoded, up to where the file is read
             offset = f.buffer.tell() - len(e.object) + e.start
-            raise Stop(f'{path} is not UTF-8: byte {offset} ({e.reason}); convert it to UTF-8 (for '
-                       'example with iconv)') from None
+            raise Stop(f'{path} is not UTF-8: byte {offset} ({e.reason}); '
+                       'convert it to UTF-8 (for example with iconv)') from None
 
 
 def codepoints(text):
@@ -44,8 +44,8 @@ def encode(train_pieces, val_pieces, min_count, folder):
         counts += np.bincount(codepoints(piece), minlength=0x110000)
     kept = np.flatnonzero(counts >= min_count)
     if len(kept) > np.iinfo(np.uint16).max:
-        raise Stop(f'{len(kept)} characters occur at least min_char_count={min_count} times, more '
-                   'than uint16 ids hold (65535); raise --min_char_count')
+        raise Stop(f'{len(kept)} characters occur at least min_char_count={min_count} times, '
+                   'more than uint16 ids hold (65535); raise --min_char_count')
     table = np.zeros(0x110000, dtype=np.uint16)
     table[kept] = np.arange(1, len(kept) + 1)
     meta = dict(encoder_version=ENCODER_VERSION, vocab_size=len(kept) + 1,
@@ -85,8 +85,8 @@ def download_wikitext(cfg, need):
 
 
 def sources(cfg):
-    """(source files, train pieces, val pieces, cache name): data_file or wiki.test.raw split
-    90/10 by characters, or WikiText-103's train and valid files."""
+    """(source files, train pieces, val pieces, cache name): data_file or wiki.test.raw,
+    split 90/10 by characters, or WikiText-103's train and valid files."""
     if cfg['data_file'] or cfg['dataset'] == 'wikitext103-test':
         path = cfg['data_file'] or os.path.join(cfg['data_dir'], 'wiki.test.raw')
         if not os.path.isfile(path):  # get_config has checked data_file
@@ -101,9 +101,9 @@ def sources(cfg):
 
 
 def build(folder, name, encode_into):
-    """The cache folder, encoded aside and renamed into place: complete or absent. Processes that
-    start on one text together (DDP ranks) each encode it; the first rename wins and the others
-    find it built."""
+    """The cache folder, encoded aside and renamed into place: complete or absent.
+    Processes that start on one text together (DDP ranks) each encode it;
+    the first rename wins, and the others find it built."""
     root = os.path.dirname(folder)
     try:
         os.makedirs(root, exist_ok=True)

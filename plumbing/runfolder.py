@@ -35,16 +35,16 @@ def atomic_save(obj, path):
 
 
 def claim(cfg, master):
-    """(out_dir/run_name, its .lock held by rank 0), unless it leaves out_dir, is finished or
-    another train.py's."""
+    """(out_dir/run_name, its .lock held by rank 0).
+    A Stop if the folder leaves out_dir, holds a finished run or is another train.py's."""
     run_dir = os.path.join(cfg['out_dir'], cfg['run_name'])
     real = os.path.realpath(run_dir)
     if os.path.dirname(real) != os.path.realpath(cfg['out_dir']):
-        raise Stop(f"run folder {run_dir} resolves to {real}, not a folder of "
-                   f"out_dir={cfg['out_dir']}")
+        raise Stop(f"run folder {run_dir} resolves to {real}, "
+                   f"not a folder of out_dir={cfg['out_dir']}")
     if os.path.exists(os.path.join(run_dir, 'done.json')) and not cfg['overwrite']:
-        raise Stop(f'{run_dir} holds a finished run; pass --overwrite=True to train it again, or '
-                   'another --run_name')
+        raise Stop(f'{run_dir} holds a finished run; '
+                   'pass --overwrite=True to train it again, or another --run_name')
     if not master:
         return run_dir, None
     try:
@@ -57,8 +57,8 @@ def claim(cfg, master):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
         lock = open(os.path.join(run_dir, '.lock'), 'a')
     except OSError as e:
-        raise Stop(f'cannot write in the run folder {run_dir}: {e.strerror}; make it writable, or '
-                   'another --out_dir') from None
+        raise Stop(f'cannot write in the run folder {run_dir}: {e.strerror}; '
+                   'make it writable, or another --out_dir') from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -68,16 +68,16 @@ def claim(cfg, master):
 
 @contextlib.contextmanager
 def held(run):
-    """Around a run: its .lock removed while still held; a full disk or an allocation that fails is
-    one line."""
+    """Around a run: its .lock removed while still held.
+    A full disk or an allocation that fails is one line."""
     try:
         yield
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         at = 'the start' if run.saved_at is None else f'iteration {run.saved_at}'
-        raise Stop(f'no space left for {e.filename or run.dir}: free some; the same command '
-                   f'resumes from {at}') from None
+        raise Stop(f'no space left for {e.filename or run.dir}: free some; '
+                   f'the same command resumes from {at}') from None
     except (RuntimeError, MemoryError) as e:  # out of memory, of the device or of the host
         if 'allocate' not in str(e):
             raise
@@ -93,8 +93,8 @@ def held(run):
 
 def begin(run, resuming):
     """Only once the run is built: the old run's files deleted (where its config.json says train.py
-    wrote them) or trimmed to ckpt.pt's iteration; config.json written, metrics.jsonl opened. A
-    wandb run (wandb_log) starts first: it may refuse."""
+    wrote them) or trimmed to ckpt.pt's iteration; config.json written, metrics.jsonl opened.
+    A wandb run (wandb_log) starts first: it may refuse."""
     commit = subprocess.run('git rev-parse HEAD', shell=True, capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     meta, n_params = run.meta, sum(p.numel() for p in run.model.parameters())
@@ -118,8 +118,8 @@ def begin(run, resuming):
         except (OSError, ValueError):
             ours = all(n.endswith('.tmp') for n in found)  # killed in the first config.json write
         if found and not ours:
-            raise Stop(f'{run.dir} holds {found[0]}, not written by train.py: move it, or another '
-                       '--run_name')
+            raise Stop(f'{run.dir} holds {found[0]}, not written by train.py: '
+                       'move it, or another --run_name')
         restart = found and not run.cfg['overwrite']  # a run killed before its first ckpt.pt
         note = ': no ckpt.pt, starting at iteration 0' if restart else ''
         print(f'run folder {run.dir}{note}', flush=True)
@@ -147,8 +147,8 @@ def start_wandb(run, config):
                        name=run.cfg['wandb_run_name'] or run.cfg['run_name'])
     except Exception as e:  # not logged in, no network, a bad project name: whatever wandb raised
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise Stop(f'wandb.init failed ({why}): wandb login, or WANDB_MODE=offline, or '
-                   '--wandb_log=False') from None
+        raise Stop(f'wandb.init failed ({why}): '
+                   'wandb login, or WANDB_MODE=offline, or --wandb_log=False') from None
 
 
 def wandb_row(row):
@@ -164,8 +164,8 @@ def wandb_row(row):
 
 
 def seed_all(seed, rank, it, data_gen=None):
-    """Every random stream of step it from (seed, rank, it) alone, so that a resumed run draws as
-    an uninterrupted one: torch's (dropout) per DDP rank, data_gen's alike on every rank."""
+    """Every random stream of step it from (seed, rank, it) alone, so that a resumed run draws
+    as an uninterrupted one: torch's (dropout) per DDP rank, data_gen's alike on every rank."""
     torch.manual_seed(stream_seed(seed, it, rank + 1))
     if data_gen is not None:
         data_gen.manual_seed(stream_seed(seed, it, 0))
@@ -201,8 +201,8 @@ def save_checkpoint(run, it):
 
 
 def resume(run):
-    """The model, optimizer, control state and numerics from ckpt.pt, refused if its settings or
-    its text differ or it cannot be read."""
+    """The model, optimizer, control state and numerics from ckpt.pt.
+    A Stop if it cannot be read, or if its settings or its text differ."""
     try:
         ckpt = torch.load(run.ckpt_path, map_location='cpu', weights_only=True)
         if not isinstance(ckpt, dict) or 'config' not in ckpt:
@@ -211,8 +211,8 @@ def resume(run):
         if isinstance(e, MemoryError) or 'allocate' in str(e):
             raise  # held(): too big for this machine, not damaged
         raise Stop(f'{run.ckpt_path} is damaged or not a checkpoint of train.py '
-                   f'({type(e).__name__}): remove it, or pass --overwrite=True to start the run '
-                   'over') from None
+                   f'({type(e).__name__}): remove it, '
+                   'or pass --overwrite=True to start the run over') from None
     free = NOT_IN_NAME + ('data_sha256',)
     changed = [k for k in run.cfg if k not in free and ckpt['config'].get(k) != run.cfg[k]]
     if 'numerics' not in ckpt:
@@ -220,8 +220,8 @@ def resume(run):
     if ckpt['data_sha256'] != run.meta['sha256']:
         changed.append('the training text')
     if changed:
-        raise Stop(f"{run.ckpt_path} was written with other settings ({', '.join(changed)}); use "
-                   "the same settings to resume, or --overwrite=True to start over")
+        raise Stop(f"{run.ckpt_path} was written with other settings ({', '.join(changed)}); "
+                   "use the same settings to resume, or --overwrite=True to start over")
     run.model.load_state_dict(ckpt['model'])
     run.optimizer.load_state_dict(ckpt['optimizer'])
     run.start = run.saved_at = ckpt['iter']
@@ -234,8 +234,8 @@ def resume(run):
 
 @contextlib.contextmanager
 def signals_caught(run):
-    """A list that Ctrl-C or SIGTERM (a Slurm time limit) appends to, for the loop to stop at, said
-    at once; a second signal acts as usual."""
+    """A list that Ctrl-C or SIGTERM (a Slurm time limit) appends to, for the loop to stop at.
+    The stop is said at once; a second signal acts as usual."""
     caught = []
     when = 'at its next record or checkpoint' if run.ddp else 'after this iteration'
 
@@ -243,7 +243,7 @@ def signals_caught(run):
         caught.append(signum)
         signal.signal(signum, handlers[signum])
         name = 'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name
-        if run.master:  # os.write: a print here could land inside one of the loop's
+        if run.master:  # os.write, as a print here could land inside one of the loop's prints
             os.write(2, f'{name}: the run stops {when}, checkpointing to {run.ckpt_path} '
                         f'(a second {name} stops it at once, without)\n'.encode())
     handlers = {s: signal.signal(s, catch) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -272,9 +272,9 @@ def save_weights(run, it, model_too):
 
 
 # Significant digits of a record's geometry in metrics.jsonl: the values are computed in float64,
-# and float32's 7 digits are more than any analysis reads. The spectra whole (sv_*, 3 x C values a
-# layer) keep 3 (a relative 5e-4), so a compact log stays within 1.5 times one without them
-# (results/cpu-wide-spread/README.md measures it).
+# and float32's 7 digits are more than any analysis reads.
+# The whole spectra (sv_*, 3 x C values a layer) keep 3 (a relative 5e-4), so a compact log stays
+# within 1.5 times one without them (results/cpu-wide-spread/README.md measures it).
 DIGITS, SPECTRUM_DIGITS = 7, 3
 
 
@@ -292,8 +292,8 @@ def logged(layer):
 
 
 def write_record(run, row, started, model_too):
-    """The record's weights (save_weights), its line of metrics.jsonl, its geometry rounded, and
-    its printed line; started: when measuring it began, where training time stops."""
+    """The record's weights (save_weights), its line of metrics.jsonl with its geometry rounded,
+    and its printed line. started: when measuring it began, where training time stops."""
     it = row['iter']
     save_weights(run, it, model_too)  # geometry's time
     row['time'] = run.elapsed + time.time() - run.t_start
@@ -340,8 +340,8 @@ def print_sizes(run):
 
 
 def print_time_left(run, it, seconds=None):
-    """The training time left, it iterations done, at seconds an iteration (the first micro-batch's
-    time) or at the speed since run.mark (rank 0)."""
+    """The training time left after `it` iterations (rank 0), at `seconds` an iteration
+    (the first micro-batch's) or else at the speed since run.mark."""
     if not run.master:
         return
     since = 'the first micro-batch'
@@ -353,9 +353,9 @@ def print_time_left(run, it, seconds=None):
 
 
 def allocate_state(optimizer):
-    """The state a first step gives the optimizer, at zero, from which that step starts alike (an
-    AdamW's moments and step count, an SGD's momentum): allocated now, its memory fails before the
-    run folder is touched. A step at lr 0 on zero gradients leaves the weights as they are."""
+    """The state a first step gives the optimizer (an AdamW's moments and step count, an SGD's
+    momentum), at zero, from which that step starts alike. Allocated now, its memory fails before
+    the run folder is touched. A step at lr 0 on zero gradients leaves the weights as they are."""
     if optimizer.state:  # ckpt.pt's
         return
     lrs = [group['lr'] for group in optimizer.param_groups]
@@ -383,9 +383,9 @@ def write_done(run):
     atomic_save(json.dumps(done, indent=1).encode(), os.path.join(run.dir, 'done.json'))
     if run.wandb:
         run.wandb.finish()
-    print(f"done in {duration(run.elapsed)}: val loss {done['val_loss']:.4f}; geometry logging "
-          f"took {100 * done['geometry_share']:.1f}% of wall time; run folder {run.dir}",
-          flush=True)
+    print(f"done in {duration(run.elapsed)}: val loss {done['val_loss']:.4f}; "
+          f"geometry logging took {100 * done['geometry_share']:.1f}% of wall time; "
+          f"run folder {run.dir}", flush=True)
 
 
 def duration(s):
@@ -394,8 +394,7 @@ def duration(s):
 
 
 def start(name):
-    """(ddp, rank, world size, device): --device checked, or cuda, mps, cpu; under torchrun one GPU
-    a process."""
+    """(ddp, rank, world, device): --device checked, or cuda, mps, cpu; a GPU a torchrun process."""
     cuda = [f'cuda:{i}' for i in range(torch.cuda.device_count())]
     here = ['cpu'] + ['cuda'] * bool(cuda) + cuda + ['mps'] * torch.backends.mps.is_available()
     if name and name not in here:
@@ -404,8 +403,8 @@ def start(name):
     ddp = 'RANK' in os.environ
     if ddp and dev.startswith('cuda'):
         if int(os.environ.get('LOCAL_WORLD_SIZE', 1)) > len(cuda):
-            raise Stop(f"torchrun started {os.environ['LOCAL_WORLD_SIZE']} processes on a machine "
-                       f"with {len(cuda)} GPUs: use --nproc_per_node={len(cuda)}")
+            raise Stop(f"torchrun started {os.environ['LOCAL_WORLD_SIZE']} processes "
+                       f"on a machine with {len(cuda)} GPUs: use --nproc_per_node={len(cuda)}")
         dev = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
     if dev.startswith('cuda:'):  # the current device, which synchronize without a device means
         torch.cuda.set_device(dev)

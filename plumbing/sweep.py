@@ -8,10 +8,10 @@ data once, and trains the runs on this machine. sweep.sh runs it as a script, on
     python plumbing/sweep.py run OUT JOBS THREADS ANALYZE PYTHON [GPU ...] < commands
 
 names reads one run a line, its train.py arguments shell-quoted: the preset's N_PRESET, the grid
-line's, then sweep.sh's N_EXTRA extra arguments (with a RUN_LIST, its path, the grid line is a line
-of that file; '' for none). It prints 'INDEX NAME' for the first line of each run. run reads
-NUL-ended fields: each run's name, the length of its command, its command. A stop is one line on
-stderr, sweep.sh's (or train.py's about a setting), and exit status 1 (sweep.sh exits 2).
+line's, then sweep.sh's N_EXTRA extra arguments. RUN_LIST is the path of the file of grid lines,
+or '' for none. names prints 'INDEX NAME' for the first line of each run. run reads NUL-ended
+fields: each run's name, the length of its command, its command. A stop is one line on stderr,
+sweep.sh's (or train.py's about a setting), and exit status 1, on which sweep.sh exits 2.
 """
 import contextlib
 import fcntl
@@ -29,20 +29,18 @@ REPO = os.path.dirname(PLUMBING)  # the repository root
 SWEEP_SH = os.path.join(REPO, 'sweep.sh')
 
 if __name__ == '__main__':
-    # as a script, Python puts plumbing/ first on sys.path; the root goes there instead, so that
-    # this imports as train.py does, from any working directory (and no plumbing module as a
-    # top-level one)
+    # As a script, Python puts plumbing/ first on sys.path. The root goes there instead,
+    # so that imports work as in train.py from any directory, and no plumbing module is top-level.
     if sys.path and os.path.realpath(sys.path[0]) == PLUMBING:
         sys.path[0] = REPO
     else:
         sys.path.insert(0, REPO)
 
-train = configurator = None  # imported by load(): only names and prepare need them, and torch
+train = configurator = None  # load() imports them, and torch with them, for names and prepare
 
 
 def load():
-    """Import train.py and the configurator (and torch), or stop naming the module this Python
-    lacks."""
+    """Import train.py and the configurator (and torch), or stop naming the module Python lacks."""
     global train, configurator
     try:
         import train
@@ -96,8 +94,8 @@ def check_env(environ):
     for name in sorted(environ):
         k = meant(name, known)
         if k:
-            sys.exit(f'sweep.sh: {name}={environ[name]}: sweep.sh reads no {name}; did you mean '
-                     f'{k}? (nothing ran; unset {name} if not)')
+            sys.exit(f'sweep.sh: {name}={environ[name]}: sweep.sh reads no {name}; '
+                     f'did you mean {k}? (nothing ran; unset {name} if not)')
 
 
 def grid_variables(text):
@@ -193,8 +191,8 @@ def check_grid_keys(rows, n_preset, n_extra):
                 names = grid_variables(f.read()).get(key)
             instead = (f"{names[0]}={value} (the grid's variables for it: {', '.join(names)})"
                        if names else "the grid's variable for it (sweep.sh --help)")
-            sys.exit(f'sweep.sh: {arg}: the grid sets --{key} run by run, and its runs would '
-                     f'merge; set {instead} instead')
+            sys.exit(f'sweep.sh: {arg}: the grid sets --{key} run by run, '
+                     f'and its runs would merge; set {instead} instead')
 
 
 def check_finished(cfg, out):
@@ -205,8 +203,7 @@ def check_finished(cfg, out):
         return
     with open(os.path.join(run, 'config.json')) as f:
         old = json.load(f)
-    # every setting but where and how fast (NOT_IN_NAME); config.json holds the dtype that
-    # auto chose
+    # every setting but NOT_IN_NAME's; config.json holds the dtype that auto chose, not auto
     diff = '; '.join(f'{k} {old.get(k)} there, {v} here' for k, v in cfg.items()
                      if old.get(k) != v and k not in configurator.NOT_IN_NAME
                      and (k, v) != ('dtype', 'auto'))
@@ -254,8 +251,8 @@ def on_stop(signum, frame):
 
 
 def read_commands(stream):
-    """[(run name, its command)] from NUL-ended fields: a run's name, its command's length, its
-    words."""
+    """[(run name, its command)] from NUL-ended fields:
+    a run's name, its command's length, its words."""
     fields = [os.fsdecode(f) for f in stream.read().split(b'\0')[:-1]]
     commands = []
     while fields:
@@ -266,8 +263,7 @@ def read_commands(stream):
 
 
 def time_left(walls, total, jobs):
-    """'k of N ended, about T left': the mean seconds of the k runs ended, times the runs to come,
-    over the runs at once."""
+    """'k of N ended, about T left': the ended runs' mean seconds x the runs to come / jobs."""
     t = sum(walls) / len(walls) * (total - len(walls)) / jobs
     left = f'{t:.0f} s' if t < 99 else f'{t / 60:.0f} min'
     return f'{len(walls)} of {total} ended, about {left} left'
@@ -291,8 +287,7 @@ def alive(child):
 
 
 def elsewhere(run_dir):
-    """Whether another process holds the run's .lock (a lock that goes with its holder) or has
-    finished the run."""
+    """Whether another process holds the run's .lock (which dies with its holder) or finished it."""
     if os.path.exists(os.path.join(run_dir, 'done.json')):
         return True
     try:
@@ -321,16 +316,16 @@ class Runner:
         return os.path.join(self.out, 'logs', name + '.log')
 
     def start(self, slot, name, command):
-        """Start a run on GPU slot mod the number of GPUs when there are any; its log gets the
-        command and then all that it prints."""
+        """Start a run on GPU slot mod the number of GPUs, when there are any.
+        Its log gets the command, then all that the run prints."""
         env = None
         if self.gpus:
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=self.gpus[slot % len(self.gpus)])
         with open(self.log(name), 'a') as log:
             print(f'# {time.strftime("%a %b %e %H:%M:%S %Z %Y")}: {" ".join(command)}', file=log,
                   flush=True)
-            # a session, so a process group, of its own: a Ctrl-C at the terminal reaches the sweep
-            # only, which stops each run after its checkpoint (stop)
+            # A session, so a process group, of its own: a Ctrl-C at the terminal reaches only
+            # the sweep, which stops each run after its checkpoint (stop).
             child = subprocess.Popen([*command, f'--threads={self.threads}'], env=env,
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -379,8 +374,8 @@ class Runner:
 
 
 def run(commands, out, jobs, threads, gpus):
-    """Train the runs of commands (read_commands) and say how each ended: (the runs that failed,
-    those that another process trains and has not finished)."""
+    """Train the runs of commands (read_commands) and say how each ended. Returns the runs that
+    failed and those that another process trains and has not finished."""
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         # as for bash's trap: ignored from the start stays so
         if signal.getsignal(s) != signal.SIG_IGN:
@@ -415,13 +410,14 @@ def main(argv):
         out, jobs, threads, analyze, python, *gpus = args
         failed, unfinished = run(read_commands(sys.stdin.buffer), out, int(jobs), threads, gpus)
         if failed:
-            print(f'{len(failed)} runs failed (logs in {out}/logs/); fix the cause and run the '
-                  f'same command again')
+            print(f'{len(failed)} runs failed (logs in {out}/logs/); '
+                  'fix the cause and run the same command again')
             sys.exit(1)
         if unfinished:  # the analysis waits for them: the sweep that ends last runs it
-            print(f'{len(unfinished)} runs are still training elsewhere (another sweep into '
-                  f'{out}?): no analysis here; the sweep that ends last runs it, or run '
-                  f'python analyze.py {out} once they are done')
+            print(f'{len(unfinished)} runs are still training elsewhere '
+                  f'(another sweep into {out}?): no analysis here; '
+                  'the sweep that ends last runs it, '
+                  f'or run python analyze.py {out} once they are done')
         elif analyze == '1':
             sys.stdout.flush()
             os.execvp(python, [python, os.path.join(REPO, 'analyze.py'), out])
