@@ -161,6 +161,14 @@ def test_each_committed_study_analyses_to_its_committed_tables(study, tmp_path, 
     assert analysed(study, tmp_path) == tables(os.path.join(REPO, 'results', study))
 
 
+def test_the_second_text_beside_the_first_analyses_to_its_committed_tables(tmp_path, monkeypatch):
+    """results/sotu-wide/README.md's second command: both texts, compared claim by claim."""
+    monkeypatch.chdir(REPO)
+    paths = [os.path.join('results', study, 'runs') for study in ('sotu-wide', 'cpu-wide-spread')]
+    assert analyze.main([*paths, f'--out={tmp_path}', '--no_figures']) == 0
+    assert tables(tmp_path) == tables(os.path.join(REPO, 'results', 'sotu-wide', 'both'))
+
+
 def test_a_fork_s_new_kind_with_its_own_dose_key_leaves_a_committed_study_as_it_was(
         monkeypatch, tmp_path):
     """The fork's kind caps the top singular value: its dose key is one no committed run has."""
