@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ def swept(tmp_path_factory):
     root = tmp_path_factory.mktemp('paths')
     (root / 'text.txt').write_text(make_text(30_000), encoding='utf-8')
     env = dict(PRESET='smoke', OUT=str(root / 'out'), DATA_FILE=str(root / 'text.txt'), JOBS='2',
-               SEEDS='1', CONTROL_SEEDS='1 2', SHRINK_TOS='0.1')
+               SEEDS='1', CONTROL_SEEDS='1 2', SHRINK_TOS='0.1', PYTHON=sys.executable)
     grid = sweep({**env, 'ANALYZE': '0'})
     (root / 'runs.txt').write_text('nodecay --n_layer=4 --seed=1 --decay_qk=False\n'
                                    'lr --n_layer=4 --seed=1 --lr=3e-3\n')
