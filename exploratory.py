@@ -28,6 +28,7 @@ MEDIATORS = ('log logit_std', 'log qk_fro_norm', 'log qk_spec_norm', 'logit_marg
              'logit_kurtosis')
 CANDIDATES = MEDIATORS + ('log pr_k', 'log pr_qk', 'qk_eig_mean')
 ROUTES = {'spread': ('log logit_std',), 'shape': ('logit_margin', 'logit_kurtosis')}
+SPREAD_AND_SHAPE = ROUTES['spread'] + ROUTES['shape']
 CARRIES = 0.2         # a route carries an effect when its share's interval lies above this
 
 
@@ -110,8 +111,8 @@ def predictor_rows(runs):
     'layer alone' is the intercepts' own."""
     candidates = {'layer alone': ()}
     candidates.update({key: (key,) for key in logged_by_all(runs, CANDIDATES)})
-    if logged_by_all(runs, ROUTES['shape']):
-        candidates['log logit_std, logit_margin, logit_kurtosis'] = sum(ROUTES.values(), ())
+    if logged_by_all(runs, SPREAD_AND_SHAPE) == list(SPREAD_AND_SHAPE):
+        candidates[', '.join(SPREAD_AND_SHAPE)] = SPREAD_AND_SHAPE
     return [{'predictor': name, **held_out_r2(*head_design(runs, keys))}
             for name, keys in candidates.items()]
 
@@ -287,7 +288,7 @@ def route_rows(study):
     layer-targeted arm's controlled layer: the share of its dH that each route's coefficients (of
     the shape fit) times the pair's changes predict, jackknife-t over seeds. Each setting with
     such arms is fitted on its own none runs."""
-    keys, fits, shares = ROUTES['spread'] + ROUTES['shape'], [], []
+    keys, fits, shares = SPREAD_AND_SHAPE, [], []
     for setting, arms in layer_targeted(study).items():
         base = [run for run in engine.uncontrolled(study.runs) if run.setting == setting]
         if len({run.seed for run in base}) < 2:
