@@ -90,19 +90,21 @@ def across_heads(runs):
         if not defined:
             continue
         mean, low, high, count = stats.t_interval(defined)
-        reading = beyond_spread(low, high) if 'partial' in statistic else ''
+        reading, beyond = '', 'beyond the spread (a correlation)'
+        if 'partial' in statistic:
+            reading = against_band(low, high, LINK_BAND, 'no further than the spread', beyond,
+                                   beyond)
         rows.append({'statistic': statistic, 'mean': mean, 'lo': max(low, -1.0),
                      'hi': min(high, 1.0), 'runs': count, 'reading': reading})
     return rows
 
 
-def beyond_spread(low, high):
-    """A partial link given log logit_std, read against LINK_BAND."""
-    if -LINK_BAND <= low and high <= LINK_BAND:
-        return 'no further than the spread'
-    if (low > 0 or high < 0) and (low > LINK_BAND or high < -LINK_BAND):
-        return 'beyond the spread (a correlation)'
-    return 'undecided'
+def against_band(low, high, band, inside, above, below):
+    """An interval read against +/- band: inside it, wholly above it, wholly below it, else
+    undecided (as is an interval that is not finite)."""
+    if -band <= low and high <= band:
+        return inside
+    return engine.side(low - band, high + band, above, below, 'undecided')
 
 
 def predictor_rows(runs):
@@ -261,10 +263,7 @@ def layer_effects(study):
             changes = [run.final('entropy', [layer]) - base.final('entropy', [layer])
                        for run, base in pairs]
             mean, low, high, count = stats.t_interval(changes)
-            outside = (low - NO_EFFECT, high + NO_EFFECT)   # above 0: above the margin
-            reading = engine.side(*outside, 'moves up', 'moves down', 'undecided')
-            if -NO_EFFECT <= low and high <= NO_EFFECT:
-                reading = 'stays'
+            reading = against_band(low, high, NO_EFFECT, 'stays', 'moves up', 'moves down')
             rows.append({'setting': study.label[setting], 'arm': study.arm_name(arm),
                          'layer': layer, 'controlled': layer in controlled, 'pairs': count,
                          'dH': mean, 'lo': low, 'hi': high, 'reading': reading})
@@ -320,9 +319,7 @@ def arm_routes(study, setting, arm, pairs, coefficients):
                 with np.errstate(divide='ignore', invalid='ignore'):   # no change: no share
                     return predicted[keep].mean() / entropy[keep].mean()
             through, low, high = stats.jackknife(share, seeds)
-            reading = 'carries' if low > CARRIES else 'undecided'
-            if -CARRIES <= low and high <= CARRIES:
-                reading = 'carries none'
+            reading = against_band(low, high, CARRIES, 'carries none', 'carries', 'undecided')
             if not moves:
                 reading = 'not read: the layer does not move'
             rows.append({'setting': study.label[setting], 'arm': study.arm_name(arm),
@@ -403,9 +400,7 @@ def across_texts(study):
         if first is None or second is None:
             continue
         difference, low, high = welch(second['values'], first['values'])
-        reading = 'different' if low > size or high < -size else 'undecided'
-        if -size <= low and high <= size:
-            reading = 'the same'
+        reading = against_band(low, high, size, 'the same', 'different', 'different')
         rows.append({'claim': key, 'text 1': first['text'], 'verdict 1': first['verdict'],
                      'text 2': second['text'], 'verdict 2': second['verdict'],
                      'verdicts': kept(first['verdict'], second['verdict']),
