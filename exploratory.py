@@ -461,7 +461,7 @@ def welch(values, others):
     half = 0.0   # two samples without spread: their difference is exact
     if spread > 0:
         freedom = (variance + variance_other) ** 2 / spread   # Welch-Satterthwaite
-        half = stats.t_quantile(0.5 + stats.LEVEL / 2, freedom) * error
+        half = stats.critical(freedom) * error
     return difference, difference - half, difference + half
 
 
