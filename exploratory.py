@@ -42,6 +42,11 @@ def late_heads(run, key):
     return np.log(late) if key.startswith('log ') else late
 
 
+def spread_runs(study):
+    """The runs that log logit_std per head, with at least one record."""
+    return [run for run in study.runs if 'logit_std_heads' in run.m and len(run.iters)]
+
+
 def logged_by_all(runs, keys):
     return [key for key in keys if all(late_heads(run, key) is not None for run in runs)]
 
@@ -50,7 +55,7 @@ def logged_by_all(runs, keys):
 def what_sets_entropy(study):
     """Across heads within layers, the predictors with layer intercepts, and the key control's
     mediation with one unit per (seed pair, layer), over the runs that log logit_std."""
-    runs = [run for run in study.runs if late_heads(run, 'logit_std') is not None]
+    runs = spread_runs(study)
     if not runs:
         return {}
     tables = {'entropy_heads': across_heads(runs)}

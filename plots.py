@@ -359,13 +359,9 @@ def imbalance(study, tables):
     return figure
 
 
-def spread_runs(study):
-    return [run for run in study.runs if 'logit_std_heads' in run.m and len(run.iters)]
-
-
 def entropy_spread(study, tables):
     """Each head's final entropy against its logit spread; nothing where no run logs logit_std."""
-    runs = spread_runs(study)
+    runs = exploratory.spread_runs(study)
     if not runs:
         return []
     figure, (axis,) = panels(1, 6, 4.5)
@@ -381,7 +377,7 @@ def entropy_spread(study, tables):
 def spread_pairs(study, tables):
     """The key control's (seed pair, layer) units, dH against d log logit_std: a panel a layer,
     a colour an arm (the same in every panel)."""
-    if not spread_runs(study):
+    if not exploratory.spread_runs(study):
         return []
     units = tables.get('entropy_pairs', [])
     if not units:
