@@ -227,9 +227,7 @@ def entropy_and_pr(study, tables):
 
 
 def control_arms(study, tables):
-    """A row per arm family (setting, control kind), in the study's order: its PR, its entropy, its
-    dose response (each seed pair at the change in the target it achieved; each arm's mean, t
-    interval)."""
+    """A row per arm family (setting, control kind): its PR, its entropy, its dose response."""
     names, arm_families = setting_names(study)[0], families(study.arms)
     if not arm_families:
         raise Skip('no controlled runs paired with a baseline')
@@ -323,8 +321,7 @@ def regime_points(study, tables):
 
 
 def imbalance(study, tables):
-    """Imbalance and drift per setting, in panels of their own: they coincide where D_h starts at 0
-    (tied inits); per head, the final PR gap against imbalance."""
+    """Imbalance and drift in panels of their own: they coincide where D_h starts at 0."""
     logged = {name: [run for run in runs if 'qk_imbalance_heads' in run.m]
               for name, runs in settings_of(study).items()}
     groups = {name: runs for name, runs in logged.items() if runs}
@@ -353,9 +350,8 @@ def entropy_spread(study, tables):
         return []
     figure, (axis,) = panels(1, 6, 4.5)
     log_spread = TRANSFORMS['logit spread']
-    spread = log_spread(finals(runs, 'logit_std_heads'))
-    dots = axis.scatter(spread, finals(runs, 'entropy_heads'), c=finals(runs, 'pr_k_heads'), lw=0,
-                        s=8, alpha=0.7)
+    dots = axis.scatter(log_spread(finals(runs, 'logit_std_heads')), finals(runs, 'entropy_heads'),
+                        c=finals(runs, 'pr_k_heads'), lw=0, s=8, alpha=0.7)
     figure.colorbar(dots, ax=axis, label='PR_K of the head')
     axis.set(xlabel=log_spread.label, ylabel='entropy of the head (nats)',
              title=plain(f'final record, run x layer x head ({len(runs)} runs)', 48))
@@ -363,8 +359,7 @@ def entropy_spread(study, tables):
 
 
 def spread_pairs(study, tables):
-    """The key control's (seed pair, layer) units, dH against d log logit_std: a panel a layer,
-    a colour an arm (the same in every panel)."""
+    """A panel a layer, a colour an arm (the same in every panel)."""
     if not exploratory.spread_runs(study):
         return []
     units = tables.get('entropy_pairs', [])
@@ -388,8 +383,7 @@ def spread_pairs(study, tables):
 
 
 def layer_control(study, tables):
-    """Each layer-targeted arm's dH in every layer with its interval, the controlled layer filled,
-    the no-effect band shaded."""
+    """The arms side by side in each layer; nothing (and no note) where no arm targets layers."""
     rows = tables.get('entropy_layers', [])
     if not rows:
         return []
