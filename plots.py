@@ -6,7 +6,6 @@ text (a '$' in a value is not mathtext); legends sit under the panels, inside th
 every series drawn; a colour map has a colour bar beside each panel that uses it.
 """
 import io
-import json
 import textwrap
 from collections import namedtuple
 from itertools import chain
@@ -32,21 +31,19 @@ LONG_NAME = 90      # a setting name longer: drawn as S1, S2, ..., listed under 
 ENTROPY_AGAINST = {'pr_k': 'PR_K (whole matrix)', 'pr_qk': 'PR_QK (mean over heads)'}
 
 
-class Transform(namedtuple('Transform', 'function quantity shift', defaults=(0,))):
+def transform(function, quantity, shift=0):
     """An axis that draws function(shift + quantity), labelled by the function's own name: the
     label cannot say log10 while the axis draws np.log."""
-    def __call__(self, values):
-        return self.function(self.shift + values)
-
-    @property
-    def label(self):
-        name, quantity = self.function.__name__, self.quantity
-        return f'{name}({self.shift:g} + {quantity})' if self.shift else f'{name} {quantity}'
+    def drawn(values):
+        return function(shift + values)
+    name = function.__name__
+    drawn.label = f'{name}({shift:g} + {quantity})' if shift else f'{name} {quantity}'
+    return drawn
 
 
-TRANSFORMS = {'iteration': Transform(np.log10, 'iteration', shift=1),
-              'logit scale': Transform(np.log10, '||W_QK^h||_2 (logit scale)'),
-              'logit spread': Transform(np.log10, 'logit_std of the head')}
+TRANSFORMS = {'iteration': transform(np.log10, 'iteration', shift=1),
+              'logit scale': transform(np.log10, '||W_QK^h||_2 (logit scale)'),
+              'logit spread': transform(np.log10, 'logit_std of the head')}
 
 
 def draw(study, tables, log=print):
@@ -120,13 +117,12 @@ def iteration_axis(axis, ylabel, title=''):
 
 
 def settings_of(study):
-    """{setting name: its uncontrolled runs with geometry records}, in setting_names' order."""
-    uncontrolled = [run for run in study.runs if run.control == 'none' and len(run.iters)]
-    groups = group(uncontrolled, lambda run: run.setting)
-    if not groups:
-        raise Skip('no uncontrolled runs with geometry records')
+    """{setting name: its uncontrolled runs with geometry records}, in the study's order."""
     names = setting_names(study)[0]
-    return {name: groups[setting] for setting, name in names.items() if setting in groups}
+    uncontrolled = [run for run in study.runs if run.control == 'none' and len(run.iters)]
+    if not uncontrolled:
+        raise Skip('no uncontrolled runs with geometry records')
+    return group(uncontrolled, lambda run: names[run.setting])
 
 
 def panels(count, width=4.2, height=3.2, per_row=4):
@@ -152,11 +148,6 @@ def band(axis, iterations, values, centre=stats.nanmean, alpha=0.15, **line):
     axis.plot(iterations, centre(values, 0), **line)
     low, high = np.nanmin(values, 0), np.nanmax(values, 0)
     axis.fill_between(iterations, low, high, color=line['color'], alpha=alpha, lw=0)
-
-
-def coloured(figure, axis, x_values, y_values, colours, label, **dots):
-    """A scatter coloured by colours, with a colour bar of its own named label."""
-    figure.colorbar(axis.scatter(x_values, y_values, c=colours, lw=0, **dots), ax=axis, label=label)
 
 
 def flat(runs, key, from_warmup=False):
@@ -217,55 +208,50 @@ def entropy_and_pr(study, tables):
     for axis, key in zip(scatters, against):
         have = [run for run in runs if key in run.m]
         iterations = np.concatenate([np.repeat(run.iters, run.n_layer) for run in have])
-        coloured(figure, axis, flat(have, key), flat(have, 'entropy'), log_iteration(iterations),
-                 log_iteration.label, s=4, alpha=0.6)
+        dots = axis.scatter(flat(have, key), flat(have, 'entropy'), c=log_iteration(iterations),
+                            lw=0, s=4, alpha=0.6)
+        figure.colorbar(dots, ax=axis, label=log_iteration.label)
         axis.set(xlabel=ENTROPY_AGAINST[key], ylabel='attention entropy (nats)',
                  title=f'{key.upper()}: each run, layer and record')
     if logged:   # shape beyond scale, from warm-up on (before, the weights are their random draw)
         scale, entropy, pr_k = (flat(logged, key, from_warmup=True) for key in head_keys)
         order = np.argsort(pr_k)[::-1]   # the lowest PR_K drawn last, on top
         log_scale = TRANSFORMS['logit scale']
-        coloured(figure, scatters[-1], log_scale(scale[order]), entropy[order], pr_k[order],
-                 'PR_K of the head', s=5, alpha=0.7)
+        dots = scatters[-1].scatter(log_scale(scale[order]), entropy[order], c=pr_k[order], lw=0,
+                                    s=5, alpha=0.7)
+        figure.colorbar(dots, ax=scatters[-1], label='PR_K of the head')
         scatters[-1].set(xlabel=log_scale.label, ylabel='entropy of the head (nats)',
                          title='logit scale: per head and record\nfrom the end of warm-up on')
     legend(figure, *over_time.get_legend_handles_labels())
     return figure
 
 
-def dose_response(axis, study, keys, colours, target):
-    """Each seed pair at the change in target it achieved; each arm's mean, t interval."""
-    for colour, key in zip(colours, keys):
-        pairs = study.arms[key]
-        doses = [treated.final(target) - base.final(target) for treated, base in pairs]
-        changes = [treated.final('entropy') - base.final('entropy') for treated, base in pairs]
-        axis.scatter(doses, changes, color=colour, s=16)
-        mean_dose, (mean_change, low, high) = stats.nanmean(doses), stats.t_interval(changes)[:3]
-        axis.errorbar([mean_dose], [mean_change], fmt='D', color=colour, mec='k', capsize=4,
-                      yerr=np.nan_to_num([[mean_change - low], [high - mean_change]]))
-
-
 def control_arms(study, tables):
     """A row per arm family (setting, control kind): its PR, its entropy, its dose response."""
-    names = setting_names(study)[0]
-    order = list(names)
-    arm_families = sorted(families(study.arms).items(), key=lambda item: order.index(item[0][0]))
+    names, arm_families = setting_names(study)[0], families(study.arms)
     if not arm_families:
         raise Skip('no controlled runs paired with a baseline')
     figure, grid = panels(3 * len(arm_families), 5, 4.2, 3)
-    for row, ((setting, arm), keys) in zip(grid.reshape(-1, 3), arm_families):
+    for row, ((setting, arm), keys) in zip(grid.reshape(-1, 3), arm_families.items()):
         pr_axis, entropy_axis, dose_axis = row
         target = f"pr_{dict(arm)['control_target']}_head"
-        doses = colormaps['Blues'](np.linspace(0.45, 0.95, len(keys)))   # darker: a stronger dose
+        shades = colormaps['Blues'](np.linspace(0.45, 0.95, len(keys)))   # darker: a stronger dose
         every_pair = chain(*(study.arms[key] for key in keys))
         lines = [('none', list(dict.fromkeys(base for treated, base in every_pair)), 'k')]
-        for colour, key in zip(doses, keys):
-            lines.append((study.arm_name(key[1]), [run for run, base in study.arms[key]], colour))
+        for colour, key in zip(shades, keys):
+            pairs = study.arms[key]
+            lines.append((study.arm_name(key[1]), [run for run, base in pairs], colour))
+            doses = [treated.final(target) - base.final(target) for treated, base in pairs]
+            changes = [treated.final('entropy') - base.final('entropy') for treated, base in pairs]
+            dose_axis.scatter(doses, changes, color=colour, s=16)
+            mean_change, low, high = stats.t_interval(changes)[:3]
+            error = np.nan_to_num([[mean_change - low], [high - mean_change]])
+            dose_axis.errorbar([stats.nanmean(doses)], [mean_change], yerr=error, fmt='D',
+                               color=colour, mec='k', capsize=4)
         for label, runs, colour in lines:
             pr_axis.plot(*mean_line(runs, target), color=colour,
                          label=plain(f'{label} ({len(runs)})', 30))
             entropy_axis.plot(*mean_line(runs, 'entropy'), color=colour)
-        dose_response(dose_axis, study, keys, doses, target)
         dose_axis.axhline(0, color='k', lw=0.8)
         family = study.arm_name(arm)
         if study.label[setting] != 'base':
@@ -293,8 +279,7 @@ def by_axis(study, points):
     reference = settings['base' if 'base' in points else points[0]]
 
     def differs(point):
-        return tuple(key for key in keys
-                     if json.dumps(settings[point].get(key)) != json.dumps(reference.get(key)))
+        return tuple(key for key in keys if key in varying([settings[point], reference]))
     groups = group(points, differs)
     order = sorted(groups, key=lambda varied: (len(varied), [keys.index(key) for key in varied]))
     return {', '.join(varied) or 'base': groups[varied] for varied in order}
@@ -308,7 +293,7 @@ def regime_points(study, tables):
     if not rows:
         raise Skip('the regime compares two or more uncontrolled settings')
     names = {study.label[setting]: name for setting, name in setting_names(study)[0].items()}
-    blocks = by_axis(study, list(dict.fromkeys(row['point'] for row in chain(*rows.values()))))
+    blocks = by_axis(study, list(dict.fromkeys(row['point'] for row in measured)))
     colour = {point: style.color for style, varied, block in styled(blocks) for point in block}
     order = list(chain(*blocks.values()))
     statistics, figures = list(rows), []
@@ -336,8 +321,7 @@ def regime_points(study, tables):
 
 
 def imbalance(study, tables):
-    """Imbalance and drift per setting, in panels of their own: they coincide where D_h starts at 0
-    (tied inits); per head, the final PR gap against imbalance."""
+    """Imbalance and drift in panels of their own: they coincide where D_h starts at 0."""
     logged = {name: [run for run in runs if 'qk_imbalance_heads' in run.m]
               for name, runs in settings_of(study).items()}
     groups = {name: runs for name, runs in logged.items() if runs}
@@ -366,17 +350,16 @@ def entropy_spread(study, tables):
         return []
     figure, (axis,) = panels(1, 6, 4.5)
     log_spread = TRANSFORMS['logit spread']
-    spread = log_spread(finals(runs, 'logit_std_heads'))
-    coloured(figure, axis, spread, finals(runs, 'entropy_heads'), finals(runs, 'pr_k_heads'),
-             'PR_K of the head', s=8, alpha=0.7)
+    dots = axis.scatter(log_spread(finals(runs, 'logit_std_heads')), finals(runs, 'entropy_heads'),
+                        c=finals(runs, 'pr_k_heads'), lw=0, s=8, alpha=0.7)
+    figure.colorbar(dots, ax=axis, label='PR_K of the head')
     axis.set(xlabel=log_spread.label, ylabel='entropy of the head (nats)',
              title=plain(f'final record, run x layer x head ({len(runs)} runs)', 48))
     return figure
 
 
 def spread_pairs(study, tables):
-    """The key control's (seed pair, layer) units, dH against d log logit_std: a panel a layer,
-    a colour an arm (the same in every panel)."""
+    """A panel a layer, a colour an arm (the same in every panel)."""
     if not exploratory.spread_runs(study):
         return []
     units = tables.get('entropy_pairs', [])
@@ -387,10 +370,8 @@ def spread_pairs(study, tables):
     figure, axes = panels(len(layers), 3.6, 3.2)
     for axis, (layer, rows) in zip(axes, layers.items()):
         for arm, arm_rows in group(rows, lambda row: row['arm']).items():
-            style = arm_styles[arm]
-            axis.scatter([row['d log logit_std'] for row in arm_rows],
-                         [row['dH'] for row in arm_rows], s=16, color=style.color,
-                         marker=style.marker)
+            changes = np.transpose([(row['d log logit_std'], row['dH']) for row in arm_rows])
+            axis.scatter(*changes, s=16, color=arm_styles[arm].color, marker=arm_styles[arm].marker)
         axis.axhline(0, color='k', lw=0.8)
         axis.axvline(0, color='k', lw=0.8)
         axis.set(xlabel='change in log logit_std', ylabel='change in entropy',
@@ -402,21 +383,19 @@ def spread_pairs(study, tables):
 
 
 def layer_control(study, tables):
-    """Each layer-targeted arm's dH in every layer with its interval, the controlled layer filled,
-    the no-effect band shaded."""
+    """The arms side by side in each layer; nothing (and no note) where no arm targets layers."""
     rows = tables.get('entropy_layers', [])
     if not rows:
         return []
     arms = group(rows, lambda row: f"{row['setting']}: {row['arm']}")
     figure, (axis,) = panels(1, 6.5, 4)
-    step = 0.7 / len(arms)
     for index, (style, arm, arm_rows) in enumerate(styled(arms)):
+        offset = (index - (len(arms) - 1) / 2) * (0.7 / len(arms))   # the arms side by side
         for row in arm_rows:
-            where = row['layer'] + (index - (len(arms) - 1) / 2) * step
             error = [[row['dH'] - row['lo']], [row['hi'] - row['dH']]]
-            filled = style.color if row['controlled'] else 'white'
-            axis.errorbar(where, row['dH'], yerr=error if np.isfinite(error).all() else None,
-                          color=style.color, marker=style.marker, markerfacecolor=filled, lw=1)
+            axis.errorbar(row['layer'] + offset, row['dH'], color=style.color, marker=style.marker,
+                          yerr=error if np.isfinite(error).all() else None, lw=1,
+                          markerfacecolor=style.color if row['controlled'] else 'white')
     axis.axhspan(-exploratory.NO_EFFECT, exploratory.NO_EFFECT, color='0.9', zorder=0)
     axis.axhline(0, color='k', lw=0.8)
     axis.set_xticks(sorted({row['layer'] for row in rows}))
