@@ -114,8 +114,7 @@ def read_json(path):
 
 
 def read_records(path, last):
-    """(records, notes): the records (objects with an int iter) increasing up to iteration last,
-    and a note for each other line."""
+    """The records (objects with an int iter) increasing up to last, and notes on the rest."""
     lines, records, notes = [], [], []
     with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as log:
         try:
@@ -271,13 +270,12 @@ def load_run(path):
               for record, fault in zip(records, faults) if fault]
     records = [record for record, fault in zip(records, faults) if not fault]
     with_layers = [record for record in records if 'layers' in record]
+    require(with_layers, f'{log_name} holds no geometry record')
     metrics = layer_arrays(with_layers, config['n_layer'])
     iters = np.array([record['iter'] for record in with_layers], dtype=int)
     keep = ~bad_records(metrics, iters, config, notes)
-    if not keep.any():
-        first = next((note for note in notes if note.startswith('the record')), '')
-        raise Skip(f'none of its {len(with_layers)} geometry records is usable ({first})'
-                   if with_layers else f'{log_name} holds no geometry record')
+    first = next((note for note in notes if note.startswith('the record')), '')
+    require(keep.any(), f'none of its {len(with_layers)} geometry records is usable ({first})')
     final = next((record for record in records if record['iter'] == last), {})
     for loss in LOSSES:   # train.py copies the final record's losses into done.json
         if loss in final and done.get(loss) != final[loss]:
@@ -298,18 +296,16 @@ def find_runs(paths, left_out):
     tops = [os.path.realpath(path) for path in paths]
     found, seen = [], set()
     for top in paths:
-        for root, subfolders, files in os.walk(top, followlinks=True):
+        for root, children, files in os.walk(top, followlinks=True):
             real = os.path.realpath(root)
-            names = [] if real in seen else sorted(set(subfolders) - {'snapshots', 'models'})
-            subfolders[:] = []
+            children[:] = [] if real in seen else sorted(set(children) - {'snapshots', 'models'})
             if 'config.json' in files and real not in seen:
                 found.append(os.path.normpath(root))
             seen.add(real)
-            for name in names:
+            for name in list(children):
                 target = os.path.realpath(os.path.join(root, name))
-                if any(os.path.commonpath([inside, target]) == inside for inside in tops):
-                    subfolders.append(name)
-                else:
+                if not any(os.path.commonpath([inside, target]) == inside for inside in tops):
+                    children.remove(name)
                     why = f'a link to {target}, outside the folders given'
                     left_out.append((os.path.join(root, name), why))
     return sorted(found)
