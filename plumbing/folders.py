@@ -48,7 +48,6 @@ class OutError(Exception):
 
 
 def require(holds, why):
-    """Skip with why unless holds."""
     if not holds:
         raise Skip(why)
 
@@ -65,13 +64,12 @@ class Run:
     memo: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        config = self.cfg
-        self.name, self.n_layer = os.path.basename(self.path), config['n_layer']
-        self.C, self.d = config['n_embd'], config['n_embd'] / config['n_head']
+        self.name, self.n_layer = os.path.basename(self.path), self.cfg['n_layer']
+        self.C, self.d = self.cfg['n_embd'], self.cfg['n_embd'] / self.cfg['n_head']
         # a pretrained series has no seed and no control
-        self.seed, self.control = config.get('seed'), config.get('control', 'none')
-        self.pretrained = config.get('pretrained') is True
-        self.use(config_settings([config])[0])
+        self.seed, self.control = self.cfg.get('seed'), self.cfg.get('control', 'none')
+        self.pretrained = self.cfg.get('pretrained') is True
+        self.use(config_settings([self.cfg])[0])
 
     def use(self, settings):
         """settings, and from them setting, base (without the control keys) and arm."""
@@ -115,9 +113,9 @@ def read_json(path):
         raise Skip(f'{os.path.basename(path)} is unreadable ({type(error).__name__})') from None
 
 
-def read_records(path, last, notes):
-    """The records (objects with an int iter) increasing up to iteration last; other lines noted."""
-    lines, records = [], []
+def read_records(path, last):
+    """The records (objects with an int iter) increasing up to last, and notes on the rest."""
+    lines, records, notes = [], [], []
     with (gzip.open if path.endswith('.gz') else open)(path, 'rb') as log:
         try:
             lines += log
@@ -140,7 +138,7 @@ def read_records(path, last, notes):
         if type(step) is int:   # train.py trims its log to the checkpoint it resumes from
             why = f"has iteration {step}, not after {after} and up to done.json's {last}"
         notes.append(f'metrics line {line_no} {why}: left out')
-    return records
+    return records, notes
 
 
 def check_config(config):
@@ -160,10 +158,9 @@ def check_config(config):
               if config.get(name, 0) < 0]
     if not series and config['control'] not in control.KINDS:
         wrong.append(('control', f"not one of {', '.join(control.KINDS)}"))
-    if not wrong and config['n_embd'] % config['n_head']:   # n_head is at least 1 here
+    if config['n_head'] >= 1 and config['n_embd'] % config['n_head']:
         wrong.append(('n_embd', f"not a multiple of n_head={config['n_head']}"))
-    if wrong:
-        name, why = wrong[0]
+    for name, why in wrong[:1]:
         raise Skip(f'config.json has {name}={config[name]!r}, {why}')
 
 
@@ -211,13 +208,13 @@ def layer_arrays(records, n_layer):
 
 
 def bounds(metric, metrics, iters, config):
-    """(low, high, the logged metric high comes from or '') of a metric's values by geometry.BOUNDS;
-    a metric not there may be any finite number."""
+    """(low, high, ' (from the logged metric high comes from)' or '') of a metric's values by
+    geometry.BOUNDS; a metric not there may be any finite number."""
     base, per_head = metric.removesuffix('_heads'), metric.endswith('_heads')
-    width = config['n_embd']
-    bound = geometry.BOUNDS.get(base + '_head' if per_head else metric) or geometry.BOUNDS.get(base)
+    bound = geometry.BOUNDS.get(base + '_head' if per_head else base) or geometry.BOUNDS.get(base)
     low, high = bound or (-math.inf, math.inf)
-    sizes = {'C': width, 'd': width / config['n_head'], 'log T': math.log(config['block_size'])}
+    sizes = {'C': config['n_embd'], 'd': config['n_embd'] / config['n_head'],
+             'log T': math.log(config['block_size'])}
     if not isinstance(high, str) or high in sizes:
         return low, sizes.get(high, high), ''
     if high == 'drift':   # 2 + 2 qk_gram(0) / qk_gram, head by head, from a first record at step 0
@@ -225,9 +222,9 @@ def bounds(metric, metrics, iters, config):
             return low, math.inf, ''
         with np.errstate(divide='ignore', invalid='ignore'):
             ratio = metrics['qk_gram_heads'][:1] / metrics['qk_gram_heads']
-        return low, 2 + 2 * (ratio if per_head else ratio.mean(-1)), 'qk_gram_heads'
+        return low, 2 + 2 * (ratio if per_head else ratio.mean(-1)), ' (from qk_gram_heads)'
     source = high + '_heads' if per_head else high
-    return (low, metrics[source], source) if source in metrics else (low, math.inf, '')
+    return (low, metrics[source], f' (from {source})') if source in metrics else (low, math.inf, '')
 
 
 def bad_records(metrics, iters, config, notes):
@@ -240,13 +237,11 @@ def bad_records(metrics, iters, config, notes):
         with np.errstate(invalid='ignore'):   # NaN (not logged) is in range: it bounds nothing
             outside = (values < low - slack * abs(low)) | (values > high + slack * abs(high))
         wrong = (np.isinf(values) | (values != 0) & outside).reshape(len(values), -1)
-        flat = values.reshape(len(values), -1)
-        highs = np.broadcast_to(high, values.shape).reshape(len(values), -1)
+        highs = np.broadcast_to(high, values.shape)
         for row in np.flatnonzero(wrong.any(1) & ~bad):
             column = wrong[row].argmax()
-            value, top = flat[row, column], highs[row, column]
-            reason = f'= {value:.4g} outside [{low:.4g}, {top:.4g}]'
-            reason += f' (from {source})' if source else ''
+            value, top = values[row].flat[column], highs[row].flat[column]
+            reason = f'= {value:.4g} outside [{low:.4g}, {top:.4g}]{source}'
             if np.isinf(value):   # number() marks NaN and infinities alike
                 reason = 'is not a finite number'
             notes.append(f'the record of iteration {iters[row]} is left out: {metric} {reason}')
@@ -258,17 +253,16 @@ def load_run(path):
     """A finished run folder (or pretrained series) as a Run, or Skip naming why."""
     config = read_json(f'{path}/config.json')
     check_config(config)
-    logs = [f'{path}/{name}' for name in ('metrics.jsonl', 'metrics.jsonl.gz')
-            if os.path.isfile(f'{path}/{name}')]
+    log_name = next((name for name in ('metrics.jsonl', 'metrics.jsonl.gz')
+                     if os.path.isfile(f'{path}/{name}')), '')
     require(os.path.exists(f'{path}/done.json'), 'unfinished (no done.json)')
-    require(logs, 'no metrics.jsonl')
+    require(log_name, 'no metrics.jsonl')
     done = read_json(f'{path}/done.json')   # its iteration is the last a finished run logged
     last = done.get('iter') if isinstance(done, dict) else None
     require(type(last) is int and last >= 0, f'done.json has iter={last!r}, not an iteration')
     require(last == config.get('max_iters', last), f'done.json is at iteration {last}, '
             f"config.json has max_iters={config.get('max_iters')}")
-    notes, log_name = [], os.path.basename(logs[0])
-    records = read_records(logs[0], last, notes)
+    records, notes = read_records(f'{path}/{log_name}', last)
     ended = records[-1]['iter'] if records else last   # final values read at a cut would mislead
     require(ended == last, f'{log_name} ends at iteration {ended}, done.json at {last}: cut short')
     faults = [record_fault(record, config['n_layer'], config['n_head']) for record in records]
@@ -276,19 +270,17 @@ def load_run(path):
               for record, fault in zip(records, faults) if fault]
     records = [record for record, fault in zip(records, faults) if not fault]
     with_layers = [record for record in records if 'layers' in record]
+    require(with_layers, f'{log_name} holds no geometry record')
     metrics = layer_arrays(with_layers, config['n_layer'])
     iters = np.array([record['iter'] for record in with_layers], dtype=int)
     keep = ~bad_records(metrics, iters, config, notes)
-    if not keep.any():
-        first = next((note for note in notes if note.startswith('the record')), '')
-        raise Skip(f'none of its {len(with_layers)} geometry records is usable ({first})'
-                   if with_layers else f'{log_name} holds no geometry record')
+    first = next((note for note in notes if note.startswith('the record')), '')
+    require(keep.any(), f'none of its {len(with_layers)} geometry records is usable ({first})')
     final = next((record for record in records if record['iter'] == last), {})
     for loss in LOSSES:   # train.py copies the final record's losses into done.json
         if loss in final and done.get(loss) != final[loss]:
-            logged = f'{final[loss]!r} as logged at its iteration {last}'
-            notes.append(f'done.json has {loss} = {done.get(loss)!r}, not {logged}: '
-                         'the logged one is used')
+            notes.append(f'done.json has {loss} = {done.get(loss)!r}, not {final[loss]!r} as '
+                         f'logged at its iteration {last}: the logged one is used')
             done[loss] = final[loss]
     with_losses = [record for record in records if 'val_loss' in record]
     losses = {loss: np.array([number(record.get(loss)) for record in with_losses])
@@ -304,20 +296,16 @@ def find_runs(paths, left_out):
     tops = [os.path.realpath(path) for path in paths]
     found, seen = [], set()
     for top in paths:
-        for root, subfolders, files in os.walk(top, followlinks=True):
+        for root, children, files in os.walk(top, followlinks=True):
             real = os.path.realpath(root)
-            names = sorted(name for name in subfolders if name not in ('snapshots', 'models'))
-            subfolders[:] = []
-            if real in seen:
-                continue
-            seen.add(real)
-            if 'config.json' in files:
+            children[:] = [] if real in seen else sorted(set(children) - {'snapshots', 'models'})
+            if 'config.json' in files and real not in seen:
                 found.append(os.path.normpath(root))
-            for name in names:
+            seen.add(real)
+            for name in list(children):
                 target = os.path.realpath(os.path.join(root, name))
-                if any(os.path.commonpath([inside, target]) == inside for inside in tops):
-                    subfolders.append(name)
-                else:
+                if not any(os.path.commonpath([inside, target]) == inside for inside in tops):
+                    children.remove(name)
                     why = f'a link to {target}, outside the folders given'
                     left_out.append((os.path.join(root, name), why))
     return sorted(found)
@@ -325,7 +313,7 @@ def find_runs(paths, left_out):
 
 def load_runs(paths, warn):
     """(runs, [(path, why skipped)]) of the run folders under paths; notes go to warn."""
-    loaded, skipped, first_path = [], [], {}
+    loaded, skipped, first_runs = [], [], {}
     for path in find_runs(paths, skipped):
         try:
             loaded.append(load_run(path))
@@ -333,25 +321,23 @@ def load_runs(paths, warn):
             skipped.append((path, str(error)))
     for run, settings in zip(loaded, config_settings([run.cfg for run in loaded])):
         run.use(settings)
-        first = first_path.setdefault((run.setting, run.seed), run.path)
-        if first != run.path:
-            skipped.append((run.path, f'duplicate of {first} (the same settings and seed)'))
-    runs = [run for run in loaded if first_path[run.setting, run.seed] == run.path]
+        first = first_runs.setdefault((run.setting, run.seed), run)
+        if first is not run:
+            skipped.append((run.path, f'duplicate of {first.path} (the same settings and seed)'))
+    runs = list(first_runs.values())
+    skipped.sort()
+    for path, why in skipped:
+        warn(f'skipped {path}: {why}')
     for run in runs:   # kept apart: it may differ in what it lacks
         fuller = [other.settings for other in runs if run.settings.items() < other.settings.items()]
         if fuller:
             missing = ', '.join(sorted(set().union(*fuller) - set(run.settings)))
-            others = f'{len(fuller)} run(s) of otherwise the same settings'
-            run.notes.insert(0, f'config.json lacks {missing}, which {others} have: '
-                                'kept as a setting of its own')
+            run.notes.insert(0, f'config.json lacks {missing}, which {len(fuller)} run(s) of '
+                                'otherwise the same settings have: kept as a setting of its own')
         logged = set().union(*(other.m for other in runs if other.setting == run.setting))
-        if logged - set(run.m):
-            lost = ', '.join(sorted(logged - set(run.m)))
+        lost = ', '.join(sorted(logged - set(run.m)))
+        if lost:
             run.notes.append(f'{lost} not logged, unlike other seeds of its setting')
-    skipped.sort()
-    for path, why in skipped:
-        warn(f'skipped {path}: {why}')
-    for run in runs:
         more = len(run.notes) - NOTES_SHOWN
         for note in run.notes[:NOTES_SHOWN] + ([f'and {more} more notes'] if more > 0 else []):
             warn(f'{run.path}: {note}')
@@ -360,14 +346,14 @@ def load_runs(paths, warn):
 
 # ---- tables and the output folder
 def markdown(rows, columns=None, missing=None):
-    """A markdown table of rows (dicts); a cell_text a row lacks shows missing."""
+    """A markdown table of rows (dicts); a cell a row lacks shows missing."""
     def cell_text(value):
         if isinstance(value, float):
             return f'{value:.4g}' if math.isfinite(value) else NOT_MEASURED
-        return '' if value is None else str(value)
+        return '' if value is None else str(value).replace('|', '\\|')
 
     def table_line(values):
-        return '| ' + ' | '.join(cell_text(value).replace('|', '\\|') for value in values) + ' |'
+        return '| ' + ' | '.join(map(cell_text, values)) + ' |'
     columns = columns or list(dict.fromkeys(column for row in rows for column in row))
     table_lines = [table_line(columns), '|' + ' --- |' * len(columns)]
     table_lines += [table_line(row.get(column, missing) for column in columns) for row in rows]

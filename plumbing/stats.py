@@ -21,8 +21,8 @@ TINY = 1e-300                    # betainc: Lentz's stand-in for a zero divisor
 
 def betainc(a, b, x):
     """I_x(a, b), the regularized incomplete beta function, by Lentz's method on its continued
-    fraction: terms 1, then m (b - m) x / ((a + 2m - 1)(a + 2m)) at step 2m and
-    -(a + m)(a + b + m) x / ((a + 2m)(a + 2m + 1)) at step 2m + 1."""
+    fraction: terms 1, then n_j x / ((a + j - 1)(a + j)) at step j, where n_2m = m (b - m) and
+    n_2m+1 = -(a + m)(a + b + m)."""
     if x <= 0 or x >= 1:
         return float(x >= 1)
     if x > (a + 1) / (a + b + 2):   # the fraction converges fast on this side only
@@ -32,10 +32,8 @@ def betainc(a, b, x):
     fraction, lentz_c, lentz_d = 2.0, 2.0, 1.0   # the fraction, C and D after its first term, 1
     for step in range(1, 400):
         m = step // 2
-        if step % 2 == 0:
-            term = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-        else:
-            term = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        numerator = m * (b - m) if step % 2 == 0 else -(a + m) * (a + b + m)
+        term = numerator * x / ((a + step - 1) * (a + step))
         lentz_d = 1 + term * lentz_d
         lentz_d = 1 / (lentz_d if abs(lentz_d) > TINY else TINY)
         lentz_c = 1 + term / (lentz_c if abs(lentz_c) > TINY else TINY)
@@ -61,9 +59,8 @@ def t_quantile(probability, df):
     return (low + high) / 2
 
 
-def critical(df):
-    """The half-width of a LEVEL interval in standard errors: t(df)'s (1 + LEVEL) / 2 quantile."""
-    return t_quantile(0.5 + LEVEL / 2, df)
+# critical(df): the half-width of a LEVEL interval in standard errors, t(df)'s (1 + LEVEL) / 2
+critical = functools.partial(t_quantile, 0.5 + LEVEL / 2)
 
 
 def f_sf(f, d1, d2):
@@ -74,10 +71,10 @@ def f_sf(f, d1, d2):
 def nanmean(values, axis=None):
     """The mean of the finite values (along axis); NaN where there are none."""
     values = np.asarray(values, dtype=float)
-    count = np.isfinite(values).sum(axis)
-    with np.errstate(invalid='ignore', divide='ignore'):
-        mean = np.where(np.isfinite(values), values, 0).sum(axis) / count
-    return float(mean) if np.ndim(mean) == 0 else np.where(count > 0, mean, np.nan)
+    finite = np.isfinite(values)
+    with np.errstate(invalid='ignore', divide='ignore'):   # 0 / 0 is the NaN of no finite value
+        mean = np.where(finite, values, 0).sum(axis) / finite.sum(axis)
+    return float(mean) if np.ndim(mean) == 0 else mean
 
 
 def t_interval(values):
@@ -105,12 +102,11 @@ def share(hits, counts):
     hits, counts = np.asarray(hits, dtype=float), np.asarray(counts, dtype=float)
     per_seed = hits[counts > 0] / counts[counts > 0]
     seeds = len(per_seed)
+    mean = float(per_seed.mean()) if seeds else math.nan
     if seeds < 2:
-        mean = float(per_seed.mean()) if seeds else math.nan
         return mean, math.nan, math.nan, math.nan, math.nan, seeds - 1
     t = critical(seeds - 1)
     floor = math.sqrt(FLOOR_SHARE * (1 - FLOOR_SHARE) / counts[counts > 0].mean())
-    mean = float(per_seed.mean())
     low, high = lowest(per_seed, t, floor), 1 - lowest(1 - per_seed, t, floor)
     return mean, max(0.0, low), min(1.0, high), (mean - low) / t, (high - mean) / t, seeds - 1
 
@@ -120,8 +116,7 @@ def lowest(per_seed, t, floor):
     more. For a fixed mean, filling the highest shares first spreads them most, and the bound is
     concave along that path: it is least at the top k shares raised to 1 for some k = 0..n."""
     seeds = len(per_seed)
-    raised_top = np.arange(seeds) < np.arange(seeds + 1)[:, None]
-    raised = np.where(raised_top, 1.0, np.sort(per_seed)[::-1])
+    raised = np.where(np.arange(seeds) < np.arange(seeds + 1)[:, None], 1, np.sort(per_seed)[::-1])
     spread = np.maximum(raised.std(1, ddof=1), floor)
     return float((raised.mean(1) - t * spread / math.sqrt(seeds)).min())
 
@@ -185,10 +180,9 @@ def pearson_rows(x, y):
     if x.shape[-1] < 3:
         return np.full(x.shape[:-1], np.nan)
     x_centred, y_centred = x - x.mean(-1, keepdims=True), y - y.mean(-1, keepdims=True)
-    cross = (x_centred * y_centred).sum(-1)
     x_square, y_square = (x_centred * x_centred).sum(-1), (y_centred * y_centred).sum(-1)
     with np.errstate(invalid='ignore', divide='ignore'):
-        pearson = cross / np.sqrt(x_square * y_square)
+        pearson = (x_centred * y_centred).sum(-1) / np.sqrt(x_square * y_square)
     constant = ((x_square <= 1e-24 * np.maximum(1, (x * x).sum(-1)))
                 | (y_square <= 1e-24 * np.maximum(1, (y * y).sum(-1))))
     return np.where(constant, np.nan, np.clip(pearson, -1, 1))
@@ -225,9 +219,9 @@ def trend(positions, units):
     lack_of_fit of fit F = (SS_lof / (P - 2)) / (SS_pe / (N - P)) and Spearman's rho, its Fisher-z
     interval with se sqrt(1.06 / (N - 3)) (Fieller, Hartley and Pearson 1957). NaN where a part
     needs more points or units."""
-    counts = [len(unit) for unit in units]
-    x = np.repeat(np.asarray(positions, dtype=float), counts)
-    y = np.concatenate([np.asarray(unit, dtype=float) for unit in units])
+    units = [np.asarray(unit, dtype=float) for unit in units]
+    x = np.repeat(np.asarray(positions, dtype=float), [len(unit) for unit in units])
+    y = np.concatenate(units)
     points, total = len(units), len(y)
     found = {**dict.fromkeys(TREND, math.nan), 'n': total, 'points': points}
     if points < 2 or np.ptp(x) == 0:
@@ -240,8 +234,7 @@ def trend(positions, units):
         spread = math.sqrt((residual @ residual) / (total - 2) / (x_centred @ x_centred))
         half_width = critical(total - 2) * spread
         found.update(lo=slope - half_width, hi=slope + half_width)
-    per_point = np.split(y, np.cumsum(counts)[:-1])
-    pure_error = sum(float(((values - values.mean()) ** 2).sum()) for values in per_point)
+    pure_error = sum(float(((unit - unit.mean()) ** 2).sum()) for unit in units)
     lack_of_fit = float(residual @ residual) - pure_error
     lof_df, error_df = points - 2, total - points
     if lof_df > 0 and error_df > 0 and pure_error > 0:
@@ -274,8 +267,7 @@ def jackknife(estimate, groups):
     left_out = np.array([estimate(groups != left) for left in names], dtype=float)
     with np.errstate(invalid='ignore'):   # an estimate that is not finite has no interval
         spread = ((left_out - left_out.mean(0)) ** 2).sum(0)
-        std_error = np.sqrt((len(names) - 1) / len(names) * spread)
-    half_width = critical(len(names) - 1) * std_error
+        half_width = critical(len(names) - 1) * np.sqrt((len(names) - 1) / len(names) * spread)
     return over_all, over_all - half_width, over_all + half_width
 
 
