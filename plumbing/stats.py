@@ -21,8 +21,8 @@ TINY = 1e-300                    # betainc: Lentz's stand-in for a zero divisor
 
 def betainc(a, b, x):
     """I_x(a, b), the regularized incomplete beta function, by Lentz's method on its continued
-    fraction: terms 1, then n_j x / ((a + j - 1)(a + j)) at step j, where n_2m = m (b - m) and
-    n_2m+1 = -(a + m)(a + b + m)."""
+    fraction: terms 1, then m (b - m) x / ((a + 2m - 1)(a + 2m)) at step 2m and
+    -(a + m)(a + b + m) x / ((a + 2m)(a + 2m + 1)) at step 2m + 1."""
     if x <= 0 or x >= 1:
         return float(x >= 1)
     if x > (a + 1) / (a + b + 2):   # the fraction converges fast on this side only
@@ -32,8 +32,10 @@ def betainc(a, b, x):
     fraction, lentz_c, lentz_d = 2.0, 2.0, 1.0   # the fraction, C and D after its first term, 1
     for step in range(1, 400):
         m = step // 2
-        numerator = m * (b - m) if step % 2 == 0 else -(a + m) * (a + b + m)
-        term = numerator * x / ((a + step - 1) * (a + step))
+        if step % 2 == 0:
+            term = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            term = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
         lentz_d = 1 + term * lentz_d
         lentz_d = 1 / (lentz_d if abs(lentz_d) > TINY else TINY)
         lentz_c = 1 + term / (lentz_c if abs(lentz_c) > TINY else TINY)
@@ -116,7 +118,8 @@ def lowest(per_seed, t, floor):
     more. For a fixed mean, filling the highest shares first spreads them most, and the bound is
     concave along that path: it is least at the top k shares raised to 1 for some k = 0..n."""
     seeds = len(per_seed)
-    raised = np.where(np.arange(seeds) < np.arange(seeds + 1)[:, None], 1, np.sort(per_seed)[::-1])
+    raised_top = np.arange(seeds) < np.arange(seeds + 1)[:, None]
+    raised = np.where(raised_top, 1.0, np.sort(per_seed)[::-1])
     spread = np.maximum(raised.std(1, ddof=1), floor)
     return float((raised.mean(1) - t * spread / math.sqrt(seeds)).min())
 
