@@ -61,9 +61,8 @@ def what_sets_entropy(study):
     tables = {'entropy_heads': across_heads(runs)}
     if len({run.seed for run in runs}) >= 2:
         tables['entropy_predictors'] = predictor_rows(runs)
-    chosen = [(arm, pairs) for (setting, arm), pairs in study.arms.items()
-              if dict(arm)['control_target'] == 'k']
-    units = layer_units(study, chosen)
+    units = layer_units(study, [(arm, pairs) for (setting, arm), pairs in study.arms.items()
+                                if dict(arm)['control_target'] == 'k'])
     if units:
         fits, slopes, shares = mediation_rows(units)
         fits[0]['only through the spread'] = only_through_spread(fits[0], shares)
@@ -135,9 +134,8 @@ def head_design(runs, keys):
     entropy, columns, seeds = [], [], []
     for run in runs:
         found = [late_heads(run, key) for key in ('entropy', *keys)]
-        heads = found[0].shape[1]
         own = [layers.index((run.n_layer, layer)) for layer in range(run.n_layer)]
-        intercepts = np.repeat(np.eye(len(layers))[own], heads, axis=0)
+        intercepts = np.repeat(np.eye(len(layers))[own], found[0].shape[1], axis=0)   # per head
         entropy.append(found[0].ravel())
         columns.append(np.column_stack([intercepts, *(value.ravel() for value in found[1:])]))
         seeds += [run.seed] * len(intercepts)
@@ -145,8 +143,7 @@ def head_design(runs, keys):
 
 
 def held_out_r2(entropy, design, seeds):
-    """R^2 of the least-squares fit on all seeds but one, read on that seed's heads: mean, lowest
-    and highest over the seeds."""
+    """R^2 on each seed's heads of the fit on the other seeds: mean, lowest and highest."""
     scores = []
     for held in np.unique(seeds):
         fit = stats.solve(design[seeds != held], entropy[seeds != held])
@@ -164,8 +161,7 @@ def layer_units(study, chosen):
     logs; with the unit's arm, pair, seed and layer ('0 of 4'). {} where no pair logs logit_std."""
     pairs = [(arm, pair) for arm, arm_pairs in chosen for pair in arm_pairs
              if all(late_heads(run, 'logit_std') is not None for run in pair)]
-    runs = [run for arm, pair in pairs for run in pair]
-    mediators = logged_by_all(runs, MEDIATORS)
+    mediators = logged_by_all([run for arm, pair in pairs for run in pair], MEDIATORS)
     found = []
     for number, (arm, (controlled, baseline)) in enumerate(pairs):
         for layer in range(controlled.n_layer):
@@ -207,8 +203,7 @@ def mediation_rows(units):
 
 
 def uncentred_r2(target, design):
-    """1 - sum e^2 / sum target^2 of the least-squares fit of target on design's columns, no
-    intercept."""
+    """1 - sum e^2 / sum target^2 of target's least-squares fit on design, no intercept."""
     residual = target - design @ stats.solve(design, target)
     return 1 - float(residual @ residual) / float(target @ target)
 
@@ -277,8 +272,8 @@ def layer_effects(study):
 
 
 def layer_targeted(study):
-    """{baseline setting: [(arm, pairs)]} of the arms with control_layers set whose runs log the
-    row statistics."""
+    """{baseline setting: [(arm, pairs)]}: the arms with control_layers whose runs log the
+    logit rows' shape (margin, kurtosis)."""
     found = {}
     for (setting, arm), pairs in study.arms.items():
         logged = all(late_heads(run, 'logit_margin') is not None for pair in pairs for run in pair)
@@ -401,11 +396,7 @@ def across_texts(study):
 def group_by_text(study):
     """{data_sha256: the settings of its runs} where the runs' settings but their control arm
     differ in the text alone; {} otherwise."""
-    def rest(run):
-        base = json.loads(run.base)
-        base.pop('data_sha256', None)
-        return json.dumps(base, sort_keys=True)
-    if len({rest(run) for run in study.runs}) != 1:
+    if set(engine.varying([json.loads(run.base) for run in study.runs])) - {'data_sha256'}:
         return {}
     texts = group(study.runs, lambda run: run.settings.get('data_sha256'))
     return {text: {run.setting for run in runs} for text, runs in texts.items()}
@@ -438,18 +429,16 @@ def kept(first, second):
 
 
 def welch(values, others):
-    """The difference of two samples' means with its 95% Welch interval (none below two values
-    in a sample)."""
+    """The difference of two samples' means with its 95% Welch interval."""
     difference = float(values.mean() - others.mean())
     if min(len(values), len(others)) < 2:
         return difference, math.nan, math.nan
     variance, variance_other = values.var(ddof=1) / len(values), others.var(ddof=1) / len(others)
-    error = math.sqrt(variance + variance_other)
     spread = variance ** 2 / (len(values) - 1) + variance_other ** 2 / (len(others) - 1)
     half = 0.0   # two samples without spread: their difference is exact
     if spread > 0:
         freedom = (variance + variance_other) ** 2 / spread   # Welch-Satterthwaite
-        half = stats.critical(freedom) * error
+        half = stats.critical(freedom) * math.sqrt(variance + variance_other)
     return difference, difference - half, difference + half
 
 

@@ -286,7 +286,8 @@ def figures(section, names):
 
 
 def by_point(tables, keep=None):
-    """The regime rows: a row per statistic (those in keep), a column per point."""
+    """The regime rows: a row per statistic (those in keep), in the registry's order as the regime
+    reads them, a column per point."""
     rows = [row for row in tables['regime'] if keep is None or row['statistic'] in keep]
     points = list(dict.fromkeys(row['point'] for row in rows))
     measured = {row['statistic'] for row in rows if row['n']}
@@ -294,10 +295,7 @@ def by_point(tables, keep=None):
     for row in (row for row in rows if row['statistic'] in measured):
         cell = f"{row['value']} {row['verdict']}" if row['verdict'] and row['n'] else row['value']
         pivot.setdefault(row['statistic'], {'statistic': row['statistic']})[row['point']] = cell
-    if not pivot:
-        return ''
-    ordered = [pivot[key] for key in (keep or pivot) if key in pivot]
-    return folders.markdown(ordered, ['statistic'] + points)
+    return folders.markdown(list(pivot.values()), ['statistic'] + points) if pivot else ''
 
 
 def regime_lines(tables, registry):
