@@ -252,8 +252,7 @@ def unit_rows(units):
 # ------------------------------------------------------------------ the key control in one layer
 def layer_effects(study):
     """Per arm with control_layers set and per layer: dH (the layer's mean entropy over the last
-    FINAL_LOGS records, controlled - baseline) over the arm's seed pairs: moves up or down (the
-    interval outside +/- NO_EFFECT on one side), stays (inside it) or undecided."""
+    FINAL_LOGS records, controlled - baseline) over the arm's seed pairs, read against NO_EFFECT."""
     rows = []
     for (setting, arm), pairs in study.arms.items():
         chosen = dict(arm).get('control_layers', '')
@@ -353,9 +352,8 @@ def layer_mediation(study):
 
 
 def self_match(study):
-    """Across the none runs' heads within each layer: the partial Spearman of qk_eig_mean with
-    entropy given log logit_std, and the Spearman of qk_eig_mean with self_top; each a mean over
-    runs with its t interval (descriptive)."""
+    """Across the none runs' heads within each layer (descriptive): the partial Spearman of
+    qk_eig_mean with entropy given log logit_std, and its Spearman with self_top."""
     rows = []
     for setting in layer_targeted(study):
         runs = none_runs(study, [setting])   # an arm's setting is its baseline's: never empty
@@ -413,7 +411,7 @@ def text_claim(study, key, settings):
     if claim.unit == 'pair':
         found = [pairs for setting, arm, pairs, dose in engine.deciding(claim, study, 'spec')
                  if setting in settings and pairs]
-        units, view = found[0] if found else [], engine.View()
+        units, view = (found[0] if found else []), engine.View()
     judged = engine.judge(claim, units, view) if units else None
     if judged is None or not judged['n']:
         return None

@@ -205,8 +205,7 @@ def spread_lines(tables, files):
 
 
 def table_lines(files, stem):
-    """A table under its caption, if it has one, each followed by a blank line; nothing where the
-    table has no rows."""
+    """A table under its caption (CAPTIONS), each with a blank line after; nothing without rows."""
     if f'{stem}.md' not in files:
         return []
     return ([CAPTIONS[stem], ''] if stem in CAPTIONS else []) + [files[f'{stem}.md'], '']
@@ -224,8 +223,7 @@ def generated(study):
 
 
 def claims_lines(study):
-    """The claims table, what its verdicts mean, the claims judged outside the pre-registered
-    family, and each claim's rule."""
+    """The claims table, what its verdicts mean, those outside the family, and each claim's rule."""
     claims = study.tables['claims']
     judged = sum('holm' in row for row in claims)
     lines = ['## Claims', '',
@@ -252,11 +250,10 @@ def sections(study, files, figure_notes):
     tables = study.tables
     optimizer = [stat.key for stat in study.stats.values() if 'optimizer' in stat.tables]
     described = '[descriptive.md](descriptive.md)' if 'descriptive.md' in files else ''
+    dose = table_lines(files, 'control_dose') + table_lines(files, 'control_dose_fit')
     bodies = {'Robustness map': table_lines(files, 'robustness_map'),
               'Descriptive statistics': [described], 'Trajectories': [],
-              'Control experiment': table_lines(files, 'control_dose')
-                                    + table_lines(files, 'control_dose_fit'),
-              'Regime': regime_lines(tables, study.stats),
+              'Control experiment': dose, 'Regime': regime_lines(tables, study.stats),
               'Queries, keys and the optimizer': [by_point(tables, optimizer)],
               'Token level': token_lines(tables, files)}
     drawn = bool(figure_notes) or any(name.endswith('.png') for name in files)
