@@ -61,9 +61,8 @@ def what_sets_entropy(study):
     tables = {'entropy_heads': across_heads(runs)}
     if len({run.seed for run in runs}) >= 2:
         tables['entropy_predictors'] = predictor_rows(runs)
-    chosen = [(arm, pairs) for (setting, arm), pairs in study.arms.items()
-              if dict(arm)['control_target'] == 'k']
-    units = layer_units(study, chosen)
+    units = layer_units(study, [(arm, pairs) for (setting, arm), pairs in study.arms.items()
+                                if dict(arm)['control_target'] == 'k'])
     if units:
         fits, slopes, shares = mediation_rows(units)
         fits[0]['only through the spread'] = only_through_spread(fits[0], shares)
@@ -81,27 +80,31 @@ def layer_ranks(run, key):
 def across_heads(runs):
     """Per run over its heads, ranked within their layer: the Spearman of entropy with log
     logit_std, and the partial Spearman of each other candidate with entropy given log logit_std;
-    each a mean over the runs where it is defined, t interval."""
-    found = {'Spearman of entropy with log logit_std': [
-        stats.pearson_rows(layer_ranks(run, 'entropy'), layer_ranks(run, 'log logit_std'))
-        for run in runs]}
+    each where some run defines it."""
+    rows = [{**link_row(runs, layer_ranks, 'entropy', 'log logit_std'), 'reading': ''}]
+    beyond = 'beyond the spread (a correlation)'
     for key in logged_by_all(runs, CANDIDATES[1:]):
-        found[f'partial Spearman of {key} with entropy | log logit_std'] = [
-            stats.partial_rows(layer_ranks(run, key), layer_ranks(run, 'entropy'),
-                               layer_ranks(run, 'log logit_std')) for run in runs]
-    rows = []
-    for statistic, values in found.items():
-        defined = [float(value) for value in values if np.isfinite(value)]
-        if not defined:
-            continue
-        mean, low, high, count = stats.t_interval(defined)
-        reading, beyond = '', 'beyond the spread (a correlation)'
-        if 'partial' in statistic:
-            reading = against_band(low, high, LINK_BAND, 'no further than the spread', beyond,
-                                   beyond)
-        rows.append({'statistic': statistic, 'mean': mean, 'lo': max(low, -1.0),
-                     'hi': min(high, 1.0), 'runs': count, 'reading': reading})
-    return rows
+        row = link_row(runs, layer_ranks, key)
+        row['reading'] = against_band(row['lo'], row['hi'], LINK_BAND,
+                                      'no further than the spread', beyond, beyond)
+        rows.append(row)
+    return [row for row in rows if row['runs']]
+
+
+def link_row(runs, ranked, key, other=None):
+    """The Spearman of key with other, or without other the partial Spearman of key with entropy
+    given log logit_std, over the heads ranked(run, key) ranks: its mean over runs, t interval
+    clipped to a correlation's [-1, 1]."""
+    if other:
+        statistic = f'Spearman of {key} with {other}'
+        values = [stats.pearson_rows(ranked(run, key), ranked(run, other)) for run in runs]
+    else:
+        statistic = f'partial Spearman of {key} with entropy | log logit_std'
+        values = [stats.partial_rows(ranked(run, key), ranked(run, 'entropy'),
+                                     ranked(run, 'log logit_std')) for run in runs]
+    mean, low, high, count = stats.t_interval([value for value in values if np.isfinite(value)])
+    return {'statistic': statistic, 'mean': mean, 'lo': max(low, -1.0), 'hi': min(high, 1.0),
+            'runs': count}
 
 
 def against_band(low, high, band, inside, above, below):
@@ -131,9 +134,8 @@ def head_design(runs, keys):
     entropy, columns, seeds = [], [], []
     for run in runs:
         found = [late_heads(run, key) for key in ('entropy', *keys)]
-        heads = found[0].shape[1]
         own = [layers.index((run.n_layer, layer)) for layer in range(run.n_layer)]
-        intercepts = np.repeat(np.eye(len(layers))[own], heads, axis=0)
+        intercepts = np.repeat(np.eye(len(layers))[own], found[0].shape[1], axis=0)   # per head
         entropy.append(found[0].ravel())
         columns.append(np.column_stack([intercepts, *(value.ravel() for value in found[1:])]))
         seeds += [run.seed] * len(intercepts)
@@ -141,8 +143,7 @@ def head_design(runs, keys):
 
 
 def held_out_r2(entropy, design, seeds):
-    """R^2 of the least-squares fit on all seeds but one, read on that seed's heads: mean, lowest
-    and highest over the seeds."""
+    """R^2 on each seed's heads of the fit on the other seeds: mean, lowest and highest."""
     scores = []
     for held in np.unique(seeds):
         fit = stats.solve(design[seeds != held], entropy[seeds != held])
@@ -160,8 +161,7 @@ def layer_units(study, chosen):
     logs; with the unit's arm, pair, seed and layer ('0 of 4'). {} where no pair logs logit_std."""
     pairs = [(arm, pair) for arm, arm_pairs in chosen for pair in arm_pairs
              if all(late_heads(run, 'logit_std') is not None for run in pair)]
-    runs = [run for arm, pair in pairs for run in pair]
-    mediators = logged_by_all(runs, MEDIATORS)
+    mediators = logged_by_all([run for arm, pair in pairs for run in pair], MEDIATORS)
     found = []
     for number, (arm, (controlled, baseline)) in enumerate(pairs):
         for layer in range(controlled.n_layer):
@@ -203,8 +203,7 @@ def mediation_rows(units):
 
 
 def uncentred_r2(target, design):
-    """1 - sum e^2 / sum target^2 of the least-squares fit of target on design's columns, no
-    intercept."""
+    """1 - sum e^2 / sum target^2 of target's least-squares fit on design, no intercept."""
     residual = target - design @ stats.solve(design, target)
     return 1 - float(residual @ residual) / float(target @ target)
 
@@ -243,21 +242,17 @@ def only_through_spread(fit, shares):
 
 def unit_rows(units):
     """The units the mediation reads, a row each."""
-    names = {'entropy': 'dH', 'log pr_k': 'd log PR_K'}
+    names = {'arm': 'arm', 'seed': 'seed', 'layer': 'layer', 'entropy': 'dH',
+             'log pr_k': 'd log PR_K'}
     names.update({key: f'd {key}' for key in MEDIATORS if key in units})
-    rows = []
-    for index in range(len(units['entropy'])):
-        row = {'arm': str(units['arm'][index]), 'seed': int(units['seed'][index]),
-               'layer': str(units['layer'][index])}
-        rows.append(row | {label: float(units[key][index]) for key, label in names.items()})
-    return rows
+    columns = [units[key].tolist() for key in names]
+    return [dict(zip(names.values(), values)) for values in zip(*columns)]
 
 
 # ------------------------------------------------------------------ the key control in one layer
 def layer_effects(study):
     """Per arm with control_layers set and per layer: dH (the layer's mean entropy over the last
-    FINAL_LOGS records, controlled - baseline) over the arm's seed pairs: moves up or down (the
-    interval outside +/- NO_EFFECT on one side), stays (inside it) or undecided."""
+    FINAL_LOGS records, controlled - baseline) over the arm's seed pairs, read against NO_EFFECT."""
     rows = []
     for (setting, arm), pairs in study.arms.items():
         chosen = dict(arm).get('control_layers', '')
@@ -276,14 +271,18 @@ def layer_effects(study):
 
 
 def layer_targeted(study):
-    """{baseline setting: [(arm, pairs)]} of the arms with control_layers set whose runs log the
-    row statistics."""
+    """{baseline setting: [(arm, pairs)]}: the arms with control_layers whose runs log the
+    logit rows' shape (margin, kurtosis)."""
     found = {}
     for (setting, arm), pairs in study.arms.items():
         logged = all(late_heads(run, 'logit_margin') is not None for pair in pairs for run in pair)
         if dict(arm).get('control_layers', '') and logged:
             found.setdefault(setting, []).append((arm, pairs))
     return found
+
+
+def none_runs(study, settings):
+    return [run for run in engine.uncontrolled(study.runs) if run.setting in settings]
 
 
 def route_rows(study):
@@ -294,11 +293,10 @@ def route_rows(study):
     such arms is fitted on its own none runs."""
     keys, fits, shares = SPREAD_AND_SHAPE, [], []
     for setting, arms in layer_targeted(study).items():
-        base = [run for run in engine.uncontrolled(study.runs) if run.setting == setting]
+        base = none_runs(study, [setting])
         if len({run.seed for run in base}) < 2:
             continue
-        for route in ROUTES:
-            chosen = keys if route == 'shape' else ROUTES['spread']
+        for route, chosen in (('spread', ROUTES['spread']), ('shape', keys)):
             fits.append({'setting': study.label[setting], 'route': route,
                          **held_out_r2(*head_design(base, chosen))})
         entropy, design, seeds = head_design(base, keys)
@@ -316,7 +314,7 @@ def arm_routes(study, setting, arm, pairs, coefficients):
             means = [late_heads(run, key)[layer].mean() for pair in pairs for run in pair]
             return np.array(means[0::2]) - np.array(means[1::2])
         entropy = change('entropy')
-        mean, low, high, count = stats.t_interval(entropy)
+        low, high = stats.t_interval(entropy)[1:3]
         moves = low > NO_EFFECT or high < -NO_EFFECT   # a route is read only where the layer moves
         for route, keys in ROUTES.items():
             predicted = sum(coefficients[key] * change(key) for key in keys)
@@ -341,51 +339,31 @@ def layer_mediation(study):
     rows = []
     for setting, arms in layer_targeted(study).items():
         for arm, pairs in arms:
-            fits, slopes, shares = mediation_rows(layer_units(study, [(arm, pairs)]))
-            for fit in fits:
+            for fit in mediation_rows(layer_units(study, [(arm, pairs)]))[0]:
+                low, high = fit['c_lo'], fit['c_hi']
+                reading = engine.side(low, high, 'beyond m', 'beyond m', 'not beyond m')
+                if not np.isfinite([low, high]).all():
+                    reading = 'undecided (no interval)'
                 rows.append({'setting': study.label[setting], 'arm': study.arm_name(arm),
                              'mediator': fit['mediator'], 'units': fit['units'],
-                             'c_dlogPR_K': float(fit['c_dlogPR_K']), 'lo': float(fit['c_lo']),
-                             'hi': float(fit['c_hi']), 'reading': reach(fit['c_lo'], fit['c_hi'])})
+                             'c_dlogPR_K': float(fit['c_dlogPR_K']), 'lo': float(low),
+                             'hi': float(high), 'reading': reading})
     return {'entropy_layer_mediation': rows}
 
 
-def reach(low, high):
-    """c's reading: beyond m when its interval excludes 0."""
-    if not (np.isfinite(low) and np.isfinite(high)):
-        return 'undecided (no interval)'
-    return engine.side(low, high, 'beyond m', 'beyond m', 'not beyond m')
-
-
 def self_match(study):
-    """Across the none runs' heads within each layer: the partial Spearman of qk_eig_mean with
-    entropy given log logit_std, and the Spearman of qk_eig_mean with self_top; each a mean over
-    runs with its t interval (descriptive)."""
+    """Across the none runs' heads within each layer (descriptive): the partial Spearman of
+    qk_eig_mean with entropy given log logit_std, and its Spearman with self_top."""
     rows = []
     for setting in layer_targeted(study):
-        rows += setting_self_match(study, setting)
+        runs = none_runs(study, [setting])   # an arm's setting is its baseline's: never empty
+        for layer in range(runs[0].n_layer):
+            def ranked(run, key):
+                return stats.ranks(late_heads(run, key)[layer])
+            for other in (None, 'self_top'):
+                rows.append({'setting': study.label[setting], 'layer': layer,
+                             **link_row(runs, ranked, 'qk_eig_mean', other)})
     return {'entropy_self_match': rows}
-
-
-def setting_self_match(study, setting):
-    """self_match's rows for the none runs of one setting."""
-    runs = [run for run in engine.uncontrolled(study.runs) if run.setting == setting]
-    rows = []
-    for layer in range(runs[0].n_layer if runs else 0):
-        def ranked(run, key):
-            return stats.ranks(late_heads(run, key)[layer])
-        found = {'partial Spearman of qk_eig_mean with entropy | log logit_std': [
-            float(stats.partial_rows(ranked(run, 'qk_eig_mean'), ranked(run, 'entropy'),
-                                     ranked(run, 'log logit_std'))) for run in runs],
-                 'Spearman of qk_eig_mean with self_top': [
-            float(stats.pearson_rows(ranked(run, 'qk_eig_mean'), ranked(run, 'self_top')))
-            for run in runs]}
-        for statistic, values in found.items():
-            mean, low, high, count = stats.t_interval(values)
-            rows.append({'setting': study.label[setting], 'layer': layer,
-                         'statistic': statistic, 'mean': mean, 'lo': max(low, -1.0),
-                         'hi': min(high, 1.0), 'runs': count})
-    return rows
 
 
 # --------------------------------------------------------------------------------- a second text
@@ -416,11 +394,7 @@ def across_texts(study):
 def group_by_text(study):
     """{data_sha256: the settings of its runs} where the runs' settings but their control arm
     differ in the text alone; {} otherwise."""
-    def rest(run):
-        base = json.loads(run.base)
-        base.pop('data_sha256', None)
-        return json.dumps(base, sort_keys=True)
-    if len({rest(run) for run in study.runs}) != 1:
+    if set(engine.varying([json.loads(run.base) for run in study.runs])) - {'data_sha256'}:
         return {}
     texts = group(study.runs, lambda run: run.settings.get('data_sha256'))
     return {text: {run.setting for run in runs} for text, runs in texts.items()}
@@ -432,19 +406,17 @@ def text_claim(study, key, settings):
     claim = study.stats.get(key)
     if claim is None:
         return None
+    plain = none_runs(study, settings)
+    units, view = plain, engine.view_of(engine.own_lens(claim), claim.window, study.from_iter)
     if claim.unit == 'pair':
         found = [pairs for setting, arm, pairs, dose in engine.deciding(claim, study, 'spec')
                  if setting in settings and pairs]
-        judged = engine.judge(claim, found[0]) if found else None
-    else:
-        runs = [run for run in engine.uncontrolled(study.runs) if run.setting in settings]
-        view = engine.view_of(engine.own_lens(claim), claim.window, study.from_iter)
-        judged = engine.judge(claim, runs, view) if runs else None
+        units, view = (found[0] if found else []), engine.View()
+    judged = engine.judge(claim, units, view) if units else None
     if judged is None or not judged['n']:
         return None
-    plain = [run.setting for run in engine.uncontrolled(study.runs) if run.setting in settings]
-    text = study.label[plain[0] if plain else next(iter(settings))]   # its none runs' setting
-    return {'text': text, 'verdict': judged['verdict'],
+    # a judged pair's baseline is a none run of these settings: plain is not empty
+    return {'text': study.label[plain[0].setting], 'verdict': judged['verdict'],
             'values': np.array(judged['values'], float)}
 
 
@@ -455,18 +427,16 @@ def kept(first, second):
 
 
 def welch(values, others):
-    """The difference of two samples' means with its 95% Welch interval (none below two values
-    in a sample)."""
+    """The difference of two samples' means with its 95% Welch interval."""
     difference = float(values.mean() - others.mean())
     if min(len(values), len(others)) < 2:
         return difference, math.nan, math.nan
     variance, variance_other = values.var(ddof=1) / len(values), others.var(ddof=1) / len(others)
-    error = math.sqrt(variance + variance_other)
     spread = variance ** 2 / (len(values) - 1) + variance_other ** 2 / (len(others) - 1)
     half = 0.0   # two samples without spread: their difference is exact
     if spread > 0:
         freedom = (variance + variance_other) ** 2 / spread   # Welch-Satterthwaite
-        half = stats.critical(freedom) * error
+        half = stats.critical(freedom) * math.sqrt(variance + variance_other)
     return difference, difference - half, difference + half
 
 

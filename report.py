@@ -12,7 +12,7 @@ import numpy as np
 import exploratory
 import plots
 from plumbing import folders, stats
-from plumbing.engine import group, interval_text, shown
+from plumbing.engine import by_setting, group, interval_text, shown
 from plumbing.folders import FINAL_LOGS
 
 UNITS = {'seed': 'seeds (runs)', 'pair': 'seed pairs (controlled - baseline)', 'model': 'models'}
@@ -69,28 +69,23 @@ def rule(claim, references):
     low, high = claim.ref - claim.margin, claim.ref + claim.margin
     side = ('above', 'below')[::claim.sign]
     where = f' (from {references[claim.window][0]} on)' if claim.unit == 'seed' else ''
-    unit = claim.unit.replace('pair', 'seed pair')
-    return (f'`{claim.key}`: per {unit}, {claim.stat}{where}; '
+    return (f"`{claim.key}`: per {claim.unit.replace('pair', 'seed pair')}, {claim.stat}{where}; "
             f'the {level} Student-t interval over {UNITS[claim.unit]}: '
             f'no effect if inside [{low:g}, {high:g}], holds if it lies {side[0]} {claim.ref:g}, '
             f'reversed if {side[1]}, else undecided' + (KEEP_ARMS if claim.unit == 'pair' else ''))
 
 
-def map_column(cell):
-    """The view of a map cell: lens and window, weight decay on W_Q, W_K, or the control's keep."""
-    if cell['keep']:
-        return f"keep={cell['keep']}"
-    if cell['decay'] == 'pooled':
-        return f"{cell['lens']}, {cell['window']}"
-    return ('no ' if cell['decay'] is False else '') + 'decay on W_Q, W_K'
-
-
-def map_text(stat, cell):
-    """A map cell: its verdict with its value, or why it has none; a keep cell names its setting."""
+def map_entry(stat, cell):
+    """A map cell's column (its view: lens and window, weight decay on W_Q, W_K, or the control's
+    keep) and its text: its verdict with its value, or why it has none."""
     text = cell.get('why') or 'not logged'
     if cell['n']:
         text = f"{cell['verdict']} ({shown(stat, cell)})" if cell['verdict'] else shown(stat, cell)
-    return f"{cell['setting']}: {text}" if cell['keep'] else text
+    if cell['keep']:   # a keep cell names its setting
+        return f"keep={cell['keep']}", f"{cell['setting']}: {text}"
+    if cell['decay'] == 'pooled':
+        return f"{cell['lens']}, {cell['window']}", text
+    return ('no ' if cell['decay'] is False else '') + 'decay on W_Q, W_K', text
 
 
 def map_tables(cells, registry):
@@ -101,18 +96,19 @@ def map_tables(cells, registry):
     written = {}
     for stem, claims in (('robustness_map', True), ('descriptive', False)):
         selected = [cell for cell in cells if hasattr(registry[cell['key']], 'sign') == claims]
+        if not selected:
+            continue
         pivot = {}
         for cell in selected:
             stat = registry[cell['key']]
             name = getattr(stat, 'text', '') or f"{cell['key']}: {stat.stat}"
             row = pivot.setdefault(cell['key'], {'statistic': name})
-            column, text = map_column(cell), map_text(stat, cell)
+            column, text = map_entry(stat, cell)
             row[column] = f'{row[column]}; {text}' if column in row else text
-        if selected:
-            used = [view for view in views if any(view in row for row in pivot.values())]
-            written[f'{stem}.csv'] = folders.table(stem, selected, MAP_COLUMNS)[f'{stem}.csv']
-            pivoted = list(pivot.values())
-            written[f'{stem}.md'] = folders.markdown(pivoted, ['statistic', *used], missing='-')
+        pivoted = list(pivot.values())
+        used = [view for view in views if any(view in row for row in pivoted)]
+        written.update(folders.table(stem, selected, MAP_COLUMNS))   # its .md, then the pivot
+        written[f'{stem}.md'] = folders.markdown(pivoted, ['statistic', *used], missing='-')
     return written
 
 
@@ -120,8 +116,7 @@ def caveat(study):
     """A line for the top of the report when its verdicts rest on too little to mean much."""
     if not study.runs:   # a pretrained series alone: its claims say their n
         return []
-    settings = group(study.runs, lambda run: run.setting).values()
-    seeds = max(len({run.seed for run in runs}) for runs in settings)
+    seeds = max(len({run.seed for run in runs}) for runs in by_setting(study.runs).values())
     records = max(int((run.iters >= run.cfg['warmup_iters']).sum()) for run in study.runs)
     causes = []
     if seeds < FEW_SEEDS:
@@ -131,15 +126,6 @@ def caveat(study):
     if not causes:
         return []
     return [f"**These verdicts rest on {' and '.join(causes)}: they mean little.**", '']
-
-
-def outside_family(rows, family):
-    """The line naming the claims judged outside the pre-registered family, if any."""
-    keys = list(dict.fromkeys(row['key'] for row in rows if row['key'] not in family))
-    if not keys:
-        return []
-    return ['', "Outside the pre-registered family, so not in Holm (Holm reads '-'): "
-                f"{', '.join(keys)}. They are reported as judged alone."]
 
 
 def publish(study, figures, log):
@@ -165,23 +151,28 @@ def write(study, figure_notes, files):
     return '\n'.join(lines + [f'- figure skipped: {note}' for note in figure_notes]) + '\n'
 
 
-SPREAD_TEXT = [
-    "Outside the claims and Holm, over the runs that log logit_std (the std of a query's scaled "
-    "logits over its keys). A run's per-head value is the mean of its last {logs} records, as the "
-    "claims table reads a control arm.",
-    "Layer is a factor throughout. A correlation ranks heads within their layer; it is undefined "
-    "in a run whose spread orders every layer's heads as entropy does, and `runs` counts the "
-    "others. A predictor is fitted beside one intercept per layer, on all seeds but one, and "
-    "scored by R^2 on the held-out seed's heads.",
-    "The control's mediation takes one unit per (seed pair, layer): dH = b_l dm (model 1) and "
-    "dH = b_l dm + c d log PR_K (model 2), with a slope b_l per layer and no intercept, "
-    "jackknife-t over seeds, uncentred R^2. An arm's share through m is the mean of b_l dm over "
-    "its units over the mean of its dH; it has an effect where its dH interval lies outside "
-    "+/-{margin} nats.",
-    "The key spectrum acts only through the spread where c's interval holds 0, each arm with an "
-    "effect has a share interval holding 1, and model 1 has R^2 >= {r2}; it is refuted where c's "
-    "interval excludes 0 or an arm's share lies below 1."]
-LAYER_TABLES = {
+# One paragraph, wrapped here for reading: spread_lines joins its words with single spaces.
+SPREAD_TEXT = """Outside the claims and Holm, over the runs that log logit_std (the std of a query's
+scaled logits over its keys). A run's per-head value is the mean of its last {logs} records, as the
+claims table reads a control arm. Layer is a factor throughout. A correlation ranks heads within
+their layer; it is undefined in a run whose spread orders every layer's heads as entropy does, and
+`runs` counts the others. A predictor is fitted beside one intercept per layer, on all seeds but
+one, and scored by R^2 on the held-out seed's heads. The control's mediation takes one unit per
+(seed pair, layer): dH = b_l dm (model 1) and dH = b_l dm + c d log PR_K (model 2), with a slope
+b_l per layer and no intercept, jackknife-t over seeds, uncentred R^2. An arm's share through m is
+the mean of b_l dm over its units over the mean of its dH; it has an effect where its dH interval
+lies outside +/-{margin} nats. The key spectrum acts only through the spread where c's interval
+holds 0, each arm with an effect has a share interval holding 1, and model 1 has R^2 >= {r2}; it is
+refuted where c's interval excludes 0 or an arm's share lies below 1."""
+SPREAD_TABLES = ('entropy_heads', 'entropy_predictors', 'entropy_mediation', 'entropy_slopes',
+                 'entropy_share', 'entropy_layers', 'entropy_routes_fit', 'entropy_routes',
+                 'entropy_layer_mediation', 'entropy_self_match')
+CAPTIONS = {   # a table shown under a caption
+    'control_dose_fit': 'Dose response over the doses x seeds of an arm family: '
+                        'the entropy change on the per-head PR change (slope), '
+                        'and on it with the change in log qk_spec_norm; jackknife-t over seeds.',
+    'token_layers': '(f2) within each layer of a pretrained series, '
+                    'across its heads at the last checkpoint:',
     'entropy_layers': 'A key control in some layers: dH of each layer over its seed pairs.',
     'entropy_routes_fit': "The routes, fitted across the none runs' heads with layer intercepts.",
     'entropy_routes': "The share of a controlled layer's dH that each route predicts.",
@@ -194,8 +185,8 @@ def spread_lines(tables, files):
     """The section 'What sets entropy', or nothing where no run logs logit_std."""
     if 'entropy_heads.md' not in files:
         return []
-    text = ' '.join(SPREAD_TEXT).format(logs=FINAL_LOGS, margin=exploratory.NO_EFFECT,
-                                        r2=exploratory.ONLY_SPREAD_R2)
+    text = ' '.join(SPREAD_TEXT.split()).format(logs=FINAL_LOGS, margin=exploratory.NO_EFFECT,
+                                                r2=exploratory.ONLY_SPREAD_R2)
     lines = ['## What sets entropy (exploratory, outside Holm)', '', text, '']
     fits = [fit for fit in tables.get('entropy_mediation', ()) if fit['only through the spread']]
     if fits:
@@ -208,14 +199,16 @@ def spread_lines(tables, files):
         held_out = f"{best['R2_held_out']:.3g} ({best['lowest']:.3g} to {best['highest']:.3g})"
         lines += [f"Best predictor of entropy across heads (held-out seeds): {best['predictor']}, "
                   f'R^2 {held_out}.', '']
-    for stem in ('entropy_heads', 'entropy_predictors', 'entropy_mediation', 'entropy_slopes',
-                 'entropy_share'):
-        if f'{stem}.md' in files:
-            lines += [files[f'{stem}.md'], '']
-    for stem, caption in LAYER_TABLES.items():
-        if tables.get(stem):
-            lines += [caption, '', files[f'{stem}.md'], '']
+    for stem in SPREAD_TABLES:
+        lines += table_lines(files, stem)
     return lines + figures('What sets entropy', files)
+
+
+def table_lines(files, stem):
+    """A table under its caption (CAPTIONS), each with a blank line after; nothing without rows."""
+    if f'{stem}.md' not in files:
+        return []
+    return ([CAPTIONS[stem], ''] if stem in CAPTIONS else []) + [files[f'{stem}.md'], '']
 
 
 def generated(study):
@@ -230,53 +223,53 @@ def generated(study):
 
 
 def claims_lines(study):
-    """The claims table, what its verdicts mean, and each claim's rule."""
+    """The claims table, what its verdicts mean, those outside the family, and each claim's rule."""
     claims = study.tables['claims']
-    rows = [{'claim': row['claim'], 'in': row['scope'], 'value': row['value'],
-             'verdict': row['verdict'], 'Holm': row.get('holm', '-'), 'beside': row['beside']}
-            for row in claims]
     judged = sum('holm' in row for row in claims)
     lines = ['## Claims', '',
              "The paper's claims, fixed before the runs, each a test at 95%. "
              f"Holm: the verdict after Holm's step-down adjustment over the {judged} rows judged "
              '(family-wise 5%; a verdict it does not keep reads undecided). '
-             'Every other table here is exploratory.',
-             *outside_family(claims, study.family), '',
-             folders.markdown(rows, list(rows[0]) if rows else ['claim']), '### Rules', '']
+             'Every other table here is exploratory.']
+    outside = list(dict.fromkeys(row['key'] for row in claims if row['key'] not in study.family))
+    if outside:
+        lines += ['', "Outside the pre-registered family, so not in Holm (Holm reads '-'): "
+                      f"{', '.join(outside)}. They are reported as judged alone."]
+    rows = [{'claim': row['claim'], 'in': row['scope'], 'value': row['value'],
+             'verdict': row['verdict'], 'Holm': row.get('holm', '-'), 'beside': row['beside']}
+            for row in claims]
+    lines += ['', folders.markdown(rows, list(rows[0]) if rows else ['claim']), '### Rules', '']
     in_table = {row['key'] for row in claims}
-    rules = [rule(claim, study.references) for claim in study.claims if claim.key in in_table]
-    return lines + [f'- {text}.' for text in rules] + ['']
+    lines += [f'- {rule(claim, study.references)}.' for claim in study.claims
+              if claim.key in in_table]
+    return lines + ['']
 
 
 def sections(study, files, figure_notes):
     """SECTIONS in order: each one's text, tables and figures, or why it has none."""
-    tables, registry = study.tables, study.stats
-    optimizer = [stat.key for stat in registry.values() if 'optimizer' in stat.tables]
+    tables = study.tables
+    optimizer = [stat.key for stat in study.stats.values() if 'optimizer' in stat.tables]
     described = '[descriptive.md](descriptive.md)' if 'descriptive.md' in files else ''
-    bodies = {'Robustness map': [files.get('robustness_map.md', '')],
+    dose = table_lines(files, 'control_dose') + table_lines(files, 'control_dose_fit')
+    bodies = {'Robustness map': table_lines(files, 'robustness_map'),
               'Descriptive statistics': [described], 'Trajectories': [],
-              'Control experiment': control_lines(tables), 'Regime': regime_lines(tables, registry),
+              'Control experiment': dose, 'Regime': regime_lines(tables, study.stats),
               'Queries, keys and the optimizer': [by_point(tables, optimizer)],
-              'Token level': token_lines(tables)}
+              'Token level': token_lines(tables, files)}
     drawn = bool(figure_notes) or any(name.endswith('.png') for name in files)
     lines = []
     for title, (text, empty) in SECTIONS.items():
         body = [part for part in bodies[title] if part] + figures(title, files)
-        if not body:
-            body = [nothing_shown(title, empty, drawn, figure_notes)]
+        if not body:   # its own reason, else its figures': not drawn, or skipped and why
+            stems = [plot.stem for plot in plots.FIGURES if plot.section == title]
+            reasons = [note for note in figure_notes if note.split(':')[0] in stems]
+            if stems and not drawn:
+                reasons = ['figures not drawn (--no_figures)']
+            body = [f"Nothing to show: {empty or '; '.join(reasons) or 'nothing was measured'}."]
         elif text:
             body = [text, ''] + body
         lines += [f'## {title} (exploratory)', ''] + body + ['']
     return lines + spread_lines(tables, files)
-
-
-def nothing_shown(title, empty, drawn, figure_notes):
-    """Why a section is empty: its own reason, else its figures' (not drawn, or skipped and why)."""
-    stems = [plot.stem for plot in plots.FIGURES if plot.section == title]
-    reasons = [note for note in figure_notes if note.split(':')[0] in stems]
-    if stems and not drawn:
-        reasons = ['figures not drawn (--no_figures)']
-    return f"Nothing to show: {empty or '; '.join(reasons) or 'nothing was measured'}."
 
 
 def figures(section, names):
@@ -289,20 +282,9 @@ def figures(section, names):
     return shown_here + [''] if shown_here else []
 
 
-def control_lines(tables):
-    if not tables['control_dose']:
-        return []
-    lines = [folders.markdown(tables['control_dose'])]
-    if tables['control_dose_fit']:
-        lines += ['Dose response over the doses x seeds of an arm family: '
-                  'the entropy change on the per-head PR change (slope), '
-                  'and on it with the change in log qk_spec_norm; jackknife-t over seeds.', '',
-                  folders.markdown(tables['control_dose_fit'])]
-    return lines
-
-
 def by_point(tables, keep=None):
-    """The regime rows: a row per statistic (those in keep), a column per point."""
+    """The regime rows: a row per statistic (those in keep), in the registry's order as the regime
+    reads them, a column per point."""
     rows = [row for row in tables['regime'] if keep is None or row['statistic'] in keep]
     points = list(dict.fromkeys(row['point'] for row in rows))
     measured = {row['statistic'] for row in rows if row['n']}
@@ -310,10 +292,7 @@ def by_point(tables, keep=None):
     for row in (row for row in rows if row['statistic'] in measured):
         cell = f"{row['value']} {row['verdict']}" if row['verdict'] and row['n'] else row['value']
         pivot.setdefault(row['statistic'], {'statistic': row['statistic']})[row['point']] = cell
-    if not pivot:
-        return ''
-    ordered = [pivot[key] for key in (keep or pivot) if key in pivot]
-    return folders.markdown(ordered, ['statistic'] + points)
+    return folders.markdown(list(pivot.values()), ['statistic'] + points) if pivot else ''
 
 
 def regime_lines(tables, registry):
@@ -326,19 +305,15 @@ def regime_lines(tables, registry):
                            'slope': interval_text(row['slope'], row['lo'], row['hi']),
                            'Spearman': interval_text(row['rho'], row['rho_lo'], row['rho_hi'])})
     table = folders.markdown(trends) if trends else 'No numeric setting with two points on a line.'
-    return [by_point(tables), '### Trends', '', table]
+    return [by_point(tables), '### Trends', table]
 
 
-def token_lines(tables):
+def token_lines(tables, files):
     lines = []
     for source, rows in group(tables['token_series'], lambda row: row['source']).items():
         columns = [key for key in rows[0] if key != 'source']
-        lines += [f'### {source}', '', folders.markdown(rows, columns)]
-    if tables['token_layers']:
-        lines += ['(f2) within each layer of a pretrained series, '
-                  'across its heads at the last checkpoint:', '',
-                  folders.markdown(tables['token_layers'])]
-    return lines
+        lines += [f'### {source}', folders.markdown(rows, columns)]
+    return lines + table_lines(files, 'token_layers')
 
 
 def confounds(study):
@@ -350,15 +325,14 @@ def confounds(study):
         notes.append(f'weight decay {weight} {where}: it shrinks both spectra.' if on_qk and weight
                      else f'no weight decay {where}.')
     base = [run for run in study.runs if run.control == 'none']
-    from_zero = [run for run in base if len(run.iters) and run.iters[0] == 0]
-    starts = group(from_zero, lambda run: run.cfg['qk_init'])
-    if starts:
-        ratios = []
-        for init, runs in starts.items():
-            ratio = np.mean([run.m['pr_q'][0].mean() / run.C for run in runs])
-            ratios.append(f'{init}: PR_Q/C = {ratio:.2f}')
+    ratios = {}   # PR_Q / C at iteration 0, per init
+    for run in base:
+        if len(run.iters) and run.iters[0] == 0:
+            ratios.setdefault(run.cfg['qk_init'], []).append(run.m['pr_q'][0].mean() / run.C)
+    if ratios:
+        means = [f'{init}: PR_Q/C = {np.mean(values):.2f}' for init, values in ratios.items()]
         notes.append('a random (C, C) matrix starts near PR = C/2 (an orthogonal one at C), '
-                     f"so early training lowers every PR; at iteration 0 {'; '.join(ratios)}.")
+                     f"so early training lowers every PR; at iteration 0 {'; '.join(means)}.")
     notes.append('learning rate, warm-up and length set how fast both PRs move '
                  '(their values: Settings).')
     logged = [run for run in base if 'entropy_norm' in run.m]
@@ -369,4 +343,3 @@ def confounds(study):
                      f'near-uniform attention (layer-mean entropy_norm >= {NEAR_UNIFORM}): '
                      'entropy differs across heads there by round-off.')
     return notes
-
