@@ -133,7 +133,6 @@ def correlation(role, other, scope='heads', kind='spearman', changes=False):
     roles = (role, other, 'scale') if kind == 'partial' else (role, other)
     correlate = {'spearman': stats.spearman_rows, 'pearson': stats.pearson_rows,
                  'partial': stats.partial_rows}[kind]
-
     def statistic(run, view):
         levels = [values(run, each, view.lens, scope == 'heads') for each in roles]
         if any(level is None for level in levels):
@@ -356,8 +355,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description='REPORT.md, tables and figures from run folders')
     parser.add_argument('dirs', nargs='+',
                         help='folders searched for run folders (holding config.json)')
-    parser.add_argument('--out', default=None,
-                        help='where to write (default: <first dir>/analysis)')
+    parser.add_argument('--out', help='where to write (default: <first dir>/analysis)')
     parser.add_argument('--no_figures', action='store_true', help='tables only')
     parser.add_argument('--from_iter', type=int, default=None,
                         help="where 'from warm-up on' starts (default: warmup_iters)")

@@ -239,8 +239,7 @@ def beside(claim, study, pool, cell):
         names = [name.split(' (')[0] for name in study.references[claim.window]]
         counts = ', '.join(f'{name} {hits}/{count}'
                            for name, (hits, count) in zip(names, cell['per_ref']))
-        rises, falls = cell['per_part']
-        parts = f'PR_Q rises in {rises}, PR_K falls in {falls}'
+        parts = 'PR_Q rises in {}, PR_K falls in {}'.format(*cell['per_part'])
         shown_beside.append(f'from each reference: {counts}; {parts}')
     for stat_key, _, window in (entry.partition('@') for entry in claim.beside):
         stat = study.stats[stat_key]
@@ -499,9 +498,8 @@ def shares(signs):
                    'seeds': sum(count > 0 for count in counts)})
     if signs and len({run_signs.shape[1:] for run_signs in signs}) == 1 and signs[0].shape[2] > 1:
         every = np.concatenate(signs)   # trajectories x references x parts
-        result['per_ref'] = [(int((every[:, reference] == 1).all(1).sum()),
-                              int(np.isfinite(every[:, reference]).all(1).sum()))
-                             for reference in range(every.shape[1])]
+        ref_hits, ref_counts = (every == 1).all(2).sum(0), np.isfinite(every).all(2).sum(0)
+        result['per_ref'] = list(zip(ref_hits.tolist(), ref_counts.tolist()))
         result['per_part'] = [int((outcomes(every[..., part:part + 1]) == 1).sum())
                               for part in range(every.shape[2])]
     return result
