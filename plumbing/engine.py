@@ -10,7 +10,6 @@ import json
 import math
 import os
 from collections import Counter, namedtuple
-from dataclasses import dataclass
 from functools import reduce
 from itertools import product
 
@@ -33,7 +32,7 @@ SHARE = ('est', 'lo', 'hi', 'se_lo', 'se_hi', 'df')   # what stats.share returns
 ESTIMATE = ('n', 'est', 'lo', 'hi')                   # a result's columns in a table
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Stat:
     key: str
     stat: str                   # the statistic of one unit, in words
@@ -47,7 +46,7 @@ class Stat:
     limits: tuple = (-math.inf, math.inf)   # intervals are clipped to these (-1, 1: a correlation)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Claim(Stat):
     text: str                   # what the paper says
     sign: int = +1              # the predicted sign of (statistic - ref)
@@ -61,7 +60,7 @@ View = namedtuple('View', 'lens window from_iter', defaults=('whole', 'all', Non
 NO_LENS = 'no lens'   # the map's column of a statistic that reads no lens
 
 
-@dataclass
+@dataclasses.dataclass
 class Study:
     """The loaded runs and what is computed from them (the figures and the report read it)."""
     paths: list
