@@ -133,7 +133,6 @@ def correlation(role, other, scope='heads', kind='spearman', changes=False):
     roles = (role, other, 'scale') if kind == 'partial' else (role, other)
     correlate = {'spearman': stats.spearman_rows, 'pearson': stats.pearson_rows,
                  'partial': stats.partial_rows}[kind]
-
     def statistic(run, view):
         levels = [values(run, each, view.lens, scope == 'heads') for each in roles]
         if any(level is None for level in levels):
@@ -280,33 +279,19 @@ def described(key, stat, role, other, scope='heads', kind='spearman', changes=Fa
                 fn=correlation(role, other, scope, kind, changes), limits=CORRELATION, **views)
 
 
-def final_stats():
-    """The final PR gap and ratio in each weight lens (the ratio on the log scale)."""
-    out = []
-    for lens, suffix, tables in (('whole', '', ('regime', 'trend')),
-                                 ('head', '_head', ('regime', 'trend', 'optimizer')),
-                                 ('learned', '_learned', ('regime',))):
-        size, what = LENSES[lens].size, LENSES[lens].what
-        out.append(Stat(key=f'gap_end{suffix}', stat=f'final (PR_Q - PR_K) / {size} in the {what}',
-                        fn=final_pr('gap'), lenses=(lens,), tables=('regime',)))
-        out.append(Stat(key=f'ratio_end{suffix}', stat=f'final PR_Q / PR_K in the {what}',
-                        fn=final_pr('ratio'), lenses=(lens,), log=True, tables=tables))
-    return out
+def final_stats(lens, suffix, tables):
+    """The final PR gap and ratio in a weight lens (the ratio on the log scale)."""
+    size, what = LENSES[lens].size, LENSES[lens].what
+    return [Stat(key=f'gap_end{suffix}', stat=f'final (PR_Q - PR_K) / {size} in the {what}',
+                 fn=final_pr('gap'), lenses=(lens,), tables=('regime',)),
+            Stat(key=f'ratio_end{suffix}', stat=f'final PR_Q / PR_K in the {what}',
+                 fn=final_pr('ratio'), lenses=(lens,), log=True, tables=tables)]
 
 
-def control_stats():
-    """Final values of a seed pair, controlled - baseline."""
-    rows = (
-        ('entropy', 'final entropy', change('entropy')),
-        ('pr_head', 'final per-head PR of the controlled projection', change('pr_ctl_head')),
-        ('pr_head_rel', "the same relative to the baseline's", change('pr_ctl_head', 'relative')),
-        ('qk_spec_norm', 'final qk_spec_norm', change('qk_spec_norm')),
-        ('log_qk_spec_norm', 'final log qk_spec_norm', change('qk_spec_norm', 'log')),
-        ('k_spec_norm', 'final k_spec_norm (top singular value of W_K^h)', change('k_spec_norm')),
-        ('q_spec_norm', 'final q_spec_norm', change('q_spec_norm')),
-        ('val_loss', 'final val_loss', change('val_loss')))
-    return [Stat(key=f'd_{key}', stat=f'{stat}, {CONTROLLED}', fn=statistic, unit='pair',
-                 tables=('control',)) for key, stat, statistic in rows]
+def paired(key, stat, statistic):
+    """A final value of a seed pair, controlled - baseline."""
+    return Stat(key=f'd_{key}', stat=f'{stat}, {CONTROLLED}', fn=statistic, unit='pair',
+                tables=('control',))
 
 
 STATS = [
@@ -322,7 +307,9 @@ STATS = [
     Stat(key='gap_share', stat="the share of (b)'s grid records with PR_Q - PR_K > 0"
                                ' (of the iterations from the reference on), over layers',
          fn=gap_share, lenses=ALL4, window='post', tables=('regime',), limits=(0.0, 1.0)),
-    *final_stats(),
+    *final_stats('whole', '', ('regime', 'trend')),
+    *final_stats('head', '_head', ('regime', 'trend', 'optimizer')),
+    *final_stats('learned', '_learned', ('regime',)),
     Stat(key='entropy_end', stat='final attention entropy (nats)', fn=value('entropy'),
          tables=('regime', 'trend')),
     Stat(key='imbalance_end', stat='final qk_imbalance', fn=value('qk_imbalance'),
@@ -337,7 +324,14 @@ STATS = [
          fn=lambda run, view: run.final_loss('val_loss'), tables=('regime', 'optimizer')),
     Stat(key='train_val_gap', stat='final val_loss - train_loss', tables=('regime', 'trend'),
          fn=lambda run, view: run.final_loss('val_loss') - run.final_loss('train_loss')),
-    *control_stats(),
+    paired('entropy', 'final entropy', change('entropy')),
+    paired('pr_head', 'final per-head PR of the controlled projection', change('pr_ctl_head')),
+    paired('pr_head_rel', "the same relative to the baseline's", change('pr_ctl_head', 'relative')),
+    paired('qk_spec_norm', 'final qk_spec_norm', change('qk_spec_norm')),
+    paired('log_qk_spec_norm', 'final log qk_spec_norm', change('qk_spec_norm', 'log')),
+    paired('k_spec_norm', 'final k_spec_norm (top singular value of W_K^h)', change('k_spec_norm')),
+    paired('q_spec_norm', 'final q_spec_norm', change('q_spec_norm')),
+    paired('val_loss', 'final val_loss', change('val_loss')),
 ]
 ALL = {stat.key: stat for stat in CLAIMS + STATS}
 
@@ -361,8 +355,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description='REPORT.md, tables and figures from run folders')
     parser.add_argument('dirs', nargs='+',
                         help='folders searched for run folders (holding config.json)')
-    parser.add_argument('--out', default=None,
-                        help='where to write (default: <first dir>/analysis)')
+    parser.add_argument('--out', help='where to write (default: <first dir>/analysis)')
     parser.add_argument('--no_figures', action='store_true', help='tables only')
     parser.add_argument('--from_iter', type=int, default=None,
                         help="where 'from warm-up on' starts (default: warmup_iters)")

@@ -10,7 +10,6 @@ import json
 import math
 import os
 from collections import Counter, namedtuple
-from dataclasses import dataclass
 from functools import reduce
 from itertools import product
 
@@ -33,7 +32,7 @@ SHARE = ('est', 'lo', 'hi', 'se_lo', 'se_hi', 'df')   # what stats.share returns
 ESTIMATE = ('n', 'est', 'lo', 'hi')                   # a result's columns in a table
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Stat:
     key: str
     stat: str                   # the statistic of one unit, in words
@@ -47,7 +46,7 @@ class Stat:
     limits: tuple = (-math.inf, math.inf)   # intervals are clipped to these (-1, 1: a correlation)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Claim(Stat):
     text: str                   # what the paper says
     sign: int = +1              # the predicted sign of (statistic - ref)
@@ -61,7 +60,7 @@ View = namedtuple('View', 'lens window from_iter', defaults=('whole', 'all', Non
 NO_LENS = 'no lens'   # the map's column of a statistic that reads no lens
 
 
-@dataclass
+@dataclasses.dataclass
 class Study:
     """The loaded runs and what is computed from them (the figures and the report read it)."""
     paths: list
@@ -116,10 +115,9 @@ def load(paths, registries, out=None, from_iter=None, log=print):
     runs, rank = by_value([run for run in loaded if not run.pretrained])
     study = Study(list(paths), out or os.path.join(paths[0], 'analysis'), runs, skipped, warnings,
                   series, from_iter, **registries)
-    settings = by_setting(runs)
-    firsts = [members[0].settings for members in settings.values()]
-    names = labels(firsts, varying(firsts), [run.settings for run in uncontrolled(runs)])
-    study.label, study.arms = dict(zip(settings, names)), arms(runs, rank)
+    settings = {setting: members[0].settings for setting, members in by_setting(runs).items()}
+    study.label = labels(settings, [run.settings for run in uncontrolled(runs)])
+    study.arms = arms(runs, rank)
     controlled = [dict(run.arm) for run in runs if run.control != 'none']
     named = ('control', 'control_target', 'control_keep', *control.DOSES)   # in the label
     study.arm_keys = [name for name in varying(controlled) if name not in named]
@@ -168,9 +166,11 @@ def robustness_cells(study):
             for setting, arm, pairs, why in deciding(claim, study, keep):
                 result = judge(claim, pairs) if pairs else {'n': 0, 'verdict': 'not measured',
                                                             'why': why}
+                # twins: what a spec arm and its fro arm share (the arm without keep and dose)
+                twins = tuple(pair for pair in undosed(arm) if pair[0] != 'control_keep')
                 cells.append({'key': claim.key, 'lens': '', 'window': '', 'decay': '',
                               'keep': keep, 'pairs': pairs, 'setting': study.label[setting],
-                              'twins': twins(arm), 'arm': study.arm_name(arm), **result})
+                              'twins': twins, 'arm': study.arm_name(arm), **result})
     return cells
 
 
@@ -238,8 +238,7 @@ def beside(claim, study, pool, cell):
         names = [name.split(' (')[0] for name in study.references[claim.window]]
         counts = ', '.join(f'{name} {hits}/{count}'
                            for name, (hits, count) in zip(names, cell['per_ref']))
-        rises, falls = cell['per_part']
-        parts = f'PR_Q rises in {rises}, PR_K falls in {falls}'
+        parts = 'PR_Q rises in {}, PR_K falls in {}'.format(*cell['per_part'])
         shown_beside.append(f'from each reference: {counts}; {parts}')
     for stat_key, _, window in (entry.partition('@') for entry in claim.beside):
         stat = study.stats[stat_key]
@@ -279,8 +278,7 @@ def models(study):
 
 
 def regime(study):
-    """(a row per statistic and point (uncontrolled setting), all layers; their trends); none below
-    2 points."""
+    """(a row per statistic and point, an uncontrolled setting; trends); none below 2 points."""
     points = by_setting(uncontrolled(study.runs))
     if len(points) < 2:
         return [], []
@@ -324,17 +322,16 @@ def trends(study, points, found):
                          if other != axis)
         for fixed, line in group(points, others).items():
             named = ', '.join(f'{other}={value}' for other, value in fixed)
-            axis_values = {setting: settings[setting][axis]
-                  for setting in sorted(line, key=lambda setting: settings[setting][axis])}
+            line.sort(key=lambda setting: settings[setting][axis])
+            axis_values = {setting: settings[setting][axis] for setting in line}
             head = {'axis': axis, 'line': named or 'all points'}
             rows += line_trends(study, found, head, axis_values)
     return rows
 
 
 def line_trends(study, found, head, axis_values):
-    """Each statistic's stats.trend over a line's points (axis_values: setting -> its value on the
-    axis; x is its log2 where every value is positive), the trend's reading and the point verdicts.
-    """
+    """Each statistic's stats.trend over a line (axis_values: setting -> its value; x is its log2
+    where every value is positive), the trend's reading and the point verdicts."""
     log2, rows = all(value > 0 for value in axis_values.values()), []
     for stat_key in dict.fromkeys(stat_key for _, stat_key in found):
         measured = [setting for setting in axis_values if found[(setting, stat_key)]['values']]
@@ -370,7 +367,8 @@ def reading(fit, means):
 
 
 def control_dose(study):
-    """Each paired statistic over an arm's seed pairs, with (d) or (e)'s verdict."""
+    """Each paired statistic over an arm's seed pairs, with (d) or (e)'s verdict (on W_K alone: the
+    mirror and a kind with no claim, a fork's new one, get none)."""
     rows, paired = [], [stat for stat in study.stats.values() if 'control' in stat.tables]
     for (setting, arm), pairs in study.arms.items():
         kind, target = dict(arm)['control'], dict(arm)['control_target']
@@ -381,19 +379,14 @@ def control_dose(study):
                'baseline PR/head': baseline_pr}
         row.update({stat.key[2:]: shown(stat, found[stat.key]) for stat in paired})
         row['well below'] = bool(found['d_pr_head_rel']['hi'] < WELL_BELOW)
-        rows.append({**row, **predicted(claim, pairs, target)})
+        row.update({'predicted sign': '-', 'verdict': 'no claim on this kind: no verdict'})
+        if claim is not None:
+            effect = judge(claim, pairs)
+            agree = sum(value * claim.sign > 0 for value in effect['values'])
+            row['predicted sign'] = f"{agree}/{effect['n']}"
+            row['verdict'] = verdict_text(effect) if target == 'k' else 'mirror: no verdict'
+        rows.append(row)
     return rows
-
-
-def predicted(claim, pairs, target):
-    """The predicted sign's count and the verdict of a kind's claim on an arm's pairs; a kind with
-    no claim (a fork's new one) and the mirror get no verdict."""
-    if claim is None:
-        return {'predicted sign': '-', 'verdict': 'no claim on this kind: no verdict'}
-    effect = judge(claim, pairs)
-    agree = sum(value * claim.sign > 0 for value in effect['values'])
-    return {'predicted sign': f"{agree}/{effect['n']}",
-            'verdict': verdict_text(effect) if target == 'k' else 'mirror: no verdict'}
 
 
 def dose_fits(study):
@@ -404,10 +397,9 @@ def dose_fits(study):
         if len(members) < 2:
             continue
         pairs = [pair for member in members for pair in study.arms[member]]
-        def over_pairs(stat_key):
-            return [study.stats[stat_key].fn(pair, View()) for pair in pairs]
-        entropy, seeds = over_pairs('d_entropy'), [controlled.seed for controlled, _ in pairs]
-        pr_k, scale = over_pairs('d_pr_head'), over_pairs('d_log_qk_spec_norm')
+        entropy, pr_k, scale = ([study.stats[stat_key].fn(pair, View()) for pair in pairs]
+                                for stat_key in ('d_entropy', 'd_pr_head', 'd_log_qk_spec_norm'))
+        seeds = [controlled.seed for controlled, _ in pairs]
         alone = stats.fit_groups(entropy, pr_k, seeds)
         both = stats.fit_groups(entropy, np.column_stack([pr_k, scale]), seeds)
         doses = ' '.join(f"{dict(arm)['shrink_to']:g}" for _, arm in members)
@@ -450,8 +442,7 @@ def token_rows(study):
             steps = run.iters[checkpoints(run)]
             row = {'source': source, 'model': run.name,
                    'setting': study.label.get(run.setting, run.name), 'seed': run.seed,
-                   'checkpoints': len(steps),
-                   'first_step': int(steps[0]) if len(steps) else None,
+                   'checkpoints': len(steps), 'first_step': int(steps[0]) if len(steps) else None,
                    'last_step': int(steps[-1]) if len(steps) else None}
             rows.append({**row, **{claim.key: claim.fn(run, View()) for claim in model_claims}})
     return rows
@@ -506,9 +497,8 @@ def shares(signs):
                    'seeds': sum(count > 0 for count in counts)})
     if signs and len({run_signs.shape[1:] for run_signs in signs}) == 1 and signs[0].shape[2] > 1:
         every = np.concatenate(signs)   # trajectories x references x parts
-        result['per_ref'] = [(int((every[:, reference] == 1).all(1).sum()),
-                              int(np.isfinite(every[:, reference]).all(1).sum()))
-                             for reference in range(every.shape[1])]
+        ref_hits, ref_counts = (every == 1).all(2).sum(0), np.isfinite(every).all(2).sum(0)
+        result['per_ref'] = list(zip(ref_hits.tolist(), ref_counts.tolist()))
         result['per_part'] = [int((outcomes(every[..., part:part + 1]) == 1).sum())
                               for part in range(every.shape[2])]
     return result
@@ -640,11 +630,6 @@ def undosed(arm):
     return tuple(pair for pair in arm if pair[0] not in control.DOSES)
 
 
-def twins(arm):
-    """What a spec arm and its fro arm share: the arm without its keep and its dose."""
-    return tuple(pair for pair in undosed(arm) if pair[0] != 'control_keep')
-
-
 def families(arms, kind=None):
     """{(setting, arm without its dose): [arm keys]} of arms, of one control kind or all."""
     of_kind = [member for member in arms if kind in (None, dict(member[1])['control'])]
@@ -658,18 +643,18 @@ def varying(mappings):
             if len({json.dumps(mapping.get(name)) for mapping in mappings}) > 1]
 
 
-def labels(mappings, names, reference=None):
-    """Per mapping, its values of names unlike the most common in reference (or mappings), or
-    'base'."""
-    common = {}
+def labels(settings, reference):
+    """{setting: its differing values unlike the most common in reference (or all), or 'base'}."""
+    mappings = list(settings.values())
+    names, common = varying(mappings), {}
     for name in names:
         counts = Counter(json.dumps(mapping.get(name)) for mapping in reference or mappings)
-        (top, count), *rest = counts.most_common(2) + [('', 0)]
-        common[name] = top if count > rest[0][1] else None
+        ranked = counts.most_common(2) + [('', 0)]   # a tie has no most common value
+        common[name] = ranked[0][0] if ranked[0][1] > ranked[1][1] else None
     def unlike(mapping):
         return [f'{name}={mapping.get(name)}' for name in names
                 if json.dumps(mapping.get(name)) != common[name]]
-    return [', '.join(unlike(mapping)) or 'base' for mapping in mappings]
+    return {setting: ', '.join(unlike(mapping)) or 'base' for setting, mapping in settings.items()}
 
 
 def signed(value):
