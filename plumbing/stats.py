@@ -61,8 +61,9 @@ def t_quantile(probability, df):
     return (low + high) / 2
 
 
-# critical(df): the half-width of a LEVEL interval in standard errors, t(df)'s (1 + LEVEL) / 2
-critical = functools.partial(t_quantile, 0.5 + LEVEL / 2)
+def critical(df):
+    """The half-width of a LEVEL interval in standard errors: t(df)'s (1 + LEVEL) / 2 quantile."""
+    return t_quantile(0.5 + LEVEL / 2, df)
 
 
 def f_sf(f, d1, d2):
