@@ -160,7 +160,8 @@ def check_config(config):
         wrong.append(('control', f"not one of {', '.join(control.KINDS)}"))
     if config['n_head'] >= 1 and config['n_embd'] % config['n_head']:
         wrong.append(('n_embd', f"not a multiple of n_head={config['n_head']}"))
-    for name, why in wrong[:1]:
+    if wrong:   # the first is named
+        name, why = wrong[0]
         raise Skip(f'config.json has {name}={config[name]!r}, {why}')
 
 
