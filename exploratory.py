@@ -407,7 +407,7 @@ def text_claim(study, key, settings):
     if claim is None:
         return None
     plain = none_runs(study, settings)
-    units, view = plain, engine.view_of(engine.own_lens(claim), claim.window, study.from_iter)
+    units, view = plain, engine.own_view(claim, study)
     if claim.unit == 'pair':
         found = [pairs for setting, arm, pairs, dose in engine.deciding(claim, study, 'spec')
                  if setting in settings and pairs]
